@@ -1,0 +1,75 @@
+"""`agora-node`: parse flags, build settings, run the role or the demo. Bad input ends with one
+line naming the fix and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from protocol.errors import ConfigError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's default prints usage; we print one actionable line
+        raise ConfigError(f"{message} (see agora-node --help)")
+
+
+def node_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="agora-node", description="Join a permissionless LLM pre-training run.",
+                epilog="Run 'agora-node demo --help' for the local demo swarm. Every flag can also be set as an "
+                       "AGORA_<FLAG> environment variable or in the config file's 'node:' section.")
+    p.add_argument("--role", choices=["worker", "trainer"], help="what this node does")
+    p.add_argument("--config", help="run config: tiny, 1b, 8b or a YAML path")
+    p.add_argument("--stage", type=int, help="pipeline stage served by a worker")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of nodes already in the run")
+    p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="listen addresses (default 127.0.0.1 only)")
+    p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses to advertise to peers")
+    p.add_argument("--identity", metavar="PATH", help="libp2p key file; created if missing; keeps the peer id")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="compute device of a worker")
+    p.add_argument("--max-batch", type=int, help="largest coalesced batch of a worker")
+    p.add_argument("--dry-run", action="store_true", default=None, help="print the memory plan and exit")
+    p.add_argument("--lanes", type=int, help="samples a trainer keeps in flight")
+    p.add_argument("--data", help="'synthetic' or a path to .txt/.jsonl files")
+    p.add_argument("--tokenizer", metavar="PATH", help="tokenizers JSON file (default: bytes)")
+    p.add_argument("--max-samples", type=int, help="trainer stops after this many samples")
+    p.add_argument("--shard-index", type=int, help="this trainer's data shard")
+    p.add_argument("--num-shards", type=int, help="number of trainers sharing the data")
+    p.add_argument("--bootstrap-timeout-s", type=float, help="seconds to try reaching the initial peers")
+    p.add_argument("--torch-threads", type=int, help="torch intra-op threads")
+    p.add_argument("--discovery-period-s", type=float, help="trainer: seconds between worker discovery refreshes")
+    p.add_argument("--announce-period-s", type=float, help="seconds between DHT re-announcements")
+    p.add_argument("--request-timeout-s", type=float, help="trainer: deadline of one request to a worker")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "demo":
+            from node.demo import demo_main
+
+            return demo_main(argv[1:])
+        return _run(argv)
+    except ConfigError as exc:
+        print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(argv: list[str]) -> int:
+    from node.daemon import configure_logging, run_node
+    from node.settings import build_settings
+
+    args = vars(node_parser().parse_args(argv))
+    settings = build_settings(args)
+    configure_logging(settings.log_level)
+    return run_node(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Typed access to the run's DHT records (DESIGN §4) on top of a hivemind DHT.
+
+Roles store and read pydantic records through this class and never touch raw DHT values:
+values are dumped from the record model on the way in and validated again on the way out, so
+a record that got past another node's validator but not ours is dropped, not trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional, TypeVar
+
+import hivemind
+from hivemind.utils import get_dht_time
+from pydantic import ValidationError
+
+from protocol.dht_schema import RecordModel, Tombstone
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R", bound=RecordModel)
+
+
+class SwarmDHT:
+    """Stores this node's own subkeys and reads everyone's, with timeouts on every call."""
+
+    def __init__(self, dht: hivemind.DHT, peer_id: str, *, timeout_s: float = 10.0):
+        self.dht = dht
+        self.peer_id = peer_id
+        self.timeout_s = timeout_s
+
+    async def store(self, key: str, record: RecordModel, ttl_s: float) -> bool:
+        """Announce `record` under our own subkey of `key` for `ttl_s` seconds."""
+        value = record.model_dump(mode="json")
+        future = self.dht.store(
+            key, value, expiration_time=get_dht_time() + ttl_s, subkey=self.peer_id, return_future=True
+        )
+        try:
+            return bool(await asyncio.wait_for(future, self.timeout_s))
+        except asyncio.TimeoutError:
+            future.cancel()
+            logger.warning("DHT store of %s timed out after %.1fs", key, self.timeout_s)
+            return False
+
+    async def withdraw(self, key: str, ttl_s: float = 60.0) -> bool:
+        """Overwrite our subkey with a tombstone: hivemind has no delete (DESIGN §3)."""
+        return await self.store(key, Tombstone(), ttl_s)
+
+    async def get(self, key: str, model: type[R], *, latest: bool = True) -> dict[str, R]:
+        """Every live, valid, non-tombstoned record under `key`, by peer id."""
+        future = self.dht.get(key, latest=latest, return_future=True)
+        try:
+            found = await asyncio.wait_for(future, self.timeout_s)
+        except asyncio.TimeoutError:
+            future.cancel()
+            logger.warning("DHT get of %s timed out after %.1fs", key, self.timeout_s)
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        now = get_dht_time()
+        records: dict[str, R] = {}
+        for subkey, item in found.value.items():
+            if not isinstance(subkey, str) or item.expiration_time < now:
+                continue
+            value = item.value
+            if isinstance(value, dict) and value.get("tombstone") is True:
+                continue
+            try:
+                records[subkey] = model.model_validate(value)
+            except ValidationError:
+                logger.debug("dropping invalid record under %s/%s", key, subkey)
+        return records
+
+    async def get_one(self, key: str, model: type[R], peer_id: Optional[str] = None) -> Optional[R]:
+        return (await self.get(key, model)).get(peer_id or self.peer_id)

@@ -1,0 +1,99 @@
+"""The DHT key schema (DESIGN §4) and the records stored under each key.
+
+Every key is prefixed by the run id; records are dictionaries with one subkey per peer (its
+base58 peer id) and a short expiry, re-announced by live nodes and left to lapse by dead ones.
+hivemind has no delete, so a node that leaves overwrites its subkey with a tombstone record.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_RECORD_TTL_S = 600.0
+"""Readers reject records that claim to live longer than this: a forged far-future expiry would
+otherwise pin a dead worker in everyone's view."""
+
+
+class Phase(str, enum.Enum):
+    """Where a worker stands in joining its stage [report 3.3.1.1]."""
+
+    WEIGHT_SYNC = "weight_sync"
+    OPTIMIZER_SYNC = "optimizer_sync"
+    ACTIVE = "active"
+    LEAVING = "leaving"
+
+
+class RecordModel(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+
+class WorkerRecord(RecordModel):
+    """A worker's announcement under `{run}/stage/{s}/workers`."""
+
+    version: int = 1
+    stage: int = Field(ge=0)
+    phase: Phase = Field(default=Phase.ACTIVE, strict=False)
+    max_batch: int = Field(ge=1, le=65536)
+    throughput: float = Field(ge=0.0, description="samples/s the worker measured on its own batches")
+    maddrs: list[str] = Field(default_factory=list, max_length=16)
+    client_version: str = Field(default="", max_length=64)
+    credential_id: Optional[str] = Field(default=None, max_length=128)
+
+
+class ProgressRecord(RecordModel):
+    """A worker's optimizer progress under `{run}/stage/{s}/progress`: the stage steps together
+    once the samples the workers accumulated at the current step reach `target_batch_size`."""
+
+    version: int = 1
+    local_step: int = Field(ge=0)
+    samples_accumulated: int = Field(ge=0)
+    counts_towards_target: bool = True
+    time: float
+
+
+class TrainerRecord(RecordModel):
+    """A trainer's progress under `{run}/trainers`."""
+
+    version: int = 1
+    samples_completed: int = Field(ge=0)
+    samples_dropped: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    last_loss: Optional[float] = None
+    first_loss: Optional[float] = None
+    recent_loss: Optional[float] = None
+    time: float
+
+
+class Tombstone(RecordModel):
+    """Written over a subkey when its owner leaves, so readers drop it before it expires."""
+
+    version: int = 1
+    tombstone: bool = True
+
+
+def workers_key(run_id: str, stage: int) -> str:
+    return f"{run_id}/stage/{stage}/workers"
+
+
+def progress_key(run_id: str, stage: int) -> str:
+    return f"{run_id}/stage/{stage}/progress"
+
+
+def trainers_key(run_id: str) -> str:
+    return f"{run_id}/trainers"
+
+
+def control_key(run_id: str) -> str:
+    return f"{run_id}/control"
+
+
+def schema_for_run(run_id: str, num_stages: int) -> dict[str, type[RecordModel]]:
+    """Every key this run uses, mapped to the record model its values must satisfy."""
+    schema: dict[str, type[RecordModel]] = {trainers_key(run_id): TrainerRecord}
+    for stage in range(num_stages):
+        schema[workers_key(run_id, stage)] = WorkerRecord
+        schema[progress_key(run_id, stage)] = ProgressRecord
+    return schema

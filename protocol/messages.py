@@ -1,0 +1,129 @@
+"""Versioned wire records. Every request and reply body on an `agora/v1/*` stream is one of these.
+
+Records are frozen pydantic models with strict types. Decoders ignore unknown fields so an older
+node keeps working when a newer one adds a field; fields are never renamed or reused.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Annotated, Any, Optional
+
+import torch
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError
+
+from protocol.codec import decode_tensor, encode_tensor
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.version import PROTOCOL_VERSION, SUPPORTED_PROTOCOL_VERSIONS
+
+
+def _to_tensor(value: Any) -> Any:
+    return value if isinstance(value, torch.Tensor) else decode_tensor(value)
+
+
+WireTensor = Annotated[torch.Tensor, BeforeValidator(_to_tensor), PlainSerializer(encode_tensor)]
+"""A tensor field: decoded from ``{dtype, shape, data}`` on input, encoded back on output."""
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True, arbitrary_types_allowed=True)
+
+
+class ErrorBody(WireModel):
+    code: int
+    message: str = Field(max_length=2048)
+
+
+class Envelope(WireModel):
+    """Outer frame of every request: version, freshness data and the body."""
+
+    version: int
+    nonce: bytes = Field(min_length=8, max_length=64)
+    timestamp: float
+    body: dict
+
+
+class ReplyEnvelope(WireModel):
+    """Outer frame of every reply: either a body or a typed error."""
+
+    version: int
+    ok: bool
+    body: Optional[dict] = None
+    error: Optional[ErrorBody] = None
+
+
+SampleId = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class ForwardRequest(WireModel):
+    """Run one stage's forward on one sample. The head gets tokens only; later stages also get
+    the previous boundary's subspace coordinates [report 4.1]."""
+
+    stage: int = Field(ge=0)
+    sample_id: SampleId
+    tokens: WireTensor
+    coords: Optional[WireTensor] = None
+
+
+class ForwardReply(WireModel):
+    coords: WireTensor
+
+
+class BackwardRequest(WireModel):
+    """Recompute the stage forward from `coords`/`tokens` and backpropagate `grad_output`.
+    The tail has no output gradient: its request fuses the loss forward and backward."""
+
+    stage: int = Field(ge=0)
+    sample_id: SampleId
+    tokens: WireTensor
+    coords: Optional[WireTensor] = None
+    grad_output: Optional[WireTensor] = None
+
+
+class BackwardReply(WireModel):
+    grad_input: Optional[WireTensor] = None
+    loss: Optional[float] = None
+
+
+class InfoRequest(WireModel):
+    pass
+
+
+class InfoReply(WireModel):
+    peer_id: str
+    role: str
+    stage: Optional[int] = None
+    phase: str = "active"
+    max_batch: int = 1
+    local_step: int = 0
+    queued: dict[str, int] = Field(default_factory=dict)
+    counters: dict[str, int] = Field(default_factory=dict)
+    version: str = ""
+
+
+def make_envelope(body: dict) -> dict:
+    return {"version": PROTOCOL_VERSION, "nonce": os.urandom(16), "timestamp": time.time(), "body": body}
+
+
+def parse_envelope(raw: Any) -> Envelope:
+    """Validate the outer request frame of untrusted input."""
+    if not isinstance(raw, dict):
+        raise ProtocolError("envelope must be a map", ErrorCode.MALFORMED_FRAME)
+    version = raw.get("version")
+    if isinstance(version, int) and version not in SUPPORTED_PROTOCOL_VERSIONS:
+        raise ProtocolError(f"protocol version {version} is not supported", ErrorCode.UNSUPPORTED_VERSION)
+    return parse_model(Envelope, raw, ErrorCode.MALFORMED_FRAME)
+
+
+def parse_model(model: type[WireModel], raw: Any, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> Any:
+    """Validate an untrusted body; tensor problems keep their own code."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        cause = first.get("ctx", {}).get("error")
+        if isinstance(cause, ProtocolError):
+            raise ProtocolError(f"{'.'.join(map(str, first['loc']))}: {cause}", cause.code) from exc
+        where = ".".join(map(str, first["loc"])) or model.__name__
+        raise ProtocolError(f"{model.__name__}.{where}: {first['msg']}", code) from exc

@@ -1,0 +1,186 @@
+"""Request/reply RPC over long-lived libp2p binary streams (hivemind's P2P wrapped behind our API).
+
+A server handler receives the verified remote peer id and a decoded body and returns a reply
+body. Each stream carries one request at a time; a client keeps a pool of idle streams per
+(peer, handler), so concurrent callers (a trainer's lanes) use parallel streams and a stream is
+reused for the next request instead of paying a new libp2p stream per sample.
+
+Hostile input never escapes a handler: it is answered with a typed error reply, counted by
+code, and the stream keeps serving unless its framing is broken beyond repair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Awaitable, Callable, Optional
+
+from hivemind.p2p import P2P, PeerID
+
+from protocol.codec import pack, unpack
+from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
+from protocol.framing import DEFAULT_MAX_FRAME_BYTES, FrameTooLarge, read_frame, write_frame
+from protocol.messages import ErrorBody, ReplyEnvelope, make_envelope, parse_envelope, parse_model
+from protocol.version import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[PeerID, dict], Awaitable[dict]]
+
+
+def _error_reply(code: ErrorCode, message: str) -> bytes:
+    return pack({"version": PROTOCOL_VERSION, "ok": False, "error": {"code": int(code), "message": message[:2048]}})
+
+
+class RpcServer:
+    """Serves `agora/v1/*` handlers on a P2P instance and counts every rejected request by code."""
+
+    def __init__(self, p2p: P2P, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+        self.p2p = p2p
+        self.max_frame_bytes = max_frame_bytes
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.served: collections.Counter[str] = collections.Counter()
+        self._names: list[str] = []
+        self._streams: set[asyncio.StreamWriter] = set()
+
+    async def add_handler(self, name: str, handler: Handler) -> None:
+        async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._serve_stream(name, handler, info.peer_id, reader, writer)
+
+        await self.p2p.add_binary_stream_handler(name, on_stream)
+        self._names.append(name)
+
+    async def _serve_stream(self, name, handler, peer_id, reader, writer) -> None:
+        self._streams.add(writer)
+        try:
+            while True:
+                try:
+                    frame = await read_frame(reader, self.max_frame_bytes)
+                except FrameTooLarge as exc:
+                    self._count_rejection(exc.code)
+                    await write_frame(writer, _error_reply(exc.code, str(exc)))
+                    return  # the rest of the stream cannot be parsed
+                reply = await self._handle_frame(name, handler, peer_id, frame)
+                await write_frame(writer, reply)
+        except PeerUnavailable:
+            pass
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here must not take the node down; the stream is dropped
+            logger.exception("stream handler %s crashed", name)
+        finally:
+            self._streams.discard(writer)
+            writer.close()
+
+    async def _handle_frame(self, name: str, handler: Handler, peer_id: PeerID, frame: bytes) -> bytes:
+        try:
+            envelope = parse_envelope(unpack(frame))
+            body = await handler(peer_id, envelope.body)
+        except ProtocolError as exc:
+            self._count_rejection(exc.code)
+            return _error_reply(exc.code, str(exc))
+        except AgoraError as exc:
+            code = getattr(exc, "code", ErrorCode.NOT_READY)
+            self._count_rejection(code)
+            return _error_reply(code, str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("handler %s failed", name)
+            self._count_rejection(ErrorCode.INTERNAL)
+            return _error_reply(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        self.served[name] += 1
+        return pack({"version": PROTOCOL_VERSION, "ok": True, "body": body})
+
+    def _count_rejection(self, code: ErrorCode) -> None:
+        self.rejected[ErrorCode(code).name.lower()] += 1
+
+    async def shutdown(self) -> None:
+        for name in self._names:
+            try:
+                await self.p2p.remove_binary_stream_handler(name)
+            except Exception:  # noqa: BLE001 - the daemon may already be gone
+                pass
+        for writer in list(self._streams):
+            writer.close()
+
+
+class RpcClient:
+    """Calls `agora/v1/*` handlers on remote peers over pooled long-lived streams."""
+
+    def __init__(self, p2p: P2P, *, timeout_s: float = 30.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 max_idle_per_peer: int = 16):
+        self.p2p = p2p
+        self.timeout_s = timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self.max_idle_per_peer = max_idle_per_peer
+        self._idle: dict[tuple[PeerID, str], list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = (
+            collections.defaultdict(list)
+        )
+
+    async def call(self, peer_id: PeerID, handler: str, body: dict, *, timeout_s: Optional[float] = None) -> dict:
+        """Send one request and return the reply body. Raises RemoteError (typed), PeerTimeout or PeerUnavailable."""
+        payload = pack(make_envelope(body))
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        key = (peer_id, handler)
+        stream = None
+        try:
+            stream = await asyncio.wait_for(self._acquire(key), timeout)
+            reader, writer = stream
+            await write_frame(writer, payload)
+            frame = await asyncio.wait_for(read_frame(reader, self.max_frame_bytes), timeout)
+        except asyncio.TimeoutError as exc:
+            self._discard(stream)
+            raise PeerTimeout(f"{handler} on {peer_id} did not answer within {timeout:.1f}s") from exc
+        except (PeerUnavailable, ProtocolError):
+            self._discard(stream)
+            raise
+        except asyncio.CancelledError:
+            self._discard(stream)
+            raise
+        except Exception as exc:
+            self._discard(stream)
+            raise PeerUnavailable(f"cannot reach {peer_id} for {handler}: {exc}") from exc
+        self._release(key, stream)
+        reply = parse_model(ReplyEnvelope, unpack(frame), ErrorCode.MALFORMED_FRAME)
+        if not reply.ok:
+            error = reply.error or ErrorBody(code=int(ErrorCode.INTERNAL), message="error reply without details")
+            try:
+                code = ErrorCode(error.code)
+            except ValueError:
+                code = ErrorCode.INTERNAL
+            raise RemoteError(f"{peer_id} rejected {handler}: {code.name.lower()}: {error.message}", code)
+        return reply.body or {}
+
+    async def _acquire(self, key):
+        idle = self._idle.get(key)
+        while idle:
+            reader, writer = idle.pop()
+            if not writer.is_closing() and not reader.at_eof():
+                return reader, writer
+        _, reader, writer = await self.p2p.call_binary_stream_handler(key[0], key[1])
+        return reader, writer
+
+    def _release(self, key, stream) -> None:
+        idle = self._idle[key]
+        if len(idle) < self.max_idle_per_peer:
+            idle.append(stream)
+        else:
+            stream[1].close()
+
+    def _discard(self, stream) -> None:
+        if stream is not None:
+            stream[1].close()
+
+    def forget_peer(self, peer_id: PeerID) -> None:
+        """Close pooled streams to a peer that left, so nothing holds its connection open."""
+        for key in [k for k in self._idle if k[0] == peer_id]:
+            for _, writer in self._idle.pop(key):
+                writer.close()
+
+    async def close(self) -> None:
+        for streams in self._idle.values():
+            for _, writer in streams:
+                writer.close()
+        self._idle.clear()

@@ -1,0 +1,24 @@
+"""Protocol and client versions, and the handler names every role registers or calls."""
+
+from __future__ import annotations
+
+PROTOCOL_VERSION = 1
+"""Bumped only for changes an older node cannot ignore; new optional fields do not bump it."""
+
+SUPPORTED_PROTOCOL_VERSIONS = frozenset({1})
+
+HANDLER_PREFIX = "agora/v1/"
+FORWARD = HANDLER_PREFIX + "forward"
+BACKWARD = HANDLER_PREFIX + "backward"
+INFO = HANDLER_PREFIX + "info"
+STATE = HANDLER_PREFIX + "state"
+
+
+def client_version() -> str:
+    """The installed agora-node version, or 0.0.0 when running from an uninstalled tree."""
+    try:
+        from importlib.metadata import version
+
+        return version("agora-node")
+    except Exception:  # noqa: BLE001 - metadata missing is not an error worth surfacing
+        return "0.0.0"

@@ -1,0 +1,50 @@
+"""The stage model: run configuration, the subspace-reparameterized decoder cut into stages, and
+the memory plan a worker sizes itself with [4.1].
+
+Config and memory planning import without torch, so the authorizer and CLI stay light; the torch
+parts (`StageModel`, `FullModel`, the subspace helpers) load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from roles.model.config import (
+    ModelConfig,
+    OptimizerConfig,
+    RunConfig,
+    StageRange,
+    dump_run_config,
+    load_run_config,
+)
+from roles.model.memory_plan import MemoryPlan, plan_memory
+from roles.model.presets import PRESETS
+
+_LAZY = {
+    "StageModel": "roles.model.stage",
+    "FullModel": "roles.model.stage",
+    "subspace_basis": "roles.model.subspace",
+    "fixed_token_embedding": "roles.model.subspace",
+    "compress": "roles.model.subspace",
+    "reconstruct": "roles.model.subspace",
+}
+
+__all__ = [
+    "ModelConfig",
+    "OptimizerConfig",
+    "RunConfig",
+    "StageRange",
+    "dump_run_config",
+    "load_run_config",
+    "MemoryPlan",
+    "plan_memory",
+    "PRESETS",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,307 @@
+"""The run's model, optimizer and stage layout, and how they are loaded from presets or YAML.
+
+Every node of a run must agree on these values bit for bit (the subspace basis, the stage cut and
+the optimizer schedule are all derived from them), so the models are frozen, reject unknown keys
+and validate themselves; a bad file surfaces as one `ConfigError` line naming the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from protocol.errors import ConfigError
+
+StageKind = Literal["head", "body", "tail"]
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class ModelConfig(BaseModel):
+    """Shape of the Llama-style decoder that the stages of a run split between them [4.1]."""
+
+    model_config = _FROZEN
+
+    vocab_size: int = Field(gt=0, description="Token ids the embedding and LM head cover.")
+    d_model: int = Field(gt=0, description="Width of the residual stream.")
+    n_layers: int = Field(gt=0, description="Transformer blocks in the whole model.")
+    n_heads: int = Field(gt=0, description="Attention heads per block; must divide d_model.")
+    ffn_dim: int = Field(gt=0, description="Hidden width of the SwiGLU MLP.")
+    subspace_rank: int = Field(gt=0, description="k: values per token that cross a stage boundary.")
+    subspace_seed: int = Field(
+        ge=0, description="Seeds U_k and the fixed token embedding; shared by all stages."
+    )
+    max_seq_len: int = Field(gt=0, description="Longest sequence, in tokens, the model accepts.")
+    rope_theta: float = Field(default=10000.0, gt=0, description="Base of the rotary frequencies.")
+    norm_eps: float = Field(default=1e-5, gt=0, description="Epsilon inside every RMSNorm.")
+    tail_full_rank: bool = Field(
+        default=True,
+        description="Tail blocks use full-rank output projections (no boundary follows them).",
+    )
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelConfig:
+        if self.subspace_rank > self.d_model:
+            raise ValueError(
+                f"subspace_rank {self.subspace_rank} exceeds d_model {self.d_model}; "
+                f"lower subspace_rank"
+            )
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; "
+                f"pick n_heads that divides it"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"head size d_model/n_heads = {self.d_model // self.n_heads} is odd; rotary "
+                f"attention needs an even head size"
+            )
+        return self
+
+
+class OptimizerConfig(BaseModel):
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`, stepped per stage."""
+
+    model_config = _FROZEN
+
+    lr: float = Field(gt=0, description="Peak learning rate, reached at the end of warmup.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW beta1, beta2.")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW denominator epsilon.")
+    weight_decay: float = Field(default=0.1, ge=0, description="Decoupled AdamW weight decay.")
+    warmup_steps: int = Field(ge=0, description="Optimizer steps of linear warmup from 0 to lr.")
+    total_steps: int = Field(gt=0, description="Optimizer steps after which lr stays at its floor.")
+    min_lr_ratio: float = Field(
+        default=0.1, ge=0, le=1, description="Floor of the cosine decay, as a fraction of lr."
+    )
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> OptimizerConfig:
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas {list(self.betas)} must each lie in [0, 1)")
+        if self.warmup_steps > self.total_steps:
+            raise ValueError(
+                f"warmup_steps {self.warmup_steps} exceeds total_steps {self.total_steps}; "
+                f"shorten the warmup"
+            )
+        return self
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for optimizer step `step` (0-based): the schedule every replica follows."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        floor = self.min_lr_ratio * self.lr
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class StageRange(BaseModel):
+    """The blocks one pipeline stage holds: `[first_layer, last_layer)`."""
+
+    model_config = _FROZEN
+
+    first_layer: int = Field(ge=0, description="Index of the stage's first block.")
+    last_layer: int = Field(ge=0, description="One past the index of the stage's last block.")
+
+    @model_validator(mode="after")
+    def _check_nonempty(self) -> StageRange:
+        if self.last_layer <= self.first_layer:
+            raise ValueError(
+                f"stage [{self.first_layer}, {self.last_layer}) holds no blocks; "
+                f"last_layer must exceed first_layer"
+            )
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        """Blocks in this stage."""
+        return self.last_layer - self.first_layer
+
+
+class RunConfig(BaseModel):
+    """Everything the nodes of one training run must agree on."""
+
+    model_config = _FROZEN
+
+    run_id: str = Field(
+        description="Name of the run; prefixes every DHT key, so no slashes or spaces."
+    )
+    model: ModelConfig = Field(description="Shape of the decoder.")
+    stages: list[StageRange] = Field(description="Contiguous block ranges, head first, tail last.")
+    optimizer: OptimizerConfig = Field(description="Per-stage AdamW settings and schedule.")
+    target_batch_size: int = Field(
+        gt=0, description="Samples the stage processes together before each optimizer step."
+    )
+    seq_len: int = Field(gt=0, description="Tokens per sample (<= model.max_seq_len).")
+    seed: int = Field(default=0, ge=0, description="Seeds the initial weights of every stage.")
+    dtype: ComputeDtype = Field(default="float32", description="Compute dtype on the worker.")
+
+    @field_validator("run_id")
+    @classmethod
+    def _check_run_id(cls, value: str) -> str:
+        if not _RUN_ID.fullmatch(value):
+            raise ValueError(
+                f"run_id {value!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a "
+                f"letter or digit (it prefixes DHT keys)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> RunConfig:
+        if len(self.stages) < 2:
+            raise ValueError(
+                f"stages has {len(self.stages)} entry; a run needs at least a head and a tail stage"
+            )
+        expected = 0
+        for index, stage in enumerate(self.stages):
+            if stage.first_layer != expected:
+                problem = "a gap" if stage.first_layer > expected else "an overlap"
+                raise ValueError(
+                    f"stages must be contiguous; stage {index} starts at layer "
+                    f"{stage.first_layer} but the previous one ends at {expected} ({problem})"
+                )
+            expected = stage.last_layer
+        n_layers = self.model.n_layers
+        if expected != n_layers:
+            raise ValueError(
+                f"stages must cover layers 0..{n_layers} exactly; got 0..{expected}"
+            )
+        if self.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"seq_len {self.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}; "
+                f"lower seq_len or raise max_seq_len"
+            )
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages, head and tail included."""
+        return len(self.stages)
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.num_stages:
+            raise ConfigError(
+                f"stage {index} does not exist; run {self.run_id} has stages "
+                f"0..{self.num_stages - 1}"
+            )
+
+    def stage_kind(self, index: int) -> StageKind:
+        """Stage 0 embeds tokens (head), the last computes the loss (tail), the rest are bodies."""
+        self._check_index(index)
+        if index == 0:
+            return "head"
+        return "tail" if index == self.num_stages - 1 else "body"
+
+    def clip_threshold(self, index: int) -> float:
+        """Stage-wise gradient-norm clip: 1/sqrt(S) splits a unit global budget; the tail,
+        whose gradients run consistently larger, gets twice that [4.3]."""
+        base = 1.0 / math.sqrt(self.num_stages)
+        return 2.0 * base if self.stage_kind(index) == "tail" else base
+
+
+def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Merge nested dicts; any other value (lists included) replaces. Dotted keys
+    (`"model.d_model"`) address nested fields, as a command-line `--set` would."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(key, str) and "." in key:
+            head, rest = key.split(".", 1)
+            value, key = {rest: value}, head
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _describe_error(error: dict[str, Any]) -> str:
+    where = ".".join(str(part) for part in error.get("loc", ()))
+    kind = error.get("type", "")
+    if kind == "missing":
+        text = "is required; add it"
+    elif kind == "extra_forbidden":
+        text = "is not a known field; remove it or fix its spelling"
+    else:
+        text = str(error.get("msg", "is invalid")).removeprefix("Value error, ")
+        if kind != "value_error":
+            text = f"{text} (got {error.get('input')!r:.60})"
+    text = text.replace("\n", " ")
+    return f"{where}: {text}" if where else text
+
+
+def _read_source(source: str) -> dict[str, Any]:
+    from roles.model.presets import PRESETS
+
+    if source in PRESETS:
+        return copy.deepcopy(PRESETS[source])
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(
+            f"config {source}: no such file; pass a preset name "
+            f"({', '.join(PRESETS)}) or the path of a YAML file"
+        )
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "syntax error"
+        raise ConfigError(f"config {source}: invalid YAML{at}: {problem}; fix the syntax") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config {source}: cannot read the file ({exc}); check it") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config {source}: top level must be a mapping of fields, got {type(data).__name__}"
+        )
+    return data
+
+
+def load_run_config(source: str, overrides: dict | None = None) -> RunConfig:
+    """Build a `RunConfig` from a preset name or a YAML path, with `overrides` deep-merged on top.
+
+    Raises `ConfigError` with one line naming the source, the field and the fix.
+    """
+    data = _read_source(source)
+    if overrides:
+        data = _deep_merge(data, overrides)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+        raise ConfigError(f"config {source}: {_describe_error(errors[0])}{more}") from exc
+
+
+def dump_run_config(cfg: RunConfig, path: str | os.PathLike[str]) -> None:
+    """Write `cfg` as YAML that `load_run_config` reads back equal; atomic, so a reader never
+    sees half a file."""
+    target = Path(path)
+    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

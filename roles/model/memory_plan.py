@@ -1,0 +1,170 @@
+"""How much device and host memory one stage replica needs, worked out from shapes alone.
+
+A worker must decide its `max_batch` (the coalescing cap [3.3.1.3]) and whether it can serve a
+stage at all before it allocates anything; an 8B stage cannot be built just to measure it. So the
+plan counts parameters exactly as `StageModel` creates them and estimates the autograd activations
+of the recomputed forward that backward runs (stage-level checkpointing [3.3.1.4]: the no-grad
+forward keeps nothing, the backward pass holds every block's saved tensors at once). The AdamW
+master weights and moments live in host RAM, float32 [3.3.1].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from roles.model.config import RunConfig
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_WIDE = 4  # bytes of the float32 residual stream, U_k, boundary coordinates and loss logits
+_HEADROOM = 1.1  # allocator fragmentation, CUDA context slack, kernels' workspaces
+_GIB = float(1 << 30)
+
+
+def stage_parameter_count(run: RunConfig, stage_index: int) -> int:
+    """Trainable values in a stage, exactly as `StageModel` lays them out."""
+    model = run.model
+    d, f, k, vocab = model.d_model, model.ffn_dim, model.subspace_rank, model.vocab_size
+    kind = run.stage_kind(stage_index)
+    out_width = d if kind == "tail" and model.tail_full_rank else k
+    per_block = 2 * d + 3 * d * d + 2 * d * f + (d + f) * out_width
+    count = per_block * run.stages[stage_index].num_layers
+    if kind == "head":
+        count += vocab * k
+    if kind == "tail":
+        count += d + vocab * d
+    return count
+
+
+def _activation_bytes_per_sample(run: RunConfig, stage_index: int, flash: bool) -> int:
+    """Saved tensors of one sample's recomputed forward plus the largest backward transients."""
+    model = run.model
+    t, d, f, k = run.seq_len, model.d_model, model.ffn_dim, model.subspace_rank
+    heads, vocab, b = model.n_heads, model.vocab_size, _DTYPE_BYTES[run.dtype]
+    kind = run.stage_kind(stage_index)
+    norm = t * d * (_WIDE + _WIDE + b)  # widened input, normalized, cast output
+    attention = (
+        3 * t * d * b  # q, k, v
+        + 4 * t * d * b  # rotated q and k, and their rotate-half copies
+        + t * d * b + heads * t * _WIDE  # attention output and log-sum-exp
+        + (0 if flash else 2 * heads * t * t * b)  # scores and probabilities
+    )
+    subspace_out = t * k * (b + _WIDE) + t * d * _WIDE  # x @ Z, widened, expanded by U_k^T
+    mlp = 4 * t * f * b  # gate, up, silu(gate), product
+    residual = 2 * t * d * _WIDE
+    per_block = 2 * norm + attention + mlp + 2 * subspace_out + residual
+    saved = per_block * run.stages[stage_index].num_layers
+    saved += t * (k * _WIDE + d * _WIDE)  # boundary coordinates and the reconstructed stream
+    if kind == "head":
+        saved += t * k * b
+    if kind == "tail":
+        saved += norm + t * vocab * (b + 3 * _WIDE)  # logits, float32 copy, log-softmax, grad
+    transient = t * (2 * f * b + 3 * d * _WIDE) + (0 if flash else heads * t * t * b)
+    return saved + transient
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Memory one replica of a stage needs at a given coalescing cap, in bytes."""
+
+    stage_index: int
+    device: str
+    max_batch: int
+    param_bytes: int
+    grad_bytes: int
+    fixed_buffer_bytes: int  # U_k (the stage's and each block's copy) and the fixed embedding
+    optimizer_host_bytes: int  # AdamW master weights + 2 moments, float32, in host RAM [3.3.1]
+    activation_bytes_per_sample: int  # recomputed forward + backward for one sample at seq_len
+    device_bytes: int  # params + grads + buffers + activations*max_batch, plus 10% headroom
+    host_bytes: int  # optimizer state, host gradient copy, and the fixed table built at start
+    kind: str = ""
+    dtype: str = ""
+    num_params: int = 0
+
+    @property
+    def _static_device_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.fixed_buffer_bytes
+
+    def _device_total(self, batch: int) -> int:
+        return math.ceil(
+            (self._static_device_bytes + self.activation_bytes_per_sample * batch) * _HEADROOM
+        )
+
+    def fits(self, device_free_bytes: int | None, host_free_bytes: int) -> bool:
+        """Whether the plan fits; `device_free_bytes=None` means the device is the host itself,
+        so both totals must fit in host RAM together."""
+        if device_free_bytes is None:
+            return self.device_bytes + self.host_bytes <= host_free_bytes
+        return self.device_bytes <= device_free_bytes and self.host_bytes <= host_free_bytes
+
+    def max_batch_that_fits(self, device_free_bytes: int) -> int:
+        """Largest coalesced batch whose device total fits in `device_free_bytes`; 0 if not even
+        the weights fit. Not capped at `max_batch`."""
+        per_sample = max(1, self.activation_bytes_per_sample)
+        budget = device_free_bytes / _HEADROOM - self._static_device_bytes
+        batch = max(0, int(budget // per_sample))
+        while batch > 0 and self._device_total(batch) > device_free_bytes:
+            batch -= 1
+        while self._device_total(batch + 1) <= device_free_bytes:
+            batch += 1
+        return batch
+
+    def describe(self) -> str:
+        """A short table in GiB for logs and `agora-node` start-up output."""
+
+        def gib(value: int) -> str:
+            return f"{value / _GIB:9.3f} GiB"
+
+        head = f"stage {self.stage_index}"
+        if self.kind:
+            head += f" ({self.kind}, {self.num_params / 1e6:.1f}M params, {self.dtype})"
+        rows = [
+            f"{head} on {self.device}, max batch {self.max_batch}",
+            f"  parameters        {gib(self.param_bytes)}",
+            f"  gradients         {gib(self.grad_bytes)}",
+            f"  fixed buffers     {gib(self.fixed_buffer_bytes)}",
+            f"  activations/sample{gib(self.activation_bytes_per_sample)}",
+            f"  device total      {gib(self.device_bytes)}  (incl. 10% headroom)",
+            f"  host total        {gib(self.host_bytes)}",
+            f"    of which AdamW  {gib(self.optimizer_host_bytes)}",
+        ]
+        return "\n".join(rows)
+
+
+def plan_memory(run: RunConfig, stage_index: int, device: str, max_batch: int) -> MemoryPlan:
+    """Plan one replica of `run`'s stage `stage_index` on `device` ("cuda:0", "cpu", ...) at
+    coalescing cap `max_batch`. Attention scores count as materialized except on CUDA, where
+    scaled_dot_product_attention uses a fused kernel."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    model = run.model
+    kind = run.stage_kind(stage_index)
+    b = _DTYPE_BYTES[run.dtype]
+    num_params = stage_parameter_count(run, stage_index)
+    param_bytes = num_params * b
+    basis_copies = 1 + run.stages[stage_index].num_layers
+    fixed_buffer_bytes = (
+        model.vocab_size * model.d_model * b
+        + basis_copies * model.d_model * model.subspace_rank * _WIDE
+    )
+    activation = _activation_bytes_per_sample(run, stage_index, flash=device.startswith("cuda"))
+    optimizer_host_bytes = 3 * num_params * _WIDE
+    host_bytes = (
+        optimizer_host_bytes + num_params * _WIDE + model.vocab_size * model.d_model * _WIDE
+    )
+    plan = MemoryPlan(
+        stage_index=stage_index,
+        device=device,
+        max_batch=max_batch,
+        param_bytes=param_bytes,
+        grad_bytes=param_bytes,
+        fixed_buffer_bytes=fixed_buffer_bytes,
+        optimizer_host_bytes=optimizer_host_bytes,
+        activation_bytes_per_sample=activation,
+        device_bytes=0,
+        host_bytes=host_bytes,
+        kind=kind,
+        dtype=run.dtype,
+        num_params=num_params,
+    )
+    return replace(plan, device_bytes=plan._device_total(max_batch))

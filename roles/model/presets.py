@@ -1,0 +1,102 @@
+"""Named run configurations: a CPU-sized `tiny` for demos and tests, and the report's two scales.
+
+Each preset is a plain dict in `RunConfig`'s shape so that overrides can be deep-merged into it
+before validation; `load_run_config("tiny")` is the way to get a validated one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _stages(*sizes: int) -> list[dict[str, int]]:
+    """Contiguous stage ranges from per-stage block counts, head first."""
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append({"first_layer": start, "last_layer": start + size})
+        start += size
+    return ranges
+
+
+# Byte-level model that trains in a 3-process pipeline on 2 CPU cores: one block per stage.
+TINY: dict[str, Any] = {
+    "run_id": "tiny",
+    "model": {
+        "vocab_size": 256,
+        "d_model": 64,
+        "n_layers": 3,
+        "n_heads": 4,
+        "ffn_dim": 172,
+        "subspace_rank": 16,
+        "subspace_seed": 1234,
+        "max_seq_len": 128,
+    },
+    "stages": _stages(1, 1, 1),
+    "optimizer": {
+        "lr": 3e-3,
+        "weight_decay": 0.0,
+        "warmup_steps": 10,
+        "total_steps": 2000,
+    },
+    "target_batch_size": 16,
+    "seq_len": 64,
+    "seed": 0,
+    "dtype": "float32",
+}
+
+# The report's 1B ablation model [6]: rank 40 at d=2048 (a 51x smaller boundary), four stages.
+ONE_B: dict[str, Any] = {
+    "run_id": "agora-1b",
+    "model": {
+        "vocab_size": 32000,
+        "d_model": 2048,
+        "n_layers": 16,
+        "n_heads": 16,
+        "ffn_dim": 5632,
+        "subspace_rank": 40,
+        "subspace_seed": 1,
+        "max_seq_len": 2048,
+        "rope_theta": 10000.0,
+    },
+    "stages": _stages(4, 4, 4, 4),
+    "optimizer": {
+        "lr": 3e-4,
+        "weight_decay": 0.1,
+        "warmup_steps": 2000,
+        "total_steps": 100000,
+    },
+    "target_batch_size": 512,
+    "seq_len": 2048,
+    "seed": 0,
+    "dtype": "bfloat16",
+}
+
+# Pluralis-8B [5.2]: 32 blocks over head, five bodies and a 6-block tail; rank ~51 at d=5120.
+# About 500B tokens over ~60k steps at 4096 tokens a sample is ~2k samples per step.
+EIGHT_B: dict[str, Any] = {
+    "run_id": "pluralis-8b",
+    "model": {
+        "vocab_size": 128256,
+        "d_model": 5120,
+        "n_layers": 32,
+        "n_heads": 40,
+        "ffn_dim": 13824,
+        "subspace_rank": 51,
+        "subspace_seed": 8,
+        "max_seq_len": 4096,
+        "rope_theta": 500000.0,
+    },
+    "stages": _stages(4, 4, 4, 5, 5, 4, 6),
+    "optimizer": {
+        "lr": 3e-4,
+        "weight_decay": 0.1,
+        "warmup_steps": 2000,
+        "total_steps": 60000,
+    },
+    "target_batch_size": 2048,
+    "seq_len": 4096,
+    "seed": 0,
+    "dtype": "bfloat16",
+}
+
+PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY, "1b": ONE_B, "8b": EIGHT_B}

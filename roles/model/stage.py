@@ -1,0 +1,192 @@
+"""One pipeline stage of the model, as a worker holds it, and the unsplit model for testing.
+
+A stage maps boundary coordinates to boundary coordinates: it reconstructs the residual stream
+from the k coordinates and the token ids (the head embeds the tokens instead), runs its blocks and
+compresses the result back to k coordinates; the tail ends in the loss [4.1]. Token ids travel
+beside the coordinates because the fixed embedding they select is what the coordinates omit.
+
+Dtypes: parameters and block compute use `run.dtype`; the residual stream, U_k and the boundary
+coordinates stay float32 (wider if the module is cast to float64), so `forward` returns float32
+coordinates whatever the compute dtype. The fixed embedding is stored in `run.dtype` to save
+device memory; both sides of a boundary read the same rounded table, so nothing is lost. A worker
+may also run the stage under autocast: the boundary arithmetic, norms and loss switch it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from roles.model.config import RunConfig
+from roles.model.layers import Block, DenseLinear, RMSNorm
+from roles.model.subspace import (
+    compress,
+    fixed_token_embedding,
+    reconstruct,
+    subspace_basis,
+    without_autocast,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_INIT_STD = 0.02
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a `RunConfig.dtype` name."""
+    return _DTYPES[name]
+
+
+def stage_init_seed(run_seed: int, stage_index: int) -> int:
+    """Seed of a stage's initial weights: equal for all replicas of a stage, distinct across
+    stages."""
+    digest = hashlib.sha256(f"agora/stage-init/{run_seed}/{stage_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class StageModel(nn.Module):
+    """The blocks `run.stages[stage_index]` names, plus the embedding (head) or the final norm,
+    LM head and loss (tail). Every replica built from the same `RunConfig` starts identical."""
+
+    def __init__(self, run: RunConfig, stage_index: int, device: torch.device | str = "cpu"):
+        super().__init__()
+        model = run.model
+        self.kind: Literal["head", "body", "tail"] = run.stage_kind(stage_index)
+        self.stage_index = stage_index
+        self.layers = run.stages[stage_index]
+        self.vocab_size = model.vocab_size
+        self.subspace_rank = model.subspace_rank
+        self.max_seq_len = model.max_seq_len
+        compute_dtype = torch_dtype(run.dtype)
+
+        basis = subspace_basis(model.d_model, model.subspace_rank, model.subspace_seed)
+        self.register_buffer("basis", basis, persistent=False)
+        self.register_buffer(
+            "fixed_embedding",
+            fixed_token_embedding(model.vocab_size, model.d_model, model.subspace_seed),
+            persistent=False,
+        )
+        if self.kind == "head":
+            self.embedding = nn.Parameter(torch.empty(model.vocab_size, model.subspace_rank))
+        full_rank = self.kind == "tail" and model.tail_full_rank
+        self.blocks = nn.ModuleList(
+            Block(model, basis, full_rank) for _ in range(self.layers.num_layers)
+        )
+        if self.kind == "tail":
+            self.final_norm = RMSNorm(model.d_model, model.norm_eps)
+            self.lm_head = DenseLinear(model.d_model, model.vocab_size)
+
+        self._reset_parameters(
+            torch.Generator(device="cpu").manual_seed(stage_init_seed(run.seed, stage_index)),
+            out_std=_INIT_STD / math.sqrt(2 * model.n_layers),
+        )
+        self.fixed_embedding = self.fixed_embedding.to(compute_dtype)
+        for param in self.parameters():
+            param.data = param.data.to(compute_dtype)
+        self.to(device)
+
+    def _reset_parameters(self, generator: torch.Generator, out_std: float) -> None:
+        with torch.no_grad():
+            if self.kind == "head":
+                self.embedding.normal_(0.0, _INIT_STD, generator=generator)
+            for block in self.blocks:
+                block.reset_parameters(generator, _INIT_STD, out_std)
+            if self.kind == "tail":
+                self.final_norm.reset_parameters()
+                self.lm_head.reset_parameters(generator, _INIT_STD)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Everything the optimizer steps and the averager syncs; U_k and the fixed embedding are
+        buffers and never appear here."""
+        return [param for param in self.parameters() if param.requires_grad]
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Head only: residual stream T_fixed[tokens] + E[tokens] U_k^T, already in span(U_k)
+        around the fixed embedding, as eq. (2) needs."""
+        with without_autocast(self.basis):
+            trainable = F.embedding(tokens, self.embedding).to(self.basis.dtype) @ self.basis.T
+            return self.fixed_embedding[tokens].to(self.basis.dtype) + trainable
+
+    def run_blocks(self, hidden: Tensor) -> Tensor:
+        """Apply this stage's blocks to the residual stream."""
+        for block in self.blocks:
+            hidden = block(hidden)
+        return hidden
+
+    def loss_from_hidden(self, hidden: Tensor, tokens: Tensor) -> Tensor:
+        """Tail only: per-sample mean next-token cross-entropy [B] in float32; position t predicts
+        token t+1, and the last position has no label."""
+        logits = self.lm_head(self.final_norm(hidden[:, :-1]))
+        with without_autocast(logits):
+            losses = F.cross_entropy(
+                logits.float().transpose(1, 2), tokens[:, 1:], reduction="none"
+            )
+            return losses.mean(dim=1)
+
+    def forward(self, coords: Tensor | None, tokens: Tensor) -> Tensor:
+        """head: `coords` is None and `tokens` [B, T] are embedded; head and body return boundary
+        coordinates [B, T, k] in float32; tail returns the per-sample loss [B].
+
+        Token ids must lie in [0, vocab_size); the worker validates requests before queuing them,
+        since an out-of-range id would trip a device-side assert on CUDA.
+        """
+        self._check_inputs(coords, tokens)
+        if self.kind == "head":
+            hidden = self.embed(tokens)
+        else:
+            hidden = reconstruct(
+                coords.to(self.basis.dtype), tokens, self.fixed_embedding, self.basis
+            )
+        hidden = self.run_blocks(hidden)
+        if self.kind == "tail":
+            return self.loss_from_hidden(hidden, tokens)
+        return compress(hidden, tokens, self.fixed_embedding, self.basis)
+
+    def _check_inputs(self, coords: Tensor | None, tokens: Tensor) -> None:
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"tokens must be an int64 [B, T] tensor, got {tokens.dtype} {tuple(tokens.shape)}"
+            )
+        batch, seq_len = tokens.shape
+        if not 0 < seq_len <= self.max_seq_len or (self.kind == "tail" and seq_len < 2):
+            raise ValueError(
+                f"sequence length {seq_len} is outside 1..{self.max_seq_len} "
+                f"(the tail needs at least 2 tokens)"
+            )
+        if self.kind == "head":
+            if coords is not None:
+                raise ValueError("the head stage embeds tokens itself; pass coords=None")
+            return
+        expected = (batch, seq_len, self.subspace_rank)
+        if coords is None or tuple(coords.shape) != expected:
+            got = None if coords is None else tuple(coords.shape)
+            raise ValueError(f"{self.kind} stage expects coords of shape {expected}, got {got}")
+
+
+class FullModel(nn.Module):
+    """The unsplit model, run straight through the stages' own modules on the full residual
+    stream with no compression between them. It shares the stages' parameters, so its loss and
+    gradients are the reference the pipeline must reproduce."""
+
+    def __init__(self, stages: list[StageModel]):
+        super().__init__()
+        kinds = [stage.kind for stage in stages]
+        if len(kinds) < 2 or kinds != ["head", *["body"] * (len(kinds) - 2), "tail"]:
+            raise ValueError(f"stages must run head, bodies..., tail in order; got {kinds}")
+        self.stages = nn.ModuleList(stages)
+
+    @classmethod
+    def from_stages(cls, stages: list[StageModel]) -> FullModel:
+        """The reference model over `stages`, in pipeline order."""
+        return cls(stages)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Per-sample mean next-token loss [B], as the tail stage would return it."""
+        hidden = self.stages[0].embed(tokens)
+        for stage in self.stages:
+            hidden = stage.run_blocks(hidden)
+        return self.stages[-1].loss_from_hidden(hidden, tokens)

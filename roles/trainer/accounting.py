@@ -1,0 +1,67 @@
+"""Sample accounting: every sample a trainer starts ends as completed or dropped with a reason,
+and the counts add up (started == completed + dropped + in_flight)."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Optional
+
+LOSS_WINDOW = 32
+
+
+@dataclass
+class SampleAccounting:
+    started: int = 0
+    completed: int = 0
+    dropped_by_reason: collections.Counter = field(default_factory=collections.Counter)
+    tokens: int = 0
+    first_losses: list[float] = field(default_factory=list)
+    recent_losses: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LOSS_WINDOW))
+    last_loss: Optional[float] = None
+
+    @property
+    def dropped(self) -> int:
+        return sum(self.dropped_by_reason.values())
+
+    @property
+    def in_flight(self) -> int:
+        return self.started - self.completed - self.dropped
+
+    @property
+    def ended(self) -> int:
+        return self.completed + self.dropped
+
+    def start(self) -> None:
+        self.started += 1
+
+    def complete(self, loss: float, tokens: int) -> None:
+        self.completed += 1
+        self.tokens += tokens
+        self.last_loss = loss
+        self.recent_losses.append(loss)
+        if len(self.first_losses) < LOSS_WINDOW:
+            self.first_losses.append(loss)
+
+    def drop(self, reason: str) -> None:
+        self.dropped_by_reason[reason] += 1
+
+    @property
+    def first_loss(self) -> Optional[float]:
+        return sum(self.first_losses) / len(self.first_losses) if self.first_losses else None
+
+    @property
+    def recent_loss(self) -> Optional[float]:
+        return sum(self.recent_losses) / len(self.recent_losses) if self.recent_losses else None
+
+    def summary(self) -> dict:
+        return {
+            "samples_started": self.started,
+            "samples_completed": self.completed,
+            "samples_dropped": self.dropped,
+            "samples_in_flight": self.in_flight,
+            "dropped_by_reason": dict(self.dropped_by_reason),
+            "tokens": self.tokens,
+            "first_loss": self.first_loss,
+            "last_loss": self.recent_loss,
+        }

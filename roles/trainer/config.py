@@ -1,0 +1,25 @@
+"""Settings of one trainer, derived by the node from flags, environment and config file."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lanes: int = Field(ge=1, description="independent samples in flight at once [report 3.4.4]")
+    data: str = Field(default="synthetic", description="'synthetic' or a path to .txt/.jsonl files")
+    tokenizer: Optional[str] = Field(default=None, description="tokenizers JSON file; default is byte-level")
+    max_samples: Optional[int] = Field(default=None, ge=1, description="stop after this many samples end")
+    shard_index: int = Field(default=0, ge=0, description="this trainer's shard of the data")
+    num_shards: int = Field(default=1, ge=1, description="trainers sharing the data")
+    discovery_period_s: float = Field(default=5.0, gt=0, description="how often workers are re-read from the DHT")
+    announce_period_s: float = Field(default=5.0, gt=0, description="how often progress is announced")
+    request_timeout_s: float = Field(default=30.0, gt=0, description="deadline for one RPC to a worker")
+    max_attempts: int = Field(default=3, ge=1, description="workers tried per stage before a sample is dropped")
+    ban_s: float = Field(default=15.0, gt=0, description="how long a failed worker is avoided")
+    drain_timeout_s: float = Field(default=15.0, ge=0, description="time in-flight samples get to finish on exit")
+    wait_log_period_s: float = Field(default=5.0, gt=0, description="how often waiting for workers is reported")

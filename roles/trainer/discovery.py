@@ -1,0 +1,65 @@
+"""Periodic worker discovery [report 3.3.2.2]: read every stage's worker records from the DHT,
+hand the routable ones to that stage's balancer, and remember their addresses.
+
+Workers in weight sync or leaving are not routable; a worker whose record lapsed is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from protocol.dht import SwarmDHT
+from protocol.dht_schema import Phase, WorkerRecord, workers_key
+from roles.trainer.balancer import StageBalancer, WorkerView
+
+logger = logging.getLogger(__name__)
+
+ROUTABLE_PHASES = (Phase.ACTIVE, Phase.OPTIMIZER_SYNC)
+
+
+class WorkerDiscovery:
+    def __init__(self, swarm: SwarmDHT, run_id: str, balancers: list[StageBalancer], *, period_s: float):
+        self.swarm = swarm
+        self.run_id = run_id
+        self.balancers = balancers
+        self.period_s = period_s
+        self.maddrs: dict[str, list[str]] = {}
+        self.records: list[dict[str, WorkerRecord]] = [{} for _ in balancers]
+        self._refreshed = asyncio.Event()
+        self._wake = asyncio.Event()
+
+    async def refresh(self) -> None:
+        results = await asyncio.gather(
+            *(self.swarm.get(workers_key(self.run_id, s), WorkerRecord) for s in range(len(self.balancers)))
+        )
+        for stage, records in enumerate(results):
+            routable = {
+                peer: r for peer, r in records.items() if r.phase in ROUTABLE_PHASES and r.stage == stage
+            }
+            self.records[stage] = routable
+            for peer, record in routable.items():
+                self.maddrs[peer] = record.maddrs
+            self.balancers[stage].update_workers(
+                WorkerView(peer_id=peer, throughput=r.throughput, max_batch=r.max_batch) for peer, r in routable.items()
+            )
+        self._refreshed.set()
+
+    def request_refresh(self) -> None:
+        """Ask for a refresh before the next period (a stage just ran out of workers)."""
+        self._wake.set()
+
+    def workers_per_stage(self) -> list[int]:
+        return [len(b.usable()) for b in self.balancers]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.refresh()
+            except Exception:
+                logger.exception("worker discovery failed")
+            self._wake.clear()
+            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+            await asyncio.wait(waiters, timeout=self.period_s, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in waiters:
+                waiter.cancel()

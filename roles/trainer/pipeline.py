@@ -1,0 +1,158 @@
+"""Drives one sample through the pipeline [report 3.3.2.3, 4.2.1]: forward head → bodies through
+the balancers, the tail's fused loss forward+backward, then backward tail → head, each stage
+pinned to the worker that ran its forward.
+
+Forward calls retry on another worker of the stage. A backward goes to another worker only if
+the pinned one is gone, and that fallback is counted: its gradient comes from other weights.
+A sample that cannot be completed raises SampleDropped with its reason; it is never lost silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Optional
+
+import torch
+from hivemind.p2p import PeerID
+
+from protocol import version
+from protocol.codec import decode_tensor, encode_tensor
+from protocol.errors import AgoraError, ErrorCode, NoWorkersError, PeerTimeout, PeerUnavailable, RemoteError
+from protocol.transport import RpcClient
+from roles.trainer.balancer import StageBalancer
+
+logger = logging.getLogger(__name__)
+
+# Remote errors that say "this worker could not take it now", as opposed to "your request is bad".
+_RETRYABLE_CODES = {ErrorCode.OVERLOADED, ErrorCode.NOT_READY, ErrorCode.INTERNAL, ErrorCode.WRONG_STAGE}
+
+
+class SampleDropped(AgoraError):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass
+class SampleResult:
+    loss: float
+    route: list[str]
+    backward_fallbacks: int = 0
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class PipelineStats:
+    forward_retries: int = 0
+    backward_fallbacks: int = 0
+    served: collections.Counter = field(default_factory=collections.Counter)  # (stage, peer) -> samples
+
+
+class PipelineDriver:
+    def __init__(self, client: RpcClient, balancers: list[StageBalancer], *,
+                 connect: Callable[[str], Awaitable[None]], id_prefix: str = "",
+                 max_attempts: int = 3, timeout_s: float = 30.0,
+                 on_no_workers: Optional[Callable[[], None]] = None):
+        self.client = client
+        self.balancers = balancers
+        self.connect = connect
+        self.id_prefix = id_prefix
+        self.max_attempts = max_attempts
+        self.timeout_s = timeout_s
+        self.on_no_workers = on_no_workers
+        self.stats = PipelineStats()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.balancers)
+
+    async def _call(self, stage: int, peer: str, handler: str, body: dict) -> dict:
+        await self.connect(peer)
+        started = time.perf_counter()
+        reply = await self.client.call(PeerID.from_base58(peer), handler, body, timeout_s=self.timeout_s)
+        self.balancers[stage].report_success(peer, 1.0, time.perf_counter() - started)
+        return reply
+
+    async def _balanced(self, stage: int, handler: str, body: dict) -> tuple[str, dict]:
+        """Call `handler` on the least-loaded worker of `stage`, retrying elsewhere on failure."""
+        tried: list[str] = []
+        last_error = "no attempt made"
+        for _ in range(self.max_attempts):
+            try:
+                peer = self.balancers[stage].choose(1.0, exclude=tried)
+            except NoWorkersError as exc:
+                if self.on_no_workers is not None:
+                    self.on_no_workers()
+                raise SampleDropped("no_workers", f"stage {stage}: {exc}") from exc
+            tried.append(peer)
+            try:
+                return peer, await self._call(stage, peer, handler, body)
+            except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
+                if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
+                    raise SampleDropped("rejected", f"stage {stage} worker {peer[-8:]}: {exc}") from exc
+                self.balancers[stage].report_failure(peer)
+                self.stats.forward_retries += 1
+                last_error = str(exc)
+                logger.debug("stage %d worker %s failed (%s); retrying elsewhere", stage, peer[-8:], exc)
+        raise SampleDropped("worker_failures", f"stage {stage}: {self.max_attempts} attempts failed; last: {last_error}")
+
+    async def train_sample(self, sample_id: str, tokens: torch.Tensor) -> SampleResult:
+        started = time.perf_counter()
+        sample_id = f"{self.id_prefix}{sample_id}"
+        wire_tokens = encode_tensor(tokens)
+        inputs: list[Optional[dict]] = [None] * self.num_stages
+        route: list[str] = [""] * self.num_stages
+        coords: Optional[dict] = None
+        for stage in range(self.num_stages - 1):
+            inputs[stage] = coords
+            body = {"stage": stage, "sample_id": sample_id, "tokens": wire_tokens}
+            if coords is not None:
+                body["coords"] = coords
+            route[stage], reply = await self._balanced(stage, version.FORWARD, body)
+            coords = reply.get("coords")
+        tail = self.num_stages - 1
+        route[tail], reply = await self._balanced(
+            tail, version.BACKWARD, {"stage": tail, "sample_id": sample_id, "tokens": wire_tokens, "coords": coords}
+        )
+        loss, grad = reply.get("loss"), reply.get("grad_input")
+        if not isinstance(loss, float) or grad is None:
+            raise SampleDropped("bad_reply", f"tail worker {route[tail][-8:]} sent no loss or gradient")
+        fallbacks = 0
+        for stage in range(self.num_stages - 2, -1, -1):
+            body = {"stage": stage, "sample_id": sample_id, "tokens": wire_tokens, "grad_output": grad}
+            if inputs[stage] is not None:
+                body["coords"] = inputs[stage]
+            reply, used_fallback = await self._pinned_backward(stage, route[stage], body)
+            fallbacks += used_fallback
+            grad = reply.get("grad_input")
+            if stage > 0 and grad is None:
+                raise SampleDropped("bad_reply", f"stage {stage} worker sent no input gradient")
+        for stage, peer in enumerate(route):
+            self.stats.served[(stage, peer)] += 1
+        return SampleResult(loss=loss, route=route, backward_fallbacks=fallbacks,
+                            elapsed_s=time.perf_counter() - started)
+
+    async def _pinned_backward(self, stage: int, peer: str, body: dict) -> tuple[dict, int]:
+        """Backward must run on the forward's replica: replicas drift between averaging rounds,
+        so another replica would recompute different activations [report 4.2.1]."""
+        try:
+            return await self._call(stage, peer, version.BACKWARD, body), 0
+        except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
+            if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
+                raise SampleDropped("rejected", f"stage {stage} backward: {exc}") from exc
+            self.balancers[stage].report_failure(peer)
+            logger.info("pinned backward worker %s of stage %d is gone (%s); falling back", peer[-8:], stage, exc)
+        self.stats.backward_fallbacks += 1
+        try:
+            _, reply = await self._balanced(stage, version.BACKWARD, body)
+        except SampleDropped as exc:
+            raise SampleDropped("backward_failed", str(exc)) from exc
+        return reply, 1
+
+
+def decode_loss_tensor(reply: dict) -> torch.Tensor:
+    return decode_tensor(reply["grad_input"])

@@ -1,0 +1,180 @@
+"""The trainer role: a CPU process that holds a data shard and no weights, and drives samples
+through the swarm on several independent lanes [report 3.3.2, 3.4.4, DESIGN §8]."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from typing import Iterator, Optional
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from protocol.dht import SwarmDHT
+from protocol.dht_schema import TrainerRecord, trainers_key
+from protocol.transport import RpcClient
+from roles.announcer import Announcer
+from roles.model.config import RunConfig
+from roles.trainer.accounting import SampleAccounting
+from roles.trainer.balancer import StageBalancer
+from roles.trainer.config import TrainerConfig
+from roles.trainer.data import Sample, make_sample_stream
+from roles.trainer.discovery import WorkerDiscovery
+from roles.trainer.pipeline import PipelineDriver, SampleDropped
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerState(enum.Enum):
+    WAITING = "waiting"  # not every stage has a worker yet
+    TRAINING = "training"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class TrainerRole:
+    def __init__(self, config: TrainerConfig, run: RunConfig, swarm: SwarmDHT, p2p: P2P):
+        self.config = config
+        self.run_config = run
+        self.swarm = swarm
+        self.p2p = p2p
+        self.state = TrainerState.WAITING
+        self.client = RpcClient(p2p, timeout_s=config.request_timeout_s)
+        self.balancers = [StageBalancer(s, ban_s=config.ban_s) for s in range(run.num_stages)]
+        self.discovery = WorkerDiscovery(swarm, run.run_id, self.balancers, period_s=config.discovery_period_s)
+        self.driver = PipelineDriver(
+            self.client, self.balancers, connect=self._connect, id_prefix=f"{swarm.peer_id[-8:]}-",
+            max_attempts=config.max_attempts, timeout_s=config.request_timeout_s,
+            on_no_workers=self.discovery.request_refresh,
+        )
+        self.samples: Iterator[Sample] = iter(make_sample_stream(
+            config.data, config.tokenizer, run.seq_len, config.shard_index, config.num_shards, run.seed, epochs=None,
+        ))
+        self.accounting = SampleAccounting()
+        self.announcer = Announcer(swarm, trainers_key(run.run_id), self._record, period_s=config.announce_period_s)
+        self._connected: set[str] = set()
+        self.started_at: Optional[float] = None
+        self.finished_at: Optional[float] = None
+        self._tasks: list[asyncio.Task] = []
+
+    def _record(self) -> TrainerRecord:
+        a = self.accounting
+        return TrainerRecord(
+            samples_completed=a.completed, samples_dropped=a.dropped, tokens=a.tokens, last_loss=a.last_loss,
+            first_loss=a.first_loss, recent_loss=a.recent_loss, time=time.time(),
+        )
+
+    async def _connect(self, peer: str) -> None:
+        """Dial a worker's announced addresses once, so the first call does not depend on the
+        DHT having introduced us already."""
+        if peer in self._connected:
+            return
+        maddrs = [Multiaddr(m) for m in self.discovery.maddrs.get(peer, [])]
+        if maddrs:
+            try:
+                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), maddrs), 10.0)
+            except Exception as exc:  # the call itself will report the peer as unavailable
+                logger.debug("dialing %s failed: %s", peer[-8:], exc)
+                return
+        self._connected.add(peer)
+
+    async def wait_for_workers(self, stop: asyncio.Event) -> bool:
+        """Block until every stage has a routable worker; report what is missing meanwhile."""
+        last_log = 0.0
+        while not stop.is_set():
+            await self.discovery.refresh()
+            counts = self.discovery.workers_per_stage()
+            if all(counts):
+                logger.info("every stage has a worker (%s); training starts", counts)
+                return True
+            if time.monotonic() - last_log > self.config.wait_log_period_s:
+                missing = [s for s, c in enumerate(counts) if c == 0]
+                logger.info("waiting for workers: stage(s) %s have none yet (workers per stage: %s)", missing, counts)
+                last_log = time.monotonic()
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        return False
+
+    def _take_sample(self) -> Optional[Sample]:
+        limit = self.config.max_samples
+        if limit is not None and self.accounting.started >= limit:
+            return None
+        sample = next(self.samples)
+        self.accounting.start()
+        return sample
+
+    async def _lane(self, lane: int, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            sample = self._take_sample()
+            if sample is None:
+                return
+            try:
+                result = await self.driver.train_sample(sample.sample_id, sample.tokens)
+            except SampleDropped as exc:
+                self.accounting.drop(exc.reason)
+                logger.warning("lane %d dropped sample %s: %s", lane, sample.sample_id, exc)
+                if exc.reason == "no_workers":
+                    await asyncio.sleep(1.0)
+                continue
+            except asyncio.CancelledError:
+                self.accounting.drop("shutdown")
+                raise
+            except Exception as exc:  # a bug must cost one sample, counted, not the lane
+                self.accounting.drop("error")
+                logger.exception("lane %d: sample %s failed unexpectedly: %s", lane, sample.sample_id, exc)
+                continue
+            self.accounting.complete(result.loss, int(sample.tokens.numel()))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Train until `stop` is set or `max_samples` samples have ended."""
+        self._tasks = [
+            asyncio.create_task(self.discovery.run(stop), name="discovery"),
+            asyncio.create_task(self.announcer.run(stop), name="announce"),
+        ]
+        if not await self.wait_for_workers(stop):
+            return
+        self.state = TrainerState.TRAINING
+        self.started_at = time.monotonic()
+        lane_stop = asyncio.Event()
+        lanes = [asyncio.create_task(self._lane(i, lane_stop), name=f"lane{i}") for i in range(self.config.lanes)]
+        stop_waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait([stop_waiter, asyncio.gather(*lanes, return_exceptions=True)],
+                           return_when=asyncio.FIRST_COMPLETED)
+        stop_waiter.cancel()
+        if stop.is_set():
+            self.state = TrainerState.DRAINING
+            lane_stop.set()  # lanes finish the sample they hold, then exit
+            done, pending = await asyncio.wait(lanes, timeout=self.config.drain_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        self.finished_at = time.monotonic()
+        await self.announcer.announce_now()
+
+    def summary(self) -> dict:
+        wall = (self.finished_at or time.monotonic()) - (self.started_at or time.monotonic())
+        served: dict[str, dict[str, int]] = {}
+        for (stage, peer), count in self.driver.stats.served.items():
+            served.setdefault(str(stage), {})[peer] = count
+        return {
+            **self.accounting.summary(),
+            "wall_s": round(wall, 3),
+            "tokens_per_s": round(self.accounting.tokens / wall, 2) if wall > 0 else 0.0,
+            "forward_retries": self.driver.stats.forward_retries,
+            "backward_fallbacks": self.driver.stats.backward_fallbacks,
+            "served": served,
+        }
+
+    async def shutdown(self) -> None:
+        if self.state == TrainerState.STOPPED:
+            return
+        self.state = TrainerState.STOPPED
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.announcer.withdraw()
+        await self.client.close()

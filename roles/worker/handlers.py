@@ -1,0 +1,81 @@
+"""The worker's `agora/v1/*` handlers: parse, validate, queue, await the compute thread, reply.
+
+Every failure here becomes a typed error reply through the RPC server; nothing a remote peer
+sends can reach the compute thread without passing the runtime's checks first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from hivemind.p2p import PeerID
+
+from protocol.codec import encode_tensor
+from protocol.errors import AgoraError, ErrorCode, ProtocolError
+from protocol.messages import BackwardRequest, ForwardRequest, InfoReply, parse_model
+from roles.worker.queues import QueueClosed, QueueFull, TaskKind
+from roles.worker.runtime import BackwardResult, StageRuntime
+
+
+class NotServing(AgoraError):
+    code = ErrorCode.NOT_READY
+
+
+class WorkerHandlers:
+    """Binds a StageRuntime to the RPC server. `serving()` gates requests while starting or leaving."""
+
+    def __init__(self, runtime: StageRuntime, info: Callable[[], InfoReply], serving: Callable[[], bool]):
+        self.runtime = runtime
+        self.info_fn = info
+        self.serving = serving
+
+    async def _run(self, kind: TaskKind, request) -> object:
+        if not self.serving():
+            raise NotServing("worker is not serving requests right now; retry on another worker")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def settle(result, exc):
+            if future.done():
+                return
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        def on_done(result, exc):
+            loop.call_soon_threadsafe(settle, result, exc)
+
+        try:
+            self.runtime.submit(kind, request, on_done)
+        except QueueFull as exc:
+            raise ProtocolError(str(exc), ErrorCode.OVERLOADED) from exc
+        except QueueClosed as exc:
+            raise NotServing("worker is shutting down; retry on another worker") from exc
+        try:
+            return await future
+        except AgoraError:
+            raise
+        except Exception as exc:
+            raise ProtocolError(f"stage computation failed: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL) from exc
+
+    async def forward(self, peer_id: PeerID, body: dict) -> dict:
+        request = parse_model(ForwardRequest, body)
+        self.runtime.check_forward(request)
+        coords = await self._run(TaskKind.FORWARD, request)
+        return {"coords": encode_tensor(coords)}
+
+    async def backward(self, peer_id: PeerID, body: dict) -> dict:
+        request = parse_model(BackwardRequest, body)
+        self.runtime.check_backward(request)
+        result: BackwardResult = await self._run(TaskKind.BACKWARD, request)
+        reply: dict = {}
+        if result.grad_input is not None:
+            reply["grad_input"] = encode_tensor(result.grad_input)
+        if result.loss is not None:
+            reply["loss"] = float(result.loss)
+        return reply
+
+    async def info(self, peer_id: PeerID, body: dict) -> dict:
+        return self.info_fn().model_dump(mode="python")

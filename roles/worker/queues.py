@@ -1,0 +1,229 @@
+"""Task queues and batch coalescing between a worker's handlers and its compute thread [3.3.1.2-3].
+
+Trainers send one sample per request so that any sample can go to any worker of the stage,
+whatever its VRAM. The handlers (asyncio) `submit` each validated request as a `Task`; one compute
+thread calls `next_batch`, which serves whichever queue, forward or backward, holds the oldest
+request and merges into it the same-kind requests that piled up while the last batch ran, up to
+`max_batch`. `run_batch` then runs the batch and hands each result back to its own requester.
+
+The queues are plain threads-and-locks code: the compute thread must not need the event loop, and
+the handlers only hold the lock for an append. Nothing queued is ever dropped silently: `close`
+returns what is left so the caller can fail it with a typed error.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.errors import AgoraError, ErrorCode
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(AgoraError):
+    """The worker already holds `max_pending` requests; the trainer should route elsewhere."""
+
+    code = ErrorCode.OVERLOADED
+
+
+class QueueClosed(AgoraError):
+    """The worker is shutting down and accepts no more requests."""
+
+    code = ErrorCode.NOT_READY
+
+
+class BatchResultMismatch(AgoraError):
+    """The compute function returned a different number of results than it was given requests."""
+
+    code = ErrorCode.INTERNAL
+
+
+class TaskKind(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(eq=False)
+class Task:
+    """One single-sample request waiting for the compute thread.
+
+    `on_done` is called exactly once, from the compute thread, with `(result, None)` or
+    `(None, exc)`; the submitter makes it thread-safe (e.g. `loop.call_soon_threadsafe`).
+    Only tasks with equal `group_key` (e.g. the sequence length) are merged into one batch.
+    """
+
+    kind: TaskKind
+    payload: Any
+    on_done: Callable[[Any, BaseException | None], None]
+    enqueued_at: float = field(default_factory=time.monotonic)
+    group_key: Hashable = None
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """A snapshot of what the compute thread has taken, for metrics."""
+
+    total_batches: int
+    total_tasks: int
+    batches_by_kind: dict[TaskKind, int]
+    batch_size_counts: dict[int, int]
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.total_tasks / self.total_batches if self.total_batches else 0.0
+
+
+class TaskQueues:
+    """The forward and backward queues of one worker, shared by many producers and one consumer."""
+
+    def __init__(self, max_batch: int, max_pending: int = 1024):
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self._cond = threading.Condition()
+        self._queues: dict[TaskKind, collections.deque[tuple[int, Task]]] = {
+            kind: collections.deque() for kind in TaskKind
+        }
+        # Breaks ties between equal `enqueued_at` by arrival, so "oldest" is always well defined.
+        self._seq = itertools.count()
+        self._max_pending = max_pending
+        self._max_batch = 1
+        self.max_batch = max_batch
+        self._closed = False
+        self._total_batches = 0
+        self._total_tasks = 0
+        self._batches_by_kind = {kind: 0 for kind in TaskKind}
+        self._batch_size_counts: collections.Counter[int] = collections.Counter()
+
+    @property
+    def max_batch(self) -> int:
+        return self._max_batch
+
+    @max_batch.setter
+    def max_batch(self, value: int) -> None:
+        """Settable so the worker can shrink its batches after running short of memory."""
+        if value < 1:
+            raise ValueError(f"max_batch must be at least 1, got {value}")
+        self._max_batch = value
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def submit(self, task: Task) -> None:
+        with self._cond:
+            if self._closed:
+                raise QueueClosed("this worker is shutting down; send the request to another worker")
+            if sum(len(q) for q in self._queues.values()) >= self._max_pending:
+                raise QueueFull(
+                    f"worker already holds {self._max_pending} pending requests; retry on another worker"
+                )
+            self._queues[task.kind].append((next(self._seq), task))
+            self._cond.notify()
+
+    def next_batch(self, timeout: float | None = None) -> list[Task]:
+        """Block until work exists (or `timeout` passes, or the queues close), then take one batch.
+
+        The batch comes from the queue whose head is the oldest request, so neither pass can
+        starve the other, and holds that head plus the following tasks of the same queue with the
+        head's `group_key`, oldest first, at most `max_batch` of them. Returns [] on timeout or
+        once closed.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._closed and not any(self._queues.values()):
+                if deadline is None:
+                    self._cond.wait()
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self._cond.wait(remaining)
+            if self._closed:
+                return []
+            kind = min(
+                (k for k, q in self._queues.items() if q),
+                key=lambda k: (self._queues[k][0][1].enqueued_at, self._queues[k][0][0]),
+            )
+            batch = self._take(self._queues[kind])
+            self._total_batches += 1
+            self._total_tasks += len(batch)
+            self._batches_by_kind[kind] += 1
+            self._batch_size_counts[len(batch)] += 1
+            return batch
+
+    def _take(self, queue: collections.deque[tuple[int, Task]]) -> list[Task]:
+        key = queue[0][1].group_key
+        taken: list[Task] = []
+        kept: list[tuple[int, Task]] = []
+        while queue and len(taken) < self._max_batch:
+            entry = queue.popleft()
+            if entry[1].group_key == key:
+                taken.append(entry[1])
+            else:
+                kept.append(entry)
+        queue.extendleft(reversed(kept))
+        return taken
+
+    def close(self) -> list[Task]:
+        """Stop accepting work, wake the consumer, and return every task still queued, oldest first."""
+        with self._cond:
+            self._closed = True
+            left = sorted(itertools.chain.from_iterable(self._queues.values()), key=lambda e: e[0])
+            for queue in self._queues.values():
+                queue.clear()
+            self._cond.notify_all()
+            return [task for _, task in left]
+
+    def pending(self) -> dict[TaskKind, int]:
+        with self._cond:
+            return {kind: len(q) for kind, q in self._queues.items()}
+
+    @property
+    def stats(self) -> QueueStats:
+        with self._cond:
+            return QueueStats(
+                total_batches=self._total_batches,
+                total_tasks=self._total_tasks,
+                batches_by_kind=dict(self._batches_by_kind),
+                batch_size_counts=dict(self._batch_size_counts),
+            )
+
+
+def run_batch(tasks: list[Task], compute: Callable[[list[Any]], list[Any]]) -> None:
+    """Run `compute` on the batch's payloads and deliver result i to task i.
+
+    Any failure of the batch reaches every one of its requesters, so a bad batch fails its
+    trainers quickly instead of leaving them to time out; a failing `on_done` is logged and does
+    not keep the other tasks from their results.
+    """
+    if not tasks:
+        return
+    try:
+        results = compute([task.payload for task in tasks])
+        if len(results) != len(tasks):
+            raise BatchResultMismatch(
+                f"compute returned {len(results)} results for a batch of {len(tasks)} requests"
+            )
+    except BaseException as exc:
+        for task in tasks:
+            _deliver(task, None, exc)
+        if not isinstance(exc, Exception):
+            raise
+        return
+    for task, result in zip(tasks, results):
+        _deliver(task, result, None)
+
+
+def _deliver(task: Task, result: Any, exc: BaseException | None) -> None:
+    try:
+        task.on_done(result, exc)
+    except Exception:
+        logger.exception("on_done of a %s task raised; its requester may not be answered", task.kind.value)

@@ -1,0 +1,88 @@
+"""The analytic memory plan: exact parameter accounting, sane totals, instant for 8B."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from roles.model.config import load_run_config
+from roles.model.memory_plan import MemoryPlan, plan_memory, stage_parameter_count
+from roles.model.stage import StageModel
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("overrides", [None, {"model": {"tail_full_rank": False}}])
+def test_tiny_parameter_bytes_match_the_real_stages(overrides):
+    run = load_run_config("tiny", overrides)
+    for index in range(run.num_stages):
+        stage = StageModel(run, index)
+        real = sum(p.numel() * p.element_size() for p in stage.trainable_parameters())
+        plan = plan_memory(run, index, "cpu", max_batch=4)
+        assert plan.param_bytes == real
+        assert plan.num_params == stage_parameter_count(run, index)
+        assert plan.grad_bytes == real
+        assert plan.optimizer_host_bytes == 3 * 4 * plan.num_params
+
+
+def test_bfloat16_halves_device_weights_but_not_host_optimizer():
+    fp32 = plan_memory(load_run_config("tiny"), 1, "cpu", 1)
+    bf16 = plan_memory(load_run_config("tiny", {"dtype": "bfloat16"}), 1, "cpu", 1)
+    assert bf16.param_bytes * 2 == fp32.param_bytes
+    assert bf16.optimizer_host_bytes == fp32.optimizer_host_bytes
+
+
+def test_eight_b_body_stage_plans_instantly():
+    run = load_run_config("8b")
+    started = time.perf_counter()
+    plan = plan_memory(run, 3, "cuda:0", max_batch=2)
+    assert time.perf_counter() - started < 1.0
+    assert plan.kind == "body" and plan.device_bytes > 0
+    # five blocks of ~221M values each, in bfloat16
+    assert 2.0 * GIB < plan.param_bytes < 2.3 * GIB
+    weights = plan.param_bytes + plan.grad_bytes
+    assert plan.device_bytes > weights + 2 * plan.activation_bytes_per_sample
+    assert plan.host_bytes > plan.optimizer_host_bytes > 12 * GIB
+    assert "stage 3" in plan.describe() and "GiB" in plan.describe()
+
+
+def test_tail_pays_for_the_vocabulary_logits():
+    run = load_run_config("8b")
+    body = plan_memory(run, 5, "cuda:0", 1)
+    tail = plan_memory(run, 6, "cuda:0", 1)
+    logits = run.seq_len * run.model.vocab_size * 4
+    assert tail.activation_bytes_per_sample - body.activation_bytes_per_sample > 2 * logits
+
+
+def test_materialized_scores_cost_more_off_cuda():
+    run = load_run_config("1b")
+    assert (
+        plan_memory(run, 1, "cpu", 1).activation_bytes_per_sample
+        > plan_memory(run, 1, "cuda", 1).activation_bytes_per_sample
+    )
+
+
+def test_max_batch_that_fits_is_consistent_with_device_bytes():
+    run = load_run_config("8b")
+    plan = plan_memory(run, 3, "cuda:0", max_batch=1)
+    free = 80 * GIB
+    batch = plan.max_batch_that_fits(free)
+    assert batch >= 1
+    assert plan_memory(run, 3, "cuda:0", batch).device_bytes <= free
+    assert plan_memory(run, 3, "cuda:0", batch + 1).device_bytes > free
+    assert plan.max_batch_that_fits(plan.param_bytes) == 0
+
+
+def test_fits_checks_device_and_host():
+    plan: MemoryPlan = plan_memory(load_run_config("1b"), 1, "cuda:0", 2)
+    assert plan.fits(plan.device_bytes, plan.host_bytes)
+    assert not plan.fits(plan.device_bytes - 1, plan.host_bytes)
+    assert not plan.fits(plan.device_bytes, plan.host_bytes - 1)
+    assert plan.fits(None, plan.device_bytes + plan.host_bytes)
+    assert not plan.fits(None, plan.host_bytes)
+
+
+def test_rejects_an_empty_batch():
+    with pytest.raises(ValueError):
+        plan_memory(load_run_config("tiny"), 0, "cpu", 0)

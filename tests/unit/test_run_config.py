@@ -1,0 +1,142 @@
+"""Run configuration: presets, YAML, overrides, and one-line errors that name the fix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from protocol.errors import ConfigError
+from roles.model.config import RunConfig, dump_run_config, load_run_config
+from roles.model.presets import PRESETS
+
+
+def assert_one_line(error: pytest.ExceptionInfo, *fragments: str) -> None:
+    message = str(error.value)
+    assert "\n" not in message and "Traceback" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_validate(name):
+    run = load_run_config(name)
+    assert isinstance(run, RunConfig)
+    assert run.stage_kind(0) == "head" and run.stage_kind(run.num_stages - 1) == "tail"
+    assert run.stages[-1].last_layer == run.model.n_layers
+
+
+def test_preset_shapes_follow_the_report():
+    tiny, one_b, eight_b = (load_run_config(name) for name in ("tiny", "1b", "8b"))
+    assert (tiny.num_stages, tiny.model.vocab_size, tiny.seq_len) == (3, 256, 64)
+    assert (one_b.num_stages, one_b.model.subspace_rank, one_b.model.d_model) == (4, 40, 2048)
+    assert [s.num_layers for s in eight_b.stages][-1] == 6
+    assert (eight_b.num_stages, eight_b.model.n_layers, eight_b.dtype) == (7, 32, "bfloat16")
+
+
+def test_stage_kinds_and_clip_thresholds():
+    run = load_run_config("8b")
+    assert [run.stage_kind(i) for i in range(7)] == ["head"] + ["body"] * 5 + ["tail"]
+    assert run.clip_threshold(0) == pytest.approx(1 / math.sqrt(7))
+    assert run.clip_threshold(3) == pytest.approx(1 / math.sqrt(7))
+    assert run.clip_threshold(6) == pytest.approx(2 / math.sqrt(7))
+    with pytest.raises(ConfigError, match="stage 7 does not exist"):
+        run.stage_kind(7)
+
+
+def test_overrides_deep_merge():
+    two = [{"first_layer": 0, "last_layer": 2}, {"first_layer": 2, "last_layer": 3}]
+    run = load_run_config("tiny", {"stages": two, "model": {"d_model": 128}, "optimizer.lr": 1e-3})
+    assert run.num_stages == 2 and run.stage_kind(1) == "tail"
+    assert run.model.d_model == 128 and run.model.vocab_size == 256
+    assert run.optimizer.lr == 1e-3 and run.optimizer.warmup_steps == 10
+    assert load_run_config("tiny").model.d_model == 64
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (
+            {"stages": [{"first_layer": 0, "last_layer": 1}, {"first_layer": 2, "last_layer": 3}]},
+            ("config tiny:", "stage 1 starts at layer 2", "gap"),
+        ),
+        (
+            {"stages": [{"first_layer": 0, "last_layer": 2}, {"first_layer": 1, "last_layer": 3}]},
+            ("overlap",),
+        ),
+        (
+            {"stages": [{"first_layer": 0, "last_layer": 1}, {"first_layer": 1, "last_layer": 2}]},
+            ("stages must cover layers 0..3 exactly; got 0..2",),
+        ),
+        ({"stages": [{"first_layer": 0, "last_layer": 3}]}, ("at least a head and a tail",)),
+        (
+            {"stages": [{"first_layer": 0, "last_layer": 0}, {"first_layer": 0, "last_layer": 3}]},
+            ("holds no blocks",),
+        ),
+        ({"model": {"subspace_rank": 65}}, ("model:", "subspace_rank 65 exceeds d_model 64")),
+        ({"model": {"n_heads": 5}}, ("not divisible by n_heads 5",)),
+        ({"seq_len": 256}, ("seq_len 256 exceeds model.max_seq_len 128",)),
+        ({"model": {"d_model": 0}}, ("model.d_model:", "greater than 0")),
+        ({"target_batch_size": -1}, ("target_batch_size:",)),
+        ({"dtype": "float64"}, ("dtype:",)),
+        ({"run_id": "a/b"}, ("run_id:",)),
+        ({"model": {"colour": "blue"}}, ("model.colour:", "not a known field")),
+        ({"optimizer": {"warmup_steps": 5000}}, ("warmup_steps 5000 exceeds total_steps 2000",)),
+    ],
+)
+def test_validation_errors_are_one_line(overrides, fragments):
+    with pytest.raises(ConfigError) as error:
+        load_run_config("tiny", overrides)
+    assert_one_line(error, *fragments)
+
+
+def test_missing_field_in_yaml(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run_id: x\nseq_len: 8\n")
+    with pytest.raises(ConfigError) as error:
+        load_run_config(str(path))
+    assert_one_line(error, str(path), "is required; add it", "more problem")
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("run_id: x\nmodel: {d_model: 64\n")
+    with pytest.raises(ConfigError) as error:
+        load_run_config(str(path))
+    assert_one_line(error, "broken.yaml", "invalid YAML at line")
+    with pytest.raises(ConfigError) as error:
+        load_run_config(str(tmp_path / "absent.yaml"))
+    assert_one_line(error, "absent.yaml", "no such file", "tiny")
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError) as error:
+        load_run_config(str(listing))
+    assert_one_line(error, "top level must be a mapping")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_dump_then_load_round_trips(tmp_path, name):
+    run = load_run_config(name, {"seed": 5})
+    path = tmp_path / f"{name}.yaml"
+    dump_run_config(run, path)
+    assert load_run_config(str(path)) == run
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    dump_run_config(run.model_copy(update={"seed": 6}), path)
+    assert load_run_config(str(path)).seed == 6
+
+
+def test_config_is_frozen_and_keyword_only():
+    run = load_run_config("tiny")
+    with pytest.raises(Exception):
+        run.seed = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        RunConfig("tiny")  # type: ignore[misc]
+
+
+def test_learning_rate_schedule():
+    opt = load_run_config("tiny").optimizer
+    assert opt.lr_at(0) == pytest.approx(opt.lr / opt.warmup_steps)
+    assert opt.lr_at(opt.warmup_steps - 1) == pytest.approx(opt.lr)
+    assert opt.lr_at(opt.warmup_steps) == pytest.approx(opt.lr)
+    assert opt.lr_at(opt.total_steps) == pytest.approx(opt.min_lr_ratio * opt.lr)
+    assert opt.lr_at(10 * opt.total_steps) == pytest.approx(opt.min_lr_ratio * opt.lr)
