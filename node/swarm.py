@@ -49,6 +49,7 @@ def join_swarm(*, identity: Identity, run_id: str, num_stages: int, initial_peer
             start=True,
             record_validators=[validator],
             identity_path=identity.path,
+            check_if_identity_free=not identity.fresh,  # a restarted node checks its old id is not still live
             host_maddrs=host_maddrs,
             announce_maddrs=announce_maddrs or None,
             client_mode=client_mode,

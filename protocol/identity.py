@@ -55,6 +55,7 @@ class Identity:
 
     private_key: rsa.RSAPrivateKey
     path: str
+    fresh: bool = False  # created just now, so no other peer can be using it yet
 
     @property
     def public_key(self) -> bytes:
@@ -70,11 +71,12 @@ class Identity:
     def __getstate__(self):
         return {"key": self.private_key.private_bytes(
             serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
-        ), "path": self.path}
+        ), "path": self.path, "fresh": self.fresh}
 
     def __setstate__(self, state):
         object.__setattr__(self, "private_key", serialization.load_der_private_key(state["key"], password=None))
         object.__setattr__(self, "path", state["path"])
+        object.__setattr__(self, "fresh", state["fresh"])
 
 
 def load_or_create_identity(path: str | None) -> Identity:
@@ -104,7 +106,7 @@ def load_or_create_identity(path: str | None) -> Identity:
         fd, path = tempfile.mkstemp(prefix="agora-identity-", suffix=".key")
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
-        return Identity(key, path)
+        return Identity(key, path, fresh=True)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise ConfigError(f"cannot create identity {path}: directory {directory} does not exist")
@@ -120,5 +122,5 @@ def load_or_create_identity(path: str | None) -> Identity:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return Identity(key, path)
+    return Identity(key, path, fresh=True)
 

@@ -7,7 +7,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Optional
 
-LOSS_WINDOW = 32
+LOSS_WINDOW = 16
 
 
 @dataclass

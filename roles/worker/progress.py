@@ -34,7 +34,10 @@ class StageProgress:
         self.counts_towards_target = counts_towards_target
         self.on_step = on_step
         self.stage_samples = 0  # last seen stage-wide count at our step
+        self.peer_samples = 0  # last seen count of the other workers at our step
         self.non_finite_steps = 0
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._wake = asyncio.Event()
 
     def _own_record(self) -> ProgressRecord:
         return ProgressRecord(
@@ -55,6 +58,7 @@ class StageProgress:
             r.samples_accumulated for r in peers.values() if r.local_step == my_step and r.counts_towards_target
         )
         self.stage_samples = total
+        self.peer_samples = total - self.optimizer.samples_accumulated
         if ahead > my_step or total >= self.target:
             report = await asyncio.to_thread(self._step, ahead)
             if report is not None:
@@ -75,13 +79,22 @@ class StageProgress:
             self.on_step(report)
         return report
 
+    def notify_samples(self) -> None:
+        """Called from the compute thread after each backward batch: tick at once when the stage
+        looks due, instead of overshooting the target until the next period."""
+        loop = self._loop
+        if loop is not None and self.optimizer.samples_accumulated + self.peer_samples >= self.target:
+            loop.call_soon_threadsafe(self._wake.set)
+
     async def run(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
         while not stop.is_set():
+            self._wake.clear()
             try:
                 await self.tick()
             except Exception:
                 logger.exception("progress tick failed")
-            try:
-                await asyncio.wait_for(stop.wait(), self.period_s)
-            except asyncio.TimeoutError:
-                pass
+            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+            await asyncio.wait(waiters, timeout=self.period_s, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in waiters:
+                waiter.cancel()

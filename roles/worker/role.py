@@ -63,6 +63,7 @@ class WorkerRole:
             self.model, self.optimizer, TaskQueues(config.max_batch, config.max_pending),
             stage=config.stage, vocab_size=run.model.vocab_size, max_seq_len=run.model.max_seq_len,
             device=self.device, autocast_dtype=autocast, counts_towards_target=self._counts_towards_target,
+            on_backward=lambda: self.progress.notify_samples(),
         )
         self.server = RpcServer(p2p)
         self.handlers = WorkerHandlers(self.runtime, self.info, lambda: self.state == WorkerState.ONLINE)

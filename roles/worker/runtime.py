@@ -70,6 +70,7 @@ class StageRuntime:
         device: torch.device,
         autocast_dtype: Optional[torch.dtype] = None,
         counts_towards_target: Callable[[], bool] = lambda: True,
+        on_backward: Callable[[], None] = lambda: None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -82,6 +83,7 @@ class StageRuntime:
         self.device = device
         self.autocast_dtype = autocast_dtype
         self.counts_towards_target = counts_towards_target
+        self.on_backward = on_backward
         self.counters: collections.Counter[str] = collections.Counter()
         self.compute_s = 0.0
         self.throughput = 0.0  # samples per second of compute, smoothed
@@ -218,6 +220,7 @@ class StageRuntime:
             self.counters["backward_unpinned"] += unpinned
         self.counters["backward_requests"] += len(requests)
         self.counters["backward_batches"] += 1
+        self.on_backward()
         return [
             BackwardResult(grad_input=None if grads is None else grads[i], loss=loss_values[i])
             for i in range(len(requests))

@@ -1,0 +1,175 @@
+"""`agora-node demo`: a whole swarm on 127.0.0.1 that trains the `tiny` model and shows loss falling.
+
+The demo process runs a DHT node of its own that every node bootstraps from (like a run's seed
+node), so all workers and trainers can start at once, and it reads their DHT records for the
+live progress line. Nodes are real `agora-node` processes started through the same CLI a user
+runs. Ctrl-C stops every node and reaps every process the demo started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Optional
+
+from node.cli import _Parser
+from node.launcher import LocalSwarm, NodeStartError
+from protocol.errors import ConfigError
+
+
+def demo_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="agora-node demo", description="Train the tiny model with a local swarm on 127.0.0.1.")
+    p.add_argument("--stages", type=int, default=3, help="pipeline stages (default 3)")
+    p.add_argument("--workers-per-stage", type=int, default=1, help="replicas of each stage (default 1)")
+    p.add_argument("--trainers", type=int, default=2, help="trainer processes (default 2)")
+    p.add_argument("--lanes", type=int, default=4, help="samples each trainer keeps in flight (default 4)")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps to train (default 60)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+    p.add_argument("--keep-logs", action="store_true", help="keep the node logs and print where they are")
+    return p
+
+
+def demo_run_config(stages: int, steps: int) -> dict:
+    """Overrides that cut the tiny preset into `stages` stages of one or more blocks each."""
+    from roles.model.config import load_run_config
+
+    base = load_run_config("tiny")
+    layers = max(base.model.n_layers, stages)
+    bounds = [round(i * layers / stages) for i in range(stages + 1)]
+    return {
+        "run_id": f"demo-{os.getpid()}",
+        "model": {"n_layers": layers},
+        "stages": [{"first_layer": bounds[i], "last_layer": bounds[i + 1]} for i in range(stages)],
+        "optimizer": {"total_steps": max(steps * 2, base.optimizer.warmup_steps + 1)},
+    }
+
+
+def _validate(args: argparse.Namespace) -> None:
+    minimums = {"stages": 2, "workers_per_stage": 1, "trainers": 1, "lanes": 1, "steps": 1}
+    for name, minimum in minimums.items():
+        if getattr(args, name) < minimum:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least {minimum}")
+
+
+def demo_main(argv: list[str]) -> int:
+    args = demo_parser().parse_args(argv)
+    _validate(args)
+    from node.swarm import join_swarm
+    from protocol.identity import load_or_create_identity
+    from roles.model.config import dump_run_config, load_run_config
+
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
+    workdir = tempfile.mkdtemp(prefix="agora-demo-")
+    run = load_run_config("tiny", demo_run_config(args.stages, args.steps))
+    config_path = os.path.join(workdir, "run.yaml")
+    dump_run_config(run, config_path)
+
+    # Started before any thread of ours exists: hivemind forks its DHT process (DESIGN §10).
+    identity = load_or_create_identity(None)
+    membership = join_swarm(identity=identity, run_id=run.run_id, num_stages=run.num_stages, initial_peers=[],
+                            host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], bootstrap_timeout_s=30)
+    os.unlink(identity.path)
+    swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=1,
+                       common_args=["--announce-period-s", "2"], initial_peers=membership.maddrs)
+    samples_per_trainer = math.ceil(args.steps * run.target_batch_size / args.trainers)
+    summary: Optional[dict] = None
+    code = 0
+    try:
+        say(f"starting {args.stages} stage(s) x {args.workers_per_stage} worker(s) and {args.trainers} trainer(s) "
+            f"on 127.0.0.1; training {args.steps} steps of {run.target_batch_size} samples")
+        workers = [swarm.start("worker", stage=s, args=["--max-batch", "16"], wait_ready=False)
+                   for s in range(args.stages) for _ in range(args.workers_per_stage)]
+        trainers = [
+            swarm.start("trainer", args=["--lanes", str(args.lanes), "--max-samples", str(samples_per_trainer),
+                                         "--shard-index", str(i), "--num-shards", str(args.trainers),
+                                         "--discovery-period-s", "2"], wait_ready=False)
+            for i in range(args.trainers)
+        ]
+        for node in workers + trainers:
+            swarm.wait_ready(node, timeout_s=120)
+        asyncio.run(_watch(membership, identity.peer_id.to_base58(), run, trainers, args, say))
+        summaries = [t.summary() for t in trainers]
+        missing = [t for t, s in zip(trainers, summaries) if s is None]
+        if missing:
+            raise NodeStartError(f"{missing[0].name} ended without a summary:\n{missing[0].log_tail()}")
+        summary = combine_summaries(summaries)
+    except KeyboardInterrupt:
+        say("\ninterrupted; stopping every node")
+        code = 130
+    except NodeStartError as exc:
+        print(f"agora-node demo: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        swarm.stop_all()
+        membership.shutdown()
+        left = swarm.survivors()
+        if left:
+            print(f"agora-node demo: warning: processes {left} survived shutdown", file=sys.stderr)
+        if code == 0 and not args.keep_logs:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"node logs: {swarm.workdir}", file=sys.stderr)
+    if summary is None:
+        return code or 1
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        first, last = summary["first_loss"], summary["last_loss"]
+        print(f"done: loss {first:.3f} -> {last:.3f} ({(1 - last / first) * 100:.0f}% lower), "
+              f"{summary['tokens_per_s']:.0f} tokens/s, {summary['samples_completed']} samples completed, "
+              f"{summary['samples_dropped']} dropped", flush=True)
+    return 0
+
+
+def combine_summaries(summaries: list[dict]) -> dict:
+    def mean(key: str) -> Optional[float]:
+        values = [s[key] for s in summaries if s.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    wall = max(s["wall_s"] for s in summaries)
+    tokens = sum(s["tokens"] for s in summaries)
+    return {
+        "first_loss": mean("first_loss"),
+        "last_loss": mean("last_loss"),
+        "tokens_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
+        "samples_completed": sum(s["samples_completed"] for s in summaries),
+        "samples_dropped": sum(s["samples_dropped"] for s in summaries),
+        "wall_s": wall,
+    }
+
+
+async def _watch(membership, peer_id: str, run, trainers, args, say) -> None:
+    """Show a live progress line, read from the swarm's DHT records, until the trainers finish."""
+    from protocol.dht import SwarmDHT
+    from protocol.dht_schema import ProgressRecord, TrainerRecord, WorkerRecord, progress_key, trainers_key, workers_key
+
+    dht = SwarmDHT(membership.dht, peer_id)
+    started = time.monotonic()
+    interactive = sys.stderr.isatty() and not args.json
+    last_print = 0.0
+    while any(t.proc.poll() is None for t in trainers):
+        workers = [len(await dht.get(workers_key(run.run_id, s), WorkerRecord)) for s in range(run.num_stages)]
+        progress = [await dht.get(progress_key(run.run_id, s), ProgressRecord) for s in range(run.num_stages)]
+        step = min(max((r.local_step for r in p.values()), default=0) for p in progress)
+        records = await dht.get(trainers_key(run.run_id), TrainerRecord)
+        tokens = sum(r.tokens for r in records.values())
+        losses = [r.recent_loss for r in records.values() if r.recent_loss is not None]
+        loss = f"{sum(losses) / len(losses):.3f}" if losses else "-"
+        elapsed = time.monotonic() - started
+        line = (f"step {step}/{args.steps}  loss {loss}  {tokens / max(elapsed, 1e-9):.0f} tokens/s  "
+                f"workers per stage {workers}  {elapsed:.0f}s")
+        if interactive:
+            print("\r" + line.ljust(100), end="", file=sys.stderr, flush=True)
+        elif time.monotonic() - last_print >= 5:
+            say(line)
+            last_print = time.monotonic()
+        await asyncio.sleep(1.0)
+    if interactive:
+        print(file=sys.stderr)

@@ -1,0 +1,189 @@
+"""Start and stop real `agora-node` processes on this machine: used by the demo, the
+integration tests and the benchmarks, so all three exercise exactly what a user runs.
+
+Each node runs in its own session (process group), so a stop can reap the node together with
+every child it started (hivemind's DHT process, p2pd) even if the node itself died hard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+READY_PREFIX = "agora-node ready "
+
+
+class NodeStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class NodeProcess:
+    name: str
+    role: str
+    stage: Optional[int]
+    proc: subprocess.Popen
+    log_path: str
+    stdout_lines: list[str] = field(default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)
+    peer_id: str = ""
+    maddrs: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def summary(self) -> Optional[dict]:
+        """The trainer's final JSON summary line, if it printed one."""
+        for line in reversed(self.stdout_lines):
+            if line.startswith("{"):
+                try:
+                    return json.loads(line).get("summary")
+                except json.JSONDecodeError:
+                    continue
+        return None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _pump_stdout(node: NodeProcess) -> None:
+    for raw in node.proc.stdout:
+        line = raw.rstrip("\n")
+        node.stdout_lines.append(line)
+        if line.startswith(READY_PREFIX) and not node.ready.is_set():
+            fields = dict(part.split("=", 1) for part in line[len(READY_PREFIX):].split() if "=" in part)
+            node.peer_id = fields.get("peer", "")
+            node.maddrs = [m for m in fields.get("maddrs", "").split(",") if m]
+            node.ready.set()
+
+
+class LocalSwarm:
+    """A set of agora-node processes sharing one run config, bootstrapped from the first node."""
+
+    def __init__(self, workdir: str, config: str, *, torch_threads: int = 1,
+                 extra_env: Optional[dict[str, str]] = None, common_args: Sequence[str] = (),
+                 initial_peers: Sequence[str] = ()):
+        self.workdir = workdir
+        self.config = config
+        self.torch_threads = torch_threads
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(torch_threads),
+                    **(extra_env or {})}
+        self.common_args = list(common_args)
+        self.nodes: list[NodeProcess] = []
+        self.bootstrap_peers = list(initial_peers)
+        os.makedirs(workdir, exist_ok=True)
+
+    @property
+    def initial_peers(self) -> list[str]:
+        if self.bootstrap_peers:
+            return self.bootstrap_peers
+        for node in self.nodes:
+            if node.ready.is_set() and node.proc.poll() is None:
+                return node.maddrs[:1]
+        return []
+
+    def start(self, role: str, *, stage: Optional[int] = None, args: Sequence[str] = (), name: Optional[str] = None,
+              wait_ready: bool = True, timeout_s: float = 60.0) -> NodeProcess:
+        name = name or (f"{role}{stage}" if stage is not None else f"{role}") + f"-{len(self.nodes)}"
+        cmd = [sys.executable, "-m", "node.cli", "--role", role, "--config", self.config,
+               "--torch-threads", str(self.torch_threads), *self.common_args]
+        if stage is not None:
+            cmd += ["--stage", str(stage)]
+        peers = self.initial_peers
+        if peers and "--initial-peers" not in args:
+            cmd += ["--initial-peers", *peers]
+        cmd += list(args)
+        log_path = os.path.join(self.workdir, f"{name}.log")
+        log = open(log_path, "w")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
+                                env=self.env, start_new_session=True)
+        log.close()
+        node = NodeProcess(name=name, role=role, stage=stage, proc=proc, log_path=log_path)
+        threading.Thread(target=_pump_stdout, args=(node,), daemon=True).start()
+        self.nodes.append(node)
+        if wait_ready:
+            self.wait_ready(node, timeout_s)
+        return node
+
+    def wait_ready(self, node: NodeProcess, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not node.ready.wait(0.1):
+            if node.proc.poll() is not None:
+                raise NodeStartError(f"{node.name} exited with {node.proc.returncode}:\n{node.log_tail()}")
+            if time.monotonic() > deadline:
+                raise NodeStartError(f"{node.name} not ready after {timeout_s:.0f}s:\n{node.log_tail()}")
+
+    def wait(self, node: NodeProcess, timeout_s: float) -> int:
+        try:
+            return node.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise TimeoutError(f"{node.name} still running after {timeout_s:.0f}s:\n{node.log_tail()}") from exc
+
+    def stop(self, node: NodeProcess, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> Optional[int]:
+        """Signal the node, wait for it, then kill whatever is left in its process group."""
+        if node.proc.poll() is None:
+            try:
+                node.proc.send_signal(sig)
+                node.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            except ProcessLookupError:
+                pass
+        _kill_group(node.proc.pid)
+        try:
+            return node.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop_all(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
+        live = [n for n in self.nodes if n.proc.poll() is None]
+        for node in live:
+            try:
+                node.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for node in live:
+            try:
+                node.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for node in self.nodes:
+            _kill_group(node.proc.pid)
+            try:
+                node.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def survivors(self) -> list[int]:
+        """Pids still alive in any of our nodes' process groups (should be none after stop_all)."""
+        import psutil
+
+        groups = {n.proc.pid for n in self.nodes}
+        alive = []
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(proc.pid) in groups and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc.pid)
+            except (ProcessLookupError, psutil.Error, OSError):
+                continue
+        return alive
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
