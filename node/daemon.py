@@ -125,8 +125,7 @@ async def _serve(settings: NodeSettings, run: RunConfig, stage: Optional[int], d
                 await asyncio.wait_for(role.shutdown(), 60)
             except Exception:
                 logger.exception("shutdown of the %s was not clean", settings.role)
-            if settings.role == "trainer":
-                print(json.dumps({"summary": role.summary()}), flush=True)
+            print(json.dumps({"summary": role.summary()}), flush=True)
         await asyncio.to_thread(membership.shutdown)
     return code
 

@@ -105,6 +105,18 @@ class WorkerRole:
             queued={k.value: v for k, v in pending.items()}, counters=counters, version=version.client_version(),
         )
 
+    def summary(self) -> dict:
+        """What this worker did, printed as its last stdout line on exit."""
+        stats = self.runtime.queues.stats
+        return {
+            "stage": self.config.stage,
+            "local_step": self.optimizer.local_step,
+            "counters": dict(self.runtime.counters),
+            "rejected": dict(self.server.rejected),
+            "compute_s": round(self.runtime.compute_s, 3),
+            "mean_batch_size": round(stats.mean_batch_size, 3),
+        }
+
     async def start(self) -> None:
         self.runtime.start()
         await self.server.add_handler(version.FORWARD, self.handlers.forward)

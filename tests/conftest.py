@@ -1,0 +1,58 @@
+"""Shared fixtures: real agora-node swarms on 127.0.0.1, reaped no matter how a test ends."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import uuid
+
+import psutil
+import pytest
+
+from node.launcher import LocalSwarm
+
+mp.set_start_method("fork", force=True)  # hivemind needs fork (DESIGN §3, §10)
+
+_swarms: list[LocalSwarm] = []
+
+
+@pytest.fixture
+def make_swarm(tmp_path):
+    """Build LocalSwarms for a test; every node they start is stopped and reaped afterwards."""
+    created: list[LocalSwarm] = []
+
+    def factory(config: str, **kwargs) -> LocalSwarm:
+        swarm = LocalSwarm(str(tmp_path / f"swarm{len(created)}"), config, **kwargs)
+        created.append(swarm)
+        _swarms.append(swarm)
+        return swarm
+
+    yield factory
+    for swarm in created:
+        swarm.stop_all(timeout_s=20)
+        assert swarm.survivors() == [], "a node left processes behind"
+
+
+@pytest.fixture
+def run_config_path(tmp_path):
+    """Write a tiny run config with a unique run id and the given overrides; return its path."""
+    from roles.model.config import dump_run_config, load_run_config
+
+    def write(**overrides) -> str:
+        overrides.setdefault("run_id", f"test-{uuid.uuid4().hex[:8]}")
+        path = tmp_path / f"{overrides['run_id']}.yaml"
+        dump_run_config(load_run_config("tiny", overrides), path)
+        return str(path)
+
+    return write
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for swarm in _swarms:
+        swarm.stop_all(timeout_s=10)
+    leftovers = [p for p in psutil.Process(os.getpid()).children(recursive=True) if p.is_running()]
+    for proc in leftovers:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass

@@ -1,0 +1,98 @@
+"""A real swarm on 127.0.0.1, driven through the CLI: a 2-stage tiny model with two workers in
+stage 0 and one trainer with 2 lanes."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+TWO_STAGES = [{"first_layer": 0, "last_layer": 2}, {"first_layer": 2, "last_layer": 3}]
+
+
+def _worker_summaries(swarm):
+    return {n.name: n.summary() for n in swarm.nodes if n.role == "worker"}
+
+
+@pytest.mark.timeout(240)
+def test_two_stage_swarm_trains_and_accounts_for_every_sample(make_swarm, run_config_path):
+    config = run_config_path(stages=TWO_STAGES, target_batch_size=8)
+    swarm = make_swarm(config)
+    first = swarm.start("worker", stage=0, args=["--max-batch", "8"])
+    second = swarm.start("worker", stage=0, args=["--max-batch", "8"], wait_ready=False)
+    tail = swarm.start("worker", stage=1, args=["--max-batch", "8"], wait_ready=False)
+    swarm.wait_ready(second)
+    swarm.wait_ready(tail)
+    trainer = swarm.start("trainer", args=["--lanes", "2", "--max-samples", "240", "--discovery-period-s", "1"])
+    assert swarm.wait(trainer, 180) == 0, trainer.log_tail()
+    summary = trainer.summary()
+
+    assert summary["samples_started"] == 240
+    assert summary["samples_completed"] + summary["samples_dropped"] == summary["samples_started"]
+    assert summary["samples_in_flight"] == 0
+    assert summary["samples_dropped"] == 0, summary["dropped_by_reason"]
+    assert summary["last_loss"] < summary["first_loss"] * 0.85, summary
+
+    served = summary["served"]["0"]
+    assert set(served) == {first.peer_id, second.peer_id}, "both stage-0 workers must serve"
+    assert min(served.values()) >= 0.15 * 240, served
+    assert summary["backward_fallbacks"] == 0
+
+    for node in (first, second, tail):
+        assert swarm.stop(node, signal.SIGTERM) == 0, node.log_tail()
+    workers = _worker_summaries(swarm)
+    for name, worker in workers.items():
+        assert worker is not None, f"{name} printed no summary"
+        assert worker["counters"].get("backward_unpinned", 0) == 0, "a backward ran off its forward's worker"
+    stage0_backward = sum(w["counters"]["backward_requests"] for w in workers.values() if w["stage"] == 0)
+    assert stage0_backward == summary["samples_completed"]
+    assert 240 // 16 <= workers[tail.name]["local_step"] <= 240 // 8  # steps overshoot the target by < 2x
+    assert swarm.survivors() == []
+
+
+@pytest.mark.timeout(240)
+def test_training_survives_a_killed_worker(make_swarm, run_config_path):
+    """SIGKILL one of two replicas mid-run: its samples are retried on the survivor or counted."""
+    config = run_config_path(stages=TWO_STAGES, target_batch_size=8)
+    swarm = make_swarm(config)
+    survivor = swarm.start("worker", stage=0)
+    victim = swarm.start("worker", stage=0, wait_ready=False)
+    tail = swarm.start("worker", stage=1, wait_ready=False)
+    swarm.wait_ready(victim)
+    swarm.wait_ready(tail)
+    trainer = swarm.start("trainer", args=["--lanes", "4", "--max-samples", "300", "--discovery-period-s", "1",
+                                           "--request-timeout-s", "5"])
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any("step 3" in line for line in open(tail.log_path)):
+        time.sleep(0.2)
+    swarm.stop(victim, signal.SIGKILL)
+    assert swarm.wait(trainer, 180) == 0, trainer.log_tail()
+    summary = trainer.summary()
+    assert summary["samples_completed"] + summary["samples_dropped"] == 300
+    assert summary["samples_in_flight"] == 0
+    assert summary["samples_completed"] >= 280, summary
+    assert summary["served"]["0"].get(survivor.peer_id, 0) > summary["served"]["0"].get(victim.peer_id, 0)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_drains_a_trainer_and_its_counts_add_up(make_swarm, run_config_path):
+    config = run_config_path(stages=TWO_STAGES)
+    swarm = make_swarm(config)
+    swarm.start("worker", stage=0)
+    swarm.start("worker", stage=1)
+    trainer = swarm.start("trainer", args=["--lanes", "4", "--discovery-period-s", "1"])
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any("training starts" in line for line in open(trainer.log_path)):
+        time.sleep(0.2)
+    time.sleep(2)
+    assert swarm.stop(trainer, signal.SIGTERM) == 0, trainer.log_tail()
+    summary = trainer.summary()
+    assert summary["samples_completed"] > 0
+    assert summary["samples_completed"] + summary["samples_dropped"] == summary["samples_started"]
+    assert summary["samples_in_flight"] == 0

@@ -1,0 +1,104 @@
+"""RPC over real libp2p streams in-process: typed errors for malformed frames, and the server
+keeps serving honest requests afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hivemind.p2p import P2P
+
+from protocol.codec import pack, unpack
+from protocol.errors import ErrorCode, PeerTimeout, RemoteError
+from protocol.framing import read_frame, write_frame
+from protocol.messages import make_envelope
+from protocol.transport import RpcClient, RpcServer
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def _pair():
+    server_p2p = await P2P.create()
+    client_p2p = await P2P.create(initial_peers=await server_p2p.get_visible_maddrs())
+    server = RpcServer(server_p2p, max_frame_bytes=1 << 16)
+
+    async def echo(peer_id, body):
+        if body.get("boom"):
+            raise ValueError("handler bug")
+        if body.get("sleep"):
+            await asyncio.sleep(body["sleep"])
+        return {"echo": body}
+
+    await server.add_handler("agora/v1/echo", echo)
+    return server_p2p, client_p2p, server
+
+
+def test_malformed_frames_get_typed_errors_and_serving_continues():
+    async def scenario():
+        server_p2p, client_p2p, server = await _pair()
+        try:
+            _, reader, writer = await client_p2p.call_binary_stream_handler(server_p2p.peer_id, "agora/v1/echo")
+            for garbage in (b"\xc1", pack([1, 2, 3]), pack({"version": 1, "body": {}}),
+                            pack({**make_envelope({}), "version": 7})):
+                await write_frame(writer, garbage)
+                reply = unpack(await read_frame(reader))
+                assert reply["ok"] is False and isinstance(reply["error"]["code"], int)
+            await write_frame(writer, pack(make_envelope({"x": 1})))  # same stream still serves
+            assert unpack(await read_frame(reader))["body"] == {"echo": {"x": 1}}
+            writer.close()
+
+            client = RpcClient(client_p2p, timeout_s=5)
+            assert await client.call(server_p2p.peer_id, "agora/v1/echo", {"y": 2}) == {"echo": {"y": 2}}
+            with pytest.raises(RemoteError) as info:
+                await client.call(server_p2p.peer_id, "agora/v1/echo", {"boom": True})
+            assert info.value.code == ErrorCode.INTERNAL
+            with pytest.raises(PeerTimeout):
+                await client.call(server_p2p.peer_id, "agora/v1/echo", {"sleep": 2}, timeout_s=0.3)
+            assert await client.call(server_p2p.peer_id, "agora/v1/echo", {"z": 3}) == {"echo": {"z": 3}}
+            assert server.rejected["malformed_frame"] == 3
+            assert server.rejected["unsupported_version"] == 1
+            assert server.rejected["internal"] == 1
+            await client.close()
+        finally:
+            await client_p2p.shutdown()
+            await server_p2p.shutdown()
+
+    run(scenario())
+
+
+def test_oversized_frame_is_refused_before_reading_it():
+    async def scenario():
+        server_p2p, client_p2p, server = await _pair()
+        try:
+            _, reader, writer = await client_p2p.call_binary_stream_handler(server_p2p.peer_id, "agora/v1/echo")
+            writer.write((1 << 30).to_bytes(4, "big"))
+            await writer.drain()
+            reply = unpack(await read_frame(reader))
+            assert reply["error"]["code"] == ErrorCode.FRAME_TOO_LARGE
+            client = RpcClient(client_p2p, timeout_s=5)
+            assert await client.call(server_p2p.peer_id, "agora/v1/echo", {"ok": 1}) == {"echo": {"ok": 1}}
+            await client.close()
+        finally:
+            await client_p2p.shutdown()
+            await server_p2p.shutdown()
+
+    run(scenario())
+
+
+def test_concurrent_calls_use_parallel_streams():
+    async def scenario():
+        server_p2p, client_p2p, _ = await _pair()
+        try:
+            client = RpcClient(client_p2p, timeout_s=10)
+            replies = await asyncio.gather(
+                *(client.call(server_p2p.peer_id, "agora/v1/echo", {"i": i, "sleep": 0.2}) for i in range(8))
+            )
+            assert [r["echo"]["i"] for r in replies] == list(range(8))
+            await client.close()
+        finally:
+            await client_p2p.shutdown()
+            await server_p2p.shutdown()
+
+    run(scenario())
