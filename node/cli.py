@@ -62,11 +62,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    from node.daemon import configure_logging, run_node
+    args = vars(node_parser().parse_args(argv))  # before the heavy imports: bad flags fail fast
     from node.settings import build_settings
 
-    args = vars(node_parser().parse_args(argv))
     settings = build_settings(args)
+    from node.daemon import configure_logging, run_node
+
     configure_logging(settings.log_level)
     return run_node(settings)
 

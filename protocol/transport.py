@@ -17,6 +17,7 @@ import logging
 from typing import Awaitable, Callable, Optional
 
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from protocol.codec import pack, unpack
 from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
@@ -31,6 +32,15 @@ Handler = Callable[[PeerID, dict], Awaitable[dict]]
 
 def _error_reply(code: ErrorCode, message: str) -> bytes:
     return pack({"version": PROTOCOL_VERSION, "ok": False, "error": {"code": int(code), "message": message[:2048]}})
+
+
+async def dial(p2p: P2P, peer_id: PeerID, maddrs: list[str], timeout_s: float = 10.0) -> None:
+    """Open a libp2p connection to `peer_id` at its announced addresses, so a first call does
+    not depend on the DHT having introduced the two peers. The daemon wants transport addresses
+    without the trailing /p2p/<id> part."""
+    addresses = [Multiaddr(m.split("/p2p/")[0]) for m in maddrs if m]
+    if addresses:
+        await asyncio.wait_for(p2p._client.connect(peer_id, addresses), timeout_s)
 
 
 class RpcServer:

@@ -10,11 +10,10 @@ import time
 from typing import Iterator, Optional
 
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils.multiaddr import Multiaddr
 
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import TrainerRecord, trainers_key
-from protocol.transport import RpcClient
+from protocol.transport import RpcClient, dial
 from roles.announcer import Announcer
 from roles.model.config import RunConfig
 from roles.trainer.accounting import SampleAccounting
@@ -71,13 +70,11 @@ class TrainerRole:
         DHT having introduced us already."""
         if peer in self._connected:
             return
-        maddrs = [Multiaddr(m) for m in self.discovery.maddrs.get(peer, [])]
-        if maddrs:
-            try:
-                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), maddrs), 10.0)
-            except Exception as exc:  # the call itself will report the peer as unavailable
-                logger.debug("dialing %s failed: %s", peer[-8:], exc)
-                return
+        try:
+            await dial(self.p2p, PeerID.from_base58(peer), self.discovery.maddrs.get(peer, []))
+        except Exception as exc:  # the call itself will report the peer as unavailable
+            logger.debug("dialing %s failed: %s", peer[-8:], exc)
+            return
         self._connected.add(peer)
 
     async def wait_for_workers(self, stop: asyncio.Event) -> bool:

@@ -1,0 +1,805 @@
+"""Pipeline benchmark: how much of one machine's training throughput a local agora swarm keeps,
+where its time goes, and what a node costs in memory. Prints ONE JSON object on stdout (logs go
+to stderr); `--out PATH` also writes it to a file, `--quick` shortens every window (CI smoke).
+
+What each number means, and why it is measured that way:
+
+`swarm_vs_centralized`
+    Swarm tokens/s divided by the tokens/s of the same model trained in ONE process with the
+    same global batch (`target_batch_size` samples of `seq_len` tokens per optimizer step) on
+    the same cores. The swarm is the `tiny` preset (3 stages, one worker each, `torch_threads=1`
+    per node) driven by two trainers; its rate is taken over a steady window only: start-up,
+    discovery and the first samples are discarded (warm-up of N samples seen at the head
+    worker), then tokens are read from the trainers' own signed DHT records at the start and
+    end of the window and divided by the difference of the records' timestamps, so neither
+    process start-up nor announcement lag enters the rate. The head worker's backward counter
+    (a sample is complete once the head has run its backward) gives a cross-check. The
+    centralized reference builds the three StageModels in this process, chains them with
+    FullModel (no boundary compression, no activation recomputation: the work a single process
+    would really do), uses AdamW with the run's hyperparameters and per-stage clipping,
+    `torch.set_num_threads(2)`, and draws its batches from the same synthetic stream inside the
+    timed loop. The ratio therefore prices everything the swarm adds: recomputation in backward,
+    boundary compression, serialization, libp2p hops, DHT traffic and 5+ Python processes
+    sharing 2 cores.
+
+`utilization_by_lanes`
+    For 1, 2, 4 and 8 lanes (ONE trainer holding all lanes), each worker's compute time over wall
+    time in a fixed window: `compute_ms` from the worker's own `agora/v1/info` counters at the
+    start and end of the window (the compute thread adds the duration of every batch it runs),
+    over the wall time between the two calls. It answers "does one trainer keep the pipeline
+    busy, and how many lanes does it take?". Batch sizes (requests per coalesced batch) and the
+    CPU each process used in the window are reported beside it, because on a 2-core machine the
+    usual limit is not the pipeline but the cores every process shares.
+
+`rpc_overhead_ratio`
+    The forward round trip of our stack (RpcClient.call -> msgpack envelope -> framed libp2p
+    stream -> RpcServer -> `parse_model(ForwardRequest)` -> the worker's own request checks ->
+    encoded coords reply -> reply parsing) divided by a bare hivemind binary-stream round trip
+    that echoes length-prefixed frames of exactly the same byte sizes on one long-lived stream.
+    Both run in this process over two `hivemind.p2p.P2P` instances on 127.0.0.1, in alternating
+    blocks (so drift in machine load hits both), with medians over >= 500 round trips each.
+    Model compute and the worker's queue/thread hand-off are EXCLUDED: the handler validates,
+    then returns a coords tensor of the request's shape. The ratio is the cost of our protocol
+    layer on top of the transport, which is what we control.
+
+`peak_rss_mb`
+    Peak resident memory (VmHWM from /proc/PID/status) of a worker and of a trainer running 8
+    lanes, sampled right before they are stopped. Reported for the node process alone and
+    summed over the node and its children (hivemind's forked DHT process and the p2pd daemon).
+    The sum double-counts pages the forked DHT child shares with its parent, so the tree's
+    proportional set size (PSS, shared pages split between sharers) is reported too; the aim is
+    checked against the conservative VmHWM sum.
+
+Every process the benchmark starts is stopped (LocalSwarm.stop_all, then a check that no pid of
+any node's process group survives); the seed DHT node is shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import struct
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Optional
+
+AIMS = {
+    "swarm_vs_centralized_min": 0.7,
+    "utilization_min_at_enough_lanes": 0.9,
+    "rpc_overhead_ratio_max": 1.15,
+    "trainer_8_lanes_peak_rss_mb_max": 400.0,
+}
+LANES = (1, 2, 4, 8)
+WORKER_MAX_BATCH = 16
+
+
+def log(*parts: object) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Windows:
+    """How long each measurement runs; `--quick` shortens all of them."""
+
+    swarm_window_s: float
+    lanes_window_s: float
+    warmup_samples: int
+    warmup_s: float
+    rpc_round_trips: int
+    rpc_block: int
+    central_steps: int
+    central_warmup_steps: int
+    swarm_lanes_per_trainer: int = 4
+
+
+FULL = Windows(swarm_window_s=20.0, lanes_window_s=15.0, warmup_samples=48, warmup_s=4.0,
+               rpc_round_trips=1500, rpc_block=50, central_steps=30, central_warmup_steps=5)
+QUICK = Windows(swarm_window_s=5.0, lanes_window_s=4.0, warmup_samples=16, warmup_s=1.5,
+                rpc_round_trips=500, rpc_block=50, central_steps=6, central_warmup_steps=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# machine and process helpers
+# ---------------------------------------------------------------------------------------------
+
+def machine_info() -> dict:
+    import hivemind
+    import torch
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_model": model,
+        "torch": torch.__version__,
+        "hivemind": hivemind.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def _proc_kb(path: str, field: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def process_tree(pid: int) -> list:
+    """The node process and every descendant, as psutil.Process objects (missing ones skipped)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def memory_of(pid: int) -> dict:
+    """Peak and current RSS of a node process alone and summed with its children, plus tree PSS."""
+    tree = process_tree(pid)
+    rows = []
+    for proc in tree:
+        try:
+            name = proc.name()
+        except Exception:  # noqa: BLE001 - it may have exited between listing and reading
+            name = "?"
+        rows.append({
+            "pid": proc.pid, "name": name,
+            "hwm_kb": _proc_kb(f"/proc/{proc.pid}/status", "VmHWM") or 0,
+            "rss_kb": _proc_kb(f"/proc/{proc.pid}/status", "VmRSS") or 0,
+            "pss_kb": _proc_kb(f"/proc/{proc.pid}/smaps_rollup", "Pss"),
+        })
+    if not rows:
+        return {"error": f"process {pid} is gone"}
+    mb = lambda kb: round(kb / 1024, 1)  # noqa: E731
+    pss = [r["pss_kb"] for r in rows]
+    return {
+        "node_peak_rss_mb": mb(rows[0]["hwm_kb"]),
+        "with_children_peak_rss_mb": mb(sum(r["hwm_kb"] for r in rows)),
+        "node_rss_mb": mb(rows[0]["rss_kb"]),
+        "with_children_rss_mb": mb(sum(r["rss_kb"] for r in rows)),
+        "with_children_pss_mb": mb(sum(pss)) if all(p is not None for p in pss) else None,
+        "processes": [{"pid": r["pid"], "name": r["name"], "peak_rss_mb": mb(r["hwm_kb"])} for r in rows],
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU seconds used so far by a node and its live children."""
+    total = 0.0
+    for proc in process_tree(pid):
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except Exception:  # noqa: BLE001
+            continue
+    return total
+
+
+def _dialable(maddrs) -> list:
+    """Multiaddrs without their trailing /p2p/<peer id>: p2pd's connect refuses addresses that
+    still carry it ("length greater than remaining number of bytes in buffer")."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    return [Multiaddr(str(m).split("/p2p/", 1)[0]) for m in maddrs]
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def _r(x: Optional[float], nd: int = 3) -> Optional[float]:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, nd)
+
+
+# ---------------------------------------------------------------------------------------------
+# run config
+# ---------------------------------------------------------------------------------------------
+
+def bench_run_config():
+    """The tiny preset (3 stages of one block), under a run id of its own."""
+    from roles.model.config import load_run_config
+
+    return load_run_config("tiny", {"run_id": f"bench-{os.getpid()}"})
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) RPC overhead: our forward round trip vs a bare hivemind binary stream, same bytes
+# ---------------------------------------------------------------------------------------------
+
+def _validating_runtime(run, stage: int):
+    """A StageRuntime for `stage` whose compute thread is never started: only its request checks
+    (`check_forward`, exactly what a worker runs before queueing) are used."""
+    from roles.model.stage import StageModel
+    from roles.worker.optimizer import StageOptimizer
+    from roles.worker.queues import TaskQueues
+    from roles.worker.runtime import StageRuntime
+
+    model = StageModel(run, stage)
+    opt = run.optimizer
+    optimizer = StageOptimizer(model.trainable_parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                               weight_decay=opt.weight_decay, warmup_steps=opt.warmup_steps,
+                               total_steps=opt.total_steps, min_lr_ratio=opt.min_lr_ratio,
+                               clip_threshold=run.clip_threshold(stage), device="cpu")
+    return StageRuntime(model, optimizer, TaskQueues(WORKER_MAX_BATCH), stage=stage,
+                        vocab_size=run.model.vocab_size, max_seq_len=run.model.max_seq_len,
+                        device=model.basis.device)
+
+
+async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
+    import torch
+    from hivemind.p2p import P2P
+
+    from protocol import version
+    from protocol.codec import encode_tensor, pack
+    from protocol.messages import ForwardRequest, make_envelope, parse_model
+    from protocol.transport import RpcClient, RpcServer
+    from roles.trainer.data import make_sample_stream
+
+    stage = 1  # a body stage: tokens and coords both travel
+    runtime = _validating_runtime(run, stage)
+    seq_len, rank = run.seq_len, run.model.subspace_rank
+    sample = next(iter(make_sample_stream("synthetic", None, seq_len, 0, 1, run.seed, epochs=None)))
+    coords = torch.randn(seq_len, rank, dtype=torch.float32)
+    output = torch.randn(seq_len, rank, dtype=torch.float32)  # stands in for the stage's output
+    body = {"stage": stage, "sample_id": "bench-s0-0", "tokens": encode_tensor(sample.tokens),
+            "coords": encode_tensor(coords)}
+
+    async def forward_without_compute(peer_id, request_body: dict) -> dict:
+        request = parse_model(ForwardRequest, request_body)
+        runtime.check_forward(request)  # the worker's checks: stage, dtype, shape, id range, finiteness
+        assert tuple(request.coords.shape) == tuple(output.shape)
+        return {"coords": encode_tensor(output)}
+
+    request_bytes = len(pack(make_envelope(body)))
+    reply_bytes = len(pack({"version": version.PROTOCOL_VERSION, "ok": True,
+                            "body": {"coords": encode_tensor(output)}}))
+    header = struct.Struct(">I")
+    bare_request = header.pack(request_bytes) + os.urandom(request_bytes)
+    bare_reply = header.pack(reply_bytes) + os.urandom(reply_bytes)
+
+    async def echo(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                (n,) = header.unpack(await reader.readexactly(header.size))
+                await reader.readexactly(n)
+                writer.write(bare_reply)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    rpc = RpcClient(client, timeout_s=10.0)
+    writer = None
+    try:
+        await client._client.connect(server.peer_id, _dialable(await server.get_visible_maddrs()))
+        rpc_server = RpcServer(server)
+        await rpc_server.add_handler(version.FORWARD, forward_without_compute)
+        await server.add_binary_stream_handler("bench/echo", echo)
+        _, reader, writer = await client.call_binary_stream_handler(server.peer_id, "bench/echo")
+
+        async def ours_once() -> float:
+            t = time.perf_counter()
+            reply = await rpc.call(server.peer_id, version.FORWARD, body)
+            elapsed = time.perf_counter() - t
+            if "coords" not in reply:
+                raise RuntimeError(f"unexpected forward reply {reply!r:.200}")
+            return elapsed
+
+        async def bare_once() -> float:
+            t = time.perf_counter()
+            writer.write(bare_request)
+            await writer.drain()
+            (n,) = header.unpack(await reader.readexactly(header.size))
+            await reader.readexactly(n)
+            return time.perf_counter() - t
+
+        for _ in range(max(20, block)):  # warm-up: stream setup, first-call imports, caches
+            await ours_once()
+            await bare_once()
+        ours: list[float] = []
+        bare: list[float] = []
+        blocks = math.ceil(round_trips / block)
+        for i in range(blocks):
+            order = ((ours_once, ours), (bare_once, bare)) if i % 2 == 0 else ((bare_once, bare), (ours_once, ours))
+            for fn, sink in order:
+                for _ in range(block):
+                    sink.append(await fn())
+        rejected = dict(rpc_server.rejected)
+        await rpc_server.shutdown()
+    finally:
+        if writer is not None:
+            writer.close()
+        await rpc.close()
+        await client.shutdown()
+        await server.shutdown()
+
+    def stats(values: list[float]) -> dict:
+        ms = [v * 1000 for v in values]
+        return {"round_trips": len(ms), "p50_ms": _r(_pct(ms, 0.5), 4), "p95_ms": _r(_pct(ms, 0.95), 4),
+                "mean_ms": _r(statistics.fmean(ms), 4)}
+
+    ratio = statistics.median(ours) / statistics.median(bare)
+    return {
+        "ratio": _r(ratio),
+        "ours": stats(ours),
+        "bare": stats(bare),
+        "payload_bytes": {"request_frame": request_bytes + header.size, "reply_frame": reply_bytes + header.size,
+                          "tokens": seq_len * 8, "coords": seq_len * rank * 4},
+        "server_rejections": rejected,
+        "method": (
+            "in-process, two hivemind.p2p.P2P instances on 127.0.0.1 connected directly; 'ours' = "
+            "RpcClient.call('agora/v1/forward') with a real body-stage ForwardRequest (tokens [seq_len] int64, "
+            "coords [seq_len, k] float32) against an RpcServer whose handler runs parse_model(ForwardRequest) and "
+            "the worker's StageRuntime.check_forward, then returns an encoded coords tensor of the same shape; "
+            "model compute and the worker's queue/compute-thread hand-off are EXCLUDED. 'bare' = one long-lived "
+            "add_binary_stream_handler stream echoing 4-byte length-prefixed frames of exactly our request and "
+            f"reply frame sizes. Alternating blocks of {block} round trips (order flipped every block), after a "
+            "warm-up; ratio = median(ours) / median(bare)."
+        ),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# (a, reference) centralized training in this process
+# ---------------------------------------------------------------------------------------------
+
+def measure_centralized(run, steps: int, warmup_steps: int, threads: int = 2) -> dict:
+    import torch
+
+    from roles.model.stage import FullModel, StageModel
+    from roles.trainer.data import make_sample_stream
+
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        stages = [StageModel(run, s) for s in range(run.num_stages)]
+        model = FullModel.from_stages(stages)
+        opt = run.optimizer
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opt.lr,
+                                      betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        samples = iter(make_sample_stream("synthetic", None, run.seq_len, 0, 1, run.seed, epochs=None))
+        batch = run.target_batch_size
+        losses: list[float] = []
+
+        def step() -> None:
+            tokens = torch.stack([next(samples).tokens for _ in range(batch)])
+            loss = model(tokens).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            for index, stage in enumerate(stages):  # the swarm clips per stage [4.3]; so do we
+                torch.nn.utils.clip_grad_norm_(stage.trainable_parameters(), run.clip_threshold(index))
+            optimizer.step()
+            losses.append(float(loss))
+
+        for _ in range(warmup_steps):
+            step()
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = time.perf_counter() - started
+    finally:
+        torch.set_num_threads(previous_threads)
+    tokens = steps * batch * run.seq_len
+    return {
+        "tokens_per_s": round(tokens / wall, 1),
+        "steps": steps,
+        "warmup_steps": warmup_steps,
+        "batch_samples": batch,
+        "seq_len": run.seq_len,
+        "wall_s": round(wall, 3),
+        "step_ms": round(wall / steps * 1000, 2),
+        "torch_threads": threads,
+        "loss_first_last": [round(losses[0], 3), round(losses[-1], 3)],
+        "method": (
+            "3 StageModels built in this process from the same run config, chained with FullModel (full residual "
+            "stream, no boundary compression, no recomputation), AdamW with the run's hyperparameters and "
+            f"per-stage clipping; torch.set_num_threads({threads}); each step draws target_batch_size samples from "
+            f"the same synthetic stream (inside the timed loop); tokens/s over {steps} steps after {warmup_steps} "
+            "warm-up steps."
+        ),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# the swarm: a probe on the seed node's libp2p daemon that reads worker counters and DHT records
+# ---------------------------------------------------------------------------------------------
+
+class SwarmProbe:
+    """Reads the swarm from the benchmark's own seed DHT node: workers' `agora/v1/info` over our
+    RpcClient, trainers' records from the DHT."""
+
+    def __init__(self, membership, peer_id: str, run):
+        self.membership = membership
+        self.peer_id = peer_id
+        self.run = run
+        self.p2p = None
+        self.client = None
+        self.dht = None
+        self._connected: set[str] = set()
+
+    async def open(self) -> None:
+        from protocol.dht import SwarmDHT
+        from protocol.transport import RpcClient
+
+        self.p2p = await self.membership.dht.replicate_p2p()
+        self.client = RpcClient(self.p2p, timeout_s=10.0)
+        self.dht = SwarmDHT(self.membership.dht, self.peer_id)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    async def info(self, node) -> dict:
+        """One worker's InfoReply (as a dict), with the local time the reply came back."""
+        from hivemind.p2p import PeerID
+
+        from protocol import version
+
+        peer = PeerID.from_base58(node.peer_id)
+        if node.peer_id not in self._connected:
+            await asyncio.wait_for(self.p2p._client.connect(peer, _dialable(node.maddrs)), 10.0)
+            self._connected.add(node.peer_id)
+        sent = time.monotonic()
+        reply = await self.client.call(peer, version.INFO, {}, timeout_s=10.0)
+        received = time.monotonic()
+        reply["_at"] = (sent + received) / 2
+        reply["_rtt_ms"] = (received - sent) * 1000
+        return reply
+
+    async def trainer_records(self) -> dict:
+        from protocol.dht_schema import TrainerRecord, trainers_key
+
+        return await self.dht.get(trainers_key(self.run.run_id), TrainerRecord)
+
+
+async def _snapshot(probe: SwarmProbe, workers, trainers) -> dict:
+    infos = await asyncio.gather(*(probe.info(w) for w in workers))
+    records = await probe.trainer_records()
+    cpu = {n.name: cpu_seconds(n.pid) for n in [*workers, *trainers]}
+    return {"infos": infos, "records": records, "cpu": cpu, "own_cpu": cpu_seconds(os.getpid()),
+            "at": time.monotonic()}
+
+
+async def _wait_warm(probe: SwarmProbe, workers, trainers, warmup_samples: int, warmup_s: float,
+                     timeout_s: float = 120.0) -> dict:
+    """Wait until the head worker has completed `warmup_samples` more backward passes and at
+    least `warmup_s` seconds have passed; those samples are discarded from the measurement."""
+    head = workers[0]
+    base = (await probe.info(head))["counters"].get("backward_requests", 0)
+    started = time.monotonic()
+    wanted = {t.peer_id for t in trainers}
+    while True:
+        dead = [t.name for t in trainers if t.proc.poll() is not None]
+        if dead:
+            raise RuntimeError(f"trainer(s) {dead} exited during warm-up:\n{trainers[0].log_tail()}")
+        done = (await probe.info(head))["counters"].get("backward_requests", 0) - base
+        elapsed = time.monotonic() - started
+        if done >= warmup_samples and elapsed >= warmup_s:
+            records = await probe.trainer_records()
+            if wanted <= set(records) and all(records[p].samples_completed > 0 for p in wanted):
+                return {"warmup_samples_seen": done, "warmup_s": round(elapsed, 2)}
+        if elapsed > timeout_s:
+            raise RuntimeError(f"no steady training after {timeout_s:.0f}s ({done} samples at the head)")
+        await asyncio.sleep(0.25)
+
+
+def _window_result(run, workers, trainers, first: dict, last: dict) -> dict:
+    wall = last["at"] - first["at"]
+    per_stage = {}
+    for node, a, b in zip(workers, first["infos"], last["infos"]):
+        ca, cb = a["counters"], b["counters"]
+        d = {k: cb.get(k, 0) - ca.get(k, 0) for k in
+             ("compute_ms", "forward_requests", "forward_batches", "backward_requests", "backward_batches")}
+        span_ms = (b["_at"] - a["_at"]) * 1000
+        per_stage[str(node.stage)] = {
+            "utilization": _r(d["compute_ms"] / span_ms),
+            "compute_ms": d["compute_ms"],
+            "wall_ms": round(span_ms),
+            "forward_requests": d["forward_requests"],
+            "backward_requests": d["backward_requests"],
+            "mean_forward_batch": _r(d["forward_requests"] / d["forward_batches"], 2) if d["forward_batches"] else None,
+            "mean_backward_batch": _r(d["backward_requests"] / d["backward_batches"], 2) if d["backward_batches"] else None,
+            "optimizer_steps": b.get("local_step", 0) - a.get("local_step", 0),
+            "rejected": {k: v for k, v in cb.items() if k.startswith("rejected_") and v},
+        }
+    record_rates = {}
+    for t in trainers:
+        r0, r1 = first["records"].get(t.peer_id), last["records"].get(t.peer_id)
+        if r0 is None or r1 is None or r1.time <= r0.time:
+            record_rates[t.name] = None
+            continue
+        record_rates[t.name] = (r1.tokens - r0.tokens) / (r1.time - r0.time)
+    head = per_stage[str(workers[0].stage)]
+    head_rate = head["backward_requests"] * run.seq_len / (head["wall_ms"] / 1000)
+    if all(v is not None for v in record_rates.values()):
+        tokens_per_s, source = sum(record_rates.values()), "trainer_dht_records"
+    else:
+        tokens_per_s, source = head_rate, "head_worker_backward_counter"
+    cpu = {name: _r((last["cpu"][name] - first["cpu"][name]) / wall, 3) for name in first["cpu"]}
+    cpu["benchmark_and_seed_dht"] = _r((last["own_cpu"] - first["own_cpu"]) / wall, 3)
+    utils = [s["utilization"] for s in per_stage.values()]
+    return {
+        "tokens_per_s": round(tokens_per_s, 1),
+        "tokens_per_s_source": source,
+        "tokens_per_s_by_trainer": {k: _r(v, 1) for k, v in record_rates.items()},
+        "tokens_per_s_head_counter": round(head_rate, 1),
+        "window_s": round(wall, 2),
+        "mean_utilization": _r(statistics.fmean(utils)),
+        "per_stage": per_stage,
+        "cpu_cores_used": {**cpu, "total": _r(sum(v for v in cpu.values() if v is not None), 3)},
+    }
+
+
+async def measure_trainers(swarm, probe: SwarmProbe, run, workers, *, trainers: int, lanes: int,
+                           windows: Windows, window_s: float, sample_rss: bool = False) -> dict:
+    """Start `trainers` trainers with `lanes` lanes each against the running workers, warm up,
+    measure one steady window, then stop them (sampling the first trainer's memory just before)."""
+    nodes = [
+        swarm.start("trainer", name=f"trainer-l{lanes}x{trainers}-{i}", wait_ready=False, args=[
+            "--lanes", str(lanes), "--shard-index", str(i), "--num-shards", str(trainers),
+            "--discovery-period-s", "2", "--announce-period-s", "1"])
+        for i in range(trainers)
+    ]
+    result: dict[str, Any] = {"trainers": trainers, "lanes_per_trainer": lanes, "lanes_total": trainers * lanes}
+    try:
+        started = time.monotonic()
+        for node in nodes:
+            await asyncio.to_thread(swarm.wait_ready, node, 120.0)
+        result["trainer_start_s"] = round(time.monotonic() - started, 2)
+        result["warmup"] = await _wait_warm(probe, workers, nodes, windows.warmup_samples, windows.warmup_s)
+        first = await _snapshot(probe, workers, nodes)
+        await asyncio.sleep(window_s)
+        last = await _snapshot(probe, workers, nodes)
+        result.update(_window_result(run, workers, nodes, first, last))
+        if sample_rss:
+            result["trainer_memory"] = memory_of(nodes[0].pid)
+    finally:
+        for node in nodes:
+            await asyncio.to_thread(swarm.stop, node)
+    summaries = []
+    for node in nodes:
+        deadline = time.monotonic() + 3.0
+        summary = node.summary()
+        while summary is None and time.monotonic() < deadline:  # the stdout pump may lag the exit
+            await asyncio.sleep(0.05)
+            summary = node.summary()
+        summaries.append(summary)
+    result["trainer_summaries"] = [
+        None if s is None else {k: s.get(k) for k in ("samples_completed", "samples_dropped", "dropped_by_reason",
+                                                      "tokens_per_s", "wall_s", "forward_retries",
+                                                      "backward_fallbacks", "last_loss")}
+        for s in summaries
+    ]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# orchestration
+# ---------------------------------------------------------------------------------------------
+
+async def bench(args, windows: Windows, run, config_path: str, membership, peer_id: str, workdir: str,
+                out: dict) -> None:
+    """Fill `out` phase by phase, so a failure late in the run keeps what was measured before it."""
+    from node.launcher import LocalSwarm
+
+    t0 = time.monotonic()
+    log(f"[{time.monotonic() - t0:5.1f}s] (c) rpc overhead: {windows.rpc_round_trips} round trips each")
+    out["rpc_overhead_ratio"] = await measure_rpc_overhead(run, windows.rpc_round_trips, windows.rpc_block)
+    log(f"[{time.monotonic() - t0:5.1f}s] (a) centralized reference")
+    central = measure_centralized(run, windows.central_steps, windows.central_warmup_steps)
+    out["swarm_vs_centralized"] = {"centralized": central}
+
+    swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=1,
+                       common_args=["--announce-period-s", "2"], initial_peers=membership.maddrs)
+    probe = SwarmProbe(membership, peer_id, run)
+    try:
+        await probe.open()
+        log(f"[{time.monotonic() - t0:5.1f}s] starting {run.num_stages} workers")
+        workers = [swarm.start("worker", stage=s, args=["--max-batch", str(WORKER_MAX_BATCH)], wait_ready=False)
+                   for s in range(run.num_stages)]
+        for node in workers:
+            await asyncio.to_thread(swarm.wait_ready, node, 120.0)
+
+        log(f"[{time.monotonic() - t0:5.1f}s] (a) swarm: 2 trainers x {windows.swarm_lanes_per_trainer} lanes, "
+            f"{windows.swarm_window_s:.0f}s window")
+        swarm_run = await measure_trainers(swarm, probe, run, workers, trainers=2,
+                                           lanes=windows.swarm_lanes_per_trainer, windows=windows,
+                                           window_s=windows.swarm_window_s)
+        ratio = swarm_run["tokens_per_s"] / central["tokens_per_s"]
+        out["swarm_vs_centralized"] = {
+            "ratio": _r(ratio),
+            "swarm_tokens_per_s": swarm_run["tokens_per_s"],
+            "centralized_tokens_per_s": central["tokens_per_s"],
+            "swarm": swarm_run,
+            "centralized": central,
+            "method": {
+                "swarm": (
+                    f"tiny preset, {run.num_stages} stages x 1 worker (max_batch {WORKER_MAX_BATCH}), 2 trainers x "
+                    f"{windows.swarm_lanes_per_trainer} lanes, every node torch_threads=1, all on 127.0.0.1; "
+                    f"warm-up: at least {windows.warmup_samples} samples completed at the head worker and "
+                    f"{windows.warmup_s:.0f}s after the trainers were ready, discarded; then tokens/s = sum over "
+                    "trainers of (tokens_end - tokens_start) / (time_end - time_start) read from each trainer's "
+                    f"signed DHT record (announced every 1s) at the start and end of a {windows.swarm_window_s:.0f}s "
+                    "window; tokens_per_s_head_counter (head backward count x seq_len / window) is a cross-check."
+                ),
+                "centralized": central["method"],
+                "ratio": "swarm tokens/s / centralized tokens/s, same global batch (target_batch_size) and seq_len",
+            },
+        }
+
+        runs = []
+        for lanes in LANES:
+            log(f"[{time.monotonic() - t0:5.1f}s] (b) 1 trainer x {lanes} lane(s), {windows.lanes_window_s:.0f}s window")
+            runs.append(await measure_trainers(swarm, probe, run, workers, trainers=1, lanes=lanes, windows=windows,
+                                               window_s=windows.lanes_window_s, sample_rss=lanes == 8))
+        out["utilization_by_lanes"] = {
+            "trainers": "one trainer process holding all the lanes",
+            "runs": [
+                {"lanes": r["lanes_total"], "mean_utilization": r["mean_utilization"],
+                 "per_stage_utilization": {s: v["utilization"] for s, v in r["per_stage"].items()},
+                 "tokens_per_s": r["tokens_per_s"],
+                 "mean_forward_batch": {s: v["mean_forward_batch"] for s, v in r["per_stage"].items()},
+                 "cpu_cores_used": r["cpu_cores_used"], "window_s": r["window_s"],
+                 "trainer_summary": r["trainer_summaries"][0]}
+                for r in runs
+            ],
+            "method": (
+                "workers stay up; for each lane count a fresh trainer is started, warmed up like (a), and each "
+                "worker's agora/v1/info counters are read at the start and end of a "
+                f"{windows.lanes_window_s:.0f}s window: utilization = delta compute_ms / wall ms between the two "
+                "replies (compute_ms sums the duration of every batch the compute thread ran). tokens/s as in (a)."
+            ),
+        }
+        trainer8 = next(r for r in runs if r["lanes_total"] == 8)
+
+        worker_memory = {w.name: memory_of(w.pid) for w in workers}  # right before the workers stop
+        worst = max(worker_memory.values(), key=lambda m: m.get("with_children_peak_rss_mb", 0))
+        out["peak_rss_mb"] = {
+            "worker": {"node_alone": worst.get("node_peak_rss_mb"),
+                       "with_children": worst.get("with_children_peak_rss_mb"),
+                       "with_children_pss_now": worst.get("with_children_pss_mb"),
+                       "by_worker": worker_memory},
+            "trainer_8_lanes": {"node_alone": trainer8["trainer_memory"].get("node_peak_rss_mb"),
+                                "with_children": trainer8["trainer_memory"].get("with_children_peak_rss_mb"),
+                                "with_children_pss_now": trainer8["trainer_memory"].get("with_children_pss_mb"),
+                                "detail": trainer8["trainer_memory"]},
+            "method": (
+                "VmHWM (peak RSS) from /proc/PID/status, sampled right before the node is stopped; 'node_alone' is "
+                "the agora-node process, 'with_children' sums VmHWM over it and its descendants (hivemind's forked "
+                "DHT process and p2pd), which double-counts pages the fork shares; 'with_children_pss_now' is the "
+                "current proportional set size of the same tree (shared pages split). Worker: the largest of the "
+                "stage workers after every run above. Trainer: one trainer with 8 lanes after its window."
+            ),
+        }
+    finally:
+        await probe.close()
+        log(f"[{time.monotonic() - t0:5.1f}s] stopping every node")
+        await asyncio.to_thread(swarm.stop_all)
+        out["_swarm"] = swarm
+
+
+def evaluate_aims(out: dict) -> dict:
+    a = out.get("swarm_vs_centralized", {}).get("ratio")
+    runs = out.get("utilization_by_lanes", {}).get("runs", [])
+    best = max(runs, key=lambda r: r["mean_utilization"] or 0, default=None)
+    c = out.get("rpc_overhead_ratio", {}).get("ratio")
+    d = out.get("peak_rss_mb", {}).get("trainer_8_lanes", {}).get("with_children")
+    return {
+        "targets": {
+            "a_swarm_vs_centralized": f">= {AIMS['swarm_vs_centralized_min']}",
+            "b_mean_utilization": f">= {AIMS['utilization_min_at_enough_lanes']} at some lane count",
+            "c_rpc_overhead_ratio": f"<= {AIMS['rpc_overhead_ratio_max']}",
+            "d_trainer_8_lanes_peak_rss_mb": f"< {AIMS['trainer_8_lanes_peak_rss_mb_max']} "
+                                              "(node + children VmHWM sum)",
+        },
+        "a_met": None if a is None else a >= AIMS["swarm_vs_centralized_min"],
+        "b_met": None if best is None else (best["mean_utilization"] or 0) >= AIMS["utilization_min_at_enough_lanes"],
+        "b_best": None if best is None else {"lanes": best["lanes"], "mean_utilization": best["mean_utilization"]},
+        "c_met": None if c is None else c <= AIMS["rpc_overhead_ratio_max"],
+        "d_met": None if d is None else d < AIMS["trainer_8_lanes_peak_rss_mb_max"],
+        "d_met_node_alone": (None if d is None else
+                             out["peak_rss_mb"]["trainer_8_lanes"]["node_alone"] < AIMS["trainer_8_lanes_peak_rss_mb_max"]),
+    }
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="short windows (CI smoke, ~1.5 min)")
+    p.add_argument("--out", metavar="PATH", help="also write the JSON result to PATH")
+    p.add_argument("--keep-logs", action="store_true", help="keep the node logs and print where they are")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    windows = QUICK if args.quick else FULL
+    started = time.monotonic()
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+    from node.swarm import join_swarm
+    from protocol.identity import load_or_create_identity
+    from roles.model.config import dump_run_config
+
+    run = bench_run_config()
+    workdir = tempfile.mkdtemp(prefix="agora-bench-")
+    config_path = os.path.join(workdir, "run.yaml")
+    dump_run_config(run, config_path)
+    out: dict[str, Any] = {"benchmark": "pipeline", "quick": args.quick, "machine": machine_info(),
+                           "config": {"preset": "tiny", "stages": run.num_stages, "workers_per_stage": 1,
+                                      "target_batch_size": run.target_batch_size, "seq_len": run.seq_len,
+                                      "d_model": run.model.d_model, "subspace_rank": run.model.subspace_rank,
+                                      "worker_max_batch": WORKER_MAX_BATCH, "node_torch_threads": 1}}
+    errors: list[str] = []
+    # The seed DHT forks hivemind's DHT process: start it before this process has any thread (DESIGN §10).
+    identity = load_or_create_identity(None)
+    membership = join_swarm(identity=identity, run_id=run.run_id, num_stages=run.num_stages, initial_peers=[],
+                            host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], bootstrap_timeout_s=30)
+    os.unlink(identity.path)
+    try:
+        asyncio.run(bench(args, windows, run, config_path, membership, identity.peer_id.to_base58(), workdir, out))
+    except KeyboardInterrupt:
+        errors.append("interrupted")
+    except Exception as exc:  # noqa: BLE001 - report what was measured, and the failure
+        errors.append(f"{type(exc).__name__}: {exc}")
+        log(traceback.format_exc())
+    finally:
+        swarm = out.pop("_swarm", None)
+        if swarm is not None:
+            swarm.stop_all()  # idempotent; covers an interrupt during the async part
+        membership.shutdown()
+        survivors = swarm.survivors() if swarm is not None else []
+        out["cleanup"] = {"node_survivors": survivors, "seed_dht_alive": membership.dht.is_alive(),
+                          "nodes_started": len(swarm.nodes) if swarm is not None else 0}
+        if survivors:
+            errors.append(f"processes {survivors} survived shutdown")
+        if errors or args.keep_logs:
+            log(f"node logs: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    out["aims"] = evaluate_aims(out)
+    out["errors"] = errors
+    out["elapsed_s"] = round(time.monotonic() - started, 1)
+    text = json.dumps(out, indent=None, default=str)
+    print(text, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps(out, indent=2, default=str) + "\n")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
