@@ -52,12 +52,14 @@ def check_memory(settings: NodeSettings, run: RunConfig, stage: int, device: str
     if settings.dry_run:
         return report
     if not fits:
-        best = plan.max_batch_that_fits(device_free)
+        best = plan.max_batch_that_fits(device_free, host_free)
         hint = (f"pass --max-batch {best}" if best >= 1 else
                 "this stage does not fit this device at any batch size; choose another --stage or --device")
+        free = (f"{_gib(device_free)} on {device} and {_gib(host_free)} host RAM are free" if device_free is not None
+                else f"{_gib(host_free)} host RAM is free (the CPU computes in host RAM)")
         raise ConfigError(
             f"stage {stage} at --max-batch {settings.max_batch} needs {_gib(plan.device_bytes)} on {device} "
-            f"and {_gib(plan.host_bytes)} host RAM, but {_gib(device_free)} / {_gib(host_free)} are free; {hint}"
+            f"and {_gib(plan.host_bytes)} host RAM, but {free}; {hint}"
         )
     return report
 

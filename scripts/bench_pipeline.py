@@ -103,9 +103,9 @@ class Windows:
 
 
 FULL = Windows(swarm_window_s=20.0, lanes_window_s=15.0, warmup_samples=48, warmup_s=4.0,
-               rpc_round_trips=1500, rpc_block=50, central_steps=30, central_warmup_steps=5)
+               rpc_round_trips=1500, rpc_block=50, central_steps=100, central_warmup_steps=10)
 QUICK = Windows(swarm_window_s=5.0, lanes_window_s=4.0, warmup_samples=16, warmup_s=1.5,
-                rpc_round_trips=500, rpc_block=50, central_steps=6, central_warmup_steps=2)
+                rpc_round_trips=500, rpc_block=50, central_steps=20, central_warmup_steps=5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,6 +130,7 @@ def machine_info() -> dict:
         "hivemind": hivemind.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -194,6 +195,53 @@ def cpu_seconds(pid: int) -> float:
         except Exception:  # noqa: BLE001
             continue
     return total
+
+
+def system_busy_s() -> float:
+    """CPU seconds all cores of this machine have spent busy since boot (from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds(exclude_pids: set[int]) -> float:
+    """CPU seconds of this benchmark process and its children (the seed DHT process and its
+    p2pd), not counting the agora-node processes it launched (they are children too)."""
+    total = 0.0
+    for proc in process_tree(os.getpid()):
+        if proc.pid in exclude_pids:
+            continue
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except Exception:  # noqa: BLE001
+            continue
+    return total
+
+
+class CpuMeter:
+    """Cores used over an interval: by this process tree and by everything else on the machine.
+    Other work on a shared 2-core machine (someone's test run) distorts every number here, so
+    each measurement reports how busy the rest of the machine was while it ran."""
+
+    def __init__(self, exclude_pids: set[int] = frozenset()):
+        self.exclude = set(exclude_pids)
+        self.start()
+
+    def start(self) -> None:
+        self.t, self.busy, self.own = time.monotonic(), system_busy_s(), own_cpu_seconds(self.exclude)
+
+    def read(self, tracked_cores: float = 0.0) -> dict:
+        """`tracked_cores`: cores used in the interval by processes measured elsewhere (nodes)."""
+        wall = max(time.monotonic() - self.t, 1e-9)
+        busy = (system_busy_s() - self.busy) / wall
+        own = (own_cpu_seconds(self.exclude) - self.own) / wall
+        return {"machine_busy_cores": _r(busy, 2), "benchmark_process_cores": _r(own, 2),
+                "foreign_cores": _r(max(0.0, busy - own - tracked_cores), 2)}
 
 
 def _dialable(maddrs) -> list:
@@ -325,6 +373,7 @@ async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
         for _ in range(max(20, block)):  # warm-up: stream setup, first-call imports, caches
             await ours_once()
             await bare_once()
+        meter = CpuMeter()
         ours: list[float] = []
         bare: list[float] = []
         blocks = math.ceil(round_trips / block)
@@ -333,6 +382,7 @@ async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
             for fn, sink in order:
                 for _ in range(block):
                     sink.append(await fn())
+        load = meter.read()
         rejected = dict(rpc_server.rejected)
         await rpc_server.shutdown()
     finally:
@@ -352,6 +402,9 @@ async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
         "ratio": _r(ratio),
         "ours": stats(ours),
         "bare": stats(bare),
+        "extra_ms_p50": _r((statistics.median(ours) - statistics.median(bare)) * 1000, 4),
+        "python_work_us": _python_work_breakdown(run, runtime, body, output),
+        "cpu_during_measurement": load,
         "payload_bytes": {"request_frame": request_bytes + header.size, "reply_frame": reply_bytes + header.size,
                           "tokens": seq_len * 8, "coords": seq_len * rank * 4},
         "server_rejections": rejected,
@@ -366,6 +419,36 @@ async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
             "warm-up; ratio = median(ours) / median(bare)."
         ),
     }
+
+
+def _python_work_breakdown(run, runtime, body: dict, output, repeats: int = 2000) -> dict:
+    """Synchronous cost of each piece of Python work one forward round trip of ours does beyond
+    the bare echo (no I/O): where the extra time goes, apart from event-loop scheduling."""
+    from protocol import version
+    from protocol.codec import encode_tensor, pack, unpack
+    from protocol.messages import ForwardRequest, ReplyEnvelope, make_envelope, parse_envelope, parse_model
+
+    frame = pack(make_envelope(body))
+    request = parse_model(ForwardRequest, parse_envelope(unpack(frame)).body)
+    reply = pack({"version": version.PROTOCOL_VERSION, "ok": True, "body": {"coords": encode_tensor(output)}})
+    steps = {
+        "client_pack_envelope": lambda: pack(make_envelope(body)),
+        "server_unpack_and_parse_envelope": lambda: parse_envelope(unpack(frame)),
+        "server_parse_forward_request": lambda: parse_model(ForwardRequest, body),
+        "server_check_forward": lambda: runtime.check_forward(request),
+        "server_encode_and_pack_reply": lambda: pack({"version": version.PROTOCOL_VERSION, "ok": True,
+                                                      "body": {"coords": encode_tensor(output)}}),
+        "client_unpack_and_parse_reply": lambda: parse_model(ReplyEnvelope, unpack(reply)),
+    }
+    result = {}
+    for name, fn in steps.items():
+        fn()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        result[name] = round((time.perf_counter() - started) / repeats * 1e6, 1)
+    result["total"] = round(sum(result.values()), 1)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,6 +472,7 @@ def measure_centralized(run, steps: int, warmup_steps: int, threads: int = 2) ->
         samples = iter(make_sample_stream("synthetic", None, run.seq_len, 0, 1, run.seed, epochs=None))
         batch = run.target_batch_size
         losses: list[float] = []
+        step_s: list[float] = []
 
         def step() -> None:
             tokens = torch.stack([next(samples).tokens for _ in range(batch)])
@@ -398,14 +482,18 @@ def measure_centralized(run, steps: int, warmup_steps: int, threads: int = 2) ->
             for index, stage in enumerate(stages):  # the swarm clips per stage [4.3]; so do we
                 torch.nn.utils.clip_grad_norm_(stage.trainable_parameters(), run.clip_threshold(index))
             optimizer.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
 
         for _ in range(warmup_steps):
             step()
+        meter = CpuMeter()
         started = time.perf_counter()
         for _ in range(steps):
+            t = time.perf_counter()
             step()
+            step_s.append(time.perf_counter() - t)
         wall = time.perf_counter() - started
+        load = meter.read()
     finally:
         torch.set_num_threads(previous_threads)
     tokens = steps * batch * run.seq_len
@@ -417,7 +505,10 @@ def measure_centralized(run, steps: int, warmup_steps: int, threads: int = 2) ->
         "seq_len": run.seq_len,
         "wall_s": round(wall, 3),
         "step_ms": round(wall / steps * 1000, 2),
+        "step_ms_p50": round(statistics.median(step_s) * 1000, 2),
+        "tokens_per_s_at_median_step": round(batch * run.seq_len / statistics.median(step_s), 1),
         "torch_threads": threads,
+        "cpu_during_measurement": load,
         "loss_first_last": [round(losses[0], 3), round(losses[-1], 3)],
         "method": (
             "3 StageModels built in this process from the same run config, chained with FullModel (full residual "
@@ -484,9 +575,11 @@ class SwarmProbe:
 async def _snapshot(probe: SwarmProbe, workers, trainers) -> dict:
     infos = await asyncio.gather(*(probe.info(w) for w in workers))
     records = await probe.trainer_records()
-    cpu = {n.name: cpu_seconds(n.pid) for n in [*workers, *trainers]}
-    return {"infos": infos, "records": records, "cpu": cpu, "own_cpu": cpu_seconds(os.getpid()),
-            "at": time.monotonic()}
+    nodes = [*workers, *trainers]
+    cpu = {n.name: cpu_seconds(n.pid) for n in nodes}
+    node_pids = {p.pid for n in nodes for p in process_tree(n.pid)}
+    return {"infos": infos, "records": records, "cpu": cpu, "own_cpu": own_cpu_seconds(node_pids),
+            "busy": system_busy_s(), "at": time.monotonic()}
 
 
 async def _wait_warm(probe: SwarmProbe, workers, trainers, warmup_samples: int, warmup_s: float,
@@ -546,6 +639,10 @@ def _window_result(run, workers, trainers, first: dict, last: dict) -> dict:
         tokens_per_s, source = head_rate, "head_worker_backward_counter"
     cpu = {name: _r((last["cpu"][name] - first["cpu"][name]) / wall, 3) for name in first["cpu"]}
     cpu["benchmark_and_seed_dht"] = _r((last["own_cpu"] - first["own_cpu"]) / wall, 3)
+    ours = sum(v for v in cpu.values() if v is not None)
+    machine = (last["busy"] - first["busy"]) / wall
+    cpu["foreign"] = _r(max(0.0, machine - ours), 3)  # other work on this machine in the window
+    cpu["machine_busy"] = _r(machine, 3)
     utils = [s["utilization"] for s in per_stage.values()]
     return {
         "tokens_per_s": round(tokens_per_s, 1),
@@ -555,7 +652,7 @@ def _window_result(run, workers, trainers, first: dict, last: dict) -> dict:
         "window_s": round(wall, 2),
         "mean_utilization": _r(statistics.fmean(utils)),
         "per_stage": per_stage,
-        "cpu_cores_used": {**cpu, "total": _r(sum(v for v in cpu.values() if v is not None), 3)},
+        "cpu_cores_used": {**cpu, "ours_total": _r(ours, 3)},
     }
 
 

@@ -103,9 +103,16 @@ class MemoryPlan:
             return self.device_bytes + self.host_bytes <= host_free_bytes
         return self.device_bytes <= device_free_bytes and self.host_bytes <= host_free_bytes
 
-    def max_batch_that_fits(self, device_free_bytes: int) -> int:
+    def max_batch_that_fits(
+        self, device_free_bytes: int | None, host_free_bytes: int | None = None
+    ) -> int:
         """Largest coalesced batch whose device total fits in `device_free_bytes`; 0 if not even
-        the weights fit. Not capped at `max_batch`."""
+        the weights fit. Not capped at `max_batch`. With `device_free_bytes=None` the device is
+        the host, and the activations share `host_free_bytes` with the host totals."""
+        if device_free_bytes is None:
+            if host_free_bytes is None:
+                raise ValueError("a host-memory device needs host_free_bytes to size its batch")
+            device_free_bytes = host_free_bytes - self.host_bytes
         per_sample = max(1, self.activation_bytes_per_sample)
         budget = device_free_bytes / _HEADROOM - self._static_device_bytes
         batch = max(0, int(budget // per_sample))

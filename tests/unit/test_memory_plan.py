@@ -72,6 +72,11 @@ def test_max_batch_that_fits_is_consistent_with_device_bytes():
     assert plan_memory(run, 3, "cuda:0", batch).device_bytes <= free
     assert plan_memory(run, 3, "cuda:0", batch + 1).device_bytes > free
     assert plan.max_batch_that_fits(plan.param_bytes) == 0
+    on_host = plan_memory(run, 3, "cpu", max_batch=1)
+    host_free = on_host.host_bytes + on_host.device_bytes
+    assert on_host.max_batch_that_fits(None, host_free) == 1
+    with pytest.raises(ValueError):
+        on_host.max_batch_that_fits(None)
 
 
 def test_fits_checks_device_and_host():
