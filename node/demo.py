@@ -21,6 +21,7 @@ from typing import Optional
 
 from node.cli import _Parser
 from node.launcher import LocalSwarm, NodeStartError
+from node.lifecycle import reap_children
 from protocol.errors import ConfigError
 
 
@@ -109,6 +110,7 @@ def demo_main(argv: list[str]) -> int:
     finally:
         swarm.stop_all()
         membership.shutdown()
+        reap_children()
         left = swarm.survivors()
         if left:
             print(f"agora-node demo: warning: processes {left} survived shutdown", file=sys.stderr)

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from node.lifecycle import descendant_pids, remove_shared_memory, shared_memory_files
+
 READY_PREFIX = "agora-node ready "
 
 
@@ -35,6 +37,8 @@ class NodeProcess:
     ready: threading.Event = field(default_factory=threading.Event)
     peer_id: str = ""
     maddrs: list[str] = field(default_factory=list)
+    known_pids: set[int] = field(default_factory=set)
+    """The node and every descendant seen so far, for cleaning up after a hard kill."""
 
     @property
     def pid(self) -> int:
@@ -118,6 +122,10 @@ class LocalSwarm:
         return node
 
     def wait_ready(self, node: NodeProcess, timeout_s: float = 60.0) -> None:
+        self._wait_ready(node, timeout_s)
+        _remember_pids(node)
+
+    def _wait_ready(self, node: NodeProcess, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not node.ready.wait(0.1):
             if node.proc.poll() is not None:
@@ -133,6 +141,7 @@ class LocalSwarm:
 
     def stop(self, node: NodeProcess, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> Optional[int]:
         """Signal the node, wait for it, then kill whatever is left in its process group."""
+        _remember_pids(node)
         if node.proc.poll() is None:
             try:
                 node.proc.send_signal(sig)
@@ -146,9 +155,13 @@ class LocalSwarm:
             return node.proc.wait(5)
         except subprocess.TimeoutExpired:
             return None
+        finally:
+            remove_shared_memory(node.known_pids)
 
     def stop_all(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
         live = [n for n in self.nodes if n.proc.poll() is None]
+        for node in self.nodes:
+            _remember_pids(node)
         for node in live:
             try:
                 node.proc.send_signal(sig)
@@ -166,6 +179,11 @@ class LocalSwarm:
                 node.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+            remove_shared_memory(node.known_pids)
+
+    def leaked_shared_memory(self) -> list[str]:
+        """/dev/shm segments left by any process of our nodes (should be none after stop_all)."""
+        return shared_memory_files(pid for node in self.nodes for pid in node.known_pids)
 
     def survivors(self) -> list[int]:
         """Pids still alive in any of our nodes' process groups (should be none after stop_all)."""
@@ -180,6 +198,12 @@ class LocalSwarm:
             except (ProcessLookupError, psutil.Error, OSError):
                 continue
         return alive
+
+
+def _remember_pids(node: NodeProcess) -> None:
+    if node.proc.poll() is None:
+        node.known_pids.add(node.proc.pid)
+        node.known_pids.update(descendant_pids(node.proc.pid))
 
 
 def _kill_group(pgid: int) -> None:

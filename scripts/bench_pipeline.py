@@ -61,7 +61,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -73,6 +72,23 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Optional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a file: find _bench_common
+from _bench_common import (  # noqa: E402
+    CpuMeter,
+    cpu_by_part,
+    dialable_maddrs,
+    log,
+    machine_info,
+    memory_of,
+    own_cpu_seconds,
+    percentile,
+    process_tree,
+    remove_own_shared_memory,
+    rounded,
+    rss_mb,
+    system_busy_s,
+)
+
 AIMS = {
     "swarm_vs_centralized_min": 0.7,
     "utilization_min_at_enough_lanes": 0.9,
@@ -81,10 +97,6 @@ AIMS = {
 }
 LANES = (1, 2, 4, 8)
 WORKER_MAX_BATCH = 16
-
-
-def log(*parts: object) -> None:
-    print(*parts, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -106,163 +118,6 @@ FULL = Windows(swarm_window_s=20.0, lanes_window_s=15.0, warmup_samples=48, warm
                rpc_round_trips=1500, rpc_block=50, central_steps=100, central_warmup_steps=10)
 QUICK = Windows(swarm_window_s=5.0, lanes_window_s=4.0, warmup_samples=16, warmup_s=1.5,
                 rpc_round_trips=500, rpc_block=50, central_steps=20, central_warmup_steps=5)
-
-
-# ---------------------------------------------------------------------------------------------
-# machine and process helpers
-# ---------------------------------------------------------------------------------------------
-
-def machine_info() -> dict:
-    import hivemind
-    import torch
-
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_model": model,
-        "torch": torch.__version__,
-        "hivemind": hivemind.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
-def _proc_kb(path: str, field: str) -> Optional[int]:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def process_tree(pid: int) -> list:
-    """The node process and every descendant, as psutil.Process objects (missing ones skipped)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def memory_of(pid: int) -> dict:
-    """Peak and current RSS of a node process alone and summed with its children, plus tree PSS."""
-    tree = process_tree(pid)
-    rows = []
-    for proc in tree:
-        try:
-            name = proc.name()
-        except Exception:  # noqa: BLE001 - it may have exited between listing and reading
-            name = "?"
-        rows.append({
-            "pid": proc.pid, "name": name,
-            "hwm_kb": _proc_kb(f"/proc/{proc.pid}/status", "VmHWM") or 0,
-            "rss_kb": _proc_kb(f"/proc/{proc.pid}/status", "VmRSS") or 0,
-            "pss_kb": _proc_kb(f"/proc/{proc.pid}/smaps_rollup", "Pss"),
-        })
-    if not rows:
-        return {"error": f"process {pid} is gone"}
-    mb = lambda kb: round(kb / 1024, 1)  # noqa: E731
-    pss = [r["pss_kb"] for r in rows]
-    return {
-        "node_peak_rss_mb": mb(rows[0]["hwm_kb"]),
-        "with_children_peak_rss_mb": mb(sum(r["hwm_kb"] for r in rows)),
-        "node_rss_mb": mb(rows[0]["rss_kb"]),
-        "with_children_rss_mb": mb(sum(r["rss_kb"] for r in rows)),
-        "with_children_pss_mb": mb(sum(pss)) if all(p is not None for p in pss) else None,
-        "processes": [{"pid": r["pid"], "name": r["name"], "peak_rss_mb": mb(r["hwm_kb"])} for r in rows],
-    }
-
-
-def cpu_seconds(pid: int) -> float:
-    """User+system CPU seconds used so far by a node and its live children."""
-    total = 0.0
-    for proc in process_tree(pid):
-        try:
-            t = proc.cpu_times()
-            total += t.user + t.system
-        except Exception:  # noqa: BLE001
-            continue
-    return total
-
-
-def system_busy_s() -> float:
-    """CPU seconds all cores of this machine have spent busy since boot (from /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return float("nan")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds(exclude_pids: set[int]) -> float:
-    """CPU seconds of this benchmark process and its children (the seed DHT process and its
-    p2pd), not counting the agora-node processes it launched (they are children too)."""
-    total = 0.0
-    for proc in process_tree(os.getpid()):
-        if proc.pid in exclude_pids:
-            continue
-        try:
-            t = proc.cpu_times()
-            total += t.user + t.system
-        except Exception:  # noqa: BLE001
-            continue
-    return total
-
-
-class CpuMeter:
-    """Cores used over an interval: by this process tree and by everything else on the machine.
-    Other work on a shared 2-core machine (someone's test run) distorts every number here, so
-    each measurement reports how busy the rest of the machine was while it ran."""
-
-    def __init__(self, exclude_pids: set[int] = frozenset()):
-        self.exclude = set(exclude_pids)
-        self.start()
-
-    def start(self) -> None:
-        self.t, self.busy, self.own = time.monotonic(), system_busy_s(), own_cpu_seconds(self.exclude)
-
-    def read(self, tracked_cores: float = 0.0) -> dict:
-        """`tracked_cores`: cores used in the interval by processes measured elsewhere (nodes)."""
-        wall = max(time.monotonic() - self.t, 1e-9)
-        busy = (system_busy_s() - self.busy) / wall
-        own = (own_cpu_seconds(self.exclude) - self.own) / wall
-        return {"machine_busy_cores": _r(busy, 2), "benchmark_process_cores": _r(own, 2),
-                "foreign_cores": _r(max(0.0, busy - own - tracked_cores), 2)}
-
-
-def _dialable(maddrs) -> list:
-    """Multiaddrs without their trailing /p2p/<peer id>: p2pd's connect refuses addresses that
-    still carry it ("length greater than remaining number of bytes in buffer")."""
-    from hivemind.utils.multiaddr import Multiaddr
-
-    return [Multiaddr(str(m).split("/p2p/", 1)[0]) for m in maddrs]
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def _r(x: Optional[float], nd: int = 3) -> Optional[float]:
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, nd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,7 +203,7 @@ async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
     rpc = RpcClient(client, timeout_s=10.0)
     writer = None
     try:
-        await client._client.connect(server.peer_id, _dialable(await server.get_visible_maddrs()))
+        await client._client.connect(server.peer_id, dialable_maddrs(await server.get_visible_maddrs()))
         rpc_server = RpcServer(server)
         await rpc_server.add_handler(version.FORWARD, forward_without_compute)
         await server.add_binary_stream_handler("bench/echo", echo)
@@ -394,15 +249,15 @@ async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
 
     def stats(values: list[float]) -> dict:
         ms = [v * 1000 for v in values]
-        return {"round_trips": len(ms), "p50_ms": _r(_pct(ms, 0.5), 4), "p95_ms": _r(_pct(ms, 0.95), 4),
-                "mean_ms": _r(statistics.fmean(ms), 4)}
+        return {"round_trips": len(ms), "p50_ms": rounded(percentile(ms, 0.5), 4), "p95_ms": rounded(percentile(ms, 0.95), 4),
+                "mean_ms": rounded(statistics.fmean(ms), 4)}
 
     ratio = statistics.median(ours) / statistics.median(bare)
     return {
-        "ratio": _r(ratio),
+        "ratio": rounded(ratio),
         "ours": stats(ours),
         "bare": stats(bare),
-        "extra_ms_p50": _r((statistics.median(ours) - statistics.median(bare)) * 1000, 4),
+        "extra_ms_p50": rounded((statistics.median(ours) - statistics.median(bare)) * 1000, 4),
         "python_work_us": _python_work_breakdown(run, runtime, body, output),
         "cpu_during_measurement": load,
         "payload_bytes": {"request_frame": request_bytes + header.size, "reply_frame": reply_bytes + header.size,
@@ -494,6 +349,8 @@ def measure_centralized(run, steps: int, warmup_steps: int, threads: int = 2) ->
             step_s.append(time.perf_counter() - t)
         wall = time.perf_counter() - started
         load = meter.read()
+        block = 10
+        blocks = [sum(step_s[i:i + block]) / len(step_s[i:i + block]) for i in range(0, len(step_s), block)]
     finally:
         torch.set_num_threads(previous_threads)
     tokens = steps * batch * run.seq_len
@@ -507,6 +364,7 @@ def measure_centralized(run, steps: int, warmup_steps: int, threads: int = 2) ->
         "step_ms": round(wall / steps * 1000, 2),
         "step_ms_p50": round(statistics.median(step_s) * 1000, 2),
         "tokens_per_s_at_median_step": round(batch * run.seq_len / statistics.median(step_s), 1),
+        "tokens_per_s_best_10_step_block": round(batch * run.seq_len / min(blocks), 1),
         "torch_threads": threads,
         "cpu_during_measurement": load,
         "loss_first_last": [round(losses[0], 3), round(losses[-1], 3)],
@@ -557,7 +415,7 @@ class SwarmProbe:
 
         peer = PeerID.from_base58(node.peer_id)
         if node.peer_id not in self._connected:
-            await asyncio.wait_for(self.p2p._client.connect(peer, _dialable(node.maddrs)), 10.0)
+            await asyncio.wait_for(self.p2p._client.connect(peer, dialable_maddrs(node.maddrs)), 10.0)
             self._connected.add(node.peer_id)
         sent = time.monotonic()
         reply = await self.client.call(peer, version.INFO, {}, timeout_s=10.0)
@@ -572,11 +430,19 @@ class SwarmProbe:
         return await self.dht.get(trainers_key(self.run.run_id), TrainerRecord)
 
 
+def _check_alive(nodes, during: str) -> None:
+    dead = [n for n in nodes if n.proc.poll() is not None]
+    if dead:
+        raise RuntimeError(f"{', '.join(n.name for n in dead)} exited during {during} "
+                           f"(code {dead[0].proc.returncode}):\n{dead[0].log_tail(8)}")
+
+
 async def _snapshot(probe: SwarmProbe, workers, trainers) -> dict:
+    _check_alive([*workers, *trainers], "the measurement")
     infos = await asyncio.gather(*(probe.info(w) for w in workers))
     records = await probe.trainer_records()
     nodes = [*workers, *trainers]
-    cpu = {n.name: cpu_seconds(n.pid) for n in nodes}
+    cpu = {n.name: cpu_by_part(n.pid) for n in nodes}
     node_pids = {p.pid for n in nodes for p in process_tree(n.pid)}
     return {"infos": infos, "records": records, "cpu": cpu, "own_cpu": own_cpu_seconds(node_pids),
             "busy": system_busy_s(), "at": time.monotonic()}
@@ -591,9 +457,7 @@ async def _wait_warm(probe: SwarmProbe, workers, trainers, warmup_samples: int, 
     started = time.monotonic()
     wanted = {t.peer_id for t in trainers}
     while True:
-        dead = [t.name for t in trainers if t.proc.poll() is not None]
-        if dead:
-            raise RuntimeError(f"trainer(s) {dead} exited during warm-up:\n{trainers[0].log_tail()}")
+        _check_alive([*workers, *trainers], "warm-up")
         done = (await probe.info(head))["counters"].get("backward_requests", 0) - base
         elapsed = time.monotonic() - started
         if done >= warmup_samples and elapsed >= warmup_s:
@@ -614,13 +478,13 @@ def _window_result(run, workers, trainers, first: dict, last: dict) -> dict:
              ("compute_ms", "forward_requests", "forward_batches", "backward_requests", "backward_batches")}
         span_ms = (b["_at"] - a["_at"]) * 1000
         per_stage[str(node.stage)] = {
-            "utilization": _r(d["compute_ms"] / span_ms),
+            "utilization": rounded(d["compute_ms"] / span_ms),
             "compute_ms": d["compute_ms"],
             "wall_ms": round(span_ms),
             "forward_requests": d["forward_requests"],
             "backward_requests": d["backward_requests"],
-            "mean_forward_batch": _r(d["forward_requests"] / d["forward_batches"], 2) if d["forward_batches"] else None,
-            "mean_backward_batch": _r(d["backward_requests"] / d["backward_batches"], 2) if d["backward_batches"] else None,
+            "mean_forward_batch": rounded(d["forward_requests"] / d["forward_batches"], 2) if d["forward_batches"] else None,
+            "mean_backward_batch": rounded(d["backward_requests"] / d["backward_batches"], 2) if d["backward_batches"] else None,
             "optimizer_steps": b.get("local_step", 0) - a.get("local_step", 0),
             "rejected": {k: v for k, v in cb.items() if k.startswith("rejected_") and v},
         }
@@ -637,22 +501,33 @@ def _window_result(run, workers, trainers, first: dict, last: dict) -> dict:
         tokens_per_s, source = sum(record_rates.values()), "trainer_dht_records"
     else:
         tokens_per_s, source = head_rate, "head_worker_backward_counter"
-    cpu = {name: _r((last["cpu"][name] - first["cpu"][name]) / wall, 3) for name in first["cpu"]}
-    cpu["benchmark_and_seed_dht"] = _r((last["own_cpu"] - first["own_cpu"]) / wall, 3)
+    by_kind = {"worker_node_processes": 0.0, "trainer_node_processes": 0.0, "dht_processes": 0.0, "p2pd": 0.0,
+               "other": 0.0}
+    cpu = {}
+    for node in [*workers, *trainers]:
+        a, b = first["cpu"][node.name], last["cpu"][node.name]
+        delta = {k: max(0.0, b.get(k, 0.0) - a.get(k, 0.0)) for k in b}
+        cpu[node.name] = rounded(sum(delta.values()) / wall, 3)
+        by_kind[f"{node.role}_node_processes"] += delta["node"] / wall
+        by_kind["dht_processes"] += delta["dht_process"] / wall
+        by_kind["p2pd"] += delta["p2pd"] / wall
+        by_kind["other"] += delta["other"] / wall
+    cpu["benchmark_and_seed_dht"] = rounded((last["own_cpu"] - first["own_cpu"]) / wall, 3)
     ours = sum(v for v in cpu.values() if v is not None)
     machine = (last["busy"] - first["busy"]) / wall
-    cpu["foreign"] = _r(max(0.0, machine - ours), 3)  # other work on this machine in the window
-    cpu["machine_busy"] = _r(machine, 3)
+    cpu["foreign"] = rounded(max(0.0, machine - ours), 3)  # other work on this machine in the window
+    cpu["machine_busy"] = rounded(machine, 3)
     utils = [s["utilization"] for s in per_stage.values()]
     return {
         "tokens_per_s": round(tokens_per_s, 1),
         "tokens_per_s_source": source,
-        "tokens_per_s_by_trainer": {k: _r(v, 1) for k, v in record_rates.items()},
+        "tokens_per_s_by_trainer": {k: rounded(v, 1) for k, v in record_rates.items()},
         "tokens_per_s_head_counter": round(head_rate, 1),
         "window_s": round(wall, 2),
-        "mean_utilization": _r(statistics.fmean(utils)),
+        "mean_utilization": rounded(statistics.fmean(utils)),
         "per_stage": per_stage,
-        "cpu_cores_used": {**cpu, "ours_total": _r(ours, 3)},
+        "cpu_cores_used": {**cpu, "ours_total": rounded(ours, 3)},
+        "cpu_cores_by_process_kind": {k: rounded(v, 3) for k, v in by_kind.items()},
     }
 
 
@@ -713,6 +588,9 @@ async def bench(args, windows: Windows, run, config_path: str, membership, peer_
     out["rpc_overhead_ratio"] = await measure_rpc_overhead(run, windows.rpc_round_trips, windows.rpc_block)
     log(f"[{time.monotonic() - t0:5.1f}s] (a) centralized reference")
     central = measure_centralized(run, windows.central_steps, windows.central_warmup_steps)
+    one_thread = measure_centralized(run, max(10, windows.central_steps // 2), windows.central_warmup_steps, threads=1)
+    central["diagnostic_1_thread"] = {k: one_thread[k] for k in ("tokens_per_s", "step_ms", "step_ms_p50",
+                                                                "cpu_during_measurement")}
     out["swarm_vs_centralized"] = {"centralized": central}
 
     swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=1,
@@ -731,9 +609,13 @@ async def bench(args, windows: Windows, run, config_path: str, membership, peer_
         swarm_run = await measure_trainers(swarm, probe, run, workers, trainers=2,
                                            lanes=windows.swarm_lanes_per_trainer, windows=windows,
                                            window_s=windows.swarm_window_s)
+        rss_trend = {"after_swarm_run": {w.name: rss_mb(w.pid) for w in workers}}
         ratio = swarm_run["tokens_per_s"] / central["tokens_per_s"]
+        best_central = max(central["tokens_per_s"], central["tokens_per_s_best_10_step_block"],
+                           central["diagnostic_1_thread"]["tokens_per_s"])
         out["swarm_vs_centralized"] = {
-            "ratio": _r(ratio),
+            "ratio": rounded(ratio),
+            "ratio_vs_fastest_centralized": rounded(swarm_run["tokens_per_s"] / best_central),
             "swarm_tokens_per_s": swarm_run["tokens_per_s"],
             "centralized_tokens_per_s": central["tokens_per_s"],
             "swarm": swarm_run,
@@ -750,6 +632,10 @@ async def bench(args, windows: Windows, run, config_path: str, membership, peer_
                 ),
                 "centralized": central["method"],
                 "ratio": "swarm tokens/s / centralized tokens/s, same global batch (target_batch_size) and seq_len",
+                "ratio_vs_fastest_centralized": (
+                    "swarm tokens/s / the best centralized rate seen (2 threads over all steps, its fastest 10-step "
+                    "block, or 1 thread): robust to another job stealing a core during the reference, which hurts "
+                    "the 2-thread reference far more than the swarm"),
             },
         }
 
@@ -758,6 +644,7 @@ async def bench(args, windows: Windows, run, config_path: str, membership, peer_
             log(f"[{time.monotonic() - t0:5.1f}s] (b) 1 trainer x {lanes} lane(s), {windows.lanes_window_s:.0f}s window")
             runs.append(await measure_trainers(swarm, probe, run, workers, trainers=1, lanes=lanes, windows=windows,
                                                window_s=windows.lanes_window_s, sample_rss=lanes == 8))
+            rss_trend[f"after_{lanes}_lanes"] = {w.name: rss_mb(w.pid) for w in workers}
         out["utilization_by_lanes"] = {
             "trainers": "one trainer process holding all the lanes",
             "runs": [
@@ -784,7 +671,8 @@ async def bench(args, windows: Windows, run, config_path: str, membership, peer_
             "worker": {"node_alone": worst.get("node_peak_rss_mb"),
                        "with_children": worst.get("with_children_peak_rss_mb"),
                        "with_children_pss_now": worst.get("with_children_pss_mb"),
-                       "by_worker": worker_memory},
+                       "by_worker": worker_memory,
+                       "current_rss_trend_mb": rss_trend},
             "trainer_8_lanes": {"node_alone": trainer8["trainer_memory"].get("node_peak_rss_mb"),
                                 "with_children": trainer8["trainer_memory"].get("with_children_peak_rss_mb"),
                                 "with_children_pss_now": trainer8["trainer_memory"].get("with_children_pss_mb"),
@@ -806,10 +694,13 @@ async def bench(args, windows: Windows, run, config_path: str, membership, peer_
 
 def evaluate_aims(out: dict) -> dict:
     a = out.get("swarm_vs_centralized", {}).get("ratio")
+    a_fast = out.get("swarm_vs_centralized", {}).get("ratio_vs_fastest_centralized")
     runs = out.get("utilization_by_lanes", {}).get("runs", [])
     best = max(runs, key=lambda r: r["mean_utilization"] or 0, default=None)
     c = out.get("rpc_overhead_ratio", {}).get("ratio")
-    d = out.get("peak_rss_mb", {}).get("trainer_8_lanes", {}).get("with_children")
+    trainer = out.get("peak_rss_mb", {}).get("trainer_8_lanes", {})
+    d = trainer.get("with_children")
+    limit = AIMS["trainer_8_lanes_peak_rss_mb_max"]
     return {
         "targets": {
             "a_swarm_vs_centralized": f">= {AIMS['swarm_vs_centralized_min']}",
@@ -819,13 +710,32 @@ def evaluate_aims(out: dict) -> dict:
                                               "(node + children VmHWM sum)",
         },
         "a_met": None if a is None else a >= AIMS["swarm_vs_centralized_min"],
+        "a_met_vs_fastest_centralized": None if a_fast is None else a_fast >= AIMS["swarm_vs_centralized_min"],
         "b_met": None if best is None else (best["mean_utilization"] or 0) >= AIMS["utilization_min_at_enough_lanes"],
         "b_best": None if best is None else {"lanes": best["lanes"], "mean_utilization": best["mean_utilization"]},
         "c_met": None if c is None else c <= AIMS["rpc_overhead_ratio_max"],
         "d_met": None if d is None else d < AIMS["trainer_8_lanes_peak_rss_mb_max"],
-        "d_met_node_alone": (None if d is None else
-                             out["peak_rss_mb"]["trainer_8_lanes"]["node_alone"] < AIMS["trainer_8_lanes_peak_rss_mb_max"]),
+        "d_met_node_alone": None if trainer.get("node_alone") is None else trainer["node_alone"] < limit,
+        "d_met_pss": None if trainer.get("with_children_pss_now") is None else trainer["with_children_pss_now"] < limit,
+        "measured_on_a_busy_machine": _contention(out),
     }
+
+
+def _contention(out: dict) -> dict:
+    """Cores other work on this machine used during each measurement (not ours): above ~0.25 of
+    2 cores the numbers above are pessimistic for the swarm and even more for the 2-thread
+    centralized reference, whose OpenMP threads stall when a core is taken."""
+    found = {}
+    rpc = out.get("rpc_overhead_ratio", {}).get("cpu_during_measurement", {})
+    found["rpc"] = rpc.get("foreign_cores")
+    central = out.get("swarm_vs_centralized", {}).get("centralized", {})
+    found["centralized"] = central.get("cpu_during_measurement", {}).get("foreign_cores")
+    swarm = out.get("swarm_vs_centralized", {}).get("swarm", {})
+    found["swarm"] = swarm.get("cpu_cores_used", {}).get("foreign")
+    for r in out.get("utilization_by_lanes", {}).get("runs", []):
+        found[f"lanes_{r['lanes']}"] = r["cpu_cores_used"].get("foreign")
+    busy = {k: v for k, v in found.items() if v is not None and v > 0.25}
+    return {"foreign_cores": found, "busy": bool(busy)}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -877,10 +787,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         swarm = out.pop("_swarm", None)
         if swarm is not None:
             swarm.stop_all()  # idempotent; covers an interrupt during the async part
+        _OWN_SHM_PIDS.extend([os.getpid(), membership.dht.pid])
         membership.shutdown()
         survivors = swarm.survivors() if swarm is not None else []
+        leaked = []
+        if swarm is not None and hasattr(swarm, "leaked_shared_memory"):
+            leaked = swarm.leaked_shared_memory()
         out["cleanup"] = {"node_survivors": survivors, "seed_dht_alive": membership.dht.is_alive(),
-                          "nodes_started": len(swarm.nodes) if swarm is not None else 0}
+                          "nodes_started": len(swarm.nodes) if swarm is not None else 0,
+                          "node_shm_segments_left": leaked,
+                          "own_shm_segments": "removed at exit, see _exit_cleanly"}
         if survivors:
             errors.append(f"processes {survivors} survived shutdown")
         if errors or args.keep_logs:
@@ -898,5 +814,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 1 if errors else 0
 
 
+_OWN_SHM_PIDS: list[int] = []
+
+
+def _exit_cleanly(code: int) -> None:
+    """hivemind's MPFutures keep torch shared memory (/dev/shm/torch_<pid>_*) in this process and
+    the seed DHT process, and nothing unlinks it at exit. Unlinking it while this interpreter is
+    alive makes torch abort when the buffer is finalized ("could not unlink the shared memory
+    file"), so: flush, unlink our own segments, and leave without running finalizers."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    remove_own_shared_memory(_OWN_SHM_PIDS)
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_cleanly(main())

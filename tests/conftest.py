@@ -31,6 +31,7 @@ def make_swarm(tmp_path):
     for swarm in created:
         swarm.stop_all(timeout_s=20)
         assert swarm.survivors() == [], "a node left processes behind"
+        assert swarm.leaked_shared_memory() == [], "a node left /dev/shm segments behind"
 
 
 @pytest.fixture
