@@ -52,7 +52,7 @@ class SignedRecordValidator(RecordValidatorBase):
         try:
             wrapper = unpack(record.value)
             subkey = MSGPackSerializer.loads(record.subkey)
-        except (ProtocolError, Exception):
+        except Exception:  # ProtocolError from our codec, anything from hivemind's
             return False
         if not isinstance(wrapper, dict) or not isinstance(subkey, str):
             return False

@@ -183,12 +183,6 @@ class RpcClient:
         if stream is not None:
             stream[1].close()
 
-    def forget_peer(self, peer_id: PeerID) -> None:
-        """Close pooled streams to a peer that left, so nothing holds its connection open."""
-        for key in [k for k in self._idle if k[0] == peer_id]:
-            for _, writer in self._idle.pop(key):
-                writer.close()
-
     async def close(self) -> None:
         for streams in self._idle.values():
             for _, writer in streams:

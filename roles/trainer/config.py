@@ -23,3 +23,4 @@ class TrainerConfig(BaseModel):
     ban_s: float = Field(default=15.0, gt=0, description="how long a failed worker is avoided")
     drain_timeout_s: float = Field(default=15.0, ge=0, description="time in-flight samples get to finish on exit")
     wait_log_period_s: float = Field(default=5.0, gt=0, description="how often waiting for workers is reported")
+    progress_log_period_s: float = Field(default=10.0, gt=0, description="how often training progress is logged")

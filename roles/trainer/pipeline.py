@@ -20,7 +20,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from protocol import version
-from protocol.codec import decode_tensor, encode_tensor
+from protocol.codec import encode_tensor
 from protocol.errors import AgoraError, ErrorCode, NoWorkersError, PeerTimeout, PeerUnavailable, RemoteError
 from protocol.transport import RpcClient
 from roles.trainer.balancer import StageBalancer
@@ -153,6 +153,3 @@ class PipelineDriver:
             raise SampleDropped("backward_failed", str(exc)) from exc
         return reply, 1
 
-
-def decode_loss_tensor(reply: dict) -> torch.Tensor:
-    return decode_tensor(reply["grad_input"])

@@ -126,11 +126,28 @@ class TrainerRole:
                 continue
             self.accounting.complete(result.loss, int(sample.tokens.numel()))
 
+    async def _report_progress(self, stop: asyncio.Event) -> None:
+        """Log a progress line now and then, so an operator sees the trainer is doing its job."""
+        last_tokens, last_time = 0, time.monotonic()
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.config.progress_log_period_s)
+                return
+            except asyncio.TimeoutError:
+                pass
+            a, now = self.accounting, time.monotonic()
+            rate = (a.tokens - last_tokens) / max(now - last_time, 1e-9)
+            last_tokens, last_time = a.tokens, now
+            loss = f"{a.recent_loss:.3f}" if a.recent_loss is not None else "-"
+            logger.info("%d samples completed, %d dropped, %d in flight; loss %s; %.0f tokens/s; workers per stage %s",
+                        a.completed, a.dropped, a.in_flight, loss, rate, self.discovery.workers_per_stage())
+
     async def run(self, stop: asyncio.Event) -> None:
         """Train until `stop` is set or `max_samples` samples have ended."""
         self._tasks = [
             asyncio.create_task(self.discovery.run(stop), name="discovery"),
             asyncio.create_task(self.announcer.run(stop), name="announce"),
+            asyncio.create_task(self._report_progress(stop), name="progress-log"),
         ]
         if not await self.wait_for_workers(stop):
             return
