@@ -49,7 +49,8 @@ def join_swarm(*, identity: Identity, run_id: str, num_stages: int, initial_peer
             start=True,
             record_validators=[validator],
             identity_path=identity.path,
-            check_if_identity_free=not identity.fresh,  # a restarted node checks its old id is not still live
+            # hivemind's duplicate-identity probe only understands RSA keys; ours are Ed25519
+            check_if_identity_free=False,
             host_maddrs=host_maddrs,
             announce_maddrs=announce_maddrs or None,
             client_mode=client_mode,

@@ -1,9 +1,9 @@
 """Signed DHT records: only a peer can write its own subkey, and only values that fit the schema.
 
 Installed into hivemind's DHT as a record validator. A stored value is wrapped as
-``{record, public_key, signature}``; the subkey must be the base58 peer id that the public key
-hashes to, and the signature covers key, subkey, record and expiry, so neither the record nor
-its lifetime can be altered or replayed under another key. hivemind with no validator lets any
+``{record, signature}``; the subkey is the writer's base58 peer id, whose embedded Ed25519 key
+must verify the signature over key, subkey, record and expiry, so neither the record nor its
+lifetime can be altered or replayed under another key or peer id. hivemind with no validator lets any
 peer overwrite another's subkey and accepts absurd expiries (DESIGN §3): we refuse both.
 """
 
@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from protocol.codec import pack, unpack
 from protocol.dht_schema import MAX_RECORD_TTL_S, RecordModel, Tombstone
 from protocol.errors import ProtocolError
-from protocol.identity import Identity, peer_id_from_public_key, verify_signature
+from protocol.identity import Identity, verify_peer_signature
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +56,10 @@ class SignedRecordValidator(RecordValidatorBase):
             return False
         if not isinstance(wrapper, dict) or not isinstance(subkey, str):
             return False
-        body, public_key, signature = wrapper.get("record"), wrapper.get("public_key"), wrapper.get("signature")
-        if not all(isinstance(x, bytes) for x in (body, public_key, signature)):
+        body, signature = wrapper.get("record"), wrapper.get("signature")
+        if not isinstance(body, bytes) or not isinstance(signature, bytes):
             return False
-        try:
-            if peer_id_from_public_key(public_key).to_base58() != subkey:
-                return False
-        except Exception:
-            return False
-        if not verify_signature(public_key, self._signed_bytes(record, body), signature):
+        if not verify_peer_signature(subkey, self._signed_bytes(record, body), signature):
             return False
         try:
             value = unpack(body)
@@ -84,7 +79,7 @@ class SignedRecordValidator(RecordValidatorBase):
         if record.key not in self._models or self.identity is None or record.subkey != self._local_subkey:
             return record.value
         signature = self.identity.sign(self._signed_bytes(record, record.value))
-        return pack({"record": record.value, "public_key": self.identity.public_key, "signature": signature})
+        return pack({"record": record.value, "signature": signature})
 
     def strip_value(self, record: DHTRecord) -> bytes:
         if record.key not in self._models:

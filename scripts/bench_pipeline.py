@@ -652,7 +652,8 @@ async def bench(args, windows: Windows, run, config_path: str, membership, peer_
                  "per_stage_utilization": {s: v["utilization"] for s, v in r["per_stage"].items()},
                  "tokens_per_s": r["tokens_per_s"],
                  "mean_forward_batch": {s: v["mean_forward_batch"] for s, v in r["per_stage"].items()},
-                 "cpu_cores_used": r["cpu_cores_used"], "window_s": r["window_s"],
+                 "cpu_cores_used": r["cpu_cores_used"],
+                 "cpu_cores_by_process_kind": r["cpu_cores_by_process_kind"], "window_s": r["window_s"],
                  "trainer_summary": r["trainer_summaries"][0]}
                 for r in runs
             ],

@@ -57,7 +57,7 @@ def test_cannot_write_another_peers_subkey(identities):
     assert attacker.sign_value(forged) == forged.value
     # ...and a hand-made wrapper signed with the attacker's key is rejected by every reader
     body = forged.value
-    wrapper = {"record": body, "public_key": identities[1].public_key,
+    wrapper = {"record": body,
                "signature": identities[1].sign(pack([forged.key, forged.subkey, body, float(forged.expiration_time)]))}
     assert not reader.validate(DHTRecord(forged.key, forged.subkey, pack(wrapper), forged.expiration_time))
     assert reader.rejected == 1
@@ -99,3 +99,16 @@ def test_identity_file_is_private_and_stable(tmp_path):
     first = load_or_create_identity(str(path))
     assert (path.stat().st_mode & 0o777) == 0o600
     assert load_or_create_identity(str(path)).peer_id == first.peer_id
+
+
+def test_peer_id_embeds_the_signing_key(identities):
+    from protocol.identity import public_key_from_peer_id, verify_peer_signature
+
+    identity = identities[0]
+    assert public_key_from_peer_id(identity.peer_id) == identity.public_key
+    assert public_key_from_peer_id("QmWihdSgzh9sCzbtjdDf4TqjjArhWeqKoiPTMdcvjpf56J") is None  # RSA-style id
+    assert public_key_from_peer_id("not base58 !") is None
+    signature = identity.sign(b"payload")
+    assert verify_peer_signature(identity.peer_id, b"payload", signature)
+    assert not verify_peer_signature(identities[1].peer_id, b"payload", signature)
+    assert not verify_peer_signature(identity.peer_id, b"payloaD", signature)
