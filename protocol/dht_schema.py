@@ -8,6 +8,7 @@ hivemind has no delete, so a node that leaves overwrites its subkey with a tombs
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -90,10 +91,20 @@ def control_key(run_id: str) -> str:
     return f"{run_id}/control"
 
 
-def schema_for_run(run_id: str, num_stages: int) -> dict[str, type[RecordModel]]:
-    """Every key this run uses, mapped to the record model its values must satisfy."""
-    schema: dict[str, type[RecordModel]] = {trainers_key(run_id): TrainerRecord}
+@dataclass(frozen=True)
+class KeySpec:
+    """What may be written under one key: the record model, and in authenticated runs the role
+    (and stage) the writer's credential must carry."""
+
+    model: type[RecordModel]
+    role: str
+    stage: Optional[int] = None
+
+
+def schema_for_run(run_id: str, num_stages: int) -> dict[str, KeySpec]:
+    """Every peer-owned key this run uses, mapped to what its values must satisfy."""
+    schema: dict[str, KeySpec] = {trainers_key(run_id): KeySpec(TrainerRecord, "trainer")}
     for stage in range(num_stages):
-        schema[workers_key(run_id, stage)] = WorkerRecord
-        schema[progress_key(run_id, stage)] = ProgressRecord
+        schema[workers_key(run_id, stage)] = KeySpec(WorkerRecord, "worker", stage)
+        schema[progress_key(run_id, stage)] = KeySpec(ProgressRecord, "worker", stage)
     return schema

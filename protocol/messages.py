@@ -13,7 +13,7 @@ from typing import Annotated, Any, Optional
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError
 
-from protocol.codec import decode_tensor, encode_tensor
+from protocol.codec import decode_tensor, encode_tensor, pack, unpack
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.version import PROTOCOL_VERSION, SUPPORTED_PROTOCOL_VERSIONS
 
@@ -36,21 +36,28 @@ class ErrorBody(WireModel):
 
 
 class Envelope(WireModel):
-    """Outer frame of every request: version, freshness data and the body."""
+    """Outer frame of every request. The body travels as packed bytes so that a signature can
+    cover exactly the bytes that were sent; authenticated runs add the sender's credential, the
+    recipient and the signature (protocol/auth.py)."""
 
     version: int
     nonce: bytes = Field(min_length=8, max_length=64)
     timestamp: float
-    body: dict
+    body: bytes
+    recipient: Optional[str] = Field(default=None, max_length=128)
+    credential: Optional[bytes] = Field(default=None, max_length=8192)
+    signature: Optional[bytes] = Field(default=None, max_length=128)
 
 
 class ReplyEnvelope(WireModel):
-    """Outer frame of every reply: either a body or a typed error."""
+    """Outer frame of every reply: a packed body (signed by the server in authenticated runs)
+    or a typed error."""
 
     version: int
     ok: bool
-    body: Optional[dict] = None
+    body: Optional[bytes] = None
     error: Optional[ErrorBody] = None
+    signature: Optional[bytes] = Field(default=None, max_length=128)
 
 
 SampleId = Annotated[str, Field(min_length=1, max_length=128)]
@@ -103,7 +110,16 @@ class InfoReply(WireModel):
 
 
 def make_envelope(body: dict) -> dict:
-    return {"version": PROTOCOL_VERSION, "nonce": os.urandom(16), "timestamp": time.time(), "body": body}
+    """An unauthenticated request envelope around `body` (open runs and tests)."""
+    return {"version": PROTOCOL_VERSION, "nonce": os.urandom(16), "timestamp": time.time(), "body": pack(body)}
+
+
+def open_body(packed: bytes) -> dict:
+    """Unpack a request or reply body from untrusted bytes; it must be a map."""
+    body = unpack(packed)
+    if not isinstance(body, dict):
+        raise ProtocolError("body must be a map", ErrorCode.INVALID_REQUEST)
+    return body
 
 
 def parse_envelope(raw: Any) -> Envelope:

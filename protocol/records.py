@@ -1,10 +1,17 @@
-"""Signed DHT records: only a peer can write its own subkey, and only values that fit the schema.
+"""Signed DHT records: only a peer can write its own subkey, only values that fit the schema,
+with sane expiries, and in authenticated runs only peers holding a credential for that key.
 
 Installed into hivemind's DHT as a record validator. A stored value is wrapped as
-``{record, signature}``; the subkey is the writer's base58 peer id, whose embedded Ed25519 key
-must verify the signature over key, subkey, record and expiry, so neither the record nor its
-lifetime can be altered or replayed under another key or peer id. hivemind with no validator lets any
-peer overwrite another's subkey and accepts absurd expiries (DESIGN §3): we refuse both.
+``{record, signature[, credential]}``; the subkey is the writer's base58 peer id, whose embedded
+Ed25519 key must verify the signature over key, subkey, record and expiry, so neither the record
+nor its lifetime can be altered or replayed under another key or peer id. hivemind with no
+validator lets any peer overwrite another's subkey and accepts absurd expiries (DESIGN §3).
+
+In an authenticated run the wrapper also carries the writer's credential: it must be signed by
+the run's root key, current, unrevoked, issued to the subkey's peer id, and carry the role and
+stage the key belongs to (a trainer cannot announce itself as a stage-2 worker). The run's
+revocation list lives under `{run}/control`, subkey `revoked`, signed by the root key itself, so
+any node may relay it.
 """
 
 from __future__ import annotations
@@ -18,35 +25,45 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 from pydantic import ValidationError
 
+from protocol.auth_state import SharedAuthState
 from protocol.codec import pack, unpack
-from protocol.dht_schema import MAX_RECORD_TTL_S, RecordModel, Tombstone
+from protocol.credentials import CredentialError, RevocationList, verify_credential, verify_revocation_list
+from protocol.dht_schema import MAX_RECORD_TTL_S, KeySpec, Tombstone, control_key
 from protocol.errors import ProtocolError
 from protocol.identity import Identity, verify_peer_signature
 
 logger = logging.getLogger(__name__)
 
+REVOKED_SUBKEY = "revoked"
+
 
 class SignedRecordValidator(RecordValidatorBase):
     """Signs our node's records and rejects any record under a schema key that does not verify."""
 
-    def __init__(self, identity: Optional[Identity], schema: dict[str, type[RecordModel]]):
+    def __init__(self, identity: Optional[Identity], schema: dict[str, KeySpec], *,
+                 run_id: Optional[str] = None, auth: Optional[SharedAuthState] = None):
         self.identity = identity
+        self.auth = auth
         self._local_subkey = (
             MSGPackSerializer.dumps(identity.peer_id.to_base58()) if identity is not None else None
         )
-        self._models = {DHTID.generate(source=key).to_bytes(): model for key, model in schema.items()}
+        self._specs = {DHTID.generate(source=key).to_bytes(): spec for key, spec in schema.items()}
+        self._control = DHTID.generate(source=control_key(run_id)).to_bytes() if run_id and auth else None
         self.rejected = 0
 
     def validate(self, record: DHTRecord) -> bool:
-        model = self._models.get(record.key)
-        if model is None:
-            return True  # not one of our keys: hivemind's own keys (e.g. averaging) are checked elsewhere
-        ok = self._check(record, model)
+        if record.key == self._control:
+            ok = self._check_control(record)
+        else:
+            spec = self._specs.get(record.key)
+            if spec is None:
+                return True  # not one of our keys: hivemind's own keys (e.g. averaging) are checked elsewhere
+            ok = self._check(record, spec)
         if not ok:
             self.rejected += 1
         return ok
 
-    def _check(self, record: DHTRecord, model: type[RecordModel]) -> bool:
+    def _check(self, record: DHTRecord, spec: KeySpec) -> bool:
         if record.expiration_time > time.time() + MAX_RECORD_TTL_S:
             return False
         try:
@@ -59,30 +76,61 @@ class SignedRecordValidator(RecordValidatorBase):
         body, signature = wrapper.get("record"), wrapper.get("signature")
         if not isinstance(body, bytes) or not isinstance(signature, bytes):
             return False
-        if not verify_peer_signature(subkey, self._signed_bytes(record, body), signature):
+        credential = wrapper.get("credential")
+        if self.auth is not None and not self._credential_allows(credential, subkey, spec):
+            return False
+        if not verify_peer_signature(subkey, self._signed_bytes(record, body, credential), signature):
             return False
         try:
             value = unpack(body)
             if isinstance(value, dict) and value.get("tombstone") is True:
                 Tombstone.model_validate(value)
             else:
-                model.model_validate(value)
+                spec.model.model_validate(value)
         except (ProtocolError, ValidationError):
             return False
         return True
 
+    def _credential_allows(self, credential: object, subkey: str, spec: KeySpec) -> bool:
+        if not isinstance(credential, bytes):
+            return False
+        now = time.time()
+        try:
+            cred = verify_credential(self.auth.root_public_key, credential, now=now, peer_id=subkey,
+                                     run_id=self.auth.run_id)
+        except CredentialError:
+            return False
+        if cred.role != spec.role or (spec.stage is not None and cred.stage != spec.stage):
+            return False
+        revocations = self.auth.revocations()
+        return revocations is None or not revocations.is_revoked(cred)
+
+    def _check_control(self, record: DHTRecord) -> bool:
+        try:
+            if MSGPackSerializer.loads(record.subkey) != REVOKED_SUBKEY:
+                return False
+            revocations = RevocationList.model_validate(MSGPackSerializer.loads(record.value))
+            verify_revocation_list(self.auth.root_public_key, revocations, run_id=self.auth.run_id)
+        except Exception:  # malformed or not signed by the root key
+            return False
+        return record.expiration_time <= time.time() + MAX_RECORD_TTL_S
+
     @staticmethod
-    def _signed_bytes(record: DHTRecord, body: bytes) -> bytes:
-        return pack([record.key, record.subkey, body, float(record.expiration_time)])
+    def _signed_bytes(record: DHTRecord, body: bytes, credential: object = None) -> bytes:
+        return pack([record.key, record.subkey, body, float(record.expiration_time), credential])
 
     def sign_value(self, record: DHTRecord) -> bytes:
-        if record.key not in self._models or self.identity is None or record.subkey != self._local_subkey:
+        if record.key not in self._specs or self.identity is None or record.subkey != self._local_subkey:
             return record.value
-        signature = self.identity.sign(self._signed_bytes(record, record.value))
-        return pack({"record": record.value, "signature": signature})
+        credential = self.auth.credential_bytes() if self.auth is not None else None
+        signature = self.identity.sign(self._signed_bytes(record, record.value, credential))
+        wrapper = {"record": record.value, "signature": signature}
+        if credential is not None:
+            wrapper["credential"] = credential
+        return pack(wrapper)
 
     def strip_value(self, record: DHTRecord) -> bytes:
-        if record.key not in self._models:
+        if record.key not in self._specs:
             return record.value
         try:
             wrapper = unpack(record.value)

@@ -22,7 +22,8 @@ from hivemind.utils.multiaddr import Multiaddr
 from protocol.codec import pack, unpack
 from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES, FrameTooLarge, read_frame, write_frame
-from protocol.messages import ErrorBody, ReplyEnvelope, make_envelope, parse_envelope, parse_model
+from protocol.auth import PeerAuthenticator, RequestRejected
+from protocol.messages import ErrorBody, ReplyEnvelope, make_envelope, open_body, parse_envelope, parse_model
 from protocol.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
@@ -44,24 +45,32 @@ async def dial(p2p: P2P, peer_id: PeerID, maddrs: list[str], timeout_s: float = 
 
 
 class RpcServer:
-    """Serves `agora/v1/*` handlers on a P2P instance and counts every rejected request by code."""
+    """Serves `agora/v1/*` handlers on a P2P instance and counts every rejected request.
 
-    def __init__(self, p2p: P2P, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+    With an authenticator, every request must pass its checks before the handler sees it, and
+    only credentials of the roles a handler allows get through; replies are signed.
+    """
+
+    def __init__(self, p2p: P2P, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 authenticator: Optional[PeerAuthenticator] = None):
         self.p2p = p2p
         self.max_frame_bytes = max_frame_bytes
+        self.authenticator = authenticator
         self.rejected: collections.Counter[str] = collections.Counter()
+        self.auth_rejected: collections.Counter[str] = collections.Counter()
         self.served: collections.Counter[str] = collections.Counter()
         self._names: list[str] = []
         self._streams: set[asyncio.StreamWriter] = set()
 
-    async def add_handler(self, name: str, handler: Handler) -> None:
+    async def add_handler(self, name: str, handler: Handler, *, roles: Optional[frozenset[str]] = None) -> None:
+        """Serve `name`; `roles` limits which credential roles may call it (authenticated runs)."""
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._serve_stream(name, handler, info.peer_id, reader, writer)
+            await self._serve_stream(name, handler, roles, info.peer_id, reader, writer)
 
         await self.p2p.add_binary_stream_handler(name, on_stream)
         self._names.append(name)
 
-    async def _serve_stream(self, name, handler, peer_id, reader, writer) -> None:
+    async def _serve_stream(self, name, handler, roles, peer_id, reader, writer) -> None:
         self._streams.add(writer)
         try:
             while True:
@@ -71,7 +80,7 @@ class RpcServer:
                     self._count_rejection(exc.code)
                     await write_frame(writer, _error_reply(exc.code, str(exc)))
                     return  # the rest of the stream cannot be parsed
-                reply = await self._handle_frame(name, handler, peer_id, frame)
+                reply = await self._handle_frame(name, handler, roles, peer_id, frame)
                 await write_frame(writer, reply)
         except PeerUnavailable:
             pass
@@ -83,10 +92,19 @@ class RpcServer:
             self._streams.discard(writer)
             writer.close()
 
-    async def _handle_frame(self, name: str, handler: Handler, peer_id: PeerID, frame: bytes) -> bytes:
+    async def _handle_frame(self, name: str, handler: Handler, roles, peer_id: PeerID, frame: bytes) -> bytes:
         try:
-            envelope = parse_envelope(unpack(frame))
-            body = await handler(peer_id, envelope.body)
+            raw = unpack(frame)
+            envelope = parse_envelope(raw)
+            if self.authenticator is not None:
+                credential = self.authenticator.check_request(peer_id.to_base58(), name, raw, envelope.body)
+                if roles is not None and credential.role not in roles:
+                    raise RequestRejected("wrong_role", f"{credential.role}s may not call {name}")
+            body = await handler(peer_id, open_body(envelope.body))
+        except RequestRejected as exc:
+            self._count_rejection(exc.code)
+            self.auth_rejected[exc.reason] += 1
+            return _error_reply(exc.code, str(exc))
         except ProtocolError as exc:
             self._count_rejection(exc.code)
             return _error_reply(exc.code, str(exc))
@@ -101,7 +119,11 @@ class RpcServer:
             self._count_rejection(ErrorCode.INTERNAL)
             return _error_reply(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         self.served[name] += 1
-        return pack({"version": PROTOCOL_VERSION, "ok": True, "body": body})
+        packed = pack(body)
+        reply = {"version": PROTOCOL_VERSION, "ok": True, "body": packed}
+        if self.authenticator is not None:
+            reply["signature"] = self.authenticator.sign_reply(name, peer_id.to_base58(), envelope.nonce, packed)
+        return pack(reply)
 
     def _count_rejection(self, code: ErrorCode) -> None:
         self.rejected[ErrorCode(code).name.lower()] += 1
@@ -120,8 +142,9 @@ class RpcClient:
     """Calls `agora/v1/*` handlers on remote peers over pooled long-lived streams."""
 
     def __init__(self, p2p: P2P, *, timeout_s: float = 30.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 max_idle_per_peer: int = 16):
+                 max_idle_per_peer: int = 16, authenticator: Optional[PeerAuthenticator] = None):
         self.p2p = p2p
+        self.authenticator = authenticator
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.max_idle_per_peer = max_idle_per_peer
@@ -131,7 +154,10 @@ class RpcClient:
 
     async def call(self, peer_id: PeerID, handler: str, body: dict, *, timeout_s: Optional[float] = None) -> dict:
         """Send one request and return the reply body. Raises RemoteError (typed), PeerTimeout or PeerUnavailable."""
-        payload = pack(make_envelope(body))
+        envelope = make_envelope(body)
+        if self.authenticator is not None:
+            envelope.update(self.authenticator.sign_request(handler, peer_id.to_base58(), envelope["body"]))
+        payload = pack(envelope)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         key = (peer_id, handler)
         stream = None
@@ -161,7 +187,10 @@ class RpcClient:
             except ValueError:
                 code = ErrorCode.INTERNAL
             raise RemoteError(f"{peer_id} rejected {handler}: {code.name.lower()}: {error.message}", code)
-        return reply.body or {}
+        packed = reply.body or pack({})
+        if self.authenticator is not None:
+            self.authenticator.check_reply(peer_id.to_base58(), handler, envelope["nonce"], reply.signature, packed)
+        return open_body(packed)
 
     async def _acquire(self, key):
         idle = self._idle.get(key)

@@ -111,13 +111,17 @@ class Windows:
     rpc_block: int
     central_steps: int
     central_warmup_steps: int
+    central_budget_s: float
+    idle_window_s: float
     swarm_lanes_per_trainer: int = 4
 
 
 FULL = Windows(swarm_window_s=20.0, lanes_window_s=15.0, warmup_samples=48, warmup_s=4.0,
-               rpc_round_trips=1500, rpc_block=50, central_steps=100, central_warmup_steps=10)
+               rpc_round_trips=1500, rpc_block=50, central_steps=100, central_warmup_steps=10,
+               central_budget_s=20.0, idle_window_s=5.0)
 QUICK = Windows(swarm_window_s=5.0, lanes_window_s=4.0, warmup_samples=16, warmup_s=1.5,
-                rpc_round_trips=500, rpc_block=50, central_steps=20, central_warmup_steps=5)
+                rpc_round_trips=500, rpc_block=50, central_steps=20, central_warmup_steps=5,
+                central_budget_s=6.0, idle_window_s=2.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +314,9 @@ def _python_work_breakdown(run, runtime, body: dict, output, repeats: int = 2000
 # (a, reference) centralized training in this process
 # ---------------------------------------------------------------------------------------------
 
-def measure_centralized(run, steps: int, warmup_steps: int, threads: int = 2) -> dict:
+def measure_centralized(run, steps: int, warmup_steps: int, threads: int = 2, budget_s: float = 20.0) -> dict:
+    """Tokens/s of one process training the whole model; stops early (after at least 10 steps)
+    once `budget_s` is spent, which only happens when another job is taking the cores."""
     import torch
 
     from roles.model.stage import FullModel, StageModel
@@ -343,11 +349,14 @@ def measure_centralized(run, steps: int, warmup_steps: int, threads: int = 2) ->
             step()
         meter = CpuMeter()
         started = time.perf_counter()
-        for _ in range(steps):
+        for i in range(steps):
+            if i >= 10 and time.perf_counter() - started > budget_s:
+                break
             t = time.perf_counter()
             step()
             step_s.append(time.perf_counter() - t)
         wall = time.perf_counter() - started
+        planned, steps = steps, len(step_s)
         load = meter.read()
         block = 10
         blocks = [sum(step_s[i:i + block]) / len(step_s[i:i + block]) for i in range(0, len(step_s), block)]
@@ -357,6 +366,7 @@ def measure_centralized(run, steps: int, warmup_steps: int, threads: int = 2) ->
     return {
         "tokens_per_s": round(tokens / wall, 1),
         "steps": steps,
+        "steps_planned": planned,
         "warmup_steps": warmup_steps,
         "batch_samples": batch,
         "seq_len": run.seq_len,
@@ -373,7 +383,7 @@ def measure_centralized(run, steps: int, warmup_steps: int, threads: int = 2) ->
             "stream, no boundary compression, no recomputation), AdamW with the run's hyperparameters and "
             f"per-stage clipping; torch.set_num_threads({threads}); each step draws target_batch_size samples from "
             f"the same synthetic stream (inside the timed loop); tokens/s over {steps} steps after {warmup_steps} "
-            "warm-up steps."
+            f"warm-up steps (at most {planned} steps, cut short after {budget_s:.0f}s)."
         ),
     }
 
@@ -531,6 +541,27 @@ def _window_result(run, workers, trainers, first: dict, last: dict) -> dict:
     }
 
 
+async def measure_idle_cpu(workers, window_s: float) -> dict:
+    """CPU the workers burn with no trainer at all: DHT announcements and stage-progress ticks,
+    the swarm's fixed cost that training traffic comes on top of."""
+    await asyncio.sleep(1.0)  # let start-up work (first announcements, bootstrap) pass
+    node_pids = {p.pid for n in workers for p in process_tree(n.pid)}
+    first = {n.name: cpu_by_part(n.pid) for n in workers}
+    own, busy, at = own_cpu_seconds(node_pids), system_busy_s(), time.monotonic()
+    await asyncio.sleep(window_s)
+    wall = time.monotonic() - at
+    last = {n.name: cpu_by_part(n.pid) for n in workers}
+    kinds = {"worker_node_processes": "node", "dht_processes": "dht_process", "p2pd": "p2pd", "other": "other"}
+    result = {kind: rounded(sum(last[n][part] - first[n][part] for n in last) / wall, 3) for kind, part in kinds.items()}
+    ours = sum(result.values())
+    result["benchmark_and_seed_dht"] = rounded((own_cpu_seconds(node_pids) - own) / wall, 3)
+    result["foreign"] = rounded(max(0.0, (system_busy_s() - busy) / wall - ours - result["benchmark_and_seed_dht"]), 3)
+    result["window_s"] = rounded(wall, 2)
+    result["method"] = ("3 workers up, no trainer; user+system CPU of each worker's process tree over the window, "
+                        "split into the agora-node process, hivemind's DHT process, p2pd and other children")
+    return result
+
+
 async def measure_trainers(swarm, probe: SwarmProbe, run, workers, *, trainers: int, lanes: int,
                            windows: Windows, window_s: float, sample_rss: bool = False) -> dict:
     """Start `trainers` trainers with `lanes` lanes each against the running workers, warm up,
@@ -587,8 +618,10 @@ async def bench(args, windows: Windows, run, config_path: str, membership, peer_
     log(f"[{time.monotonic() - t0:5.1f}s] (c) rpc overhead: {windows.rpc_round_trips} round trips each")
     out["rpc_overhead_ratio"] = await measure_rpc_overhead(run, windows.rpc_round_trips, windows.rpc_block)
     log(f"[{time.monotonic() - t0:5.1f}s] (a) centralized reference")
-    central = measure_centralized(run, windows.central_steps, windows.central_warmup_steps)
-    one_thread = measure_centralized(run, max(10, windows.central_steps // 2), windows.central_warmup_steps, threads=1)
+    central = measure_centralized(run, windows.central_steps, windows.central_warmup_steps,
+                                  budget_s=windows.central_budget_s)
+    one_thread = measure_centralized(run, max(10, windows.central_steps // 2), windows.central_warmup_steps, threads=1,
+                                     budget_s=windows.central_budget_s / 2)
     central["diagnostic_1_thread"] = {k: one_thread[k] for k in ("tokens_per_s", "step_ms", "step_ms_p50",
                                                                 "cpu_during_measurement")}
     out["swarm_vs_centralized"] = {"centralized": central}
@@ -603,6 +636,8 @@ async def bench(args, windows: Windows, run, config_path: str, membership, peer_
                    for s in range(run.num_stages)]
         for node in workers:
             await asyncio.to_thread(swarm.wait_ready, node, 120.0)
+        log(f"[{time.monotonic() - t0:5.1f}s] idle workers: {windows.idle_window_s:.0f}s CPU baseline")
+        out["idle_swarm_cpu_cores"] = await measure_idle_cpu(workers, windows.idle_window_s)
 
         log(f"[{time.monotonic() - t0:5.1f}s] (a) swarm: 2 trainers x {windows.swarm_lanes_per_trainer} lanes, "
             f"{windows.swarm_window_s:.0f}s window")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from protocol.codec import WIRE_DTYPES, decode_tensor, encode_tensor, pack, unpack
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import BackwardRequest, ForwardRequest, parse_envelope, parse_model, make_envelope
+from protocol.messages import BackwardRequest, ForwardRequest, make_envelope, open_body, parse_envelope, parse_model
 
 shapes = st.lists(st.integers(min_value=0, max_value=5), min_size=0, max_size=4)
 wire_values = st.recursive(
@@ -98,7 +98,7 @@ def test_bad_bodies_get_typed_errors(body, code):
 
 
 def test_envelope_checks_version_and_shape():
-    assert parse_envelope(make_envelope({"a": 1})).body == {"a": 1}
+    assert open_body(parse_envelope(make_envelope({"a": 1})).body) == {"a": 1}
     with pytest.raises(ProtocolError) as info:
         parse_envelope({**make_envelope({}), "version": 99})
     assert info.value.code == ErrorCode.UNSUPPORTED_VERSION

@@ -58,7 +58,7 @@ def test_cannot_write_another_peers_subkey(identities):
     # ...and a hand-made wrapper signed with the attacker's key is rejected by every reader
     body = forged.value
     wrapper = {"record": body,
-               "signature": identities[1].sign(pack([forged.key, forged.subkey, body, float(forged.expiration_time)]))}
+               "signature": identities[1].sign(SignedRecordValidator._signed_bytes(forged, body))}
     assert not reader.validate(DHTRecord(forged.key, forged.subkey, pack(wrapper), forged.expiration_time))
     assert reader.rejected == 1
 

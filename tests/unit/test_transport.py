@@ -46,7 +46,7 @@ def test_malformed_frames_get_typed_errors_and_serving_continues():
                 reply = unpack(await read_frame(reader))
                 assert reply["ok"] is False and isinstance(reply["error"]["code"], int)
             await write_frame(writer, pack(make_envelope({"x": 1})))  # same stream still serves
-            assert unpack(await read_frame(reader))["body"] == {"echo": {"x": 1}}
+            assert unpack(unpack(await read_frame(reader))["body"]) == {"echo": {"x": 1}}
             writer.close()
 
             client = RpcClient(client_p2p, timeout_s=5)

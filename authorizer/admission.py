@@ -1,0 +1,181 @@
+"""The admission checks that need no network: capability, integrity and the account rules.
+
+Screening happens at the door rather than after a node has joined, so that a node that would
+degrade or endanger the run never disturbs it [3.6.1.2]. Each check is switched on or off in the
+policy. A failed check is not an error but a `Rejection`: a machine-readable `RejectReason` and a
+sentence telling the user what to do. Reachability (dialing the node back) lives in
+authorizer.reachability; capacity and bans are decided in the store's transaction.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+from authorizer.policy import HardwareFloor, Policy
+from roles.model.config import RunConfig
+
+_GIB = float(1 << 30)
+
+
+class RejectReason(str, enum.Enum):
+    """Why a join was refused. Never rename a value; add new ones."""
+
+    ACCELERATOR_NOT_ALLOWED = "accelerator_not_allowed"  # device not on the run's allow-list
+    INSUFFICIENT_VRAM = "insufficient_vram"  # accelerator memory below every stage's floor
+    INSUFFICIENT_RAM = "insufficient_ram"  # host memory below the floor
+    INSUFFICIENT_BANDWIDTH = "insufficient_bandwidth"  # measured bandwidth below the floor
+    LATENCY_TOO_HIGH = "latency_too_high"  # measured latency above the ceiling
+    CLIENT_VERSION_NOT_ACCEPTED = "client_version_not_accepted"  # build the run does not accept
+    PACKAGE_DIGEST_NOT_ACCEPTED = "package_digest_not_accepted"  # modified or unknown package
+    UNREACHABLE = "unreachable"  # the authorizer could not dial any announced address
+    NO_DIALABLE_ADDRESS = "no_dialable_address"  # no announced address the authorizer may dial
+    ACCOUNT_REQUIRED = "account_required"  # no account token given
+    ACCOUNT_LIMIT = "account_limit"  # the account already runs its maximum of nodes
+    BANNED_ACCOUNT = "banned_account"  # the operator banned the account
+    BANNED_PEER = "banned_peer"  # the operator banned this peer id
+    RUN_FULL = "run_full"  # every stage this node may serve is at capacity
+    QUEUE_FULL = "queue_full"  # the admission queue is at its maximum length
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: RejectReason
+    message: str
+
+
+@dataclass(frozen=True)
+class HardwareClaim:
+    """What a joining node reports about itself (authorizer.models.Hardware, unbound from HTTP)."""
+
+    device_name: str
+    vram_bytes: int
+    ram_bytes: int
+    bandwidth_mbps: float
+    latency_ms: float
+
+
+def account_id(token: str) -> str:
+    """Accounts are stored under the SHA-256 of their token, never the token itself."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest() if token else "anonymous"
+
+
+def _gib(n: int) -> str:
+    return f"{n / _GIB:.2f} GiB"
+
+
+def check_floor(floor: HardwareFloor, hw: HardwareClaim, what: str) -> Optional[Rejection]:
+    """None if `hw` meets `floor`. A node without accelerator memory (vram 0, e.g. a CPU worker)
+    computes in host RAM, so it needs the device and host requirements together in RAM."""
+    if hw.vram_bytes == 0 and floor.min_vram_bytes > 0:
+        need = floor.min_vram_bytes + floor.min_ram_bytes
+        if hw.ram_bytes < need:
+            return Rejection(RejectReason.INSUFFICIENT_RAM, (
+                f"{what} needs {_gib(need)} of host RAM on a node without accelerator memory, but this "
+                f"node reports {_gib(hw.ram_bytes)}; add a GPU with at least {_gib(floor.min_vram_bytes)} "
+                f"or use a machine with more RAM"))
+    else:
+        if hw.vram_bytes < floor.min_vram_bytes:
+            return Rejection(RejectReason.INSUFFICIENT_VRAM, (
+                f"{what} needs at least {_gib(floor.min_vram_bytes)} of accelerator memory but "
+                f"{hw.device_name} reports {_gib(hw.vram_bytes)}; use a larger GPU or free memory "
+                f"held by other programs"))
+        if hw.ram_bytes < floor.min_ram_bytes:
+            return Rejection(RejectReason.INSUFFICIENT_RAM, (
+                f"{what} needs at least {_gib(floor.min_ram_bytes)} of host RAM but this node reports "
+                f"{_gib(hw.ram_bytes)}; close other programs or use a machine with more RAM"))
+    if hw.bandwidth_mbps < floor.min_bandwidth_mbps:
+        return Rejection(RejectReason.INSUFFICIENT_BANDWIDTH, (
+            f"{what} needs at least {floor.min_bandwidth_mbps:g} Mbit/s but this node measured "
+            f"{hw.bandwidth_mbps:g} Mbit/s; use a faster connection or stop other transfers"))
+    if floor.max_latency_ms is not None and hw.latency_ms > floor.max_latency_ms:
+        return Rejection(RejectReason.LATENCY_TOO_HIGH, (
+            f"{what} needs a latency of at most {floor.max_latency_ms:g} ms but this node measured "
+            f"{hw.latency_ms:g} ms; join from a network closer to the run's peers"))
+    return None
+
+
+def check_capability(
+    run: RunConfig, policy: Policy, role: str, hw: HardwareClaim
+) -> tuple[list[int], Optional[Rejection]]:
+    """The stages a worker may serve (all of them if the check is off), or why none.
+
+    For a trainer the list is empty and only the trainer floor applies. When no stage fits, the
+    rejection is the one of the least demanding stage, the one the node came closest to.
+    """
+    stages = list(range(run.num_stages))
+    if not policy.checks.capability:
+        return (stages if role == "worker" else []), None
+    if policy.accelerators:
+        name = hw.device_name.lower()
+        if not any(allowed.lower() in name for allowed in policy.accelerators):
+            return [], Rejection(RejectReason.ACCELERATOR_NOT_ALLOWED, (
+                f"this run accepts only {', '.join(policy.accelerators)} accelerators, not "
+                f"{hw.device_name!r}; join with one of those devices"))
+    if role == "trainer":
+        return [], check_floor(policy.floor("trainer"), hw, "a trainer")
+    fitting, failures = [], []
+    for index in stages:
+        kind = run.stage_kind(index)
+        failure = check_floor(policy.floor(kind), hw, f"stage {index} ({kind})")
+        if failure is None:
+            fitting.append(index)
+        else:
+            floor = policy.floor(kind)
+            failures.append(((floor.min_vram_bytes + floor.min_ram_bytes, floor.min_bandwidth_mbps), failure))
+    if fitting:
+        return fitting, None
+    return [], min(failures, key=lambda item: item[0])[1]
+
+
+def check_integrity(policy: Policy, client_version: str, package_digest: str) -> Optional[Rejection]:
+    """The node must run a build the operator accepts: a listed version and package digest."""
+    if not policy.checks.integrity:
+        return None
+    if policy.client_versions and client_version not in policy.client_versions:
+        return Rejection(RejectReason.CLIENT_VERSION_NOT_ACCEPTED, (
+            f"client version {client_version} is not accepted by this run (accepted: "
+            f"{', '.join(policy.client_versions[:8])}); install one of those with pip and rejoin"))
+    if policy.package_digests and package_digest not in policy.package_digests:
+        return Rejection(RejectReason.PACKAGE_DIGEST_NOT_ACCEPTED, (
+            f"package digest {package_digest[:24] or '(none)'} does not match an accepted agora-node build; "
+            f"reinstall agora-node from the official release without local changes and rejoin"))
+    return None
+
+
+def check_account_token(policy: Policy, token: str) -> Optional[Rejection]:
+    if policy.checks.accountability and not token:
+        return Rejection(RejectReason.ACCOUNT_REQUIRED, (
+            "this run admits only nodes signed in to an account; pass your account token "
+            "(--account-token or AGORA_ACCOUNT_TOKEN) and rejoin"))
+    return None
+
+
+def banned_account_rejection() -> Rejection:
+    return Rejection(RejectReason.BANNED_ACCOUNT, (
+        "the operator has banned this account from the run; contact the operator if you think this is a mistake"))
+
+
+def banned_peer_rejection(peer_id: str) -> Rejection:
+    return Rejection(RejectReason.BANNED_PEER, (
+        f"the operator has banned peer {peer_id}; contact the operator if you think this is a mistake"))
+
+
+def account_limit_rejection(limit: int) -> Rejection:
+    return Rejection(RejectReason.ACCOUNT_LIMIT, (
+        f"your account already runs {limit} node(s), the most this run allows; stop one of them "
+        f"(agora-node leaves on SIGTERM) and rejoin"))
+
+
+def run_full_rejection(role: str, stages: list[int]) -> Rejection:
+    what = "trainer slots" if role == "trainer" else (
+        f"stage(s) {', '.join(map(str, stages))} that this node can serve" if stages else "stages")
+    return Rejection(RejectReason.RUN_FULL, (
+        f"all {what} are at capacity; retry in a few minutes (GET /v1/run shows free slots)"))
+
+
+def queue_full_rejection(limit: int) -> Rejection:
+    return Rejection(RejectReason.QUEUE_FULL, (
+        f"the admission queue already holds {limit} nodes, its maximum; retry in a few minutes"))

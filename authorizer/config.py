@@ -1,0 +1,112 @@
+"""The authorizer's process settings: where it listens, stores, keeps its key, and how it starts.
+
+Policy-shaped settings (capacities, join rate, checks) are optional here: `None` means "keep what
+the database holds" (the operator may have changed it live through the admin API), while a value
+given on the command line or in the policy file overrides it at every start (authorizer.policy).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+from authorizer.policy import CHECK_NAMES
+from protocol.credentials import DEFAULT_CREDENTIAL_TTL_S
+from protocol.errors import ConfigError
+
+DEFAULT_DATA_DIR = "agora-authorizer"
+
+
+class AuthorizerConfig(BaseModel):
+    """Everything one authorizer process needs; `agora-node --role authorizer` builds it from flags."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_config: str = Field(default="tiny", description="run config: a preset (tiny, 1b, 8b) or a YAML path")
+    host: str = Field(default="127.0.0.1", max_length=255, description="HTTP listen address")
+    port: int = Field(default=0, ge=0, le=65535, description="HTTP port; 0 binds a free one (printed when ready)")
+    data_dir: str = Field(default=DEFAULT_DATA_DIR, description="holds the SQLite file, root key and admin token")
+    db: Optional[str] = Field(
+        default=None, description="sqlite:///path or postgresql://...; default sqlite under data_dir"
+    )
+    key_path: Optional[str] = Field(default=None, description="Ed25519 root key file (0600); default in data_dir")
+    admin_token: Optional[SecretStr] = Field(default=None, description="bearer token of the admin API")
+    admin_token_file: Optional[str] = Field(
+        default=None, description="file holding the admin token; created (0600) with a random one if missing"
+    )
+    policy_file: Optional[str] = Field(default=None, description="YAML with any subset of the policy fields")
+    credential_ttl_s: int = Field(
+        default=DEFAULT_CREDENTIAL_TTL_S, ge=10, le=7 * 86400, description="lifetime of an issued credential"
+    )
+    join_rate_per_s: Optional[float] = Field(default=None, gt=0, le=1e6, description="queue releases per second")
+    join_burst: Optional[int] = Field(default=None, ge=1, le=1_000_000, description="releases back to back")
+    stage_capacity: Optional[list[int]] = Field(
+        default=None, description="workers per stage: one value for every stage, or one per stage"
+    )
+    trainer_capacity: Optional[int] = Field(default=None, ge=0, description="trainers admitted at most")
+    checks: Optional[list[str]] = Field(
+        default=None, description=f"enabled admission checks, a subset of {', '.join(CHECK_NAMES)}"
+    )
+    bootstrap_peers: list[str] = Field(
+        default_factory=list, max_length=64, description="multiaddrs handed to admitted nodes as initial peers"
+    )
+    reachability_timeout_s: float = Field(default=5.0, gt=0, le=60, description="deadline of one dial-back")
+    sqlite_synchronous: Literal["full", "normal"] = Field(
+        default="full", description="full: a commit survives power loss; normal: survives a process crash"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("checks")
+    @classmethod
+    def _known_checks(cls, value: Optional[list[str]]) -> Optional[list[str]]:
+        if value is not None:
+            unknown = [c for c in value if c not in CHECK_NAMES]
+            if unknown:
+                raise ValueError(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECK_NAMES)}")
+        return value
+
+    @field_validator("stage_capacity")
+    @classmethod
+    def _capacities(cls, value: Optional[list[int]]) -> Optional[list[int]]:
+        if value is not None and (not value or any(c < 0 for c in value)):
+            raise ValueError("stage capacity needs one or more non-negative integers")
+        return value
+
+    def db_url(self) -> str:
+        """The SQLAlchemy URL; plain postgresql:// is mapped to the psycopg 3 driver."""
+        url = self.db or f"sqlite:///{os.path.join(self.data_dir, 'authorizer.db')}"
+        for prefix in ("postgresql://", "postgres://"):
+            if url.startswith(prefix):
+                return "postgresql+psycopg://" + url[len(prefix):]
+        if url.startswith(("sqlite:///", "postgresql+psycopg://")):
+            return url
+        raise ConfigError(f"--db {url!r} is not supported; use sqlite:///path/to/file.db or postgresql://user@host/db")
+
+    def resolved_key_path(self) -> str:
+        return self.key_path or os.path.join(self.data_dir, "root.key")
+
+    def policy_overrides(self, num_stages: int) -> dict[str, Any]:
+        """The policy fields this config sets explicitly (applied over the stored policy)."""
+        overrides: dict[str, Any] = {}
+        if self.stage_capacity is not None:
+            if len(self.stage_capacity) == 1:
+                overrides["stage_capacity"] = self.stage_capacity * num_stages
+            elif len(self.stage_capacity) == num_stages:
+                overrides["stage_capacity"] = list(self.stage_capacity)
+            else:
+                raise ConfigError(
+                    f"--stage-capacity has {len(self.stage_capacity)} values but the run has {num_stages} "
+                    f"stages; give one value for all stages or one per stage"
+                )
+            overrides["stage_target"] = None
+        if self.trainer_capacity is not None:
+            overrides["trainer_capacity"] = self.trainer_capacity
+        if self.join_rate_per_s is not None:
+            overrides["join_rate_per_s"] = self.join_rate_per_s
+        if self.join_burst is not None:
+            overrides["join_burst"] = self.join_burst
+        if self.checks is not None:
+            overrides["checks"] = {name: name in self.checks for name in CHECK_NAMES}
+        return overrides

@@ -1,0 +1,84 @@
+"""Every error the authorizer answers with, each one an HTTP status and a stable snake_case code.
+
+    AgoraError (protocol.errors)
+    ├── ConfigError              bad flags, policy file, key file or database URL (exit code 2)
+    └── AuthorizerError          an HTTP request that cannot be served; body {"error": {code, message}}
+        ├── InvalidRequest       400 invalid_request     body or path failed validation
+        ├── IdentityMismatch     400 identity_mismatch   peer id is not the hash of the public key
+        ├── AdminAuthRequired    401 admin_unauthorized  missing or wrong admin bearer token
+        ├── ProofRejected        401 bad_proof           renew/leave signature or timestamp is wrong
+        ├── RenewalRefused       403 renewal_refused     peer is banned, has left or is not admitted
+        ├── NotFound             404 not_found           no such route, ticket or peer
+        ├── MethodNotAllowed     405 method_not_allowed
+        ├── PayloadTooLarge      413 payload_too_large
+        ├── StoreUnavailable     503 store_unavailable   the database did not answer; retry later
+        └── InternalError        500 internal            a bug of ours, never the caller's input
+
+Admission rejections are not errors: they are a normal outcome of a join, carried in the ticket
+as a `RejectReason` (authorizer.admission) with a sentence telling the user what to do.
+Every message here is a sentence telling the caller what to do next.
+"""
+
+from __future__ import annotations
+
+from protocol.errors import AgoraError, ConfigError
+
+__all__ = [
+    "AuthorizerError", "ConfigError", "InvalidRequest", "IdentityMismatch", "AdminAuthRequired",
+    "ProofRejected", "RenewalRefused", "NotFound", "MethodNotAllowed", "PayloadTooLarge",
+    "StoreUnavailable", "InternalError",
+]
+
+
+class AuthorizerError(AgoraError):
+    """An HTTP request the authorizer refuses; `status` and `code` go on the wire."""
+
+    status = 500
+    code = "internal"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def body(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
+class InvalidRequest(AuthorizerError):
+    status, code = 400, "invalid_request"
+
+
+class IdentityMismatch(AuthorizerError):
+    status, code = 400, "identity_mismatch"
+
+
+class AdminAuthRequired(AuthorizerError):
+    status, code = 401, "admin_unauthorized"
+
+
+class ProofRejected(AuthorizerError):
+    status, code = 401, "bad_proof"
+
+
+class RenewalRefused(AuthorizerError):
+    status, code = 403, "renewal_refused"
+
+
+class NotFound(AuthorizerError):
+    status, code = 404, "not_found"
+
+
+class MethodNotAllowed(AuthorizerError):
+    status, code = 405, "method_not_allowed"
+
+
+class PayloadTooLarge(AuthorizerError):
+    status, code = 413, "payload_too_large"
+
+
+class StoreUnavailable(AuthorizerError):
+    status, code = 503, "store_unavailable"
+
+
+class InternalError(AuthorizerError):
+    status, code = 500, "internal"

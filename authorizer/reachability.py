@@ -1,0 +1,147 @@
+"""The reachability check: the authorizer dials a joining node back over libp2p [3.6.1.2].
+
+A node that others cannot reach contributes nothing to a network built on direct exchange, and
+the commonest cause is a closed port, which the node's owner can fix in a minute if told which
+one. So the authorizer opens a real libp2p connection to the announced addresses, with a deadline,
+and a failure names the addresses and ports to open. The libp2p handshake also authenticates the
+remote peer id, so a node that passes has proven it holds the key behind the peer id it joined with.
+
+The dialer is a `hivemind.p2p.P2P` (its own p2pd, listening nowhere) started on first use, so an
+authorizer with the check switched off never starts one. Loopback and private addresses may be
+refused by policy: a public authorizer should not be usable to probe its own network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from typing import Optional
+
+from authorizer.admission import Rejection, RejectReason
+
+logger = logging.getLogger("agora.authorizer.reachability")
+
+_DIALABLE_TRANSPORTS = ("tcp", "udp")
+_HOST_PROTOCOLS = ("ip4", "ip6", "dns", "dns4", "dns6")
+
+
+class ReachabilityUnavailable(RuntimeError):
+    """The authorizer could not start its own libp2p dialer."""
+
+
+def strip_peer_suffix(maddr: str) -> tuple[str, Optional[str]]:
+    """Split '/ip4/../tcp/N/p2p/<id>' into the transport address and the peer id, if any."""
+    for marker in ("/p2p/", "/ipfs/"):
+        if marker in maddr:
+            head, _, tail = maddr.partition(marker)
+            return head, tail.split("/", 1)[0]
+    return maddr, None
+
+
+def _describe(maddr: str) -> tuple[str, Optional[str], Optional[str]]:
+    """(host, transport, port) of a multiaddr string, best effort."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    host = transport = port = None
+    for proto, value in Multiaddr(maddr).items():
+        if proto.name in _HOST_PROTOCOLS and host is None:
+            host = value
+        elif proto.name in _DIALABLE_TRANSPORTS and transport is None:
+            transport, port = proto.name, value
+    return host or "?", transport, port
+
+
+def dialable(maddrs: list[str], *, allow_private: bool) -> tuple[list[str], list[str]]:
+    """The announced addresses the authorizer may dial (without /p2p), and why the others not."""
+    accepted, refused = [], []
+    for maddr in maddrs:
+        address, _ = strip_peer_suffix(maddr)
+        host, transport, port = _describe(address)
+        if transport is None or port in (None, "0"):
+            refused.append(f"{maddr} has no TCP or UDP port")
+            continue
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            accepted.append(address)  # a DNS name: resolved by the dialer
+            continue
+        if ip.is_unspecified or ip.is_multicast:
+            refused.append(f"{maddr} is not an address another machine can dial")
+        elif not allow_private and (ip.is_private or ip.is_loopback or ip.is_link_local):
+            refused.append(f"{maddr} is a private address; announce your public address")
+        else:
+            accepted.append(address)
+    return accepted, refused
+
+
+class Dialer:
+    """Dials nodes back with a lazily started libp2p daemon; bounded fan-out, bounded time."""
+
+    def __init__(self, timeout_s: float, max_concurrent: int = 64):
+        self.timeout_s = timeout_s
+        self._p2p = None
+        self._lock = asyncio.Lock()
+        self._slots = asyncio.Semaphore(max_concurrent)
+
+    async def _dialer(self):
+        async with self._lock:
+            if self._p2p is None:
+                from hivemind.p2p import P2P
+
+                try:
+                    self._p2p = await P2P.create(
+                        host_maddrs=["/ip4/127.0.0.1/tcp/0"], auto_nat=False, nat_port_map=False,
+                        use_relay=False, dht_mode="client", startup_timeout=30,
+                    )
+                except Exception as exc:
+                    raise ReachabilityUnavailable(f"cannot start the libp2p dialer: {exc}") from exc
+                logger.info("libp2p dialer started for reachability checks")
+            return self._p2p
+
+    async def check(self, peer_id: str, maddrs: list[str], *, allow_private: bool) -> Optional[Rejection]:
+        """None if the node answers a libp2p dial on one of `maddrs` as `peer_id` in time."""
+        targets, refused = dialable(maddrs, allow_private=allow_private)
+        if not targets:
+            why = "; ".join(refused) if refused else "no address was announced"
+            return Rejection(RejectReason.NO_DIALABLE_ADDRESS, (
+                f"the authorizer has no address to check that peers can reach this node ({why}); "
+                f"pass --announce-maddrs /ip4/<your public IP>/tcp/<open port>"))
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        p2p = await self._dialer()
+        remote = PeerID.from_base58(peer_id)
+        async with self._slots:
+            try:
+                await asyncio.wait_for(p2p._client.connect(remote, [Multiaddr(a) for a in targets]), self.timeout_s)
+                return None
+            except Exception as exc:  # timeout, ControlFailure (refused, wrong peer id), OSError
+                logger.info("dial-back of %s at %s failed: %s", peer_id, targets, exc)
+                return self._unreachable(targets, exc)
+            finally:
+                try:
+                    await asyncio.wait_for(p2p._client.disconnect(remote), 2.0)
+                except Exception:  # not connected, or the daemon is busy: nothing to clean up
+                    pass
+
+    def _unreachable(self, targets: list[str], exc: Exception) -> Rejection:
+        ports = []
+        for address in targets:
+            host, transport, port = _describe(address)
+            ports.append(f"{transport.upper() if transport else '?'} port {port} on {host}")
+        cause = "timed out" if isinstance(exc, asyncio.TimeoutError) else "failed"
+        return Rejection(RejectReason.UNREACHABLE, (
+            f"the authorizer could not open a libp2p connection to {', '.join(targets)} "
+            f"(dial {cause} after at most {self.timeout_s:g} s); open {', '.join(ports)} to inbound "
+            f"connections (firewall, router port forwarding), or announce a reachable address with "
+            f"--announce-maddrs, then rejoin"))
+
+    async def shutdown(self) -> None:
+        async with self._lock:
+            if self._p2p is not None:
+                p2p, self._p2p = self._p2p, None
+                try:
+                    await p2p.shutdown()
+                except Exception:
+                    logger.warning("the libp2p dialer did not shut down cleanly", exc_info=True)

@@ -1,0 +1,233 @@
+"""The authorizer's behaviour behind the HTTP routes: join, poll, renew, leave, run info, admin.
+
+Routes stay thin; this is where a join passes the checks in order of cost: request shape and
+identity (400 if wrong), then capability and integrity (pure), then bans (one read), then the
+dial-back (network), then the store's transaction (account rules, capacity, placement). Every
+refused join is recorded as a rejected ticket, so an answered join is never lost and the user can
+poll it. Database failures become StoreUnavailable (503) here, at the boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import secrets
+import time
+from typing import Optional
+
+from sqlalchemy.engine import Row
+from sqlalchemy.exc import SQLAlchemyError
+
+from authorizer import admission
+from authorizer.admission import HardwareClaim, Rejection
+from authorizer.errors import IdentityMismatch, NotFound, ProofRejected, RenewalRefused, StoreUnavailable
+from authorizer.keys import CredentialIssuer
+from authorizer.models import (
+    AdmissionOut, JoinRequest, LeaveOut, PoolInfo, Proof, RejectionOut, RenewOut, RunInfo, StageInfo,
+    TicketOut, TicketStatus,
+)
+from authorizer.placement import choose_pool
+from authorizer.policy import TRAINER_POOL, Policy
+from authorizer.reachability import Dialer
+from authorizer.schema import ADMITTED, QUEUED
+from authorizer.store import NewParticipant, Store
+from protocol.credentials import MAX_CLOCK_SKEW_S, SignedCredential, proof_bytes, renew_at
+from protocol.identity import peer_id_from_public_key, verify_signature
+from roles.model.config import RunConfig
+
+logger = logging.getLogger("agora.authorizer")
+
+PROOF_WINDOW_S = 120.0
+"""A renew/leave proof must be signed within this many seconds of the authorizer's clock."""
+MAX_REVOKED = 100_000
+
+
+class Authorizer:
+    """One run's admission authority: policy in memory, records in the store, the root key."""
+
+    def __init__(self, *, run: RunConfig, store: Store, issuer: CredentialIssuer, policy: Policy,
+                 dialer: Dialer, bootstrap_peers: list[str]):
+        self.run = run
+        self.store = store
+        self.issuer = issuer
+        self.policy = policy
+        self.dialer = dialer
+        self.bootstrap_peers = list(bootstrap_peers)
+        self.public_key_b64 = base64.b64encode(issuer.public_key).decode()
+        self.run_config_json = run.model_dump(mode="json")
+        self.queue_wakeup = asyncio.Event()
+
+    async def _store(self, coro):
+        try:
+            return await coro
+        except SQLAlchemyError as exc:
+            logger.error("store failure: %s", exc)
+            raise StoreUnavailable("the authorizer's database is unavailable; retry in a few seconds") from exc
+
+    async def _read(self, fn, *args):
+        return await self._store(asyncio.to_thread(fn, *args))
+
+    # -- join and poll -----------------------------------------------------------------------
+
+    async def join(self, request: JoinRequest) -> TicketOut:
+        try:
+            key_peer = peer_id_from_public_key(request.public_key).to_base58()
+        except Exception as exc:  # the multihash encoder rejects nothing, but be safe on hostile bytes
+            raise IdentityMismatch("public_key is not a libp2p public key; send the protobuf bytes, base64") from exc
+        if key_peer != request.peer_id:
+            raise IdentityMismatch(
+                f"peer_id {request.peer_id} is not the hash of public_key (that is {key_peer}); "
+                f"send the peer id and public key of the same libp2p identity")
+        policy, now = self.policy, time.time()
+        new = NewParticipant(
+            ticket=secrets.token_urlsafe(16), peer_id=request.peer_id, public_key=request.public_key,
+            account_id=admission.account_id(request.account_token), role=request.role,
+            hardware=request.hardware.model_dump(), client_version=request.client_version,
+            package_digest=request.package_digest, announce_maddrs=list(request.announce_maddrs),
+        )
+        hw = HardwareClaim(**request.hardware.model_dump())
+        eligible, rejection = admission.check_capability(self.run, policy, request.role, hw)
+        rejection = (rejection or admission.check_integrity(policy, request.client_version, request.package_digest)
+                     or admission.check_account_token(policy, request.account_token))
+        if rejection is None and policy.checks.reachability:
+            rejection = await self._read(self.store.is_banned, new.peer_id, new.account_id)
+            if rejection is None:
+                rejection = await self.dialer.check(new.peer_id, new.announce_maddrs,
+                                                    allow_private=policy.dial_private_addresses)
+        if rejection is not None:
+            row = await self._store(self.store.record_rejection(new, now, rejection))
+        else:
+            row = await self._store(self.store.create_ticket(
+                new, now, account_rules=policy.checks.accountability,
+                max_per_account=policy.max_nodes_per_account,
+                place=lambda counts: choose_pool(self.run, policy, request.role, eligible, counts),
+                capacity=policy.capacity,
+                run_full=lambda: admission.run_full_rejection(request.role, eligible),
+            ))
+        if row.status == QUEUED:
+            self.queue_wakeup.set()
+        return self._ticket_out(row, position=None, detailed=False)
+
+    async def poll(self, ticket: str) -> TicketOut:
+        found = await self._read(self.store.ticket, ticket)
+        if found is None:
+            raise NotFound(f"ticket {ticket} is unknown; join again with POST /v1/join")
+        row, ahead = found
+        now = time.time()
+        if row.status == QUEUED and now - row.last_seen_at > self.policy.queue_idle_timeout_s / 4:
+            await self._store(self.store.touch(row.id, now))
+        bootstrap = self.bootstrap_peers
+        if row.status == ADMITTED and not bootstrap:
+            recent = await self._read(self.store.recent_addresses, 8)
+            bootstrap = [addr for addr in recent if row.peer_id not in addr]
+        return self._ticket_out(row, position=ahead, detailed=True, bootstrap=bootstrap)
+
+    def _ticket_out(self, row: Row, *, position: Optional[int], detailed: bool,
+                    bootstrap: Optional[list[str]] = None) -> TicketOut:
+        status = TicketStatus(row.status)
+        stage = None if row.pool in (None, TRAINER_POOL) else row.pool
+        out = TicketOut(ticket=row.ticket, status=status, peer_id=row.peer_id, role=row.role,
+                        run_id=self.run.run_id, stage=stage)
+        if row.reason and status != TicketStatus.ADMITTED:
+            out.rejection = RejectionOut(reason=row.reason, message=row.message or "")
+        live = status in (TicketStatus.QUEUED, TicketStatus.ADMITTED)
+        if status == TicketStatus.QUEUED and position is not None:
+            out.queue_position = position
+            out.estimated_wait_s = round((position + 1) / self.policy.join_rate_per_s, 3)
+        if detailed and live:
+            out.run_config = self.run_config_json
+        if detailed and status == TicketStatus.ADMITTED and row.credential is not None:
+            out.admission = AdmissionOut(
+                **self._credential_fields(row.credential),
+                bootstrap_peers=bootstrap or [],
+                authorizer_public_key=self.public_key_b64,
+            )
+        return out
+
+    def _credential_fields(self, blob: bytes) -> dict:
+        signed = SignedCredential.from_bytes(blob)
+        return dict(credential=signed, credential_msgpack=base64.b64encode(blob).decode(),
+                    renew_at=renew_at(signed.credential), expires_at=signed.credential.expires_at)
+
+    # -- admission (called by authorizer.queue) ------------------------------------------------
+
+    async def admit_next(self, limit: int) -> list[tuple[str, Row]]:
+        policy = self.policy
+        outcomes = await self.store.admit_next(
+            limit, time.time(), policy.capacity, self.issuer.issue,
+            run_full=lambda role: admission.run_full_rejection(role, []),
+        )
+        for outcome, row in outcomes:
+            logger.info("%s %s %s (stage %s)", outcome, row.role, row.peer_id, row.pool)
+        return outcomes
+
+    # -- renew and leave -----------------------------------------------------------------------
+
+    async def _check_proof(self, action: str, proof: Proof) -> None:
+        now = time.time()
+        if abs(now - proof.signed_at) > PROOF_WINDOW_S:
+            raise ProofRejected(
+                f"signed_at is {proof.signed_at - now:+.0f} s from the authorizer's clock; sign with the "
+                f"current time (check NTP) and retry")
+        live = await self._read(self.store.live, proof.peer_id)
+        if live is None:
+            raise RenewalRefused(f"peer {proof.peer_id} has no live ticket; join with POST /v1/join")
+        data = proof_bytes(action, run_id=self.run.run_id, peer_id=proof.peer_id, signed_at=proof.signed_at)
+        if not await asyncio.to_thread(verify_signature, live.public_key, data, proof.signature):
+            raise ProofRejected(
+                f"the signature does not verify with the libp2p key of {proof.peer_id}; sign "
+                f"protocol.credentials.proof_bytes('{action}', ...) with the node's identity key")
+
+    async def renew(self, proof: Proof) -> RenewOut:
+        await self._check_proof("renew", proof)
+        result = await self._store(self.store.renew(proof.peer_id, proof.signed_at, time.time(), self.issuer.issue))
+        if isinstance(result, str):
+            raise {
+                "banned": RenewalRefused(f"peer {proof.peer_id} is banned from this run; contact the operator"),
+                "queued": RenewalRefused(f"peer {proof.peer_id} is still queued; poll your ticket until admitted"),
+                "replayed": ProofRejected("this proof is not newer than the last one accepted; sign a fresh one"),
+            }.get(result, RenewalRefused(f"peer {proof.peer_id} is not admitted; join with POST /v1/join"))
+        stage = None if result.pool == TRAINER_POOL else result.pool
+        return RenewOut(**self._credential_fields(result.credential), stage=stage)
+
+    async def leave(self, proof: Proof) -> LeaveOut:
+        await self._check_proof("leave", proof)
+        result = await self._store(self.store.leave(proof.peer_id, proof.signed_at, time.time()))
+        if result == "replayed":
+            raise ProofRejected("this proof is not newer than the last one accepted; sign a fresh one")
+        if isinstance(result, str):
+            raise NotFound(f"peer {proof.peer_id} has no live ticket; nothing to leave")
+        self.queue_wakeup.set()
+        return LeaveOut(peer_id=proof.peer_id, status=TicketStatus.LEFT)
+
+    # -- public views --------------------------------------------------------------------------
+
+    async def run_info(self) -> RunInfo:
+        counts = await self._read(self.store.pool_counts)
+        policy = self.policy
+        stages = []
+        for index, layers in enumerate(self.run.stages):
+            count = counts.get(index)
+            kind = self.run.stage_kind(index)
+            stages.append(StageInfo(
+                index=index, kind=kind, first_layer=layers.first_layer, last_layer=layers.last_layer,
+                admitted=count.admitted if count else 0, queued=count.queued if count else 0,
+                target=policy.target(index), capacity=policy.capacity(index), floor=policy.floor(kind),
+            ))
+        trainers = counts.get(TRAINER_POOL)
+        return RunInfo(
+            run_id=self.run.run_id, stages=stages,
+            trainers=PoolInfo(admitted=trainers.admitted if trainers else 0,
+                              queued=trainers.queued if trainers else 0, capacity=policy.trainer_capacity),
+            authorizer_public_key=self.public_key_b64, client_versions=policy.client_versions,
+            join_rate_per_s=policy.join_rate_per_s, credential_ttl_s=self.issuer.ttl_s, checks=policy.checks,
+        )
+
+    async def revocations(self):
+        now = time.time()
+        serials, peers = await self._read(self.store.revoked, now, MAX_REVOKED)
+        return self.issuer.revocation_list(serials, peers, now)
+
+    async def sweep(self) -> int:
+        return await self.store.sweep(time.time(), self.policy.queue_idle_timeout_s, MAX_CLOCK_SKEW_S)
