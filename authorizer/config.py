@@ -40,7 +40,7 @@ class AuthorizerConfig(BaseModel):
     credential_ttl_s: int = Field(
         default=DEFAULT_CREDENTIAL_TTL_S, ge=10, le=7 * 86400, description="lifetime of an issued credential"
     )
-    join_rate_per_s: Optional[float] = Field(default=None, gt=0, le=1e6, description="queue releases per second")
+    join_rate_per_s: Optional[float] = Field(default=None, ge=0.001, le=1e6, description="queue releases per second")
     join_burst: Optional[int] = Field(default=None, ge=1, le=1_000_000, description="releases back to back")
     stage_capacity: Optional[list[int]] = Field(
         default=None, description="workers per stage: one value for every stage, or one per stage"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
-import math
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
@@ -71,7 +70,7 @@ class JoinRequest(BaseModel):
     model_config = _REQUEST
 
     peer_id: str = Field(pattern=PEER_ID_PATTERN, description="base58 libp2p peer id")
-    public_key: Base64Bytes(4096) = Field(description="libp2p public key protobuf, base64")  # type: ignore[valid-type]
+    public_key: Base64Bytes(256) = Field(description="Ed25519 public key: 32 raw bytes or the libp2p protobuf, base64")  # type: ignore[valid-type]
     role: Literal["worker", "trainer"]
     hardware: Hardware
     client_version: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9.+_-]+$")
@@ -111,7 +110,7 @@ class Proof(BaseModel):
 
     peer_id: str = Field(pattern=PEER_ID_PATTERN)
     signed_at: float = Field(ge=0, le=1e11, description="unix seconds when the node signed")
-    signature: Base64Bytes(1024) = Field(description="RSA signature with the libp2p key, base64")  # type: ignore[valid-type]
+    signature: Base64Bytes(128) = Field(description="Ed25519 signature with the node's libp2p key, base64")  # type: ignore[valid-type]
 
 
 class TicketStatus(str, enum.Enum):
@@ -235,7 +234,7 @@ class PolicyUpdate(BaseModel):
     stage_capacity: Optional[list[Annotated[int, Field(ge=0, le=1_000_000)]]] = Field(default=None, max_length=1024)
     stage_target: Optional[list[Annotated[int, Field(ge=0, le=1_000_000)]]] = Field(default=None, max_length=1024)
     trainer_capacity: Optional[int] = Field(default=None, ge=0, le=1_000_000)
-    join_rate_per_s: Optional[float] = Field(default=None, gt=0, le=1e6)
+    join_rate_per_s: Optional[float] = Field(default=None, ge=0.001, le=1e6)
     join_burst: Optional[int] = Field(default=None, ge=1, le=1_000_000)
     floors: Optional[dict[Literal["head", "body", "tail", "trainer"], HardwareFloor]] = None
     accelerators: Optional[list[Annotated[str, Field(min_length=1, max_length=128)]]] = Field(default=None, max_length=256)
@@ -272,10 +271,3 @@ class ParticipantsOut(BaseModel):
     participants: list[ParticipantOut]
     next_after_id: Optional[int] = Field(description="pass as after_id for the next page; null at the end")
 
-
-class PolicyOut(Policy):
-    pass
-
-
-def finite(value: float) -> bool:
-    return math.isfinite(value)

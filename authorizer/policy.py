@@ -75,7 +75,7 @@ class Policy(BaseModel):
         description="workers wanted per stage; placement fills the stage furthest below it (default: capacity)",
     )
     trainer_capacity: int = Field(default=64, ge=0, le=_MAX_NODES, description="most trainers admitted")
-    join_rate_per_s: float = Field(default=5.0, gt=0, le=1e6, description="queue releases per second")
+    join_rate_per_s: float = Field(default=5.0, ge=0.001, le=1e6, description="queue releases per second")
     join_burst: int = Field(default=10, ge=1, le=1_000_000, description="releases allowed back to back")
     floors: dict[StageClass, HardwareFloor] = Field(default_factory=dict, description="per stage class")
     accelerators: list[str] = Field(

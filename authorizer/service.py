@@ -58,30 +58,31 @@ class Authorizer:
         self.run_config_json = run.model_dump(mode="json")
         self.queue_wakeup = asyncio.Event()
 
-    async def _store(self, coro):
+    async def stored(self, coro):
         try:
             return await coro
         except SQLAlchemyError as exc:
             logger.error("store failure: %s", exc)
             raise StoreUnavailable("the authorizer's database is unavailable; retry in a few seconds") from exc
 
-    async def _read(self, fn, *args):
-        return await self._store(asyncio.to_thread(fn, *args))
+    async def read(self, fn, *args):
+        return await self.stored(asyncio.to_thread(fn, *args))
 
     # -- join and poll -----------------------------------------------------------------------
 
     async def join(self, request: JoinRequest) -> TicketOut:
-        try:
-            key_peer = peer_id_from_public_key(request.public_key).to_base58()
-        except Exception as exc:  # the multihash encoder rejects nothing, but be safe on hostile bytes
-            raise IdentityMismatch("public_key is not a libp2p public key; send the protobuf bytes, base64") from exc
+        public_key = raw_ed25519_public_key(request.public_key)
+        if public_key is None:
+            raise IdentityMismatch("public_key must be the node's Ed25519 public key (32 raw bytes, or the libp2p "
+                                   "PublicKey protobuf), base64; send the key of the node's identity file")
+        key_peer = peer_id_from_public_key(public_key).to_base58()
         if key_peer != request.peer_id:
             raise IdentityMismatch(
                 f"peer_id {request.peer_id} is not the hash of public_key (that is {key_peer}); "
                 f"send the peer id and public key of the same libp2p identity")
         policy, now = self.policy, time.time()
         new = NewParticipant(
-            ticket=secrets.token_urlsafe(16), peer_id=request.peer_id, public_key=request.public_key,
+            ticket=secrets.token_urlsafe(16), peer_id=request.peer_id, public_key=public_key,
             account_id=admission.account_id(request.account_token), role=request.role,
             hardware=request.hardware.model_dump(), client_version=request.client_version,
             package_digest=request.package_digest, announce_maddrs=list(request.announce_maddrs),
@@ -91,14 +92,15 @@ class Authorizer:
         rejection = (rejection or admission.check_integrity(policy, request.client_version, request.package_digest)
                      or admission.check_account_token(policy, request.account_token))
         if rejection is None and policy.checks.reachability:
-            rejection = await self._read(self.store.is_banned, new.peer_id, new.account_id)
+            rejection = await self.read(self.store.is_banned, new.peer_id, new.account_id)
             if rejection is None:
                 rejection = await self.dialer.check(new.peer_id, new.announce_maddrs,
                                                     allow_private=policy.dial_private_addresses)
+        position = None
         if rejection is not None:
-            row = await self._store(self.store.record_rejection(new, now, rejection))
+            row = await self.stored(self.store.record_rejection(new, now, rejection))
         else:
-            row = await self._store(self.store.create_ticket(
+            row, position = await self.stored(self.store.create_ticket(
                 new, now, account_rules=policy.checks.accountability,
                 max_per_account=policy.max_nodes_per_account,
                 place=lambda counts: choose_pool(self.run, policy, request.role, eligible, counts),
@@ -107,19 +109,19 @@ class Authorizer:
             ))
         if row.status == QUEUED:
             self.queue_wakeup.set()
-        return self._ticket_out(row, position=None, detailed=False)
+        return self._ticket_out(row, position=position, detailed=False)
 
     async def poll(self, ticket: str) -> TicketOut:
-        found = await self._read(self.store.ticket, ticket)
+        found = await self.read(self.store.ticket, ticket)
         if found is None:
             raise NotFound(f"ticket {ticket} is unknown; join again with POST /v1/join")
         row, ahead = found
         now = time.time()
         if row.status == QUEUED and now - row.last_seen_at > self.policy.queue_idle_timeout_s / 4:
-            await self._store(self.store.touch(row.id, now))
+            await self.stored(self.store.touch(row.id, now))
         bootstrap = self.bootstrap_peers
         if row.status == ADMITTED and not bootstrap:
-            recent = await self._read(self.store.recent_addresses, 8)
+            recent = await self.read(self.store.recent_addresses, 8)
             bootstrap = [addr for addr in recent if row.peer_id not in addr]
         return self._ticket_out(row, position=ahead, detailed=True, bootstrap=bootstrap)
 
@@ -170,7 +172,7 @@ class Authorizer:
             raise ProofRejected(
                 f"signed_at is {proof.signed_at - now:+.0f} s from the authorizer's clock; sign with the "
                 f"current time (check NTP) and retry")
-        live = await self._read(self.store.live, proof.peer_id)
+        live = await self.read(self.store.live, proof.peer_id)
         if live is None:
             raise RenewalRefused(f"peer {proof.peer_id} has no live ticket; join with POST /v1/join")
         data = proof_bytes(action, run_id=self.run.run_id, peer_id=proof.peer_id, signed_at=proof.signed_at)
@@ -181,7 +183,7 @@ class Authorizer:
 
     async def renew(self, proof: Proof) -> RenewOut:
         await self._check_proof("renew", proof)
-        result = await self._store(self.store.renew(proof.peer_id, proof.signed_at, time.time(), self.issuer.issue))
+        result = await self.stored(self.store.renew(proof.peer_id, proof.signed_at, time.time(), self.issuer.issue))
         if isinstance(result, str):
             raise {
                 "banned": RenewalRefused(f"peer {proof.peer_id} is banned from this run; contact the operator"),
@@ -193,7 +195,7 @@ class Authorizer:
 
     async def leave(self, proof: Proof) -> LeaveOut:
         await self._check_proof("leave", proof)
-        result = await self._store(self.store.leave(proof.peer_id, proof.signed_at, time.time()))
+        result = await self.stored(self.store.leave(proof.peer_id, proof.signed_at, time.time()))
         if result == "replayed":
             raise ProofRejected("this proof is not newer than the last one accepted; sign a fresh one")
         if isinstance(result, str):
@@ -204,7 +206,7 @@ class Authorizer:
     # -- public views --------------------------------------------------------------------------
 
     async def run_info(self) -> RunInfo:
-        counts = await self._read(self.store.pool_counts)
+        counts = await self.read(self.store.pool_counts)
         policy = self.policy
         stages = []
         for index, layers in enumerate(self.run.stages):
@@ -226,8 +228,27 @@ class Authorizer:
 
     async def revocations(self):
         now = time.time()
-        serials, peers = await self._read(self.store.revoked, now, MAX_REVOKED)
+        serials, peers = await self.read(self.store.revoked, now, MAX_REVOKED)
         return self.issuer.revocation_list(serials, peers, now)
 
     async def sweep(self) -> int:
         return await self.store.sweep(time.time(), self.policy.queue_idle_timeout_s, MAX_CLOCK_SKEW_S)
+
+
+def raw_ed25519_public_key(blob: bytes) -> Optional[bytes]:
+    """The raw 32-byte Ed25519 key in `blob` (raw already, or a libp2p PublicKey protobuf), or None.
+
+    Node identities are Ed25519 (protocol.identity): the peer id embeds the key, and credentials
+    carry the raw key, which is what peers verify message signatures with.
+    """
+    if len(blob) == 32:
+        return blob
+    from hivemind.proto import crypto_pb2
+
+    try:
+        message = crypto_pb2.PublicKey.FromString(blob)
+    except Exception:  # protobuf DecodeError on hostile bytes
+        return None
+    if message.key_type != crypto_pb2.Ed25519 or len(message.data) != 32:
+        return None
+    return bytes(message.data)

@@ -161,13 +161,14 @@ class Store:
         self, new: NewParticipant, now: float, *, account_rules: bool, max_per_account: int,
         place: Callable[[dict[int, PoolCount]], Union[int, Rejection]], capacity: Callable[[int], int],
         run_full: Callable[[], Rejection],
-    ) -> Row:
+    ) -> tuple[Row, Optional[int]]:
         """Record a join: queued in the pool `place` picks, or rejected with the reason. A peer
-        that already has a live ticket gets that ticket back (joins are idempotent per peer)."""
+        that already has a live ticket gets that ticket back (joins are idempotent per peer).
+        Returns the ticket and, if newly queued, how many tickets are ahead of it."""
         return await self.writer.run(lambda conn: self._create_ticket(
             conn, new, now, account_rules, max_per_account, place, capacity, run_full))
 
-    def _create_ticket(self, conn, new, now, account_rules, max_per_account, place, capacity, run_full) -> Row:
+    def _create_ticket(self, conn, new, now, account_rules, max_per_account, place, capacity, run_full):
         if account_rules:
             stmt = self._insert(accounts).values(id=new.account_id, banned=False, created_at=now)
             stmt = stmt.on_conflict_do_update(index_elements=[accounts.c.id], set_={"id": stmt.excluded.id})
@@ -182,20 +183,20 @@ class Store:
         peer_banned, live_count = conn.execute(
             select(exists().where(banned_peers.c.peer_id == new.peer_id), live)).one()
         if account_banned:
-            return self._reject(conn, new, now, banned_account_rejection())
+            return self._reject(conn, new, now, banned_account_rejection()), None
         if peer_banned:
-            return self._reject(conn, new, now, banned_peer_rejection(new.peer_id))
+            return self._reject(conn, new, now, banned_peer_rejection(new.peer_id)), None
         if account_rules and live_count >= max_per_account:
-            return self._reject(conn, new, now, account_limit_rejection(max_per_account))
+            return self._reject(conn, new, now, account_limit_rejection(max_per_account)), None
         counts = {r.pool: PoolCount(r.pool, r.admitted, r.queued) for r in conn.execute(select(pools))}
         choice = place(counts)
         if isinstance(choice, Rejection):
-            return self._reject(conn, new, now, choice)
+            return self._reject(conn, new, now, choice), None
         stmt = self._insert(participants).values(**self._values(new, now), status=QUEUED, pool=choice)
         stmt = stmt.on_conflict_do_nothing(index_elements=[participants.c.peer_id], index_where=LIVE_PEER_INDEX_WHERE)
         row = conn.execute(stmt.returning(*participants.c)).first()
         if row is None:
-            return self._live_for_peer(conn, new.peer_id)
+            return self._live_for_peer(conn, new.peer_id), None
         taken = conn.execute(update(pools).where(
             pools.c.pool == choice, pools.c.admitted + pools.c.queued < capacity(choice),
         ).values(queued=pools.c.queued + 1))
@@ -203,8 +204,8 @@ class Store:
             rejection = run_full()
             return conn.execute(update(participants).where(participants.c.id == row.id).values(
                 status=REJECTED, pool=None, reason=rejection.reason.value, message=rejection.message,
-            ).returning(*participants.c)).one()
-        return row
+            ).returning(*participants.c)).one(), None
+        return row, sum(c.queued for c in counts.values())  # one writer: everything queued is ahead
 
     def _values(self, new: NewParticipant, now: float) -> dict:
         return dict(

@@ -24,6 +24,10 @@ def node_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=["worker", "trainer"], help="what this node does")
     p.add_argument("--config", help="run config: tiny, 1b, 8b or a YAML path")
     p.add_argument("--stage", type=int, help="pipeline stage served by a worker")
+    p.add_argument("--authorizer", metavar="URL", help="the run's authorizer; admits this node and signs its credential")
+    p.add_argument("--account-token", help="account token the run owner gave you, if any")
+    p.add_argument("--insecure-open-run", action="store_true", default=None,
+                   help="join a run without an authorizer, where any peer is trusted (local experiments only)")
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of nodes already in the run")
     p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="listen addresses (default 127.0.0.1 only)")
     p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses to advertise to peers")

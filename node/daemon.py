@@ -70,29 +70,33 @@ def _gib(n: Optional[int]) -> str:
 
 def run_node(settings: NodeSettings) -> int:
     """Run one node; returns the process exit code. ConfigError propagates to the CLI (exit 2)."""
-    run = load_run_config(settings.config)
-    stage = _check_stage(settings, run) if settings.role == "worker" else None
     device = pick_device(settings.device) if settings.role == "worker" else "cpu"
-    if stage is not None:
-        report = check_memory(settings, run, stage, device)
-        if settings.dry_run:
-            print(report)
-            return EXIT_OK
-        logger.info("memory plan for stage %d on %s:\n%s", stage, device, report)
+    if settings.config is not None and (settings.authorizer is None or settings.dry_run):
+        run = load_run_config(settings.config)
+        stage = _check_stage(settings, run) if settings.role == "worker" else None
+        if stage is not None:
+            report = check_memory(settings, run, stage, device)
+            if settings.dry_run:
+                print(report)
+                return EXIT_OK
+            logger.info("memory plan for stage %d on %s:\n%s", stage, device, report)
+    elif settings.dry_run:
+        raise ConfigError("--dry-run needs --config and --stage (the authorizer is not asked)")
     identity = load_or_create_identity(settings.identity)
     temporary_identity = settings.identity is None
     try:
-        return asyncio.run(_serve(settings, run, stage, device, identity))
+        return asyncio.run(_serve(settings, device, identity))
     finally:
         if temporary_identity and os.path.exists(identity.path):
             os.unlink(identity.path)
         reap_children()
 
 
-async def _serve(settings: NodeSettings, run: RunConfig, stage: Optional[int], device: str, identity) -> int:
+async def _serve(settings: NodeSettings, device: str, identity) -> int:
     import torch
 
     from node.swarm import join_swarm
+    from node.trust import establish_trust
     from protocol.dht import SwarmDHT
 
     stop = asyncio.Event()
@@ -100,11 +104,24 @@ async def _serve(settings: NodeSettings, run: RunConfig, stage: Optional[int], d
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    membership = await asyncio.to_thread(
-        join_swarm, identity=identity, run_id=run.run_id, num_stages=run.num_stages,
-        initial_peers=settings.initial_peers, host_maddrs=settings.host_maddrs,
-        announce_maddrs=settings.announce_maddrs, bootstrap_timeout_s=settings.bootstrap_timeout_s,
-    )
+    trust = await establish_trust(settings, identity, device)
+    run = trust.run
+    stage = None
+    try:
+        if settings.role == "worker":
+            stage = trust.stage if trust.authenticated else _check_stage(settings, run)
+            if trust.authenticated:
+                logger.info("memory plan for stage %d on %s:\n%s", stage, device,
+                            check_memory(settings, run, stage, device))
+        membership = await asyncio.to_thread(
+            join_swarm, identity=identity, run_id=run.run_id, num_stages=run.num_stages,
+            initial_peers=trust.initial_peers, host_maddrs=trust.host_maddrs,
+            announce_maddrs=settings.announce_maddrs, bootstrap_timeout_s=settings.bootstrap_timeout_s,
+            auth_state=trust.auth_state, authorizer=trust.dht_authorizer,
+        )
+    except BaseException:
+        await trust.close()
+        raise
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     role = None
@@ -112,7 +129,8 @@ async def _serve(settings: NodeSettings, run: RunConfig, stage: Optional[int], d
     try:
         p2p = await membership.dht.replicate_p2p()
         swarm = SwarmDHT(membership.dht, identity.peer_id.to_base58())
-        role = _build_role(settings, run, stage, device, swarm, p2p, membership.maddrs)
+        role = _build_role(settings, run, stage, device, swarm, p2p, membership.maddrs, trust.authenticator)
+        trust.start_background(stop, swarm)
         if hasattr(role, "start"):
             await role.start()
         print(f"agora-node ready role={settings.role} stage={stage if stage is not None else '-'} "
@@ -128,18 +146,21 @@ async def _serve(settings: NodeSettings, run: RunConfig, stage: Optional[int], d
             except Exception:
                 logger.exception("shutdown of the %s was not clean", settings.role)
             print(json.dumps({"summary": role.summary()}), flush=True)
+        await trust.close()
         await asyncio.to_thread(membership.shutdown)
-    return code
+    return trust.failure_exit_code() or code
 
 
-def _build_role(settings, run, stage, device, swarm, p2p, maddrs):
+def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator):
     if settings.role == "worker":
         from roles.worker.config import WorkerConfig
         from roles.worker.role import WorkerRole
 
         config = WorkerConfig(stage=stage, device=device, max_batch=settings.max_batch,
                               announce_period_s=settings.announce_period_s)
-        return WorkerRole(config, run, swarm, p2p, maddrs)
+        role = WorkerRole(config, run, swarm, p2p, maddrs)
+        role.server.authenticator = authenticator
+        return role
     from roles.trainer.config import TrainerConfig
     from roles.trainer.role import TrainerRole
 
@@ -149,7 +170,9 @@ def _build_role(settings, run, stage, device, swarm, p2p, maddrs):
         discovery_period_s=settings.discovery_period_s, announce_period_s=settings.announce_period_s,
         request_timeout_s=settings.request_timeout_s,
     )
-    return TrainerRole(config, run, swarm, p2p)
+    role = TrainerRole(config, run, swarm, p2p)
+    role.client.authenticator = authenticator
+    return role
 
 
 def configure_logging(level: str) -> None:

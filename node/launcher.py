@@ -109,6 +109,8 @@ class LocalSwarm:
         if peers and "--initial-peers" not in args:
             cmd += ["--initial-peers", *peers]
         cmd += list(args)
+        if "--authorizer" not in cmd:
+            cmd.append("--insecure-open-run")  # an explicit choice, as users must make it too
         log_path = os.path.join(self.workdir, f"{name}.log")
         log = open(log_path, "w")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,

@@ -20,7 +20,11 @@ class NodeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Literal["worker", "trainer"] = Field(description="what this node does in the run")
-    config: str = Field(description="run config: a preset name (tiny, 1b, 8b) or a YAML path")
+    config: Optional[str] = Field(default=None, description="run config: a preset name (tiny, 1b, 8b) or a YAML "
+                                  "path; with --authorizer the run's own config is used")
+    authorizer: Optional[str] = Field(default=None, description="URL of the run's authorizer, e.g. http://host:8000")
+    account_token: str = Field(default="", description="account token the run owner gave you, if any")
+    insecure_open_run: bool = Field(default=False, description="run without an authorizer: any peer is trusted")
     stage: Optional[int] = Field(default=None, ge=0, description="pipeline stage a worker serves")
     initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of peers already in the run")
     host_maddrs: list[str] = Field(default_factory=lambda: [LOOPBACK_MADDR], description="where to listen")
@@ -58,7 +62,7 @@ class NodeSettings(BaseModel):
 
 
 _LIST_FIELDS = {"initial_peers", "host_maddrs", "announce_maddrs"}
-_BOOL_FIELDS = {"dry_run"}
+_BOOL_FIELDS = {"dry_run", "insecure_open_run"}
 
 
 def _from_env(environ: dict[str, str]) -> dict[str, Any]:
@@ -97,6 +101,8 @@ def build_settings(flags: dict[str, Any], environ: Optional[dict[str, str]] = No
     flag_values = {k: v for k, v in flags.items() if v is not None and v != [] and v is not False}
     config = flag_values.get("config") or env_values.get("config")
     merged = {**_from_config_file(config), **env_values, **flag_values}
+    if not merged.get("config") and not merged.get("authorizer"):
+        raise ConfigError("--config is required (or --authorizer, which provides the run's config)")
     try:
         return NodeSettings.model_validate(merged)
     except ValidationError as exc:

@@ -11,9 +11,12 @@ import logging
 import multiprocessing as mp
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import hivemind
+from hivemind.utils.auth import AuthorizerBase
 
+from protocol.auth_state import SharedAuthState
 from protocol.dht_schema import schema_for_run
 from protocol.errors import ConfigError
 from protocol.identity import Identity
@@ -38,11 +41,13 @@ class SwarmMembership:
 
 def join_swarm(*, identity: Identity, run_id: str, num_stages: int, initial_peers: list[str],
                host_maddrs: list[str], announce_maddrs: list[str], bootstrap_timeout_s: float,
-               client_mode: bool = False) -> SwarmMembership:
-    """Start the DHT and bootstrap. Raises ConfigError (exit 2) if no initial peer answers."""
+               client_mode: bool = False, auth_state: Optional[SharedAuthState] = None,
+               authorizer: Optional[AuthorizerBase] = None) -> SwarmMembership:
+    """Start the DHT and bootstrap. Raises ConfigError (exit 2) if no initial peer answers.
+    With `auth_state`, records must carry credentials; `authorizer` checks every DHT RPC."""
     if mp.get_start_method(allow_none=True) != "fork":
         mp.set_start_method("fork", force=True)  # hivemind requires fork (DESIGN §3)
-    validator = SignedRecordValidator(identity, schema_for_run(run_id, num_stages))
+    validator = SignedRecordValidator(identity, schema_for_run(run_id, num_stages), run_id=run_id, auth=auth_state)
     try:
         dht = hivemind.DHT(
             initial_peers=initial_peers or None,
@@ -54,6 +59,7 @@ def join_swarm(*, identity: Identity, run_id: str, num_stages: int, initial_peer
             host_maddrs=host_maddrs,
             announce_maddrs=announce_maddrs or None,
             client_mode=client_mode,
+            authorizer=authorizer,
             bootstrap_timeout=bootstrap_timeout_s,
             startup_timeout=bootstrap_timeout_s,
             daemon=True,

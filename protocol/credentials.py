@@ -18,14 +18,25 @@ msgpack pack and one Ed25519 check (peers also cache verified credentials per pe
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
 import functools
 import time
-from typing import Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+)
 
 from protocol.codec import pack, unpack
 from protocol.errors import AuthError, ProtocolError
@@ -41,9 +52,26 @@ MAX_REVOKED_ENTRIES = 100_000
 
 _CREDENTIAL_DOMAIN = "agora/credential/v1"
 _REVOCATION_DOMAIN = "agora/revocations/v1"
-_WIRE = ConfigDict(
-    frozen=True, strict=True, extra="ignore", ser_json_bytes="base64", val_json_bytes="base64"
-)
+_WIRE = ConfigDict(frozen=True, strict=True, extra="ignore")
+
+
+def _base64_in_json(value: Any, info: ValidationInfo) -> Any:
+    """JSON has no bytes: there they travel as standard base64. Only in JSON: from msgpack a str
+    where bytes belong is refused (strict), so no re-typing of a field can reuse a signature."""
+    if info.mode == "json" and isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError("must be standard base64") from exc
+    return value
+
+
+WireBytes = Annotated[
+    bytes,
+    BeforeValidator(_base64_in_json),
+    PlainSerializer(lambda b: base64.b64encode(b).decode("ascii"), return_type=str, when_used="json"),
+    WithJsonSchema({"type": "string", "format": "byte", "description": "standard base64"}),
+]
 
 Role = Literal["worker", "trainer"]
 
@@ -110,7 +138,7 @@ class Credential(BaseModel):
     version: int = Field(default=CREDENTIAL_VERSION, ge=1, le=1000)
     run_id: str = Field(min_length=1, max_length=64)
     peer_id: str = Field(min_length=1, max_length=128, description="base58 libp2p peer id")
-    public_key: bytes = Field(min_length=1, max_length=4096, description="libp2p public key protobuf")
+    public_key: WireBytes = Field(min_length=1, max_length=4096, description="the node's raw Ed25519 public key")
     role: Role
     stage: Optional[int] = Field(default=None, ge=0, le=1023, description="None for trainers")
     issued_at: int = Field(ge=0, le=1 << 40, description="unix seconds")
@@ -119,14 +147,37 @@ class Credential(BaseModel):
 
     def signing_bytes(self) -> bytes:
         """The canonical bytes the root key signs: domain tag, then every field in fixed order."""
-        return pack([
-            _CREDENTIAL_DOMAIN, self.version, self.run_id, self.peer_id, self.public_key,
-            self.role, self.stage, self.issued_at, self.expires_at, self.serial,
-        ])
+        return pack([_CREDENTIAL_DOMAIN, *(getattr(self, name) for name in _CREDENTIAL_FIELDS)])
+
+    @classmethod
+    def from_signing_bytes(cls, data: bytes) -> Credential:
+        """Decode canonical bytes; anything that would not re-encode to exactly `data` is refused,
+        so the bytes a signature covers and the credential a peer acts on are the same thing."""
+        fields = _unpack_list(data, "credential")
+        if len(fields) < 2 or fields[0] != _CREDENTIAL_DOMAIN:
+            raise MalformedCredential("bytes are not an agora credential")
+        if isinstance(fields[1], int) and not isinstance(fields[1], bool) and fields[1] > CREDENTIAL_VERSION:
+            raise UnsupportedCredentialVersion(
+                f"credential version {fields[1]} is newer than this node understands ({CREDENTIAL_VERSION}); "
+                f"upgrade agora-node")
+        if len(fields) != len(_CREDENTIAL_FIELDS) + 1:
+            raise MalformedCredential(f"credential has {len(fields) - 1} fields, expected {len(_CREDENTIAL_FIELDS)}")
+        try:
+            cred = cls.model_validate(dict(zip(_CREDENTIAL_FIELDS, fields[1:])))
+        except ValidationError as exc:
+            raise MalformedCredential(f"credential field {_first_error(exc)}") from exc
+        if cred.signing_bytes() != bytes(data):
+            raise MalformedCredential("credential is not in canonical form")
+        return cred
 
     @property
     def lifetime_s(self) -> int:
         return self.expires_at - self.issued_at
+
+
+_CREDENTIAL_FIELDS = (
+    "version", "run_id", "peer_id", "public_key", "role", "stage", "issued_at", "expires_at", "serial",
+)
 
 
 class SignedCredential(BaseModel):
@@ -135,21 +186,26 @@ class SignedCredential(BaseModel):
     model_config = _WIRE
 
     credential: Credential
-    signature: bytes = Field(min_length=64, max_length=64)
+    signature: WireBytes = Field(min_length=64, max_length=64)
 
     def to_bytes(self) -> bytes:
-        """The msgpack form peers present in frame envelopes and DHT records."""
-        return pack({"credential": self.credential.model_dump(), "signature": self.signature})
+        """The msgpack form peers present in frame envelopes and DHT records: the signed canonical
+        bytes themselves and the signature, so a receiver checks exactly what was signed."""
+        return pack([self.credential.signing_bytes(), self.signature])
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SignedCredential:
         """Parse (not verify) untrusted bytes; anything undecodable is `MalformedCredential`."""
         if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_CREDENTIAL_BYTES:
             raise MalformedCredential("credential must be at most 8 KiB of msgpack bytes")
+        outer = _unpack_list(bytes(data), "signed credential")
+        if len(outer) != 2 or not all(isinstance(part, bytes) for part in outer):
+            raise MalformedCredential("signed credential must be [credential bytes, signature bytes]")
+        credential = Credential.from_signing_bytes(outer[0])
         try:
-            return cls.model_validate(unpack(bytes(data), max_len=MAX_CREDENTIAL_BYTES))
-        except (ProtocolError, ValidationError) as exc:
-            raise MalformedCredential(f"credential could not be decoded: {_first_error(exc)}") from exc
+            return cls(credential=credential, signature=outer[1])
+        except ValidationError as exc:
+            raise MalformedCredential(f"signature {_first_error(exc)}") from exc
 
 
 @functools.lru_cache(maxsize=64)
@@ -263,7 +319,7 @@ class RevocationList(BaseModel):
     serials: tuple[int, ...] = Field(default=(), strict=False, max_length=MAX_REVOKED_ENTRIES)
     peer_ids: tuple[str, ...] = Field(default=(), strict=False, max_length=MAX_REVOKED_ENTRIES)
     issued_at: float = Field(ge=0)
-    signature: bytes = Field(default=b"", max_length=64)
+    signature: WireBytes = Field(default=b"", max_length=64)
 
     def signing_bytes(self) -> bytes:
         return pack([
@@ -283,14 +339,26 @@ class RevocationList(BaseModel):
         return frozenset(self.peer_ids)
 
     def to_bytes(self) -> bytes:
-        return pack(self.model_dump())
+        """The signed canonical bytes and the signature, as the DHT carries them."""
+        return pack([self.signing_bytes(), self.signature])
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RevocationList:
+        outer = _unpack_list(bytes(data), "revocation list", max_len=1 << 24)
+        if len(outer) != 2 or not all(isinstance(part, bytes) for part in outer):
+            raise MalformedCredential("revocation list must be [list bytes, signature bytes]")
+        fields = _unpack_list(outer[0], "revocation list", max_len=1 << 24)
+        if len(fields) != 6 or fields[0] != _REVOCATION_DOMAIN:
+            raise MalformedCredential("bytes are not an agora revocation list")
         try:
-            return cls.model_validate(unpack(bytes(data), max_len=1 << 24))
-        except (ProtocolError, ValidationError, TypeError) as exc:
+            revocations = cls.model_validate(dict(
+                version=fields[1], run_id=fields[2], serials=fields[3], peer_ids=fields[4], issued_at=fields[5],
+                signature=outer[1]))
+        except (ValidationError, TypeError) as exc:
             raise MalformedCredential(f"revocation list could not be decoded: {_first_error(exc)}") from exc
+        if revocations.signing_bytes() != outer[0]:
+            raise MalformedCredential("revocation list is not in canonical form")
+        return revocations
 
 
 def sign_revocation_list(
@@ -326,6 +394,16 @@ def verify_revocation_list(
     if run_id is not None and revocations.run_id != run_id:
         raise WrongRun(f"revocation list is for run {revocations.run_id!r}, not {run_id!r}")
     return revocations
+
+
+def _unpack_list(data: bytes, what: str, *, max_len: int = MAX_CREDENTIAL_BYTES) -> list:
+    try:
+        value = unpack(data, max_len=max_len)
+    except ProtocolError as exc:
+        raise MalformedCredential(f"{what} is not valid msgpack") from exc
+    if not isinstance(value, list):
+        raise MalformedCredential(f"{what} must be a msgpack array")
+    return value
 
 
 def _first_error(exc: Exception) -> str:

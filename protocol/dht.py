@@ -42,6 +42,16 @@ class SwarmDHT:
             logger.warning("DHT store of %s timed out after %.1fs", key, self.timeout_s)
             return False
 
+    async def dht_store_raw(self, key: str, subkey: str, value: dict, ttl_s: float) -> bool:
+        """Store a value under a subkey that is not our peer id: only for records that carry
+        their own authority (the root-signed revocation list), which validators check."""
+        future = self.dht.store(key, value, expiration_time=get_dht_time() + ttl_s, subkey=subkey, return_future=True)
+        try:
+            return bool(await asyncio.wait_for(future, self.timeout_s))
+        except asyncio.TimeoutError:
+            future.cancel()
+            return False
+
     async def withdraw(self, key: str, ttl_s: float = 60.0) -> bool:
         """Overwrite our subkey with a tombstone: hivemind has no delete (DESIGN §3)."""
         return await self.store(key, Tombstone(), ttl_s)

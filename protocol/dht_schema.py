@@ -55,6 +55,68 @@ class ProgressRecord(RecordModel):
     time: float
 
 
+class RoundStatus(str, enum.Enum):
+    """How one AsyncSPARTA averaging round ended for the peer reporting it [report 5.7.1]."""
+
+    COMPLETE = "complete"  # every slice reduced from every group member and returned; full group
+    PARTIAL = "partial"  # ran, but a slice fell back to local values, a sender was banned or peers were missing
+    FAILED = "failed"  # no group formed, the all-reduce broke, or nothing of the average came back
+    SKIPPED = "skipped"  # not attempted: alone in the stage, no reducer, or the previous round still running
+
+
+class FailedSliceRecord(RecordModel):
+    """A reducer's slice of the round buffer that did not come back: those values kept their local
+    values on this peer [report 3.3.1.8]."""
+
+    reducer: str = Field(max_length=128)
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    failed_elements: int = Field(ge=0)
+
+
+class RoundSummaryRecord(RecordModel):
+    """One averaging round as one peer saw it: the report's reduce and averaging success [5.7.1.1],
+    group size against the stage's workers, duration and why it was not complete."""
+
+    version: int = 1
+    kind: str = Field(max_length=8, description="'step' (every N optimizer steps) or 'clock' (idle stage)")
+    round: int = Field(ge=0)
+    segment: int = Field(ge=0)
+    digest: str = Field(max_length=64, description="digest of the round's index set")
+    status: RoundStatus = Field(strict=False)
+    group_size: int = Field(ge=0)
+    expected_group_size: int = Field(ge=0)
+    reduce_success: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    averaging_success: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    duration_s: float = Field(ge=0.0)
+    weight: float = Field(ge=0.0)
+    failure_reason: str = Field(default="", max_length=512)
+    failed_slices: list[FailedSliceRecord] = Field(default_factory=list, max_length=16)
+    banned_senders: list[str] = Field(default_factory=list, max_length=16)
+    mismatched_peers: list[str] = Field(default_factory=list, max_length=16)
+    relative_distance: Optional[float] = Field(default=None, ge=0.0)
+    finished_at: float = 0.0
+
+
+class AveragingRecord(RecordModel):
+    """A worker's averaging status under `{run}/stage/{s}/averaging`: whether it reduces, the round
+    it is in (with the digest of that round's index set, so peers can spot a mismatch), its
+    round counters and its last few rounds."""
+
+    version: int = 1
+    reducer: bool = False
+    phase: Phase = Field(default=Phase.ACTIVE, strict=False)
+    round_kind: str = Field(default="", max_length=8)
+    round: int = Field(default=0, ge=0)
+    segment: int = Field(default=0, ge=0)
+    digest: str = Field(default="", max_length=64)
+    rounds_complete: int = Field(default=0, ge=0)
+    rounds_partial: int = Field(default=0, ge=0)
+    rounds_failed: int = Field(default=0, ge=0)
+    rounds_skipped: int = Field(default=0, ge=0)
+    recent: list[RoundSummaryRecord] = Field(default_factory=list, max_length=8)
+
+
 class TrainerRecord(RecordModel):
     """A trainer's progress under `{run}/trainers`."""
 
@@ -81,6 +143,10 @@ def workers_key(run_id: str, stage: int) -> str:
 
 def progress_key(run_id: str, stage: int) -> str:
     return f"{run_id}/stage/{stage}/progress"
+
+
+def averaging_key(run_id: str, stage: int) -> str:
+    return f"{run_id}/stage/{stage}/averaging"
 
 
 def trainers_key(run_id: str) -> str:

@@ -12,6 +12,7 @@ FORWARD = HANDLER_PREFIX + "forward"
 BACKWARD = HANDLER_PREFIX + "backward"
 INFO = HANDLER_PREFIX + "info"
 STATE = HANDLER_PREFIX + "state"
+"""A stage replica's parameters, served in chunks to a joining worker [report 3.3.1.1]."""
 
 
 def client_version() -> str:

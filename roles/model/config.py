@@ -112,6 +112,88 @@ class OptimizerConfig(BaseModel):
         return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class AveragingConfig(BaseModel):
+    """AsyncSPARTA: how the replicas of a stage average a rotating slice of their weights [4.2].
+
+    Every node of a run must agree on `average_every` and `segments` (they fix which index set a
+    round averages); the timeouts bound one round's matchmaking and all-reduce [3.3.1.8].
+    """
+
+    model_config = _FROZEN
+
+    enabled: bool = Field(default=True, description="Average within the stage at all.")
+    average_every: int = Field(
+        default=20, gt=0, description="Optimizer steps between two averaging rounds (N)."
+    )
+    segments: int = Field(
+        default=20, gt=0, description="Index sets that tile the parameters; p = 1/segments."
+    )
+    matchmaking_time_s: float = Field(
+        default=5.0, gt=0, description="Window in which the stage's peers form a round's group."
+    )
+    request_timeout_s: float = Field(
+        default=3.0, gt=0, description="Wait for a potential group leader's answer (< window)."
+    )
+    sender_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="A sender silent this long between chunks is banned from the round; "
+        "reducers get twice that.",
+    )
+    allreduce_timeout_s: float = Field(
+        default=120.0, gt=0, description="Longest one all-reduce may run once the group is formed."
+    )
+    part_size_bytes: int = Field(
+        default=1 << 19, ge=1024, description="Size of the chunks the all-reduce streams."
+    )
+    idle_period_s: float | None = Field(
+        default=None, gt=0,
+        description="If set, a stage whose step has not moved for this long averages on a "
+        "wall-clock cadence of this period (idle stages, tests).",
+    )
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> AveragingConfig:
+        if self.request_timeout_s >= self.matchmaking_time_s:
+            raise ValueError(
+                f"request_timeout_s {self.request_timeout_s} must be below matchmaking_time_s "
+                f"{self.matchmaking_time_s} (hivemind matchmaking can deadlock otherwise)"
+            )
+        return self
+
+
+class SyncConfig(BaseModel):
+    """How a joining worker loads state and catches up with its stage [3.3.1.1, 5.6]."""
+
+    model_config = _FROZEN
+
+    max_stale_steps: int = Field(
+        default=20, ge=0,
+        description="A joiner whose state is more steps behind the stage than this syncs first.",
+    )
+    weight_sync_steps: int = Field(
+        default=400, ge=0,
+        description="Stage steps of weight sync: hidden from trainers, averaging with weight 0.",
+    )
+    optimizer_sync_steps: int = Field(
+        default=100, ge=0,
+        description="Stage steps of optimizer sync: serves batches, counts no samples, weight 0.",
+    )
+    weight_sync_exit_distance: float | None = Field(
+        default=None, gt=0,
+        description="Leave weight sync early once a full pass of rounds moved this replica by "
+        "less than this relative L2 distance.",
+    )
+    state_chunk_elements: int = Field(
+        default=1 << 20, gt=0, le=1 << 23, description="Parameters per state-transfer chunk."
+    )
+    state_chunk_timeout_s: float = Field(
+        default=15.0, gt=0, description="A chunk slower than this is resumed from another peer."
+    )
+    state_load_timeout_s: float = Field(
+        default=600.0, gt=0, description="Give up loading state from peers after this long."
+    )
+
+
 class StageRange(BaseModel):
     """The blocks one pipeline stage holds: `[first_layer, last_layer)`."""
 
@@ -152,6 +234,12 @@ class RunConfig(BaseModel):
     seq_len: int = Field(gt=0, description="Tokens per sample (<= model.max_seq_len).")
     seed: int = Field(default=0, ge=0, description="Seeds the initial weights of every stage.")
     dtype: ComputeDtype = Field(default="float32", description="Compute dtype on the worker.")
+    averaging: AveragingConfig = Field(
+        default_factory=AveragingConfig, description="AsyncSPARTA weight averaging in a stage."
+    )
+    sync: SyncConfig = Field(
+        default_factory=SyncConfig, description="State loading and sync phases of a joiner."
+    )
 
     @field_validator("run_id")
     @classmethod

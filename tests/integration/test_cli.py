@@ -26,8 +26,10 @@ SOME_PEER = "/ip4/127.0.0.1/tcp/9/p2p/QmWihdSgzh9sCzbtjdDf4TqjjArhWeqKoiPTMdcvjp
     (["--role", "worker", "--config", "tiny"], "--stage"),
     (["--role", "trainer"], "--config"),
     (["--role", "worker", "--config", "tiny", "--stage", "0", "--max-batch", "0"], "--max-batch"),
-    (["--role", "trainer", "--config", "tiny", "--initial-peers", SOME_PEER, "--bootstrap-timeout-s", "3"],
-     "initial peer"),
+    (["--role", "trainer", "--config", "tiny", "--initial-peers", SOME_PEER, "--bootstrap-timeout-s", "3",
+      "--insecure-open-run"], "initial peer"),
+    (["--role", "trainer", "--config", "tiny"], "--authorizer"),
+    (["--role", "trainer", "--authorizer", "http://127.0.0.1:9", "--dry-run"], "--dry-run"),
 ])
 def test_bad_input_exits_2_with_one_line(args, fragment):
     result = subprocess.run(NODE + args, capture_output=True, text=True, timeout=60)

@@ -1,0 +1,23 @@
+"""The run's authorizer: admits nodes, places them on stages, issues short-lived credentials.
+
+A single HTTP service (FastAPI on uvicorn) per run [3.6.1]. Modules, one concept each:
+
+    config       AuthorizerConfig: what one authorizer process needs
+    main         run_authorizer(config) and a small CLI; the readiness line
+    app          the FastAPI app, body limit, typed JSON errors
+    routes       public /v1 endpoints (join, poll, renew, leave, run, revocations)
+    admin        /v1/admin endpoints behind the admin bearer token (bans, live policy)
+    models       request/response bodies, bounded against hostile input
+    service      Authorizer: the behaviour behind the routes
+    policy       the live admission policy and its defaults
+    admission    capability, integrity and account checks; RejectReason
+    reachability dialing a joining node back over libp2p
+    placement    which stage a worker serves
+    queue        releasing the admission queue at the join rate; sweeping lapsed tickets
+    store        participant records on SQLite or PostgreSQL
+    schema       the tables and the invariants the database holds
+    writer       group commit: durable writes without an fsync per request
+    keys         the root signing key, admin token, credential issuing
+    errors       the error tree
+    testing      helpers for tests and benchmarks: a real PostgreSQL, an authorizer subprocess
+"""

@@ -1,0 +1,120 @@
+"""Operator endpoints under `/v1/admin`, behind `Authorization: Bearer <admin token>`.
+
+The operator bans peers or whole accounts (identities) and changes the live policy: capacities,
+join rate, hardware floors, accepted builds and which checks run [3.6.1.1]. A policy change is
+stored before it is answered and applies to the next request; lowering a capacity never evicts a
+node, it only stops admissions until the stage drains below it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Annotated, Optional
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from authorizer import admission
+from authorizer.errors import AdminAuthRequired, InvalidRequest
+from authorizer.models import (
+    BanOut, BanRequest, ErrorBody, ParticipantOut, ParticipantsOut, PolicyUpdate, TicketStatus, UnbanOut,
+)
+from authorizer.policy import Policy, merge_policy
+from authorizer.service import Authorizer
+from protocol.errors import ConfigError
+
+logger = logging.getLogger("agora.authorizer.admin")
+_bearer = HTTPBearer(auto_error=False, description="the admin token (--admin-token or its file)")
+
+
+def require_admin(
+    request: Request, credentials: Annotated[Optional[HTTPAuthorizationCredentials], Depends(_bearer)]
+) -> None:
+    expected = request.app.state.admin_token.encode()
+    given = (credentials.credentials if credentials is not None else "").encode()
+    if not hmac.compare_digest(given, expected):
+        raise AdminAuthRequired("this endpoint needs 'Authorization: Bearer <admin token>'; use the operator's token")
+
+
+_ERRORS = {
+    400: {"model": ErrorBody, "description": "invalid request"},
+    401: {"model": ErrorBody, "description": "missing or wrong admin token"},
+    503: {"model": ErrorBody, "description": "database unavailable; retry"},
+}
+admin_router = APIRouter(prefix="/v1/admin", tags=["admin"], dependencies=[Depends(require_admin)], responses=_ERRORS)
+
+
+def _authorizer(request: Request) -> Authorizer:
+    return request.app.state.authorizer
+
+
+def _target(body: BanRequest) -> tuple[str, str, dict]:
+    if body.peer_id is not None:
+        return "peer", body.peer_id, {"peer_id": body.peer_id}
+    account = body.account_id or admission.account_id(body.account_token or "")
+    return "account", account, {"account_id": account}
+
+
+@admin_router.post("/bans", response_model=BanOut)
+async def ban(body: BanRequest, request: Request) -> BanOut:
+    """Ban a peer id or an account: its joins are refused, its live tickets end, its credentials
+    are revoked (listed in /v1/revocations until they expire) and renewal is refused."""
+    authorizer = _authorizer(request)
+    kind, target, where = _target(body)
+    message = (f"the operator banned this {kind}" + (f" ({body.reason})" if body.reason else "")
+               + "; contact the operator if you think this is a mistake")
+    ended = await authorizer.stored(authorizer.store.ban(**where, reason=body.reason, now=time.time(), message=message))
+    logger.warning("banned %s %s (%s): %d live ticket(s) ended", kind, target, body.reason, ended)
+    authorizer.queue_wakeup.set()
+    return BanOut(target=target, kind=kind, ended_tickets=ended)  # type: ignore[arg-type]
+
+
+@admin_router.post("/unban", response_model=UnbanOut)
+async def unban(body: BanRequest, request: Request) -> UnbanOut:
+    """Lift a ban; the peer or account may join again (its ended tickets stay ended)."""
+    authorizer = _authorizer(request)
+    kind, target, where = _target(body)
+    was = await authorizer.stored(authorizer.store.unban(**where))
+    return UnbanOut(target=target, kind=kind, was_banned=was)  # type: ignore[arg-type]
+
+
+@admin_router.get("/policy", response_model=Policy)
+async def get_policy(request: Request) -> Policy:
+    return _authorizer(request).policy
+
+
+@admin_router.patch("/policy", response_model=Policy)
+async def patch_policy(body: PolicyUpdate, request: Request) -> Policy:
+    """Change any subset of the policy; it is stored, then applies to the next request."""
+    authorizer = _authorizer(request)
+    try:
+        policy = merge_policy(authorizer.policy, body.changes(), source="policy update").for_run(authorizer.run)
+    except ConfigError as exc:
+        raise InvalidRequest(f"{exc}; fix the update and retry") from exc
+    await authorizer.stored(authorizer.store.save_policy(policy.model_dump(mode="json")))
+    authorizer.policy = policy
+    authorizer.queue_wakeup.set()
+    logger.warning("policy changed: %s", body.changes())
+    return policy
+
+
+@admin_router.get("/participants", response_model=ParticipantsOut)
+async def participants(
+    request: Request,
+    status: Annotated[Optional[TicketStatus], Query()] = None,
+    after_id: Annotated[int, Query(ge=0, le=1 << 62)] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> ParticipantsOut:
+    """Participant records in join order, a page at a time (account ids are token hashes)."""
+    authorizer = _authorizer(request)
+    rows = await authorizer.read(authorizer.store.list_participants,
+                                  status.value if status else None, after_id, limit)
+    out = [ParticipantOut(
+        id=r.id, ticket=r.ticket, peer_id=r.peer_id, account_id=r.account_id, role=r.role,
+        stage=None if r.pool is None or r.pool < 0 else r.pool, status=r.status, reason=r.reason,
+        client_version=r.client_version, announce_maddrs=r.announce_maddrs or [], created_at=r.created_at,
+        admitted_at=r.admitted_at, serial=r.serial, expires_at=r.expires_at,
+    ) for r in rows]
+    return ParticipantsOut(participants=out, next_after_id=rows[-1].id if len(rows) == limit else None)

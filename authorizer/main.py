@@ -1,0 +1,207 @@
+"""Run the authorizer: open the store and root key, serve HTTP, print one readiness line, and
+exit 0 on SIGTERM/SIGINT.
+
+`run_authorizer(config)` is what `agora-node --role authorizer` calls; `main()` is a small
+command line of its own (`python -m authorizer.main --run-config tiny --port 0 ...`) for tests and
+operators. With `--port 0` the OS picks a free port, read back from uvicorn's bound socket and
+printed in the readiness line, so nothing has to guess a free port:
+
+    agora-node ready role=authorizer stage=- peer=- url=http://127.0.0.1:<port>
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from typing import Optional, Sequence
+
+from pydantic import ValidationError
+
+from authorizer.config import AuthorizerConfig
+from authorizer.policy import Policy, default_policy, load_policy_file, merge_policy
+from protocol.errors import ConfigError
+
+logger = logging.getLogger("agora.authorizer")
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def build_policy(config: AuthorizerConfig, run, stored: Optional[dict]) -> Policy:
+    """Stored policy (or the run's defaults), then the policy file, then explicit flags."""
+    policy = default_policy(run)
+    if stored is not None:
+        try:
+            policy = Policy.model_validate(stored).for_run(run)
+        except (ValidationError, ConfigError) as exc:
+            logger.warning("stored policy is unusable (%s); starting from defaults", exc)
+    if config.policy_file:
+        policy = merge_policy(policy, load_policy_file(config.policy_file), source=f"policy file {config.policy_file}")
+    policy = merge_policy(policy, config.policy_overrides(run.num_stages), source="command line")
+    return policy.for_run(run)
+
+
+def _admin_token(config: AuthorizerConfig) -> str:
+    import os
+
+    from authorizer.keys import load_or_create_admin_token
+
+    if config.admin_token is not None:
+        token = config.admin_token.get_secret_value()
+        if len(token) < 16:
+            raise ConfigError("--admin-token must be at least 16 characters; use a long random token")
+        return token
+    path = config.admin_token_file or os.path.join(config.data_dir, "admin.token")
+    token = load_or_create_admin_token(path)
+    logger.info("admin token in %s", path)
+    return token
+
+
+class _Server:
+    """uvicorn's Server without its own signal capture (it re-raises the signal after shutdown,
+    which would turn a clean SIGTERM into exit status -15); we handle signals ourselves."""
+
+    @staticmethod
+    def make(config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        return Server(config)
+
+
+async def _serve(config: AuthorizerConfig) -> int:
+    import uvicorn
+
+    from authorizer.app import create_app
+    from authorizer.keys import CredentialIssuer, load_or_create_root_key
+    from authorizer.reachability import Dialer
+    from authorizer.service import Authorizer
+    from authorizer.store import Store
+    from roles.model.config import load_run_config
+
+    run = load_run_config(config.run_config)
+    key, created = load_or_create_root_key(config.resolved_key_path())
+    if created:
+        logger.warning("created a new root key at %s; back it up: peers trust credentials it signs",
+                       config.resolved_key_path())
+    admin_token = _admin_token(config)
+    store = Store(config.db_url(), sqlite_synchronous=config.sqlite_synchronous)
+    try:
+        store.open(run.run_id, run.num_stages)
+        policy = build_policy(config, run, store.load_policy())
+        store.writer.call(lambda conn: store._put_meta(conn, "policy", policy.model_dump_json()))
+        authorizer = Authorizer(
+            run=run, store=store, issuer=CredentialIssuer(key, run.run_id, config.credential_ttl_s), policy=policy,
+            dialer=Dialer(config.reachability_timeout_s), bootstrap_peers=config.bootstrap_peers,
+        )
+        app = create_app(authorizer, admin_token)
+        server = _Server.make(uvicorn.Config(
+            app, host=config.host, port=config.port, log_config=None, access_log=False,
+            lifespan="on", timeout_graceful_shutdown=10, server_header=False,
+        ))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if not server.started:
+            await task  # re-raises uvicorn's startup failure (e.g. the port is taken)
+            raise ConfigError(f"cannot serve on {config.host}:{config.port}; choose another --host/--port")
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"agora-node ready role=authorizer stage=- peer=- url=http://{shown}:{port}", flush=True)
+        logger.info("authorizer of run %s serving on http://%s:%d (db %s)", run.run_id, shown, port,
+                    config.db_url().split("@")[-1])
+        await task
+        return EXIT_OK
+    finally:
+        store.close()
+
+
+def run_authorizer(config: AuthorizerConfig) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code. ConfigError propagates (exit 2)."""
+    try:
+        import uvloop
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except (ImportError, AttributeError):
+        runner = asyncio.Runner()
+    with runner:
+        try:
+            return runner.run(_serve(config))
+        except SystemExit as exc:  # uvicorn exits on startup failures (bind errors)
+            raise ConfigError(f"cannot serve on {config.host}:{config.port} (exit {exc.code}); "
+                              f"choose another --host/--port") from exc
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m authorizer.main", description="Run a training run's authorizer.")
+    p.add_argument("--run-config", default="tiny", help="preset (tiny, 1b, 8b) or YAML path")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed when ready)")
+    p.add_argument("--data-dir", default=None, help="SQLite file, root key and admin token go here")
+    p.add_argument("--db", help="sqlite:///path or postgresql://user@host:port/db")
+    p.add_argument("--key-path", help="Ed25519 root key file (created 0600 if missing)")
+    p.add_argument("--admin-token", help="admin bearer token (prefer --admin-token-file)")
+    p.add_argument("--admin-token-file", help="file with the admin token; created if missing")
+    p.add_argument("--policy-file", help="YAML with policy fields")
+    p.add_argument("--credential-ttl-s", type=int)
+    p.add_argument("--join-rate", type=float, dest="join_rate_per_s", help="queue releases per second")
+    p.add_argument("--join-burst", type=int)
+    p.add_argument("--stage-capacity", help="workers per stage: N, or N0,N1,... one per stage")
+    p.add_argument("--trainer-capacity", type=int)
+    p.add_argument("--checks", help="enabled checks, comma-separated (capability,integrity,reachability,"
+                                    "accountability), or 'none'")
+    p.add_argument("--bootstrap-peers", nargs="*", default=None, metavar="MADDR")
+    p.add_argument("--reachability-timeout-s", type=float)
+    p.add_argument("--sqlite-synchronous", choices=["full", "normal"])
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> AuthorizerConfig:
+    values = {k: v for k, v in vars(args).items() if v is not None}
+    try:
+        if "stage_capacity" in values:
+            values["stage_capacity"] = [int(x) for x in values["stage_capacity"].split(",")]
+        if "checks" in values:
+            values["checks"] = [] if values["checks"] == "none" else [c for c in values["checks"].split(",") if c]
+    except ValueError as exc:
+        raise ConfigError("--stage-capacity takes integers separated by commas, e.g. 8 or 8,4,8") from exc
+    try:
+        return AuthorizerConfig(**values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = "--" + ".".join(str(p) for p in error.get("loc", ())).replace("_", "-")
+        raise ConfigError(f"{where}: {str(error.get('msg', 'invalid')).removeprefix('Value error, ')}") from exc
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("hivemind", "asyncio", "uvicorn.error"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, getattr(logging, level.upper())))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        config = config_from_args(_parser().parse_args(argv))
+        configure_logging(config.log_level)
+        return run_authorizer(config)
+    except ConfigError as exc:
+        print(f"authorizer: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The public `/v1` endpoints nodes call: join, poll, renew, leave, run info, revocations.
+
+Nodes talk to the authorizer only to join, to poll the queue, and to renew their credential
+[3.6.1.1]; nothing on the training path comes here. Each route only parses and delegates to
+`authorizer.service.Authorizer`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
+
+from authorizer.models import TICKET_PATTERN, ErrorBody, JoinRequest, LeaveOut, Proof, RenewOut, RunInfo, TicketOut
+from authorizer.service import Authorizer
+from protocol.credentials import RevocationList
+
+router = APIRouter(prefix="/v1", tags=["nodes"])
+
+_ERRORS = {
+    400: {"model": ErrorBody, "description": "invalid request"},
+    413: {"model": ErrorBody, "description": "body too large"},
+    503: {"model": ErrorBody, "description": "database unavailable; retry"},
+}
+_PROOF_ERRORS = {
+    **_ERRORS,
+    401: {"model": ErrorBody, "description": "proof signature or time is wrong"},
+    403: {"model": ErrorBody, "description": "not admitted, banned, or left"},
+    404: {"model": ErrorBody, "description": "no live ticket for this peer"},
+}
+
+
+def _authorizer(request: Request) -> Authorizer:
+    return request.app.state.authorizer
+
+
+@router.post("/join", response_model=TicketOut, responses=_ERRORS)
+async def join(body: JoinRequest, request: Request) -> TicketOut:
+    """Ask to join the run. The answer is a ticket: queued (with the placed stage, so the node can
+    start fetching that stage's state), or rejected with a reason and what to do. Joining again
+    while a ticket is live returns that ticket."""
+    return await _authorizer(request).join(body)
+
+
+@router.get("/join/{ticket}", response_model=TicketOut,
+            responses={**_ERRORS, 404: {"model": ErrorBody, "description": "unknown ticket"}})
+async def poll(ticket: Annotated[str, Path(pattern=TICKET_PATTERN)], request: Request) -> TicketOut:
+    """Queue position and estimated wait; once admitted, the credential, stage, run config,
+    bootstrap peers and the authorizer's public key. Poll at least every minute while queued."""
+    return await _authorizer(request).poll(ticket)
+
+
+@router.post("/renew", response_model=RenewOut, responses=_PROOF_ERRORS)
+async def renew(body: Proof, request: Request) -> RenewOut:
+    """A fresh credential for an admitted node that proves it holds its libp2p key."""
+    return await _authorizer(request).renew(body)
+
+
+@router.post("/leave", response_model=LeaveOut, responses=_PROOF_ERRORS)
+async def leave(body: Proof, request: Request) -> LeaveOut:
+    """Leave the run: the slot is freed and the node's credentials are revoked."""
+    return await _authorizer(request).leave(body)
+
+
+@router.get("/run", response_model=RunInfo, responses={503: _ERRORS[503]})
+async def run_info(request: Request) -> RunInfo:
+    """Public run facts: stages with counts and targets, the root public key, accepted versions."""
+    return await _authorizer(request).run_info()
+
+
+@router.get("/revocations", response_model=RevocationList, responses={503: _ERRORS[503]})
+async def revocations(request: Request) -> RevocationList:
+    """Serials and peer ids revoked and not yet expired, signed by the run's root key."""
+    return await _authorizer(request).revocations()

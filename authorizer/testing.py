@@ -1,0 +1,219 @@
+"""Real processes for tests and benchmarks: a throwaway PostgreSQL 15, an authorizer subprocess,
+and node identities that can join, renew and leave.
+
+Shared by tests/authorizer and scripts/bench_authorizer.py so both exercise the real thing: the
+authorizer is started as `python -m authorizer.main ... --port 0` and its URL read from its
+readiness line; PostgreSQL is initdb'd in a temporary directory, listens on 127.0.0.1 with its
+unix socket inside that directory, and is stopped with `pg_ctl stop -m fast`. PostgreSQL cannot
+report a port it picked, so it alone gets a port found by binding port 0 (retried if taken).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+PG_BIN = os.environ.get("AGORA_PG_BIN", "/usr/lib/postgresql/15/bin")
+READY_PREFIX = "agora-node ready role=authorizer "
+
+
+def postgres_missing() -> Optional[str]:
+    """Why PostgreSQL cannot be started here, or None if it can."""
+    for tool in ("initdb", "pg_ctl", "postgres"):
+        if not os.access(os.path.join(PG_BIN, tool), os.X_OK):
+            return f"PostgreSQL binaries not found in {PG_BIN} (set AGORA_PG_BIN)"
+    if os.geteuid() == 0 and shutil.which("runuser") is None:
+        return "running as root but runuser is missing (postgres refuses to run as root)"
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        return "psycopg is not installed (pip install 'agora-node[postgres]')"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class PostgresServer:
+    """A private PostgreSQL instance; use as a context manager."""
+
+    def __init__(self, *, fsync: bool = False):
+        self.fsync = fsync
+        self.root: Optional[str] = None
+        self.port: Optional[int] = None
+        self._as_postgres = os.geteuid() == 0
+
+    def _run(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+        prefix = ["runuser", "-u", "postgres", "--"] if self._as_postgres else []
+        return subprocess.run(prefix + list(args), capture_output=True, text=True, timeout=timeout_s, check=False)
+
+    @property
+    def data_dir(self) -> str:
+        return os.path.join(self.root, "data")
+
+    def start(self) -> PostgresServer:
+        self.root = tempfile.mkdtemp(prefix="agora-pg-")
+        os.makedirs(os.path.join(self.root, "sock"))
+        if self._as_postgres:
+            shutil.chown(self.root, "postgres", "postgres")
+            shutil.chown(os.path.join(self.root, "sock"), "postgres", "postgres")
+        done = self._run(f"{PG_BIN}/initdb", "-D", self.data_dir, "-U", "postgres", "-A", "trust",
+                         "--no-sync", "-E", "UTF8", "--locale=C")
+        if done.returncode != 0:
+            raise RuntimeError(f"initdb failed: {done.stderr[-2000:]}")
+        last = ""
+        for _ in range(5):
+            self.port = _free_port()
+            options = (f"-p {self.port} -k {self.root}/sock -c listen_addresses=127.0.0.1 -c max_connections=200"
+                       + ("" if self.fsync else " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"))
+            done = self._run(f"{PG_BIN}/pg_ctl", "-D", self.data_dir, "-l", f"{self.root}/log", "-w", "-t", "60",
+                             "-o", options, "start")
+            if done.returncode == 0:
+                return self
+            last = done.stdout[-1000:] + done.stderr[-1000:]
+        raise RuntimeError(f"PostgreSQL did not start: {last}")
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, name: str) -> str:
+        import psycopg
+
+        with psycopg.connect(self.url(), autocommit=True, connect_timeout=10) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def stop(self) -> None:
+        if self.root is None:
+            return
+        try:
+            if os.path.exists(os.path.join(self.data_dir, "postmaster.pid")):
+                self._run(f"{PG_BIN}/pg_ctl", "-D", self.data_dir, "-m", "fast", "-w", "-t", "30", "stop", timeout_s=60)
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
+
+    def __enter__(self) -> PostgresServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class AuthorizerProcess:
+    """`python -m authorizer.main` in its own process group, with its URL from the readiness line."""
+
+    def __init__(self, args: list[str], *, log_path: str, env: Optional[dict] = None):
+        self.args = list(args)
+        self.log_path = log_path
+        self.env = env
+        self.proc: Optional[subprocess.Popen] = None
+        self.url: Optional[str] = None
+        self.stdout_lines: list[str] = []
+        self._ready = threading.Event()
+
+    def start(self, timeout_s: float = 60) -> AuthorizerProcess:
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "authorizer.main", *self.args], stdout=subprocess.PIPE, stderr=log,
+                text=True, env=env, start_new_session=True,
+            )
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"authorizer not ready (exit {self.proc.returncode}):\n{self.log_tail()}")
+        return self
+
+    def _read_stdout(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.stdout_lines.append(line.rstrip("\n"))
+            if line.startswith(READY_PREFIX) and not self._ready.is_set():
+                self.url = line.strip().rsplit("url=", 1)[1]
+                self._ready.set()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as log:
+                return log.read()[-chars:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the authorizer and everything it started (its libp2p daemon): a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 20) -> int:
+        """SIGTERM and wait; returns the exit code (killing the group if it overstays)."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of the group, if any
+        except (ProcessLookupError, PermissionError):
+            pass
+        return self.proc.returncode
+
+
+@dataclass
+class NodeKey:
+    """A node identity for tests: an Ed25519 key (as protocol.identity), raw public key, peer id."""
+
+    private_key: object
+    public_key: bytes
+    peer_id: str
+
+    @classmethod
+    def generate(cls) -> NodeKey:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        from protocol.identity import Identity
+
+        identity = Identity(Ed25519PrivateKey.generate(), path="")
+        return cls(identity.private_key, identity.public_key, identity.peer_id.to_base58())
+
+    def sign(self, data: bytes) -> bytes:
+        return self.private_key.sign(data)  # type: ignore[attr-defined]
+
+    def join_body(self, *, role: str = "worker", account_token: str = "account-0", client_version: str = "0.1.0",
+                  package_digest: str = "", announce_maddrs: Optional[list[str]] = None, **hardware) -> dict:
+        hw = dict(device_name="NVIDIA RTX 4090", vram_bytes=24 << 30, ram_bytes=64 << 30,
+                  bandwidth_mbps=1000.0, latency_ms=20.0)
+        hw.update(hardware)
+        return dict(peer_id=self.peer_id, public_key=base64.b64encode(self.public_key).decode(), role=role,
+                    hardware=hw, client_version=client_version, package_digest=package_digest,
+                    announce_maddrs=announce_maddrs or [], account_token=account_token)
+
+    def proof_body(self, action: str, run_id: str, signed_at: Optional[float] = None) -> dict:
+        from protocol.credentials import proof_bytes
+
+        signed_at = time.time() if signed_at is None else signed_at
+        data = proof_bytes(action, run_id=run_id, peer_id=self.peer_id, signed_at=signed_at)  # type: ignore[arg-type]
+        return dict(peer_id=self.peer_id, signed_at=signed_at, signature=base64.b64encode(self.sign(data)).decode())

@@ -1,0 +1,245 @@
+"""One AsyncSPARTA round on one replica: snapshot the segment, all-reduce it, apply the delta.
+
+The round runs in the background while the replica keeps training, so by the time the average
+comes back the weights have moved on. Writing the average back would erase those steps; the
+delta rule adds only the consensus shift instead [report 4.2.2, eq. 8]:
+
+    theta[I] <- theta[I] + (average[I] - snapshot[I])
+
+The optimizer's lock is held only to take the snapshot and to apply the delta, never across the
+network part. A reducer slice that failed comes back as a zero delta (hivemind keeps local values
+there), so the replica keeps its own, advanced weights for it.
+
+The outcome records what the report measures per round and per peer [5.7.1.1] (reduce and
+averaging success, group size against the stage's workers, duration, why it was not complete).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+
+from protocol.dht_schema import FailedSliceRecord, RoundStatus, RoundSummaryRecord
+from roles.worker.averaging.averager import StageAverager
+from roles.worker.averaging.index_sets import IndexSet, SegmentIndexSets
+from roles.worker.averaging.layout import FlatLayout
+
+
+class ParameterStore(Protocol):
+    """What a round needs of the optimizer (StageOptimizer satisfies it)."""
+
+    lock: threading.RLock
+
+    @property
+    def master_params(self) -> Sequence[torch.Tensor]: ...
+
+    def push_master_to_device(self) -> None: ...
+
+
+def delta_rule(current: torch.Tensor, snapshot: torch.Tensor, average: torch.Tensor) -> torch.Tensor:
+    """Eq. 8 of the report: keep the local progress made since the snapshot, add the consensus
+    shift. Exactly what `SegmentRound` applies in place to the master weights."""
+    return current + (average - snapshot)
+
+
+def round_key_bits(kind: str, round_id: int, digest: str) -> str:
+    """Group-key bits of a round: peers meet only if they agree on the round and on its index
+    set, so a replica with a different index set is never averaged blindly."""
+    value = hashlib.blake2b(f"{kind}/{round_id}/{digest}".encode(), digest_size=4).digest()
+    return "".join(f"{byte:08b}" for byte in value)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What the service decided before the round: which round, at what weight, with whom."""
+
+    kind: str
+    round: int
+    segment: int
+    weight: float
+    expected_group_size: int
+    phase: str
+
+
+@dataclass
+class RoundOutcome:
+    plan: RoundPlan
+    digest: str
+    status: RoundStatus
+    duration_s: float = 0.0
+    group: list[str] = field(default_factory=list)
+    reduce_success: Optional[float] = None
+    averaging_success: Optional[float] = None
+    failure_reason: str = ""
+    failed_slices: list[FailedSliceRecord] = field(default_factory=list)
+    banned_senders: list[str] = field(default_factory=list)
+    mismatched_peers: list[str] = field(default_factory=list)
+    delta_sq: float = 0.0
+    average_sq: float = 0.0
+    finished_at: float = field(default_factory=time.time)
+
+    @property
+    def relative_distance(self) -> Optional[float]:
+        """||average - snapshot|| / ||average|| over the segment: how far this replica was from
+        the stage's average on it (None if nothing was averaged)."""
+        if self.status not in (RoundStatus.COMPLETE, RoundStatus.PARTIAL) or self.average_sq <= 0:
+            return None
+        return math.sqrt(self.delta_sq / self.average_sq)
+
+    def to_record(self) -> RoundSummaryRecord:
+        return RoundSummaryRecord(
+            kind=self.plan.kind, round=self.plan.round, segment=self.plan.segment, digest=self.digest,
+            status=self.status, group_size=len(self.group), expected_group_size=self.plan.expected_group_size,
+            reduce_success=self.reduce_success, averaging_success=self.averaging_success,
+            duration_s=max(0.0, self.duration_s), weight=float(self.plan.weight),
+            failure_reason=self.failure_reason[:512], failed_slices=self.failed_slices[:16],
+            banned_senders=self.banned_senders[:16], mismatched_peers=self.mismatched_peers[:16],
+            relative_distance=self.relative_distance, finished_at=self.finished_at,
+        )
+
+    def describe(self) -> str:
+        """One log line."""
+        head = (f"{self.plan.kind} round {self.plan.round} (segment {self.plan.segment}, weight {self.plan.weight:g}): "
+                f"{self.status.value}")
+        if self.status == RoundStatus.SKIPPED:
+            return f"{head}: {self.failure_reason}"
+        parts = [f"group {len(self.group)}/{self.plan.expected_group_size}"]
+        if self.reduce_success is not None:
+            parts.append(f"reduce {100 * self.reduce_success:.1f}%")
+        if self.averaging_success is not None:
+            parts.append(f"averaging {100 * self.averaging_success:.1f}%")
+        distance = self.relative_distance
+        if distance is not None:
+            parts.append(f"moved {distance:.2e}")
+        parts.append(f"{self.duration_s:.2f}s")
+        line = f"{head}, {', '.join(parts)}"
+        return f"{line}; {self.failure_reason}" if self.failure_reason else line
+
+
+def _short(peer: str) -> str:
+    return f"...{peer[-6:]}"
+
+
+class SegmentRound:
+    """Runs rounds for one replica against its averager process (blocking; call off the loop)."""
+
+    def __init__(self, store: ParameterStore, index_sets: SegmentIndexSets, averager: StageAverager, *,
+                 lock_timeout_s: float = 60.0):
+        self.store = store
+        self.index_sets = index_sets
+        self.averager = averager
+        self.lock_timeout_s = lock_timeout_s
+
+    def run(self, plan: RoundPlan) -> RoundOutcome:
+        index_set = self.index_sets.get(plan.segment)
+        n = len(index_set)
+        started = time.monotonic()
+        try:
+            self.averager.prepare_round(round_key_bits(plan.kind, plan.round, index_set.digest),
+                                        plan.expected_group_size)
+            with self.averager.locked_buffer(self.lock_timeout_s) as buffer, self.store.lock:
+                FlatLayout.gather(self.store.master_params, index_set.pieces, buffer[:n])
+                buffer[n:].zero_()
+                snapshot = buffer[:n].clone()
+        except Exception as exc:  # noqa: BLE001 - becomes the round's failure reason
+            return RoundOutcome(plan, index_set.digest, RoundStatus.FAILED, time.monotonic() - started,
+                                failure_reason=f"could not prepare the round: {_reason(exc)}")
+        gather = {"kind": plan.kind, "round": plan.round, "segment": plan.segment, "digest": index_set.digest,
+                  "weight": float(plan.weight), "phase": plan.phase}
+        report: Optional[dict[str, Any]] = None
+        error: Optional[BaseException] = None
+        try:
+            report = self.averager.step(plan.weight, gather)
+        except Exception as exc:  # noqa: BLE001 - hivemind raises several unrelated types
+            error = exc
+        # Read back even after a failure: whatever the averager applied must reach the weights.
+        try:
+            with self.averager.locked_buffer(self.lock_timeout_s) as buffer:
+                average = buffer[:n].clone()
+        except Exception as exc:  # noqa: BLE001
+            return RoundOutcome(plan, index_set.digest, RoundStatus.FAILED, time.monotonic() - started,
+                                failure_reason=f"the round's result could not be read and was dropped: {_reason(exc)}")
+        delta = average - snapshot
+        delta_sq = float(delta.double().square().sum())
+        average_sq = float(average.double().square().sum())
+        if not math.isfinite(delta_sq):
+            return RoundOutcome(plan, index_set.digest, RoundStatus.FAILED, time.monotonic() - started,
+                                failure_reason="the average is not finite (did every group member have weight 0?); "
+                                               "it was not applied")
+        if delta_sq > 0:
+            self._apply(index_set, delta)
+        outcome = self._describe(plan, index_set, report, error, time.monotonic() - started)
+        outcome.delta_sq, outcome.average_sq = delta_sq, average_sq
+        return outcome
+
+    def _apply(self, index_set: IndexSet, delta: torch.Tensor) -> None:
+        with self.store.lock:
+            FlatLayout.add_(self.store.master_params, index_set.pieces, delta)
+            self.store.push_master_to_device()
+
+    def _describe(self, plan: RoundPlan, index_set: IndexSet, report: Optional[dict], error: Optional[BaseException],
+                  duration_s: float) -> RoundOutcome:
+        if error is not None or report is None:
+            return RoundOutcome(plan, index_set.digest, RoundStatus.FAILED, duration_s, failure_reason=_reason(error))
+        telemetry, gathered = report["telemetry"], report.get("gathered", {})
+        peers: list[str] = list(telemetry["peers"])
+        sizes: list[int] = list(telemetry["slice_sizes"])
+        buffer_size = max(1, sum(sizes))
+        reasons: list[str] = []
+
+        failed_slices, failed_total, start = [], 0, 0
+        for peer, size in zip(peers, sizes):
+            lost = int(telemetry["fell_back"].get(peer, 0))
+            if lost:
+                failed_slices.append(FailedSliceRecord(reducer=peer, start=start, end=start + size, failed_elements=lost))
+                failed_total += lost
+                reasons.append(f"reducer {_short(peer)} slice [{start}, {start + size}) did not come back: "
+                               f"{lost} values kept local")
+            start += size
+        averaging_success = max(0.0, 1.0 - failed_total / buffer_size)
+
+        reduce_success, banned = None, []
+        view = telemetry.get("reducer")
+        if view is not None and view["received"]:
+            expected = view["slice"] * len(view["received"])
+            reduce_success = sum(view["received"].values()) / expected if expected else 1.0
+            banned = list(view["banned"])
+            if banned:
+                reasons.append(f"banned sender(s) {', '.join(_short(p) for p in banned)}")
+            elif reduce_success < 1.0:
+                reasons.append(f"received {100 * reduce_success:.1f}% of this reducer's slice")
+        mismatched = [peer for peer, data in gathered.items()
+                      if not isinstance(data, dict) or data.get("digest") != index_set.digest]
+        if mismatched:
+            reasons.append(f"{len(mismatched)} group member(s) reported another index set")
+        if len(peers) < plan.expected_group_size:
+            reasons.append(f"group of {len(peers)}, {plan.expected_group_size} stage workers expected")
+
+        if len(index_set) and averaging_success == 0.0:
+            status = RoundStatus.FAILED
+        elif reasons:
+            status = RoundStatus.PARTIAL
+        else:
+            status = RoundStatus.COMPLETE
+        return RoundOutcome(
+            plan, index_set.digest, status, duration_s, group=peers, reduce_success=reduce_success,
+            averaging_success=averaging_success, failure_reason="; ".join(reasons), failed_slices=failed_slices,
+            banned_senders=banned, mismatched_peers=mismatched,
+        )
+
+
+def _reason(error: Optional[BaseException]) -> str:
+    if error is None:
+        return "the averager returned nothing"
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if "could not find a group" in text:
+        return "no group formed within the matchmaking window"
+    if isinstance(error, TimeoutError) or type(error).__name__ == "TimeoutError":
+        return "the round timed out"
+    return f"{type(error).__name__}: {text}"[:400]

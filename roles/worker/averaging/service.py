@@ -1,0 +1,355 @@
+"""When a replica averages, with whom, at what weight, and how it reports it [report 4.2, 5.7].
+
+Rounds follow the stage's step: every `average_every` optimizer steps the replicas average
+segment `round mod segments`. Stage steps are collective, so every replica reaches a round
+boundary within one progress period of the others, and the round number (hence the segment and
+the group key) is the same everywhere. A stage whose step does not move (no trainers; tests) may
+average on a wall-clock cadence instead (`idle_period_s`), with the tick number as the round.
+
+Before a round the service reads the stage from the DHT: its workers (the expected group size),
+who reduces, who is active. A replica alone in its stage, or in a stage without a reducer, skips
+the round and says why. A replica's weight is the number of samples it processed since its last
+round, at least 1 while it is active (so an idle stage still averages), and 0 in a sync phase
+[3.3.1.1]. Each round's outcome goes to the log, to the `{run}/stage/{s}/averaging` record (with
+the last rounds and counters) and to the self-protection rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import enum
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from protocol.dht import SwarmDHT
+from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, WorkerRecord, averaging_key, workers_key
+from roles.announcer import Announcer
+from roles.model.config import AveragingConfig
+from roles.worker.averaging.averager import StageAverager
+from roles.worker.averaging.health import RoundHealth, Verdict
+from roles.worker.averaging.index_sets import SegmentIndexSets
+from roles.worker.averaging.rounds import ParameterStore, RoundOutcome, RoundPlan, SegmentRound
+
+logger = logging.getLogger(__name__)
+
+RECENT_ROUNDS = 8
+
+
+class AveragingState(enum.Enum):
+    DISABLED = "disabled"  # averaging is off in the run config
+    CREATED = "created"  # the averager process is not started yet
+    READY = "ready"  # waiting for the next round
+    RUNNING = "running"  # a round is in flight
+    STOPPED = "stopped"
+
+
+@dataclass
+class StageView:
+    """The stage as the DHT showed it before a round."""
+
+    expected: int = 1
+    reducers: set[str] = field(default_factory=set)
+    active: set[str] = field(default_factory=set)
+    records: dict[str, AveragingRecord] = field(default_factory=dict)
+
+
+class _SerialThread:
+    """One daemon thread running blocking jobs in order. Not a ThreadPoolExecutor: its threads are
+    joined at interpreter exit, and a round blocked on a dead averager would hold the exit."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            fn, args, future = self._jobs.get()
+            if fn is None:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                    future.set_exception(exc)
+
+    def submit(self, fn, *args) -> asyncio.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, args, future))
+        return asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        self._jobs.put((None, None, None))
+
+
+class AveragingService:
+    def __init__(self, config: AveragingConfig, *, swarm: SwarmDHT, run_id: str, stage: int,
+                 store: ParameterStore, index_sets: SegmentIndexSets, reducer: bool,
+                 local_step: Callable[[], int], phase: Callable[[], Phase], samples_processed: Callable[[], int],
+                 on_round: Callable[[RoundOutcome], None] = lambda outcome: None,
+                 announce_period_s: float = 5.0, stall_s: float = 0.0):
+        self.config = config
+        self.swarm = swarm
+        self.run_id = run_id
+        self.stage = stage
+        self.store = store
+        self.index_sets = index_sets
+        self.reducer = reducer
+        self.local_step = local_step
+        self.phase = phase
+        self.samples_processed = samples_processed
+        self.on_round = on_round
+        self.stall_s = stall_s
+        self.state = AveragingState.CREATED if config.enabled else AveragingState.DISABLED
+        self.averager: Optional[StageAverager] = None
+        self.rounds: Optional[SegmentRound] = None
+        self.health = RoundHealth()
+        self.leave_reason: Optional[str] = None
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.recent: collections.deque[RoundOutcome] = collections.deque(maxlen=RECENT_ROUNDS)
+        self.history: collections.deque[RoundOutcome] = collections.deque(maxlen=256)
+        self.announcer = Announcer(swarm, averaging_key(run_id, stage), self.record, period_s=announce_period_s)
+        self._current = ("", 0, 0, "")
+        self._thread: Optional[_SerialThread] = None
+        self._round_task: Optional[asyncio.Task] = None
+        self._last_step_round = 0
+        self._last_clock_tick = 0
+        self._seen_step = -1
+        self._step_changed_at = time.monotonic()
+        self._samples_at_last_round = 0
+
+    # ---- lifecycle ----
+
+    def start_averager(self, dht) -> None:
+        """Fork the averager process. Call before the node starts threads of its own (DESIGN §10)."""
+        if self.state == AveragingState.DISABLED:
+            return
+        self.averager = StageAverager(dht, self.index_sets.buffer_size, run_id=self.run_id, stage=self.stage,
+                                      reducer=self.reducer, config=self.config, stall_s=self.stall_s)
+        self.averager.start()
+        self.rounds = SegmentRound(self.store, self.index_sets, self.averager)
+        self._thread = _SerialThread(f"stage{self.stage}-averaging")
+        logger.info("averager started (pid %s) as a %s: %d of %d parameters per round (%d segments)",
+                    self.averager.pid, "reducer" if self.reducer else "sender", self.index_sets.buffer_size,
+                    self.index_sets.numel, self.index_sets.segments)
+
+    def begin(self) -> None:
+        """Start counting rounds from the current step (after state loading set it)."""
+        step = self.local_step()
+        self._last_step_round = step // self.config.average_every
+        if self.config.idle_period_s:
+            self._last_clock_tick = int(time.time() // self.config.idle_period_s)
+        self._seen_step, self._step_changed_at = step, time.monotonic()
+        self._samples_at_last_round = self.samples_processed()
+        if self.state == AveragingState.CREATED and self.averager is not None:
+            self.state = AveragingState.READY
+            self.prefetch((self._last_step_round + 1) % self.index_sets.segments)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        if self.state == AveragingState.DISABLED:
+            return
+        announcing = asyncio.create_task(self.announcer.run(stop), name="announce-averaging")
+        try:
+            while not stop.is_set():
+                self._poll()
+                try:
+                    await asyncio.wait_for(stop.wait(), 0.1)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            announcing.cancel()
+            await asyncio.gather(announcing, return_exceptions=True)
+
+    async def shutdown(self) -> None:
+        """Withdraw the record and stop the averager process. Idempotent."""
+        if self.state in (AveragingState.STOPPED, AveragingState.DISABLED):
+            return
+        self.state = AveragingState.STOPPED
+        await self.announcer.withdraw()
+        if self._round_task is not None and not self._round_task.done():
+            self._round_task.cancel()
+        if self.averager is not None:
+            await asyncio.to_thread(self.averager.shutdown)
+        if self._thread is not None:
+            self._thread.close()
+
+    def prefetch(self, segment: int) -> None:
+        """Compute a segment's index set in the background (seconds for a 100M-parameter stage)."""
+        if self._thread is not None:
+            self._thread.submit(self.index_sets.get, segment)
+
+    # ---- scheduling ----
+
+    def _poll(self) -> None:
+        if self.state not in (AveragingState.READY, AveragingState.RUNNING) or self.leave_reason:
+            return
+        step, now = self.local_step(), time.monotonic()
+        if step != self._seen_step:
+            self._seen_step, self._step_changed_at = step, now
+        due = self._due_round(step, now)
+        if due is None:
+            return
+        kind, round_id = due
+        if self._round_task is not None and not self._round_task.done():
+            segment = round_id % self.index_sets.segments
+            plan = RoundPlan(kind, round_id, segment, 0.0, 0, self.phase().value)
+            self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED,
+                                      failure_reason="the previous round is still running"))
+            return
+        self._round_task = asyncio.create_task(self._run_round(kind, round_id), name=f"averaging-{kind}-{round_id}")
+
+    def _due_round(self, step: int, now: float) -> Optional[tuple[str, int]]:
+        every = self.config.average_every
+        k = step // every
+        if k > self._last_step_round:
+            self._last_step_round = k
+            # A replica that jumped to the stage's step (it joined, or missed steps) did not
+            # reach this boundary with the others; its round would find nobody.
+            if step - k * every <= max(1, every // 4):
+                return "step", k
+        period = self.config.idle_period_s
+        if period and now - self._step_changed_at >= period:
+            tick = int(time.time() // period)
+            if tick > self._last_clock_tick:
+                self._last_clock_tick = tick
+                return "clock", tick
+        return None
+
+    # ---- one round ----
+
+    async def _run_round(self, kind: str, round_id: int) -> None:
+        assert self.rounds is not None and self._thread is not None
+        self.state = AveragingState.RUNNING
+        try:
+            segment = round_id % self.index_sets.segments
+            phase = self.phase()
+            view = await self._stage_view(phase)
+            self._resolve_health(view)
+            if self.leave_reason:
+                return
+            index_set = await self._thread.submit(self.index_sets.get, segment)
+            samples_now = self.samples_processed()
+            weight = 0.0 if phase != Phase.ACTIVE else float(max(1, samples_now - self._samples_at_last_round))
+            plan = RoundPlan(kind, round_id, segment, weight, view.expected, phase.value)
+            self._current = (kind, round_id, segment, index_set.digest)
+            self.announcer.poke()
+            skip = self._skip_reason(view)
+            if skip:
+                outcome = RoundOutcome(plan, index_set.digest, RoundStatus.SKIPPED, failure_reason=skip)
+            else:
+                outcome = await self._thread.submit(self.rounds.run, plan)
+                self._samples_at_last_round = samples_now
+                await self._check_index_sets(outcome)
+            self._finish(outcome)
+            self.prefetch((round_id + 1) % self.index_sets.segments)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("averaging round %s %d crashed", kind, round_id)
+            self.counters["rounds_crashed"] += 1
+        finally:
+            if self.state == AveragingState.RUNNING:
+                self.state = AveragingState.READY
+
+    async def _stage_view(self, phase: Phase) -> StageView:
+        me = self.swarm.peer_id
+        workers, records = await asyncio.gather(
+            self.swarm.get(workers_key(self.run_id, self.stage), WorkerRecord),
+            self.swarm.get(averaging_key(self.run_id, self.stage), AveragingRecord),
+        )
+        live = {peer: record for peer, record in workers.items() if record.phase != Phase.LEAVING}
+        live_ids = set(live) | {me}
+        reducers = {peer for peer, record in records.items() if record.reducer and peer in live_ids and peer != me}
+        if self.reducer:
+            reducers.add(me)
+        active = {peer for peer, record in live.items() if record.phase == Phase.ACTIVE and peer != me}
+        if phase == Phase.ACTIVE:
+            active.add(me)
+        records.pop(me, None)
+        return StageView(expected=len(live_ids), reducers=reducers, active=active, records=records)
+
+    def _skip_reason(self, view: StageView) -> str:
+        if view.expected <= 1:
+            return "alone in the stage"
+        if not view.reducers:
+            return "no reducer in the stage: at least one worker of each stage must run with --reducer"
+        if not view.active:
+            return "no active replica in the stage to average with"
+        return ""
+
+    def _resolve_health(self, view: StageView) -> None:
+        if not self.health.pending:
+            return
+        survived = {
+            (summary.kind, summary.round)
+            for record in view.records.values()
+            for summary in record.recent
+            if summary.status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL)
+        }
+        for (kind, round_id), verdict in self.health.resolve(survived):
+            if verdict == Verdict.FAILURE:
+                logger.warning("%s round %d failed here while other workers of the stage averaged", kind, round_id)
+        self.leave_reason = self.health.should_leave()
+        if self.leave_reason:
+            logger.error("leaving stage %d: %s [report 3.3.1.6]", self.stage, self.leave_reason)
+
+    async def _check_index_sets(self, outcome: RoundOutcome) -> None:
+        """Peers announce the digest of the round they are in; one that announces this round with
+        another digest computes other index sets (another config or version) and was kept out."""
+        try:
+            records = await self.swarm.get(averaging_key(self.run_id, self.stage), AveragingRecord)
+        except Exception:  # noqa: BLE001 - the check is best effort, the round itself is done
+            logger.debug("could not read averaging records", exc_info=True)
+            return
+        mismatched = sorted(
+            peer for peer, record in records.items()
+            if peer != self.swarm.peer_id and record.round_kind == outcome.plan.kind
+            and record.round == outcome.plan.round and record.digest and record.digest != outcome.digest
+        )
+        if mismatched:
+            self.counters["index_set_mismatches"] += len(mismatched)
+            outcome.mismatched_peers = sorted(set(outcome.mismatched_peers) | set(mismatched))
+            logger.warning("%d peer(s) of stage %d use another index set for %s round %d (%s); they were left out "
+                           "of the round: check that they run the same run config and agora-node version",
+                           len(mismatched), self.stage, outcome.plan.kind, outcome.plan.round, ", ".join(mismatched))
+
+    def _finish(self, outcome: RoundOutcome) -> None:
+        self.counters[f"rounds_{outcome.status.value}"] += 1
+        self.recent.append(outcome)
+        self.history.append(outcome)
+        if outcome.status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL):
+            self.health.record_success()
+        elif outcome.status == RoundStatus.FAILED:
+            self.health.record_failure(outcome.plan.kind, outcome.plan.round)
+        level = logging.INFO if outcome.status in (RoundStatus.COMPLETE, RoundStatus.SKIPPED) else logging.WARNING
+        logger.log(level, "averaging: %s", outcome.describe())
+        try:
+            self.on_round(outcome)
+        except Exception:  # noqa: BLE001 - a reporting hook must not break averaging
+            logger.exception("round callback failed")
+        self.announcer.poke()
+
+    # ---- reporting ----
+
+    def record(self) -> AveragingRecord:
+        kind, round_id, segment, digest = self._current
+        return AveragingRecord(
+            reducer=self.reducer, phase=self.phase(), round_kind=kind, round=round_id, segment=segment, digest=digest,
+            rounds_complete=self.counters["rounds_complete"], rounds_partial=self.counters["rounds_partial"],
+            rounds_failed=self.counters["rounds_failed"], rounds_skipped=self.counters["rounds_skipped"],
+            recent=[outcome.to_record() for outcome in self.recent],
+        )
+
+    def summary(self) -> dict:
+        """Counters and the last (up to 256) rounds, for the node's exit summary."""
+        return {
+            "state": self.state.value,
+            "reducer": self.reducer,
+            "counters": dict(self.counters),
+            "rounds": [outcome.to_record().model_dump(mode="json") for outcome in self.history],
+        }
