@@ -114,6 +114,7 @@ def create_app(authorizer: Authorizer, admin_token: str) -> FastAPI:
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 task.cancel()
             await authorizer.dialer.shutdown()
+            logger.info("admission queue and dialer stopped")
 
     app = FastAPI(
         title="agora-node authorizer", version=client_version(), lifespan=lifespan,

@@ -121,9 +121,11 @@ async def _serve(config: AuthorizerConfig) -> int:
         logger.info("authorizer of run %s serving on http://%s:%d (db %s)", run.run_id, shown, port,
                     config.db_url().split("@")[-1])
         await task
+        logger.info("HTTP server stopped")
         return EXIT_OK
     finally:
         store.close()
+        logger.info("store closed")
 
 
 def run_authorizer(config: AuthorizerConfig) -> int:

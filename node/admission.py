@@ -22,7 +22,7 @@ import httpx
 import psutil
 
 from protocol import version
-from protocol.credentials import SignedCredential, proof_bytes, renew_at
+from protocol.credentials import RevocationList, SignedCredential, proof_bytes, renew_at
 from protocol.errors import AgoraError, ConfigError
 from protocol.identity import Identity
 
@@ -37,6 +37,8 @@ EXIT_CREDENTIAL_EXPIRED = 6
 
 
 class AdmissionRejected(AgoraError):
+    exit_code = EXIT_ADMISSION_REJECTED
+
     def __init__(self, reason: str, message: str):
         super().__init__(f"the authorizer rejected this node ({reason}): {message}")
         self.reason = reason
@@ -127,8 +129,14 @@ class AuthorizerClient:
     async def leave(self, identity: Identity, run_id: str) -> dict:
         return await self._request("POST", "/v1/leave", json=self._proof(identity, "leave", run_id))
 
-    async def revocations(self) -> dict:
-        return await self._request("GET", "/v1/revocations")
+    async def revocations(self) -> RevocationList:
+        """The signed revocation list (verified by the caller against the root key)."""
+        try:
+            response = await self.http.get("/v1/revocations")
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"authorizer {self.url}: revocations unavailable: {exc}") from exc
+        return RevocationList.model_validate_json(response.content)
 
 
 def _credential_from(payload: dict) -> SignedCredential:

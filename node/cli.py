@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from protocol.errors import ConfigError
+from protocol.errors import AgoraError, ConfigError
 
 EXIT_USAGE = 2
 
@@ -45,7 +45,18 @@ def node_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads")
     p.add_argument("--discovery-period-s", type=float, help="trainer: seconds between worker discovery refreshes")
     p.add_argument("--announce-period-s", type=float, help="seconds between DHT re-announcements")
+    p.add_argument("--revocation-refresh-s", type=float, help="seconds between revocation list refreshes")
     p.add_argument("--request-timeout-s", type=float, help="trainer: deadline of one request to a worker")
+    p.add_argument("--reducer", action="store_true", default=None,
+                   help="worker: reduce slices in averaging rounds (stable, well-connected nodes); otherwise only send")
+    p.add_argument("--state-source", choices=["auto", "peers", "checkpoint", "none"],
+                   help="worker joining a running stage: load its parameters from peers, a checkpoint, or not at all")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="worker: directory of stage checkpoints (read and written)")
+    p.add_argument("--checkpoint-period-s", type=float,
+                   help="worker: write a checkpoint to --checkpoint-dir at start and every this many seconds")
+    p.add_argument("--test-init-seed-offset", type=int, help="TESTS ONLY: start a worker from other initial weights")
+    p.add_argument("--test-averaging-stall-s", type=float,
+                   help="TESTS ONLY: stall mid-round in every all-reduce for this long (fault injection)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -61,6 +72,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except AgoraError as exc:
+        code = getattr(exc, "exit_code", None)
+        if code is None:
+            raise
+        print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
+        return code
     except KeyboardInterrupt:
         return 130
 

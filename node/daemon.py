@@ -18,12 +18,15 @@ from protocol.errors import ConfigError
 from protocol.identity import load_or_create_identity
 from roles.model.config import RunConfig, load_run_config
 from roles.model.memory_plan import plan_memory
+from roles.worker.errors import WorkerLeftStage
 
 logger = logging.getLogger("agora.node")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_LEFT_STAGE = 3
+"""A worker failed 2 of its last 3 averaging rounds and left its stage [report 3.3.1.6]."""
 
 
 def _check_stage(settings: NodeSettings, run: RunConfig) -> int:
@@ -136,6 +139,9 @@ async def _serve(settings: NodeSettings, device: str, identity) -> int:
         print(f"agora-node ready role={settings.role} stage={stage if stage is not None else '-'} "
               f"peer={swarm.peer_id} maddrs={','.join(membership.maddrs)}", flush=True)
         await role.run(stop)
+    except WorkerLeftStage as exc:
+        logger.error("%s; exiting with code %d", exc, EXIT_LEFT_STAGE)
+        code = EXIT_LEFT_STAGE
     except Exception:
         logger.exception("%s failed", settings.role)
         code = EXIT_FAILURE
@@ -157,7 +163,11 @@ def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator)
         from roles.worker.role import WorkerRole
 
         config = WorkerConfig(stage=stage, device=device, max_batch=settings.max_batch,
-                              announce_period_s=settings.announce_period_s)
+                              announce_period_s=settings.announce_period_s,
+                              reducer=settings.reducer, state_source=settings.state_source,
+                              checkpoint_dir=settings.checkpoint_dir, checkpoint_period_s=settings.checkpoint_period_s,
+                              test_init_seed_offset=settings.test_init_seed_offset,
+                              test_averaging_stall_s=settings.test_averaging_stall_s)
         role = WorkerRole(config, run, swarm, p2p, maddrs)
         role.server.authenticator = authenticator
         return role
@@ -180,5 +190,5 @@ def configure_logging(level: str) -> None:
         level=getattr(logging, level.upper()), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    for noisy in ("hivemind", "asyncio"):
+    for noisy in ("hivemind", "asyncio", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, getattr(logging, level.upper())))

@@ -69,6 +69,8 @@ def _pump_stdout(node: NodeProcess) -> None:
         if line.startswith(READY_PREFIX) and not node.ready.is_set():
             fields = dict(part.split("=", 1) for part in line[len(READY_PREFIX):].split() if "=" in part)
             node.peer_id = fields.get("peer", "")
+            if fields.get("stage", "-").isdigit():
+                node.stage = int(fields["stage"])  # an authorizer may have chosen it
             node.maddrs = [m for m in fields.get("maddrs", "").split(",") if m]
             node.ready.set()
 
@@ -76,7 +78,7 @@ def _pump_stdout(node: NodeProcess) -> None:
 class LocalSwarm:
     """A set of agora-node processes sharing one run config, bootstrapped from the first node."""
 
-    def __init__(self, workdir: str, config: str, *, torch_threads: int = 1,
+    def __init__(self, workdir: str, config: Optional[str], *, torch_threads: int = 1,
                  extra_env: Optional[dict[str, str]] = None, common_args: Sequence[str] = (),
                  initial_peers: Sequence[str] = ()):
         self.workdir = workdir
@@ -101,8 +103,10 @@ class LocalSwarm:
     def start(self, role: str, *, stage: Optional[int] = None, args: Sequence[str] = (), name: Optional[str] = None,
               wait_ready: bool = True, timeout_s: float = 60.0) -> NodeProcess:
         name = name or (f"{role}{stage}" if stage is not None else f"{role}") + f"-{len(self.nodes)}"
-        cmd = [sys.executable, "-m", "node.cli", "--role", role, "--config", self.config,
-               "--torch-threads", str(self.torch_threads), *self.common_args]
+        cmd = [sys.executable, "-m", "node.cli", "--role", role, "--torch-threads", str(self.torch_threads),
+               *self.common_args]
+        if self.config is not None:
+            cmd += ["--config", self.config]
         if stage is not None:
             cmd += ["--stage", str(stage)]
         peers = self.initial_peers

@@ -25,6 +25,7 @@ class NodeSettings(BaseModel):
     authorizer: Optional[str] = Field(default=None, description="URL of the run's authorizer, e.g. http://host:8000")
     account_token: str = Field(default="", description="account token the run owner gave you, if any")
     insecure_open_run: bool = Field(default=False, description="run without an authorizer: any peer is trusted")
+    revocation_refresh_s: float = Field(default=30.0, gt=0, description="how often revocations are re-read")
     stage: Optional[int] = Field(default=None, ge=0, description="pipeline stage a worker serves")
     initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of peers already in the run")
     host_maddrs: list[str] = Field(default_factory=lambda: [LOOPBACK_MADDR], description="where to listen")
@@ -44,6 +45,14 @@ class NodeSettings(BaseModel):
     discovery_period_s: float = Field(default=5.0, gt=0, description="how often a trainer re-reads the DHT")
     announce_period_s: float = Field(default=5.0, gt=0, description="how often a node re-announces itself")
     request_timeout_s: float = Field(default=30.0, gt=0, description="deadline for one RPC to a worker")
+    reducer: bool = Field(default=False, description="worker: reduce slices in averaging rounds (stable nodes only)")
+    state_source: Literal["auto", "peers", "checkpoint", "none"] = Field(
+        default="auto", description="worker: where to load the stage's parameters when joining a running stage")
+    checkpoint_dir: Optional[str] = Field(default=None, description="worker: directory of stage checkpoints")
+    checkpoint_period_s: Optional[float] = Field(
+        default=None, gt=0, description="worker: write a checkpoint to --checkpoint-dir at start and this often")
+    test_init_seed_offset: int = Field(default=0, ge=0, description="TESTS ONLY: other initial weights")
+    test_averaging_stall_s: float = Field(default=0.0, ge=0, description="TESTS ONLY: stall mid-round this long")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
@@ -62,7 +71,7 @@ class NodeSettings(BaseModel):
 
 
 _LIST_FIELDS = {"initial_peers", "host_maddrs", "announce_maddrs"}
-_BOOL_FIELDS = {"dry_run", "insecure_open_run"}
+_BOOL_FIELDS = {"dry_run", "insecure_open_run", "reducer"}
 
 
 def _from_env(environ: dict[str, str]) -> dict[str, Any]:

@@ -15,9 +15,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
-from node.admission import (
-    Admission, AdmissionRejected, AuthorizerClient, CredentialKeeper, join_run, measured_hardware,
-)
+from node.admission import Admission, AuthorizerClient, CredentialKeeper, join_run, measured_hardware
 from node.settings import NodeSettings
 from protocol.auth import PeerAuthenticator
 from protocol.auth_state import SharedAuthState
@@ -67,7 +65,7 @@ class Trust:
         while not stop.is_set():
             candidates: list[RevocationList] = []
             try:
-                candidates.append(RevocationList.model_validate(await self.client.revocations()))
+                candidates.append(await self.client.revocations())
             except Exception as exc:  # unreachable authorizer: the DHT copy still works
                 logger.debug("revocations from the authorizer unavailable: %s", exc)
             try:
@@ -110,19 +108,17 @@ class Trust:
             await self.client.close()
 
 
-async def _reachable_address(identity: Identity, settings: NodeSettings) -> tuple[list[str], list[str]]:
-    """Listen once with our identity to learn the concrete addresses (ports) we will announce, so
-    the authorizer's reachability probe dials a live node; the DHT then listens on the same ports."""
+async def _listen_for_probe(identity: Identity, settings: NodeSettings):
+    """Listen with our identity while we wait for admission, so the authorizer's reachability
+    probe dials a live node at the concrete addresses (ports) we announce; the DHT listens on the
+    same ports afterwards."""
     from hivemind.p2p import P2P
 
     p2p = await P2P.create(identity_path=identity.path, host_maddrs=settings.host_maddrs,
                            announce_maddrs=settings.announce_maddrs or None, check_if_identity_free=False)
-    try:
-        visible = [str(m) for m in await p2p.get_visible_maddrs()]
-    finally:
-        await p2p.shutdown()
+    visible = [str(m) for m in await p2p.get_visible_maddrs()]
     host = [m.split("/p2p/")[0] for m in visible] if not settings.announce_maddrs else settings.host_maddrs
-    return visible, host
+    return p2p, visible, host
 
 
 async def establish_trust(settings: NodeSettings, identity: Identity, device: str) -> Trust:
@@ -135,8 +131,9 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
         return Trust(run=load_run_config(settings.config), stage=settings.stage, identity=identity,
                      initial_peers=settings.initial_peers, host_maddrs=settings.host_maddrs)
     client = AuthorizerClient(settings.authorizer)
+    probe = None
     try:
-        visible, host_maddrs = await _reachable_address(identity, settings)
+        probe, visible, host_maddrs = await _listen_for_probe(identity, settings)
 
         def on_wait(ticket: dict) -> None:
             logger.info("waiting for admission: queue position %s, about %.0fs (stage %s)",
@@ -145,12 +142,12 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
         admission: Admission = await join_run(
             client, identity, settings.role, hardware=measured_hardware(device), announce_maddrs=visible,
             account_token=settings.account_token, on_wait=on_wait)
-    except AdmissionRejected:
-        await client.close()
-        raise
     except BaseException:
         await client.close()
         raise
+    finally:
+        if probe is not None:
+            await probe.shutdown()
     run = RunConfig.model_validate(admission.run_config)
     if settings.stage is not None and admission.stage is not None and settings.stage != admission.stage:
         logger.warning("the authorizer placed this worker on stage %d, not the requested %d", admission.stage,
@@ -169,4 +166,5 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
         initial_peers=list(dict.fromkeys([*settings.initial_peers, *admission.bootstrap_peers])),
         auth_state=auth_state, authenticator=authenticator,
         dht_authorizer=CredentialDHTAuthorizer(identity, auth_state), client=client, keeper=keeper,
+        revocation_refresh_s=settings.revocation_refresh_s,
     )

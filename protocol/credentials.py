@@ -6,8 +6,9 @@ holding the root public key verifies it locally, with no call to the authorizer,
 check that the libp2p connection's remote peer id equals `credential.peer_id`.
 
 The signature covers canonical bytes: msgpack of the fields in a fixed order behind a domain tag,
-so a signature over a credential can never pass for one over a revocation list. Wire decoding is
-strict (bytes stay bytes, ints stay ints), so no re-encoding of a field can reuse a signature.
+so a signature over a credential can never pass for one over a revocation list. On the wire a
+credential is those signed bytes themselves plus the signature, and decoding refuses anything that
+does not re-encode to exactly those bytes: a peer acts on precisely what the root key signed.
 Credentials are short-lived (30 min by default) and renewed at two thirds of their life, which is
 what makes revocation work: a banned node is refused renewal, and until its credential lapses its
 serial and peer id sit in the signed revocation list that peers read.

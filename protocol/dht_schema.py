@@ -173,4 +173,5 @@ def schema_for_run(run_id: str, num_stages: int) -> dict[str, KeySpec]:
     for stage in range(num_stages):
         schema[workers_key(run_id, stage)] = KeySpec(WorkerRecord, "worker", stage)
         schema[progress_key(run_id, stage)] = KeySpec(ProgressRecord, "worker", stage)
+        schema[averaging_key(run_id, stage)] = KeySpec(AveragingRecord, "worker", stage)
     return schema

@@ -115,6 +115,9 @@ class StageOptimizer:
         self.lock = threading.RLock()
         self.local_step = 0
         self.samples_accumulated = 0
+        """Samples whose gradients are accumulated now: what `step` divides the sum by."""
+        self.samples_counted = 0
+        """Of those, the samples that count towards the stage's target batch (what progress publishes)."""
 
         self._on_cuda = self._device.type == "cuda"
         self._shared = (
@@ -144,12 +147,19 @@ class StageOptimizer:
         """True when the master weights are the compute parameters themselves (no duplicate memory)."""
         return self._shared
 
-    def add_samples(self, n: int) -> None:
-        """Record that the last backward batch added the summed gradients of `n` samples."""
+    def add_samples(self, n: int, *, counted: bool = True) -> None:
+        """Record that the last backward batch added the summed gradients of `n` samples.
+
+        `counted=False` is for a worker in optimizer sync: its gradients are real and its own step
+        must average them (it warms AdamW on them), but they count nothing towards the stage's
+        target batch [report 3.3.1.1], so they enter `samples_accumulated` and not `samples_counted`.
+        """
         if n < 0:
             raise ValueError(f"sample count must be non-negative, got {n}")
         with self.lock:
             self.samples_accumulated += n
+            if counted:
+                self.samples_counted += n
 
     def set_step(self, step: int) -> None:
         """Jump the schedule position, for a replica whose stage stepped without it.
@@ -228,6 +238,7 @@ class StageOptimizer:
             for master in self._master:
                 master.grad = None
         self.samples_accumulated = 0
+        self.samples_counted = 0
 
     def state_dict(self) -> dict[str, Any]:
         """Schedule position and AdamW moments for a checkpoint; the weights are saved by the model.

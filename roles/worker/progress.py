@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 class StageProgress:
+    """Publishes this worker's progress record, reads the stage's, and steps when it is due."""
+
     def __init__(self, swarm: SwarmDHT, run_id: str, stage: int, target_batch_size: int,
                  optimizer: StageOptimizer, *, period_s: float = 0.25, ttl_s: float = 30.0,
                  counts_towards_target: Callable[[], bool] = lambda: True,
@@ -42,7 +44,7 @@ class StageProgress:
     def _own_record(self) -> ProgressRecord:
         return ProgressRecord(
             local_step=self.optimizer.local_step,
-            samples_accumulated=self.optimizer.samples_accumulated,
+            samples_accumulated=self.optimizer.samples_counted,
             counts_towards_target=self.counts_towards_target(),
             time=time.time(),
         )
@@ -54,11 +56,12 @@ class StageProgress:
         my_step = self.optimizer.local_step
         peers.pop(self.swarm.peer_id, None)
         ahead = max((r.local_step for r in peers.values()), default=my_step)
-        total = self.optimizer.samples_accumulated + sum(
+        # Our own samples count only while they count towards the target (not in a sync phase).
+        total = self.optimizer.samples_counted + sum(
             r.samples_accumulated for r in peers.values() if r.local_step == my_step and r.counts_towards_target
         )
         self.stage_samples = total
-        self.peer_samples = total - self.optimizer.samples_accumulated
+        self.peer_samples = total - self.optimizer.samples_counted
         if ahead > my_step or total >= self.target:
             report = await asyncio.to_thread(self._step, ahead)
             if report is not None:
@@ -83,8 +86,16 @@ class StageProgress:
         """Called from the compute thread after each backward batch: tick at once when the stage
         looks due, instead of overshooting the target until the next period."""
         loop = self._loop
-        if loop is not None and self.optimizer.samples_accumulated + self.peer_samples >= self.target:
+        if loop is not None and self.optimizer.samples_counted + self.peer_samples >= self.target:
             loop.call_soon_threadsafe(self._wake.set)
+
+    async def withdraw(self) -> None:
+        """Tombstone our record on the way out, so our samples stop counting towards the stage's
+        target at once instead of when the record expires."""
+        try:
+            await self.swarm.withdraw(self.key)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            logger.warning("could not withdraw %s", self.key, exc_info=True)
 
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()

@@ -1,5 +1,11 @@
 """The worker role: one replica of one pipeline stage, serving forward and backward requests,
-stepping with its stage, and announcing itself in the DHT [report 3.3.1, DESIGN §7]."""
+stepping with its stage, averaging with its replicas, and announcing itself in the DHT
+[report 3.3.1, DESIGN §7].
+
+Start order matters: hivemind's averager is a forked process, so it is created before the
+compute thread (or any other thread of ours) exists (DESIGN §10); then the worker joins its stage
+(loads state if the stage has moved on, picks its sync phase), and only then serves.
+"""
 
 from __future__ import annotations
 
@@ -14,21 +20,32 @@ from hivemind.p2p import P2P
 
 from protocol import version
 from protocol.dht import SwarmDHT
-from protocol.dht_schema import Phase, WorkerRecord, workers_key
+from protocol.dht_schema import Phase, ProgressRecord, WorkerRecord, progress_key, workers_key
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import InfoReply
-from protocol.transport import RpcServer
+from protocol.transport import RpcClient, RpcServer
 from roles.announcer import Announcer
 from roles.model.config import RunConfig
 from roles.model.stage import StageModel
+from roles.worker.averaging.index_sets import SegmentIndexSets
+from roles.worker.averaging.rounds import RoundOutcome
+from roles.worker.averaging.service import AveragingService
+from roles.worker.checkpoint import StageCheckpoints
 from roles.worker.config import WorkerConfig
+from roles.worker.errors import CheckpointError, StateLoadError, WorkerLeftStage
 from roles.worker.handlers import WorkerHandlers
+from roles.worker.layout import FlatLayout
 from roles.worker.optimizer import StageOptimizer, StepReport
 from roles.worker.progress import StageProgress
 from roles.worker.queues import TaskQueues
 from roles.worker.runtime import StageRuntime
+from roles.worker.state_loader import StateLoader
+from roles.worker.state_server import StateServer
+from roles.worker.sync_phase import SyncPhases
 
 logger = logging.getLogger(__name__)
+
+SERVING_PHASES = (Phase.ACTIVE, Phase.OPTIMIZER_SYNC)
 
 
 class WorkerState(enum.Enum):
@@ -46,9 +63,11 @@ class WorkerRole:
         self.p2p = p2p
         self.maddrs = maddrs
         self.state = WorkerState.STARTING
-        self.phase = Phase.ACTIVE
         self.device = torch.device(config.device)
-        self.model = StageModel(run, config.stage, device=self.device)
+        init_run = run
+        if config.test_init_seed_offset:
+            init_run = run.model_copy(update={"seed": run.seed + config.test_init_seed_offset})
+        self.model = StageModel(init_run, config.stage, device=self.device)
         self.optimizer = StageOptimizer(
             self.model.trainable_parameters(),
             lr=run.optimizer.lr, betas=run.optimizer.betas, eps=run.optimizer.eps,
@@ -56,6 +75,9 @@ class WorkerRole:
             total_steps=run.optimizer.total_steps, min_lr_ratio=run.optimizer.min_lr_ratio,
             clip_threshold=run.clip_threshold(config.stage), device=self.device,
         )
+        self.layout = FlatLayout.of_module(self.model)
+        self.layout.check(self.optimizer.master_params)
+        self.sync = SyncPhases(run.sync, run.averaging.segments)
         autocast = None
         if self.device.type == "cuda" and run.dtype != "float32":
             autocast = getattr(torch, run.dtype)
@@ -66,7 +88,7 @@ class WorkerRole:
             on_backward=lambda: self.progress.notify_samples(),
         )
         self.server = RpcServer(p2p)
-        self.handlers = WorkerHandlers(self.runtime, self.info, lambda: self.state == WorkerState.ONLINE)
+        self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches)
         self.announcer = Announcer(
             swarm, workers_key(run.run_id, config.stage), self._record, period_s=config.announce_period_s
         )
@@ -75,11 +97,38 @@ class WorkerRole:
             period_s=config.progress_period_s, counts_towards_target=self._counts_towards_target,
             on_step=self._on_step,
         )
+        self.averaging = AveragingService(
+            run.averaging, swarm=swarm, run_id=run.run_id, stage=config.stage, store=self.optimizer,
+            index_sets=SegmentIndexSets(self.layout, run.averaging.segments, seed=run.seed, stage=config.stage),
+            reducer=config.reducer, local_step=lambda: self.optimizer.local_step, phase=lambda: self.phase,
+            samples_processed=lambda: self.runtime.counters["backward_requests"], on_round=self._on_round,
+            announce_period_s=config.announce_period_s, stall_s=config.test_averaging_stall_s,
+        )
+        self.state_server = StateServer(
+            self.optimizer, self.layout, run_id=run.run_id, stage=config.stage,
+            step=lambda: self.optimizer.local_step,
+            serving=lambda: self.state == WorkerState.ONLINE and self.phase in SERVING_PHASES,
+            max_chunk_elements=run.sync.state_chunk_elements,
+        )
+        self.checkpoints: Optional[StageCheckpoints] = None
+        if config.checkpoint_dir:
+            self.checkpoints = StageCheckpoints(config.checkpoint_dir, run_id=run.run_id, stage=config.stage,
+                                                layout=self.layout, store=self.optimizer)
+        self.joined: dict = {}
         self.last_step: Optional[StepReport] = None
         self._tasks: list[asyncio.Task] = []
 
+    @property
+    def phase(self) -> Phase:
+        return self.sync.phase
+
     def _counts_towards_target(self) -> bool:
         return self.phase == Phase.ACTIVE
+
+    def _serving_batches(self) -> bool:
+        # A worker in weight sync is hidden from trainers; one that still gets a request (a stale
+        # routing table) refuses it, so the trainer retries elsewhere [report 3.3.1.1].
+        return self.state == WorkerState.ONLINE and self.phase in SERVING_PHASES
 
     def _record(self) -> WorkerRecord:
         return WorkerRecord(
@@ -94,11 +143,18 @@ class WorkerRole:
                     self.config.stage, report.step, report.lr, report.grad_norm,
                     " (clipped)" if report.clipped else "", report.samples)
 
+    def _on_round(self, outcome: RoundOutcome) -> None:
+        self.sync.record_round(outcome.plan.segment, outcome.status, outcome.delta_sq, outcome.average_sq)
+
     def info(self) -> InfoReply:
         pending = self.runtime.queues.pending()
         counters = dict(self.runtime.counters)
         counters.update({f"rejected_{k}": v for k, v in self.server.rejected.items()})
         counters["compute_ms"] = int(self.runtime.compute_s * 1000)
+        counters.update(self.averaging.counters)
+        counters.update(self.state_server.counters)
+        if self.checkpoints is not None:
+            counters["checkpoints_written"] = self.checkpoints.written
         return InfoReply(
             peer_id=self.swarm.peer_id, role="worker", stage=self.config.stage, phase=self.phase.value,
             max_batch=self.config.max_batch, local_step=self.optimizer.local_step,
@@ -111,13 +167,25 @@ class WorkerRole:
         return {
             "stage": self.config.stage,
             "local_step": self.optimizer.local_step,
+            "phase": self.phase.value,
             "counters": dict(self.runtime.counters),
             "rejected": dict(self.server.rejected),
             "compute_s": round(self.runtime.compute_s, 3),
             "mean_batch_size": round(stats.mean_batch_size, 3),
+            "joined": self.joined,
+            "sync_phases": self.sync.summary(),
+            "averaging": self.averaging.summary(),
+            "state_served": dict(self.state_server.counters),
         }
 
+    # ---- start ----
+
     async def start(self) -> None:
+        # Fork hivemind's averager before any thread of ours exists (DESIGN §10).
+        self.averaging.start_averager(self.swarm.dht)
+        await self.server.add_handler(version.STATE, self.state_server.handle)
+        await self._join_stage()
+        self.averaging.begin()
         self.runtime.start()
         await self.server.add_handler(version.FORWARD, self.handlers.forward)
         await self.server.add_handler(version.BACKWARD, self.handlers.backward)
@@ -125,24 +193,105 @@ class WorkerRole:
         self.state = WorkerState.ONLINE
         await self.announcer.announce_now()
 
+    async def _join_stage(self) -> None:
+        """Load state if the stage has moved past its seeded start, and pick the sync phase from
+        how far the loaded state lags [report 3.3.1.1]."""
+        progress = await self.swarm.get(progress_key(self.run_config.run_id, self.config.stage), ProgressRecord)
+        progress.pop(self.swarm.peer_id, None)
+        stage_step = max((record.local_step for record in progress.values()), default=0)
+        if stage_step == 0:
+            self.sync.begin(Phase.ACTIVE, 0, "the stage has not stepped yet: every replica starts from the seed")
+            self.joined = {"stage_step": 0, "loaded_step": 0, "source": "seed", "phase": Phase.ACTIVE.value}
+            return
+        loaded_step, source = None, "seed"
+        if self.config.state_source in ("auto", "peers"):
+            try:
+                result = await self._load_from_peers()
+                loaded_step = result.step
+                source = f"{len(result.peers)} peer(s) in {result.seconds:.1f}s, {result.resumes} resume(s)"
+            except StateLoadError as exc:
+                logger.warning("could not load state from peers: %s", exc)
+        if loaded_step is None and self.checkpoints is not None and self.config.state_source in ("auto", "checkpoint"):
+            try:
+                loaded_step = await asyncio.to_thread(self.checkpoints.load)
+                source = f"checkpoint {self.checkpoints.path}"
+            except CheckpointError as exc:
+                logger.warning("could not load the checkpoint: %s", exc)
+        if loaded_step is None:
+            logger.warning("no state loaded: starting from the seeded weights, counted as step 0")
+            loaded_step = 0
+        self.optimizer.set_step(stage_step)
+        phase = self.sync.join_phase(stage_step, loaded_step)
+        reason = f"loaded step {loaded_step} from {source}; the stage is at step {stage_step}"
+        self.sync.begin(phase, stage_step, reason)
+        self.joined = {"stage_step": stage_step, "loaded_step": loaded_step, "source": source, "phase": phase.value}
+        logger.info("joined stage %d in %s: %s", self.config.stage, phase.value, reason)
+
+    async def _load_from_peers(self):
+        workers = await self.swarm.get(workers_key(self.run_config.run_id, self.config.stage), WorkerRecord)
+        candidates = sorted(
+            ((peer, record) for peer, record in workers.items()
+             if peer != self.swarm.peer_id and record.phase in SERVING_PHASES),
+            key=lambda item: -item[1].throughput,
+        )
+        client = RpcClient(self.p2p, timeout_s=self.run_config.sync.state_chunk_timeout_s)
+        client.authenticator = getattr(self.server, "authenticator", None)  # authenticated runs sign requests
+        sync = self.run_config.sync
+        loader = StateLoader(self.p2p, client, self.optimizer, self.layout, run_id=self.run_config.run_id,
+                             stage=self.config.stage, chunk_elements=sync.state_chunk_elements,
+                             chunk_timeout_s=sync.state_chunk_timeout_s, total_timeout_s=sync.state_load_timeout_s)
+        try:
+            return await loader.load([(peer, record.maddrs) for peer, record in candidates])
+        finally:
+            await client.close()
+
+    # ---- run ----
+
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve until `stop` is set or the compute thread dies."""
+        """Serve until `stop` is set, the compute thread dies or the worker must leave its stage."""
         self._tasks = [
             asyncio.create_task(self.announcer.run(stop), name="announce"),
             asyncio.create_task(self.progress.run(stop), name="progress"),
+            asyncio.create_task(self.averaging.run(stop), name="averaging"),
+            asyncio.create_task(self._watch_phases(stop), name="sync-phases"),
         ]
+        if self.checkpoints is not None and self.config.checkpoint_period_s:
+            self._tasks.append(asyncio.create_task(
+                self.checkpoints.run(stop, self.config.checkpoint_period_s, lambda: self.optimizer.local_step),
+                name="checkpoints"))
         while not stop.is_set():
             if self.runtime.failure is not None:
                 raise RuntimeError(f"compute thread failed: {self.runtime.failure}") from self.runtime.failure
+            if self.averaging.leave_reason:
+                raise WorkerLeftStage(f"worker left stage {self.config.stage}: {self.averaging.leave_reason}")
             try:
-                await asyncio.wait_for(stop.wait(), 1.0)
+                await asyncio.wait_for(stop.wait(), 0.5)
             except asyncio.TimeoutError:
                 pass
+
+    async def _watch_phases(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            counters = self.runtime.counters
+            transition = self.sync.update(self.optimizer.local_step, counters["forward_requests"],
+                                          counters["backward_requests"])
+            if transition is not None:
+                logger.info("sync phase %s -> %s at step %d: %s (served so far: %d forward, %d backward requests)",
+                            transition.old.value, transition.new.value, self.optimizer.local_step, transition.reason,
+                            counters["forward_requests"], counters["backward_requests"])
+                self.announcer.poke()
+                self.averaging.announcer.poke()
+            try:
+                await asyncio.wait_for(stop.wait(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+
+    # ---- shutdown ----
 
     async def shutdown(self) -> None:
         """Leave cleanly: withdraw from the DHT first so trainers stop routing here, hand back
         queued requests with a typed error (the trainer retries them elsewhere), finish the batch
-        in progress, and stop serving. Idempotent."""
+        in progress, stop averaging, write a last checkpoint if this node writes them, and stop
+        serving. Idempotent."""
         if self.state in (WorkerState.STOPPING, WorkerState.STOPPED):
             return
         self.state = WorkerState.STOPPING
@@ -155,6 +304,10 @@ class WorkerRole:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.progress.withdraw()
+        await self.averaging.shutdown()
+        if self.checkpoints is not None and self.config.checkpoint_period_s and not self.averaging.leave_reason:
+            await self.checkpoints.save_logged(self.optimizer.local_step)
         await self.server.shutdown()
         self.state = WorkerState.STOPPED
         logger.info("worker left stage %d in %.1fs; %d queued requests handed back",

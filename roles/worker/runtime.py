@@ -211,8 +211,9 @@ class StageRuntime:
                 grad = torch.stack([r.grad_output for r in requests]).to(self.device, torch.float32)
                 out.float().backward(grad)
                 losses = None
-            if self.counts_towards_target():
-                self.optimizer.add_samples(len(requests))
+            # Always accumulate (a worker in optimizer sync steps on its own gradients to warm its
+            # moments); only an active worker's samples count towards the stage's target.
+            self.optimizer.add_samples(len(requests), counted=self.counts_towards_target())
         grads = coords.grad.cpu() if coords is not None else None
         loss_values = losses.detach().cpu().tolist() if losses is not None else [None] * len(requests)
         if self.kind != "tail":

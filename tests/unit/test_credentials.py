@@ -183,3 +183,13 @@ def test_verification_is_cheap():
     for _ in range(200):
         verify_credential(ROOT_PUBLIC, BLOB, now=NOW, peer_id=peer)
     assert (time.perf_counter() - start) / 200 < 0.005  # ~0.2 ms here; generous for slow CI
+
+
+def test_every_position_of_the_presented_bytes_is_covered():
+    for position in range(len(BLOB)):
+        for delta in (1, 0x80, 0xFF):
+            mutated = bytearray(BLOB)
+            mutated[position] = (mutated[position] + delta) % 256
+            with pytest.raises(CredentialError):
+                verify_credential(ROOT_PUBLIC, bytes(mutated), now=NOW + 1)
+

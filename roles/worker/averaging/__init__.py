@@ -1,6 +1,5 @@
 """AsyncSPARTA averaging within a stage [report 4.2, 4.2.2, 3.3.1.7-3.3.1.8].
 
-    layout.py      the stage's trainable tensors addressed as one flat vector
     index_sets.py  the seeded segments that tile that vector, one per round, with their digests
     allreduce.py   hivemind's butterfly all-reduce, instrumented to see partial rounds (child side)
     averager.py    the averager process over a fixed-size round buffer, and its host-side handle

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from roles.worker.averaging.layout import FlatLayout, Piece
+from roles.worker.layout import FlatLayout, Piece
 
 ALGORITHM = "agora-sparta-feistel-v1"
 _MASK31 = (1 << 31) - 1

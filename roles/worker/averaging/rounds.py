@@ -18,28 +18,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional
 
 import torch
 
 from protocol.dht_schema import FailedSliceRecord, RoundStatus, RoundSummaryRecord
 from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.index_sets import IndexSet, SegmentIndexSets
-from roles.worker.averaging.layout import FlatLayout
-
-
-class ParameterStore(Protocol):
-    """What a round needs of the optimizer (StageOptimizer satisfies it)."""
-
-    lock: threading.RLock
-
-    @property
-    def master_params(self) -> Sequence[torch.Tensor]: ...
-
-    def push_master_to_device(self) -> None: ...
+from roles.worker.layout import FlatLayout, ParameterStore
 
 
 def delta_rule(current: torch.Tensor, snapshot: torch.Tensor, average: torch.Tensor) -> torch.Tensor:

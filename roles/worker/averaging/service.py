@@ -34,7 +34,8 @@ from roles.model.config import AveragingConfig
 from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.health import RoundHealth, Verdict
 from roles.worker.averaging.index_sets import SegmentIndexSets
-from roles.worker.averaging.rounds import ParameterStore, RoundOutcome, RoundPlan, SegmentRound
+from roles.worker.averaging.rounds import RoundOutcome, RoundPlan, SegmentRound
+from roles.worker.layout import ParameterStore
 
 logger = logging.getLogger(__name__)
 

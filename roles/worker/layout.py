@@ -15,10 +15,23 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
+
+
+class ParameterStore(Protocol):
+    """The optimizer as averaging, checkpoints and state transfer see it (StageOptimizer is one):
+    float32 master tensors in layout order, edited under `lock`, then pushed to the device."""
+
+    lock: threading.RLock
+
+    @property
+    def master_params(self) -> Sequence[torch.Tensor]: ...
+
+    def push_master_to_device(self) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,153 @@
+"""Load a stage's parameters from live replicas over `agora/v1/state` [report 3.3.1.1].
+
+The transfer is a sequence of chunk requests over one pooled libp2p stream per peer, so it can
+resume: a chunk that stalls past `chunk_timeout_s` (or a peer that fails) does not restart the
+download, the next request asks the next peer for the first element still missing. A peer whose
+layout differs is dropped at once; one that fails twice is dropped too. Chunks are written into
+the master weights as they arrive (a staging copy would double the stage's memory); if no peer
+can finish, the caller falls back to a checkpoint or to weight sync from where this got.
+
+A rich progress bar on stderr shows bytes and rate; every resume is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from protocol import version
+from protocol.errors import AgoraError, ErrorCode
+from protocol.messages import parse_model
+from protocol.state_messages import StateReply
+from protocol.transport import RpcClient, dial
+from roles.worker.errors import StateLoadError
+from roles.worker.layout import FlatLayout, ParameterStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadResult:
+    step: int
+    """The oldest server step among the chunks (what the joiner's staleness is measured from)."""
+    elements: int
+    seconds: float
+    peers: list[str] = field(default_factory=list)
+    resumes: int = 0
+
+
+class _BadPeer(AgoraError):
+    """A peer's reply does not fit this worker (another run, stage or layout)."""
+
+
+class StateLoader:
+    def __init__(self, p2p: P2P, client: RpcClient, store: ParameterStore, layout: FlatLayout, *, run_id: str,
+                 stage: int, chunk_elements: int, chunk_timeout_s: float, total_timeout_s: float,
+                 max_failures_per_peer: int = 2, show_progress: bool = True):
+        self.p2p = p2p
+        self.client = client
+        self.store = store
+        self.layout = layout
+        self.run_id = run_id
+        self.stage = stage
+        self.chunk_elements = chunk_elements
+        self.chunk_timeout_s = chunk_timeout_s
+        self.total_timeout_s = total_timeout_s
+        self.max_failures_per_peer = max_failures_per_peer
+        self.show_progress = show_progress
+        self._dialed: set[str] = set()
+
+    async def load(self, candidates: Sequence[tuple[str, list[str]]]) -> LoadResult:
+        """Fill the stage's parameters from `candidates` (peer id, maddrs), resuming across them."""
+        peers = list(candidates)
+        if not peers:
+            raise StateLoadError(f"no live worker of stage {self.stage} to load state from")
+        started = time.monotonic()
+        deadline = started + self.total_timeout_s
+        failures: collections.Counter[str] = collections.Counter()
+        result = LoadResult(step=0, elements=0, seconds=0.0)
+        steps: list[int] = []
+        offset, turn = 0, 0
+        progress = self._progress()
+        task = progress.add_task(f"stage {self.stage} state", total=4 * self.layout.numel) if progress else None
+        try:
+            while offset < self.layout.numel:
+                if not peers:
+                    raise StateLoadError(f"every worker of stage {self.stage} failed; loaded {offset} of "
+                                         f"{self.layout.numel} parameters")
+                if time.monotonic() > deadline:
+                    raise StateLoadError(f"loaded {offset} of {self.layout.numel} parameters in "
+                                         f"{self.total_timeout_s:.0f}s; giving up")
+                peer, maddrs = peers[turn % len(peers)]
+                try:
+                    reply = await self._fetch(peer, maddrs, offset)
+                except (AgoraError, asyncio.TimeoutError, OSError) as exc:
+                    bad = isinstance(exc, _BadPeer)
+                    failures[peer] += self.max_failures_per_peer if bad else 1
+                    if failures[peer] >= self.max_failures_per_peer:
+                        peers = [p for p in peers if p[0] != peer]
+                    turn += 1
+                    result.resumes += 1
+                    nxt = peers[turn % len(peers)][0] if peers else None
+                    logger.warning("state chunk at element %d from %s failed (%s); %s", offset, peer, exc,
+                                   f"resuming at element {offset} from {nxt}" if nxt else "no worker left")
+                    continue
+                data = reply.data
+                await asyncio.to_thread(self._write, offset, data)
+                offset += data.numel()
+                steps.append(reply.step)
+                if peer not in result.peers:
+                    result.peers.append(peer)
+                if progress is not None:
+                    progress.update(task, completed=4 * offset)
+            await asyncio.to_thread(self.store.push_master_to_device)
+        finally:
+            if progress is not None:
+                progress.stop()
+        result.step, result.elements = min(steps, default=0), offset
+        result.seconds = time.monotonic() - started
+        return result
+
+    def _progress(self) -> Optional[Progress]:
+        if not self.show_progress:
+            return None
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                            TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+        progress.start()
+        return progress
+
+    async def _fetch(self, peer: str, maddrs: list[str], offset: int) -> StateReply:
+        peer_id = PeerID.from_base58(peer)
+        if peer not in self._dialed and maddrs:
+            await dial(self.p2p, peer_id, maddrs, self.chunk_timeout_s)
+            self._dialed.add(peer)
+        body = await self.client.call(peer_id, version.STATE,
+                                      {"stage": self.stage, "offset": offset, "count": self.chunk_elements},
+                                      timeout_s=self.chunk_timeout_s)
+        reply: StateReply = parse_model(StateReply, body, ErrorCode.INVALID_REQUEST)
+        if reply.run_id != self.run_id or reply.stage != self.stage:
+            raise _BadPeer(f"it serves run {reply.run_id} stage {reply.stage}")
+        if reply.layout != self.layout.digest or reply.numel != self.layout.numel:
+            raise _BadPeer(f"its parameter layout {reply.layout} ({reply.numel} values) differs from ours "
+                           f"{self.layout.digest} ({self.layout.numel})")
+        data = reply.data
+        if reply.offset != offset or data is None or data.dim() != 1 or data.dtype != torch.float32:
+            raise _BadPeer(f"it answered offset {offset} with a malformed chunk")
+        if not 0 < data.numel() <= min(self.chunk_elements, self.layout.numel - offset):
+            raise _BadPeer(f"it sent {data.numel()} values for a chunk of at most {self.chunk_elements}")
+        if not bool(torch.isfinite(data).all()):
+            raise _BadPeer("it sent non-finite parameters")
+        return reply
+
+    def _write(self, offset: int, data: torch.Tensor) -> None:
+        with self.store.lock:
+            self.layout.write(self.store.master_params, offset, data)

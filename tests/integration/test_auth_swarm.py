@@ -1,0 +1,226 @@
+"""An authenticated run on 127.0.0.1: a real authorizer admits real agora-node processes, which
+then check each other's credentials on every message. The attack matrix is played against a
+live worker: each attack is rejected, counted by reason, and honest training goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from authorizer.testing import AuthorizerProcess
+
+pytestmark = pytest.mark.integration
+
+TWO_STAGES = [{"first_layer": 0, "last_layer": 2}, {"first_layer": 2, "last_layer": 3}]
+
+
+@pytest.fixture
+def authorizer(tmp_path, run_config_path):
+    config = run_config_path(stages=TWO_STAGES, run_id=f"auth-{uuid.uuid4().hex[:6]}")
+    process = AuthorizerProcess(
+        ["--run-config", config, "--data-dir", str(tmp_path / "authorizer"), "--port", "0",
+         "--credential-ttl-s", "600", "--admin-token", "test-admin-token-0123456789", "--stage-capacity", "4"],
+        log_path=str(tmp_path / "authorizer.log"))
+    process.start()
+    yield process
+    process.stop()
+
+
+def _node_args(authorizer, account: str) -> list[str]:
+    return ["--authorizer", authorizer.url, "--account-token", account]
+
+
+async def _admitted_identity(authorizer_url, path, account):
+    """A fresh identity admitted as a trainer: listening (the authorizer checks reachability)."""
+    from hivemind.p2p import P2P
+
+    from node.admission import AuthorizerClient, join_run
+    from protocol.identity import load_or_create_identity
+
+    identity = load_or_create_identity(path)
+    p2p = await P2P.create(identity_path=identity.path, check_if_identity_free=False)
+    client = AuthorizerClient(authorizer_url)
+    try:
+        visible = [str(m) for m in await p2p.get_visible_maddrs()]
+        admission = await join_run(client, identity, "trainer", announce_maddrs=visible, account_token=account,
+                                   hardware={"device_name": "cpu", "vram_bytes": 0, "ram_bytes": 1 << 34,
+                                             "bandwidth_mbps": 1000.0, "latency_ms": 1.0})
+    finally:
+        await client.close()
+    return identity, p2p, admission
+
+
+async def _attacks(worker, authorizer_url: str, tmp_path, *, ban) -> dict:
+    """Play every attack against `worker`; return the reason each one was rejected with."""
+    from hivemind.p2p import P2P, PeerID
+
+    from node.admission import AuthorizerClient, join_run
+    from protocol import version
+    from protocol.auth import PeerAuthenticator
+    from protocol.codec import encode_tensor, pack, unpack
+    from protocol.credentials import Credential, SignedCredential, sign_credential
+    from protocol.errors import RemoteError
+    from protocol.framing import read_frame, write_frame
+    from protocol.identity import load_or_create_identity
+    from protocol.messages import make_envelope
+    from protocol.transport import RpcClient, dial
+    import torch
+
+    me, p2p, admission = await _admitted_identity(authorizer_url, str(tmp_path / "attacker.key"), "mallory")
+    other, other_p2p, other_admission = await _admitted_identity(authorizer_url, str(tmp_path / "other.key"), "oscar")
+    reasons: dict[str, str] = {}
+    try:
+        legit = admission.credential
+        root = admission.root_public_key
+        run_id = legit.credential.run_id
+        peer = PeerID.from_base58(worker.peer_id)
+        await dial(p2p, peer, worker.maddrs)
+        body = {"stage": 0, "sample_id": "attack", "tokens": encode_tensor(torch.zeros(64, dtype=torch.int64))}
+
+        def auth_with(credential, **kwargs):
+            return PeerAuthenticator(identity=me, run_id=run_id, root_public_key=root, credential=lambda: credential,
+                                     **kwargs)
+
+        async def attempt(name, authenticator):
+            try:
+                await RpcClient(p2p, authenticator=authenticator, timeout_s=10).call(peer, version.FORWARD, body)
+                reasons[name] = "accepted"
+            except RemoteError as exc:
+                reasons[name] = str(exc)
+
+        async def raw(name, frame):
+            _, reader, writer = await p2p.call_binary_stream_handler(peer, version.FORWARD)
+            try:
+                await write_frame(writer, frame)
+                reply = unpack(await read_frame(reader))
+                reasons[name] = "accepted" if reply["ok"] else reply["error"]["message"]
+            finally:
+                writer.close()
+
+        await attempt("honest", auth_with(legit))
+        await attempt("no_credential", None)
+        other_root = Ed25519PrivateKey.generate()
+        await attempt("other_root", auth_with(sign_credential(other_root, legit.credential)))
+        stale = legit.credential.model_copy(update={"issued_at": int(time.time()) - 7200,
+                                                    "expires_at": int(time.time()) - 3600})
+        await attempt("expired", auth_with(SignedCredential(credential=stale, signature=legit.signature)))
+        await attempt("another_peers_credential", auth_with(other_admission.credential))
+
+        signer = auth_with(legit)
+        envelope = make_envelope(body)
+        envelope.update(signer.sign_request(version.FORWARD, worker.peer_id, envelope["body"]))
+        await raw("original_for_replay", pack(envelope))
+        await raw("replayed", pack(envelope))
+        redirected = make_envelope(body)
+        redirected.update(signer.sign_request(version.FORWARD, other.peer_id.to_base58(), redirected["body"]))
+        await raw("wrong_recipient", pack(redirected))
+        tampered = make_envelope(body)
+        tampered.update(signer.sign_request(version.FORWARD, worker.peer_id, tampered["body"]))
+        tampered["body"] = pack({**body, "sample_id": "tampered"})
+        await raw("tampered", pack(tampered))
+
+        await asyncio.to_thread(ban, me.peer_id.to_base58())
+        deadline = time.monotonic() + 30  # the worker refreshes revocations every 2 s in this test
+        while time.monotonic() < deadline:
+            await attempt("revoked", auth_with(legit))
+            if reasons["revoked"] != "accepted":
+                break
+            await asyncio.sleep(0.5)
+        return reasons
+    finally:
+        await p2p.shutdown()
+        await other_p2p.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_authenticated_swarm_rejects_every_attack(make_swarm, authorizer, tmp_path):
+    swarm = make_swarm(None, common_args=["--revocation-refresh-s", "2"])
+    head = swarm.start("worker", args=_node_args(authorizer, "alice"))
+    tail = swarm.start("worker", args=_node_args(authorizer, "bob"))
+    assert sorted([head.stage, tail.stage]) == [0, 1], "the authorizer places one worker on each stage"
+    if head.stage != 0:
+        head, tail = tail, head
+    trainer = swarm.start("trainer", args=[*_node_args(authorizer, "carol"), "--max-samples", "60", "--lanes", "2"])
+    assert swarm.wait(trainer, 120) == 0, trainer.log_tail()
+    summary = trainer.summary()
+    assert summary["samples_completed"] == 60, summary
+
+    def ban(peer_id: str) -> None:
+        response = httpx.post(f"{authorizer.url}/v1/admin/bans", json={"peer_id": peer_id, "reason": "test"},
+                              headers={"Authorization": "Bearer test-admin-token-0123456789"}, timeout=10)
+        assert response.status_code == 200, response.text
+
+    reasons = asyncio.run(asyncio.wait_for(_attacks(head, authorizer.url, tmp_path, ban=ban), 150))
+    assert reasons["honest"] == "accepted"
+    assert reasons["original_for_replay"] == "accepted"
+    assert "no_credential" in reasons["no_credential"]
+    assert "bad_signature" in reasons["other_root"]
+    assert "expired" in reasons["expired"] or "bad_signature" in reasons["expired"]
+    assert "wrong_peer" in reasons["another_peers_credential"]
+    assert "replayed" in reasons["replayed"]
+    assert "wrong_recipient" in reasons["wrong_recipient"]
+    assert "bad_signature" in reasons["tampered"]
+    assert "revoked" in reasons["revoked"]
+
+    # honest training still works after the attacks
+    again = swarm.start("trainer", args=[*_node_args(authorizer, "dave"), "--max-samples", "20"])
+    assert swarm.wait(again, 120) == 0 and again.summary()["samples_completed"] == 20
+    assert swarm.stop(head, signal.SIGTERM) == 0
+    assert head.summary()["rejected"].get("unauthenticated", 0) >= 7
+
+
+@pytest.mark.timeout(300)
+def test_dht_refuses_stock_nodes_and_forged_announcements(make_swarm, authorizer, tmp_path):
+    import hivemind
+
+    from node.swarm import join_swarm
+    from protocol.auth_state import SharedAuthState
+    from protocol.dht import SwarmDHT
+    from protocol.dht_auth import CredentialDHTAuthorizer
+    from protocol.dht_schema import WorkerRecord, workers_key
+
+    swarm = make_swarm(None)
+    worker = swarm.start("worker", args=_node_args(authorizer, "alice"))
+    run_id = httpx.get(f"{authorizer.url}/v1/run", timeout=10).json()["run_id"]
+
+    # a stock hivemind node with no credential reaches the worker over libp2p, but its DHT pings
+    # go unanswered, so it cannot join
+    with pytest.raises(Exception, match="none of the initial_peers responded to a ping"):
+        stock = hivemind.DHT(initial_peers=worker.maddrs, start=True, bootstrap_timeout=10, startup_timeout=30)
+        stock.shutdown()
+
+    async def admitted():
+        identity, p2p, admission = await _admitted_identity(authorizer.url, str(tmp_path / "forger.key"), "eve")
+        await p2p.shutdown()
+        return identity, admission
+
+    identity, admission = asyncio.run(admitted())
+    state = SharedAuthState(str(tmp_path / "forger-trust"), run_id=run_id, root_public_key=admission.root_public_key)
+    state.publish_credential(admission.credential)
+    membership = join_swarm(identity=identity, run_id=run_id, num_stages=2, initial_peers=worker.maddrs,
+                            host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], bootstrap_timeout_s=30,
+                            auth_state=state, authorizer=CredentialDHTAuthorizer(identity, state))
+    try:
+        key = workers_key(run_id, worker.stage)
+        forged = WorkerRecord(stage=worker.stage, max_batch=4096, throughput=1e9, maddrs=["/ip4/203.0.113.1/tcp/1"])
+
+        async def forge_and_read():
+            dht = SwarmDHT(membership.dht, identity.peer_id.to_base58())
+            # 1: a record under the victim's peer id (our validator will not sign it; peers refuse it unsigned)
+            await dht.dht_store_raw(key, worker.peer_id, forged.model_dump(mode="json"), 60)
+            # 2: a record under our own id, signed by us, but our credential is a trainer's
+            await dht.store(key, forged, 60)
+            await asyncio.sleep(1.0)
+            return await dht.get(key, WorkerRecord)
+
+        records = asyncio.run(forge_and_read())
+        assert set(records) == {worker.peer_id}, records
+        assert records[worker.peer_id].max_batch != 4096
+    finally:
+        membership.shutdown()

@@ -1,0 +1,107 @@
+"""Real hivemind averagers in forked processes on loopback (no agora-node processes): replicas
+converge segment by segment, and a replica with another index set is left out of the round."""
+
+from __future__ import annotations
+
+import threading
+
+import hivemind
+import pytest
+import torch
+
+from protocol.dht_schema import RoundStatus
+from roles.model.config import AveragingConfig
+from roles.worker.averaging.averager import StageAverager
+from roles.worker.averaging.index_sets import SegmentIndexSets
+from roles.worker.averaging.rounds import RoundPlan, SegmentRound
+from roles.worker.layout import FlatLayout
+
+CONFIG = AveragingConfig(matchmaking_time_s=2.0, request_timeout_s=1.0, sender_timeout_s=3.0,
+                         allreduce_timeout_s=30.0, part_size_bytes=4096)
+LAYOUT = FlatLayout(["w", "b"], [(40, 50), (300,)])
+
+
+class Store:
+    def __init__(self, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        self.lock = threading.RLock()
+        self.master_params = [torch.randn(shape, generator=generator) for shape in LAYOUT.shapes]
+
+    def push_master_to_device(self):
+        pass
+
+    def flat(self):
+        return torch.cat([t.reshape(-1) for t in self.master_params])
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    first = hivemind.DHT(start=True)
+    nodes = [first] + [hivemind.DHT(initial_peers=first.get_visible_maddrs(), start=True) for _ in range(2)]
+    yield nodes
+    for node in nodes:
+        node.shutdown()
+
+
+def _replica(dht, seed, *, reducer, run_seed=0):
+    store = Store(seed)
+    sets = SegmentIndexSets(LAYOUT, 3, seed=run_seed, stage=0)
+    averager = StageAverager(dht, sets.buffer_size, run_id="unit", stage=0, reducer=reducer, config=CONFIG)
+    averager.start()
+    return store, sets, SegmentRound(store, sets, averager)
+
+
+def _round(rounds, plans):
+    outcomes = [None] * len(rounds)
+
+    def go(i):
+        outcomes[i] = rounds[i].run(plans[i])
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(rounds))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return outcomes
+
+
+@pytest.mark.timeout(180)
+def test_replicas_from_different_weights_agree_after_one_pass(dhts):
+    replicas = [_replica(dht, seed, reducer=seed < 2) for seed, dht in enumerate(dhts)]
+    stores = [store for store, _, _ in replicas]
+    rounds = [r for _, _, r in replicas]
+    try:
+        assert (stores[0].flat() - stores[1].flat()).abs().max() > 1.0
+        mean = torch.stack([store.flat() for store in stores]).mean(0)
+        for segment in range(3):
+            plan = RoundPlan("clock", 100 + segment, segment, 1.0, 3, "active")
+            outcomes = _round(rounds, [plan] * 3)
+            for outcome in outcomes:
+                assert outcome.status == RoundStatus.COMPLETE, outcome.describe()
+                assert len(outcome.group) == 3
+            reducers = [o for o in outcomes if o.reduce_success is not None]
+            assert reducers and all(o.reduce_success == 1.0 for o in reducers)
+        for store in stores:
+            assert torch.allclose(store.flat(), mean, atol=1e-5), "every coordinate averaged once per pass"
+    finally:
+        for r in rounds:
+            r.averager.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_replica_with_another_index_set_is_left_out(dhts):
+    replicas = [_replica(dhts[0], 0, reducer=True), _replica(dhts[1], 1, reducer=True),
+                _replica(dhts[2], 2, reducer=True, run_seed=99)]  # another run seed: other index sets
+    stores = [store for store, _, _ in replicas]
+    rounds = [r for _, _, r in replicas]
+    try:
+        outsider_before = stores[2].flat().clone()
+        assert replicas[2][1].get(1).digest != replicas[0][1].get(1).digest
+        outcomes = _round(rounds, [RoundPlan("step", 7, 1, 1.0, 3, "active")] * 3)
+        assert [len(o.group) for o in outcomes[:2]] == [2, 2], [o.describe() for o in outcomes]
+        assert all(o.status == RoundStatus.PARTIAL for o in outcomes[:2])
+        assert outcomes[2].status == RoundStatus.FAILED, outcomes[2].describe()
+        assert torch.equal(stores[2].flat(), outsider_before), "the outsider was not averaged blindly"
+    finally:
+        for r in rounds:
+            r.averager.shutdown()

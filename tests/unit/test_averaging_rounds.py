@@ -1,0 +1,170 @@
+"""One round on one replica [report 4.2.2, 5.7.1]: the delta rule keeps the steps taken while the
+round ran, a slice that did not come back keeps local values and is reported, a non-finite
+average is never applied; and the self-protection rule."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+from protocol.dht_schema import RoundStatus
+from roles.worker.averaging.health import RoundHealth, Verdict
+from roles.worker.averaging.index_sets import SegmentIndexSets
+from roles.worker.averaging.rounds import RoundPlan, SegmentRound, delta_rule, round_key_bits
+from roles.worker.layout import FlatLayout
+
+
+def test_delta_rule_keeps_local_progress():
+    snapshot = torch.tensor([1.0, 2.0, 3.0])
+    average = torch.tensor([2.0, 2.0, 0.0])  # what the group agreed on for the snapshot
+    later = torch.tensor([1.5, 1.0, 3.25])  # the replica kept training while the round ran
+    result = delta_rule(later, snapshot, average)
+    assert torch.allclose(result, torch.tensor([2.5, 1.0, 0.25]))
+    assert torch.allclose(result - average, later - snapshot), "local update since the snapshot survives"
+    assert torch.equal(delta_rule(snapshot, snapshot, average), average), "no progress: plain averaging"
+
+
+class Store:
+    def __init__(self, tensors):
+        self.lock = threading.RLock()
+        self.master_params = tensors
+        self.pushes = 0
+
+    def push_master_to_device(self):
+        self.pushes += 1
+
+
+class FakeAverager:
+    """Stands in for the averager process: `step` lets the replica train, then writes an
+    `average` into the buffer and reports which reducer slices fell back."""
+
+    def __init__(self, buffer_size, store, *, average_fn, train_fn=None, fell_back=None, error=None):
+        self.buffer = torch.zeros(buffer_size)
+        self.store, self.average_fn, self.train_fn = store, average_fn, train_fn
+        self.fell_back, self.error = fell_back or {}, error
+        self.prepared = None
+
+    def prepare_round(self, bits, target):
+        self.prepared = (bits, target)
+
+    @contextlib.contextmanager
+    def locked_buffer(self, timeout_s):
+        yield self.buffer
+
+    def step(self, weight, gather):
+        if self.train_fn is not None:
+            with self.store.lock:
+                self.train_fn(self.store.master_params)
+        if self.error is not None:
+            raise self.error
+        size = self.buffer.numel()
+        before = self.buffer.clone()
+        self.buffer.copy_(self.average_fn(self.buffer))
+        half = size // 2
+        for peer, lost in self.fell_back.items():  # hivemind leaves failed parts at local values
+            self.buffer[size - lost:] = before[size - lost:]
+        return {
+            "gathered": {"me": dict(gather), "other": dict(gather)},
+            "telemetry": {
+                "peers": ["me", "other"], "modes": ["node", "node"], "slice_sizes": [half, size - half],
+                "fell_back": self.fell_back, "allreduce_s": 0.1,
+                "reducer": {"slice": half, "received": {"me": half, "other": half}, "banned": []},
+            },
+        }
+
+
+def _setup(**fake_kwargs):
+    layout = FlatLayout(["a", "b"], [(10, 10), (50,)])
+    tensors = [torch.arange(100, dtype=torch.float32).view(10, 10), torch.arange(100, 150, dtype=torch.float32)]
+    store = Store(tensors)
+    sets = SegmentIndexSets(layout, 5, seed=0, stage=0)
+    fake = FakeAverager(sets.buffer_size, store, **fake_kwargs)
+    return layout, store, sets, fake, SegmentRound(store, sets, fake)
+
+
+def _flat(store):
+    return torch.cat([t.reshape(-1) for t in store.master_params])
+
+
+def test_round_applies_the_delta_and_keeps_steps_taken_meanwhile():
+    def train(params):  # one optimizer step on every parameter while the round is in flight
+        for tensor in params:
+            tensor.add_(0.5)
+
+    layout, store, sets, fake, rounds = _setup(average_fn=lambda snap: snap * 0 + 7.0, train_fn=train)
+    before = _flat(store).clone()
+    plan = RoundPlan("step", 3, 3, 4.0, 2, "active")
+    outcome = rounds.run(plan)
+    index = sets.get(3).indices
+    after = _flat(store)
+    assert outcome.status == RoundStatus.COMPLETE, outcome.describe()
+    # theta[I] = later + (average - snapshot) = (before + 0.5) + (7 - before) = 7.5
+    assert torch.allclose(after[index], torch.full((len(index),), 7.5))
+    outside = torch.ones(layout.numel, dtype=torch.bool)
+    outside[index] = False
+    assert torch.equal(after[outside], before[outside] + 0.5), "other coordinates keep their local progress only"
+    assert store.pushes == 1
+    assert fake.prepared == (round_key_bits("step", 3, sets.get(3).digest), 2)
+    assert outcome.relative_distance is not None and outcome.to_record().averaging_success == 1.0
+
+
+def test_a_slice_that_did_not_come_back_keeps_local_values_and_is_reported():
+    layout, store, sets, fake, rounds = _setup(average_fn=lambda snap: snap + 100.0, fell_back={"other": 6})
+    before = _flat(store).clone()
+    outcome = rounds.run(RoundPlan("clock", 9, 4, 1.0, 2, "active"))
+    index = sets.get(4).indices
+    n = len(index)
+    moved = _flat(store)[index] - before[index]
+    assert torch.all(moved[: n - 6] == 100.0) and torch.all(moved[n - 6:] == 0.0)
+    assert outcome.status == RoundStatus.PARTIAL
+    record = outcome.to_record()
+    [failed] = record.failed_slices
+    assert failed.reducer == "other" and failed.failed_elements == 6 and failed.end == sets.buffer_size
+    assert record.averaging_success == pytest.approx(1 - 6 / sets.buffer_size)
+    assert "did not come back" in record.failure_reason
+
+
+def test_a_failed_or_non_finite_round_changes_nothing():
+    layout, store, sets, fake, rounds = _setup(average_fn=lambda snap: snap, error=RuntimeError("could not find a group"))
+    before = _flat(store).clone()
+    outcome = rounds.run(RoundPlan("step", 1, 1, 1.0, 3, "active"))
+    assert outcome.status == RoundStatus.FAILED and "no group formed" in outcome.failure_reason
+    assert torch.equal(_flat(store), before)
+
+    layout, store, sets, fake, rounds = _setup(average_fn=lambda snap: snap / 0.0 * 0.0)
+    before = _flat(store).clone()
+    outcome = rounds.run(RoundPlan("step", 2, 2, 0.0, 3, "weight_sync"))
+    assert outcome.status == RoundStatus.FAILED and "not finite" in outcome.failure_reason
+    assert torch.equal(_flat(store), before)
+
+
+def test_group_smaller_than_the_stage_is_partial():
+    _, _, _, _, rounds = _setup(average_fn=lambda snap: snap)
+    outcome = rounds.run(RoundPlan("step", 1, 0, 1.0, 3, "active"))
+    assert outcome.status == RoundStatus.PARTIAL and "3 stage workers expected" in outcome.failure_reason
+
+
+def test_round_keys_differ_by_round_kind_and_digest():
+    keys = {round_key_bits("step", 1, "aa"), round_key_bits("step", 2, "aa"), round_key_bits("clock", 1, "aa"),
+            round_key_bits("step", 1, "ab")}
+    assert len(keys) == 4 and all(set(key) <= {"0", "1"} and len(key) == 32 for key in keys)
+
+
+def test_two_failures_in_three_rounds_leave_unless_everyone_failed():
+    health = RoundHealth()
+    health.record_failure("step", 1)
+    assert health.resolve({("step", 1)}) == [(("step", 1), Verdict.FAILURE)]
+    assert health.should_leave() is None
+    health.record_success()  # a successful round resets the count
+    health.record_failure("step", 2)
+    health.resolve({("step", 2)})
+    assert health.should_leave() is None
+    health.record_failure("step", 3)
+    health.resolve(set())  # nobody else averaged round 3 either: not this worker's fault
+    assert health.should_leave() is None
+    health.record_failure("step", 4)
+    health.resolve({("step", 4)})
+    assert health.should_leave() is not None, "2 of the last 3 rounds failed while the stage averaged"

@@ -1,0 +1,101 @@
+"""Sync phases [report 3.3.1.1, 5.6]: when a joiner syncs, how it moves from weight sync to
+optimizer sync to active (including the early exit on a measured distance), and that optimizer
+sync really steps its optimizer on samples that do not count towards the stage's target."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from protocol.dht_schema import Phase, ProgressRecord, RoundStatus
+from roles.model.config import SyncConfig
+from roles.worker.optimizer import StageOptimizer
+from roles.worker.progress import StageProgress
+from roles.worker.sync_phase import SyncPhases
+
+
+def test_only_a_stale_joiner_syncs():
+    phases = SyncPhases(SyncConfig(max_stale_steps=20), segments=20)
+    assert phases.join_phase(stage_step=100, loaded_step=80) == Phase.ACTIVE
+    assert phases.join_phase(stage_step=100, loaded_step=79) == Phase.WEIGHT_SYNC
+    no_weight_sync = SyncPhases(SyncConfig(max_stale_steps=0, weight_sync_steps=0), segments=20)
+    assert no_weight_sync.join_phase(5, 0) == Phase.OPTIMIZER_SYNC
+    nothing = SyncPhases(SyncConfig(max_stale_steps=0, weight_sync_steps=0, optimizer_sync_steps=0), segments=20)
+    assert nothing.join_phase(5, 0) == Phase.ACTIVE
+
+
+def test_weight_sync_then_optimizer_sync_then_active_by_steps():
+    phases = SyncPhases(SyncConfig(weight_sync_steps=400, optimizer_sync_steps=100), segments=20)
+    phases.begin(Phase.WEIGHT_SYNC, 1000, "stale")
+    assert phases.update(1399, 0, 0) is None and phases.phase == Phase.WEIGHT_SYNC
+    transition = phases.update(1400, 0, 0)
+    assert (transition.old, transition.new) == (Phase.WEIGHT_SYNC, Phase.OPTIMIZER_SYNC)
+    assert phases.update(1499, 40, 40) is None
+    assert phases.update(1500, 64, 64).new == Phase.ACTIVE
+    spans = phases.summary()
+    assert [s["phase"] for s in spans] == ["weight_sync", "optimizer_sync", "active"]
+    assert spans[0]["forward_requests"] == 0 and spans[1]["backward_requests"] == 64
+
+
+def test_weight_sync_ends_early_once_a_full_pass_moved_the_replica_little():
+    phases = SyncPhases(SyncConfig(weight_sync_steps=400, weight_sync_exit_distance=1e-3), segments=4)
+    phases.begin(Phase.WEIGHT_SYNC, 0, "stale")
+    for segment in range(3):  # not a full pass yet, however small the moves
+        phases.record_round(segment, RoundStatus.COMPLETE, delta_sq=1e-12, average_sq=1.0)
+    assert phases.update(60, 0, 0) is None
+    phases.record_round(3, RoundStatus.FAILED, delta_sq=0.0, average_sq=1.0)  # failed rounds say nothing
+    assert phases.update(61, 0, 0) is None
+    phases.record_round(3, RoundStatus.COMPLETE, delta_sq=1e-2, average_sq=1.0)  # still far: sqrt(0.01) = 0.1
+    assert phases.update(62, 0, 0) is None
+    phases.record_round(3, RoundStatus.PARTIAL, delta_sq=1e-8, average_sq=1.0)
+    transition = phases.update(80, 0, 0)
+    assert transition.new == Phase.OPTIMIZER_SYNC and "full pass" in transition.reason
+
+
+def _optimizer():
+    model = torch.nn.Linear(4, 1)
+    opt = StageOptimizer(model.parameters(), lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, warmup_steps=0,
+                         total_steps=10, min_lr_ratio=1.0, clip_threshold=10.0, device="cpu")
+    return model, opt
+
+
+def test_optimizer_sync_steps_on_samples_that_do_not_count():
+    model, opt = _optimizer()
+    before = model.weight.detach().clone()
+    model(torch.ones(3, 4)).sum().backward()
+    opt.add_samples(3, counted=False)
+    assert (opt.samples_accumulated, opt.samples_counted) == (3, 0)
+    report = opt.step()
+    assert report.samples == 3 and report.grad_norm > 0
+    assert not torch.equal(model.weight, before), "the optimizer stepped on its own gradients"
+    assert (opt.samples_accumulated, opt.samples_counted) == (0, 0)
+
+
+class FakeSwarm:
+    peer_id = "me"
+
+    def __init__(self, peers):
+        self.peers = peers
+        self.stored = {}
+
+    async def store(self, key, record, ttl):
+        self.stored[key] = record
+        return True
+
+    async def get(self, key, model):
+        return dict(self.peers)
+
+
+@pytest.mark.timeout(30)
+def test_progress_publishes_and_counts_only_counted_samples():
+    _, opt = _optimizer()
+    opt.add_samples(6, counted=False)
+    peer = ProgressRecord(local_step=0, samples_accumulated=5, counts_towards_target=True, time=0.0)
+    swarm = FakeSwarm({"peer": peer})
+    progress = StageProgress(swarm, "run", 0, 8, opt, counts_towards_target=lambda: False)
+    assert asyncio.run(progress.tick()) is None, "6 uncounted + 5 counted samples do not reach 8"
+    assert progress.stage_samples == 5
+    published = next(iter(swarm.stored.values()))
+    assert published.samples_accumulated == 0 and published.counts_towards_target is False
