@@ -199,6 +199,11 @@ class NodeKey:
         identity = Identity(Ed25519PrivateKey.generate(), path="")
         return cls(identity.private_key, identity.public_key, identity.peer_id.to_base58())
 
+    @classmethod
+    def from_identity(cls, identity) -> NodeKey:
+        """From a protocol.identity.Identity (e.g. one whose file a hivemind P2P listens with)."""
+        return cls(identity.private_key, identity.public_key, identity.peer_id.to_base58())
+
     def sign(self, data: bytes) -> bytes:
         return self.private_key.sign(data)  # type: ignore[attr-defined]
 

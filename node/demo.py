@@ -1,9 +1,11 @@
 """`agora-node demo`: a whole swarm on 127.0.0.1 that trains the `tiny` model and shows loss falling.
 
-The demo process runs a DHT node of its own that every node bootstraps from (like a run's seed
-node), so all workers and trainers can start at once, and it reads their DHT records for the
-live progress line. Nodes are real `agora-node` processes started through the same CLI a user
-runs. Ctrl-C stops every node and reaps every process the demo started.
+It starts an authorizer, then workers and trainers that join through it, exactly as a public run
+works: every node is admitted, placed on a stage and given a credential, and every message
+between nodes is authenticated. The demo process itself joins as an observer (a trainer that
+trains nothing) and runs the DHT node every other node bootstraps from, so all of them can start
+at once; it reads their DHT records for the live progress line. Ctrl-C stops every node and
+reaps every process the demo started.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ def _validate(args: argparse.Namespace) -> None:
 def demo_main(argv: list[str]) -> int:
     args = demo_parser().parse_args(argv)
     _validate(args)
+    from node.settings import NodeSettings
     from node.swarm import join_swarm
+    from node.trust import establish_trust
     from protocol.identity import load_or_create_identity
     from roles.model.config import dump_run_config, load_run_config
 
@@ -72,25 +76,34 @@ def demo_main(argv: list[str]) -> int:
     config_path = os.path.join(workdir, "run.yaml")
     dump_run_config(run, config_path)
 
-    # Started before any thread of ours exists: hivemind forks its DHT process (DESIGN §10).
+    swarm = LocalSwarm(os.path.join(workdir, "logs"), None, torch_threads=1, common_args=["--announce-period-s", "2"])
+    authorizer = swarm.start_authorizer([
+        "--run-config", config_path, "--data-dir", os.path.join(workdir, "authorizer"), "--checks",
+        "capability,integrity,reachability", "--join-rate", "50"])
     identity = load_or_create_identity(None)
+    trust = asyncio.run(establish_trust(
+        NodeSettings(role="trainer", authorizer=authorizer.url, account_token="demo-observer"), identity, "cpu"))
+    # Forked before the demo starts threads of its own besides the launcher's pipe readers (DESIGN §10).
     membership = join_swarm(identity=identity, run_id=run.run_id, num_stages=run.num_stages, initial_peers=[],
-                            host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], bootstrap_timeout_s=30)
-    os.unlink(identity.path)
-    swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=1,
-                       common_args=["--announce-period-s", "2"], initial_peers=membership.maddrs)
+                            host_maddrs=trust.host_maddrs, announce_maddrs=[], bootstrap_timeout_s=30,
+                            auth_state=trust.auth_state, authorizer=trust.dht_authorizer)
+    swarm.common_args += ["--authorizer", authorizer.url]
     samples_per_trainer = math.ceil(args.steps * run.target_batch_size / args.trainers)
     summary: Optional[dict] = None
     code = 0
     try:
-        say(f"starting {args.stages} stage(s) x {args.workers_per_stage} worker(s) and {args.trainers} trainer(s) "
+        say(f"authorizer at {authorizer.url}; starting {args.stages} stage(s) x {args.workers_per_stage} worker(s) "
+            f"and {args.trainers} trainer(s) "
             f"on 127.0.0.1; training {args.steps} steps of {run.target_batch_size} samples")
-        workers = [swarm.start("worker", stage=s, args=["--max-batch", "16"], wait_ready=False)
-                   for s in range(args.stages) for _ in range(args.workers_per_stage)]
+        # The authorizer places each worker on the stage furthest below its target.
+        workers = [swarm.start("worker", args=["--max-batch", "16", "--account-token", f"demo-worker-{i}"],
+                               wait_ready=False, name=f"worker-{i}")
+                   for i in range(args.stages * args.workers_per_stage)]
         trainers = [
             swarm.start("trainer", args=["--lanes", str(args.lanes), "--max-samples", str(samples_per_trainer),
                                          "--shard-index", str(i), "--num-shards", str(args.trainers),
-                                         "--discovery-period-s", "2"], wait_ready=False)
+                                         "--discovery-period-s", "2", "--account-token", f"demo-trainer-{i}"],
+                        wait_ready=False, name=f"trainer-{i}")
             for i in range(args.trainers)
         ]
         for node in workers + trainers:
@@ -110,6 +123,9 @@ def demo_main(argv: list[str]) -> int:
     finally:
         swarm.stop_all()
         membership.shutdown()
+        asyncio.run(trust.close())
+        if os.path.exists(identity.path):
+            os.unlink(identity.path)
         reap_children()
         left = swarm.survivors()
         if left:

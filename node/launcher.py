@@ -37,6 +37,8 @@ class NodeProcess:
     ready: threading.Event = field(default_factory=threading.Event)
     peer_id: str = ""
     maddrs: list[str] = field(default_factory=list)
+    url: str = ""
+    """An authorizer's HTTP address."""
     known_pids: set[int] = field(default_factory=set)
     """The node and every descendant seen so far, for cleaning up after a hard kill."""
 
@@ -72,6 +74,7 @@ def _pump_stdout(node: NodeProcess) -> None:
             if fields.get("stage", "-").isdigit():
                 node.stage = int(fields["stage"])  # an authorizer may have chosen it
             node.maddrs = [m for m in fields.get("maddrs", "").split(",") if m]
+            node.url = fields.get("url", "")
             node.ready.set()
 
 
@@ -96,9 +99,14 @@ class LocalSwarm:
         if self.bootstrap_peers:
             return self.bootstrap_peers
         for node in self.nodes:
-            if node.ready.is_set() and node.proc.poll() is None:
+            if node.maddrs and node.ready.is_set() and node.proc.poll() is None:
                 return node.maddrs[:1]
         return []
+
+    def start_authorizer(self, args: Sequence[str] = (), *, name: str = "authorizer",
+                         timeout_s: float = 60.0) -> NodeProcess:
+        """Start `python -m authorizer.main` and wait for its URL."""
+        return self._spawn(name, "authorizer", None, [sys.executable, "-m", "authorizer.main", *args], True, timeout_s)
 
     def start(self, role: str, *, stage: Optional[int] = None, args: Sequence[str] = (), name: Optional[str] = None,
               wait_ready: bool = True, timeout_s: float = 60.0) -> NodeProcess:
@@ -115,6 +123,10 @@ class LocalSwarm:
         cmd += list(args)
         if "--authorizer" not in cmd:
             cmd.append("--insecure-open-run")  # an explicit choice, as users must make it too
+        return self._spawn(name, role, stage, cmd, wait_ready, timeout_s)
+
+    def _spawn(self, name: str, role: str, stage: Optional[int], cmd: list[str], wait_ready: bool,
+               timeout_s: float) -> NodeProcess:
         log_path = os.path.join(self.workdir, f"{name}.log")
         log = open(log_path, "w")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,

@@ -18,9 +18,12 @@ What each number means, and why it is measured that way:
     FullModel (no boundary compression, no activation recomputation: the work a single process
     would really do), uses AdamW with the run's hyperparameters and per-stage clipping,
     `torch.set_num_threads(2)`, and draws its batches from the same synthetic stream inside the
-    timed loop. The ratio therefore prices everything the swarm adds: recomputation in backward,
-    boundary compression, serialization, libp2p hops, DHT traffic and 5+ Python processes
-    sharing 2 cores.
+    timed loop (capped in time: under contention it would otherwise take minutes). The ratio
+    therefore prices everything the swarm adds: recomputation in backward, boundary compression,
+    serialization, libp2p hops, DHT traffic and 5+ Python processes sharing 2 cores. A 2-thread
+    reference collapses when another job takes a core (its OpenMP threads wait for each other at
+    every op), which would flatter the swarm, so `ratio_vs_fastest_centralized` divides by the
+    best single-process rate seen (its fastest 10-step block, or a 1-thread run) as well.
 
 `utilization_by_lanes`
     For 1, 2, 4 and 8 lanes (ONE trainer holding all lanes), each worker's compute time over wall
@@ -29,7 +32,9 @@ What each number means, and why it is measured that way:
     over the wall time between the two calls. It answers "does one trainer keep the pipeline
     busy, and how many lanes does it take?". Batch sizes (requests per coalesced batch) and the
     CPU each process used in the window are reported beside it, because on a 2-core machine the
-    usual limit is not the pipeline but the cores every process shares.
+    usual limit is not the pipeline but the cores every process shares. `idle_swarm_cpu_cores`
+    is the CPU the three workers burn with no trainer at all (DHT announcements and stage
+    progress ticks): the fixed cost the training traffic comes on top of.
 
 `rpc_overhead_ratio`
     The forward round trip of our stack (RpcClient.call -> msgpack envelope -> framed libp2p
@@ -45,13 +50,20 @@ What each number means, and why it is measured that way:
 `peak_rss_mb`
     Peak resident memory (VmHWM from /proc/PID/status) of a worker and of a trainer running 8
     lanes, sampled right before they are stopped. Reported for the node process alone and
-    summed over the node and its children (hivemind's forked DHT process and the p2pd daemon).
+    summed over the node and its children (hivemind's forked DHT process, the p2pd daemon and
+    torch_shm_manager when torch started one).
     The sum double-counts pages the forked DHT child shares with its parent, so the tree's
     proportional set size (PSS, shared pages split between sharers) is reported too; the aim is
     checked against the conservative VmHWM sum.
 
+Other work on the machine (a 2-core box shared with someone's test run) distorts every number,
+so each measurement reports `foreign` cores (machine busy time from /proc/stat minus our own
+process trees) and `aims.measured_on_a_busy_machine` flags runs where that exceeded 0.25 cores.
+
 Every process the benchmark starts is stopped (LocalSwarm.stop_all, then a check that no pid of
-any node's process group survives); the seed DHT node is shut down.
+any node's process group survives); the seed DHT node is shut down, and the shared-memory
+segments hivemind leaves in /dev/shm for this process and the seed DHT process are removed at
+exit.
 """
 
 from __future__ import annotations
@@ -625,11 +637,9 @@ async def measure_trainers(swarm, probe: SwarmProbe, run, workers, *, trainers: 
 # orchestration
 # ---------------------------------------------------------------------------------------------
 
-async def bench(args, windows: Windows, run, config_path: str, membership, peer_id: str, workdir: str,
-                out: dict) -> None:
-    """Fill `out` phase by phase, so a failure late in the run keeps what was measured before it."""
-    from node.launcher import LocalSwarm
-
+async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dict) -> None:
+    """Fill `out` phase by phase, so a failure late in the run keeps what was measured before it.
+    Every node is started through `swarm` (a LocalSwarm) and stopped before this returns."""
     t0 = time.monotonic()
     log(f"[{time.monotonic() - t0:5.1f}s] (c) rpc overhead: {windows.rpc_round_trips} round trips each")
     out["rpc_overhead_ratio"] = await measure_rpc_overhead(run, windows.rpc_round_trips, windows.rpc_block)
@@ -642,8 +652,6 @@ async def bench(args, windows: Windows, run, config_path: str, membership, peer_
                                                                 "cpu_during_measurement")}
     out["swarm_vs_centralized"] = {"centralized": central}
 
-    swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=1,
-                       common_args=["--announce-period-s", "2"], initial_peers=membership.maddrs)
     probe = SwarmProbe(membership, peer_id, run)
     try:
         await probe.open()
@@ -732,7 +740,8 @@ async def bench(args, windows: Windows, run, config_path: str, membership, peer_
             "method": (
                 "VmHWM (peak RSS) from /proc/PID/status, sampled right before the node is stopped; 'node_alone' is "
                 "the agora-node process, 'with_children' sums VmHWM over it and its descendants (hivemind's forked "
-                "DHT process and p2pd), which double-counts pages the fork shares; 'with_children_pss_now' is the "
+                "DHT process, p2pd, torch_shm_manager when torch started one), which double-counts pages the fork "
+                "shares; 'with_children_pss_now' is the "
                 "current proportional set size of the same tree (shared pages split). Worker: the largest of the "
                 "stage workers after every run above. Trainer: one trainer with 8 lanes after its window."
             ),
@@ -741,7 +750,6 @@ async def bench(args, windows: Windows, run, config_path: str, membership, peer_
         await probe.close()
         log(f"[{time.monotonic() - t0:5.1f}s] stopping every node")
         await asyncio.to_thread(swarm.stop_all)
-        out["_swarm"] = swarm
 
 
 def evaluate_aims(out: dict) -> dict:
@@ -809,6 +817,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
 
+    from node.launcher import LocalSwarm
     from node.swarm import join_swarm
     from protocol.identity import load_or_create_identity
     from roles.model.config import dump_run_config
@@ -828,25 +837,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     membership = join_swarm(identity=identity, run_id=run.run_id, num_stages=run.num_stages, initial_peers=[],
                             host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], bootstrap_timeout_s=30)
     os.unlink(identity.path)
+    swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=1,
+                       common_args=["--announce-period-s", "2"], initial_peers=membership.maddrs)
     try:
-        asyncio.run(bench(args, windows, run, config_path, membership, identity.peer_id.to_base58(), workdir, out))
+        asyncio.run(bench(windows, run, swarm, membership, identity.peer_id.to_base58(), out))
     except KeyboardInterrupt:
         errors.append("interrupted")
     except Exception as exc:  # noqa: BLE001 - report what was measured, and the failure
         errors.append(f"{type(exc).__name__}: {exc}")
         log(traceback.format_exc())
     finally:
-        swarm = out.pop("_swarm", None)
-        if swarm is not None:
-            swarm.stop_all()  # idempotent; covers an interrupt during the async part
+        swarm.stop_all()  # idempotent; covers an interrupt during the async part
         _OWN_SHM_PIDS.extend([os.getpid(), membership.dht.pid])
         membership.shutdown()
-        survivors = swarm.survivors() if swarm is not None else []
-        leaked = []
-        if swarm is not None and hasattr(swarm, "leaked_shared_memory"):
-            leaked = swarm.leaked_shared_memory()
+        survivors = swarm.survivors()
+        leaked = swarm.leaked_shared_memory() if hasattr(swarm, "leaked_shared_memory") else []
         out["cleanup"] = {"node_survivors": survivors, "seed_dht_alive": membership.dht.is_alive(),
-                          "nodes_started": len(swarm.nodes) if swarm is not None else 0,
+                          "nodes_started": len(swarm.nodes),
                           "node_shm_segments_left": leaked,
                           "own_shm_segments": "removed at exit, see _exit_cleanly"}
         if survivors:

@@ -87,7 +87,11 @@ class StateLoader:
                 if time.monotonic() > deadline:
                     raise StateLoadError(f"loaded {offset} of {self.layout.numel} parameters in "
                                          f"{self.total_timeout_s:.0f}s; giving up")
-                peer, maddrs = peers[turn % len(peers)]
+                # The next peer in turn among those that failed least: a peer that just stalled is
+                # retried only once every other one failed as often.
+                fewest = min(failures[p] for p, _ in peers)
+                rotated = peers[turn % len(peers):] + peers[:turn % len(peers)]
+                peer, maddrs = next(item for item in rotated if failures[item[0]] == fewest)
                 try:
                     reply = await self._fetch(peer, maddrs, offset)
                 except (AgoraError, asyncio.TimeoutError, OSError) as exc:
@@ -97,9 +101,8 @@ class StateLoader:
                         peers = [p for p in peers if p[0] != peer]
                     turn += 1
                     result.resumes += 1
-                    nxt = peers[turn % len(peers)][0] if peers else None
                     logger.warning("state chunk at element %d from %s failed (%s); %s", offset, peer, exc,
-                                   f"resuming at element {offset} from {nxt}" if nxt else "no worker left")
+                                   f"resuming at element {offset} on another worker" if peers else "no worker left")
                     continue
                 data = reply.data
                 await asyncio.to_thread(self._write, offset, data)

@@ -62,7 +62,6 @@ def test_schemathesis_finds_no_server_error(target, mode):
 
     check()
     assert_alive(target.url)
-    print(mode, sorted(seen.items()))
     assert len({(method, path) for method, path, _ in seen}) >= 8, seen  # most operations were exercised
     if mode == GenerationMode.POSITIVE:
         assert any(kind == 2 for _, _, kind in seen), seen
@@ -140,3 +139,38 @@ def _raw_exchange(url: str, request: bytes) -> bytes:
         except (ConnectionResetError, socket.timeout):
             pass
     return answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/1.1 ") else b""
+
+
+def test_generated_joins_with_valid_identities_reach_the_store(target):
+    """Schemathesis cannot forge a peer id that matches its key, so most of its joins stop at
+    the identity check; these carry real identities and hostile everything else."""
+    from authorizer.testing import NodeKey
+
+    printable = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=64)
+    with httpx.Client(base_url=target.url, timeout=10) as http:
+
+        @settings(max_examples=80, **_SETTINGS)
+        @given(role=st.sampled_from(["worker", "trainer"]), device=printable,
+               vram=st.integers(0, 1 << 50), ram=st.integers(0, 1 << 50),
+               bandwidth=st.floats(0, 1e7), latency=st.floats(0, 1e7),
+               version=st.from_regex(r"[A-Za-z0-9.+_-]{1,64}", fullmatch=True),
+               digest=st.from_regex(r"[A-Za-z0-9:+/=._-]{0,160}", fullmatch=True),
+               account=st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=256),
+               maddrs=st.lists(st.sampled_from(["/ip4/127.0.0.1/tcp/1", "/ip6/::1/udp/9/quic-v1", "/dns4/x.example/tcp/4"]),
+                               max_size=8))
+        def check(role, device, vram, ram, bandwidth, latency, version, digest, account, maddrs):
+            key = NodeKey.generate()
+            body = key.join_body(role=role, account_token=account, client_version=version, package_digest=digest,
+                                 announce_maddrs=maddrs, device_name=device, vram_bytes=vram, ram_bytes=ram,
+                                 bandwidth_mbps=bandwidth, latency_ms=latency)
+            response = http.post("/v1/join", json=body)
+            assert response.status_code == 200, response.text
+            ticket = response.json()
+            assert ticket["status"] in ("queued", "admitted", "rejected") and ticket["peer_id"] == key.peer_id
+            if ticket["status"] == "rejected":
+                assert ticket["rejection"]["reason"] and ticket["rejection"]["message"]
+            polled = http.get(f"/v1/join/{ticket['ticket']}")
+            assert polled.status_code == 200 and polled.json()["ticket"] == ticket["ticket"]
+
+        check()
+    assert_alive(target.url)

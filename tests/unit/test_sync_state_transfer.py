@@ -13,7 +13,7 @@ from hivemind.p2p import P2P
 
 from protocol import version
 from protocol.errors import ErrorCode, RemoteError
-from protocol.transport import RpcClient, RpcServer
+from protocol.transport import RpcClient, RpcServer, dial
 from roles.worker.checkpoint import StageCheckpoints, checkpoint_path
 from roles.worker.errors import CheckpointError, StateLoadError
 from roles.worker.layout import FlatLayout
@@ -102,6 +102,7 @@ def test_loading_fails_with_a_typed_error_when_nobody_serves():
         client_p2p = await P2P.create()
         client = RpcClient(client_p2p)
         try:
+            await dial(client_p2p, syncing.peer_id, maddrs)
             with pytest.raises(RemoteError) as refused:
                 await client.call(syncing.peer_id, version.STATE, {"stage": 1, "offset": 0, "count": 4}, timeout_s=10)
             assert refused.value.code == ErrorCode.NOT_READY
@@ -130,8 +131,11 @@ def test_checkpoints_are_atomic_and_checked(tmp_path):
     assert reader.load() == 123 and torch.all(reader_store.flat() == 5.0) and reader_store.pushed == 1
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o644)
 
+    other_run = StageCheckpoints(str(tmp_path), run_id="other", stage=1, layout=LAYOUT, store=Store(0.0))
+    other_run.path.write_bytes(path.read_bytes())  # a file of another run under this run's name
     with pytest.raises(CheckpointError, match="run_id"):
-        StageCheckpoints(str(tmp_path), run_id="other", stage=1, layout=LAYOUT, store=Store(0.0)).read_metadata()
+        other_run.read_metadata()
+    other_run.path.unlink()
     wrong_layout = FlatLayout(["w"], [(350,)])
     with pytest.raises(CheckpointError, match="layout"):
         StageCheckpoints(str(tmp_path), run_id="run", stage=1, layout=wrong_layout, store=Store(0.0)).read_metadata()

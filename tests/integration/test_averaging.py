@@ -1,0 +1,277 @@
+"""AsyncSPARTA and sync phases in real swarms on 127.0.0.1, driven through the CLI [report 4.2,
+3.3.1.1, 3.3.1.8, 5.7]: replicas converge, killed senders and reducers give partial rounds that
+are reported (with the right slice) and later rounds recover, a joiner passes its sync phases,
+and two replicas per stage train with averaging on.
+
+Rounds are observed through the workers' `{run}/stage/{s}/averaging` and `.../workers` DHT
+records (read by a probe DHT client), their logs and their exit summaries; weights through the
+checkpoints the workers write when they exit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from typing import Callable, Optional
+
+import hivemind
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+from pydantic import ValidationError
+from safetensors.torch import load_file
+
+from protocol.dht_schema import AveragingRecord, RoundStatus, WorkerRecord, averaging_key, schema_for_run, workers_key
+from protocol.records import SignedRecordValidator
+from roles.model.config import load_run_config
+from roles.model.stage import StageModel
+
+pytestmark = pytest.mark.integration
+
+TWO_STAGES = [{"first_layer": 0, "last_layer": 2}, {"first_layer": 2, "last_layer": 3}]
+FAST_ROUNDS = {"average_every": 2, "segments": 4, "matchmaking_time_s": 1.5, "request_timeout_s": 0.7,
+               "sender_timeout_s": 2.0, "allreduce_timeout_s": 20.0, "part_size_bytes": 4096}
+COMMON = ["--announce-period-s", "1"]
+
+
+class DhtProbe:
+    """A client-mode DHT node in the test process that reads the swarm's signed records."""
+
+    def __init__(self, maddrs: list[str], run_id: str, num_stages: int):
+        validator = SignedRecordValidator(None, schema_for_run(run_id, num_stages), run_id=run_id)
+        self.dht = hivemind.DHT(initial_peers=maddrs, client_mode=True, start=True, record_validators=[validator])
+
+    def records(self, key: str, model):
+        found = self.dht.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        records, now = {}, get_dht_time()
+        for subkey, item in found.value.items():
+            value = item.value
+            if item.expiration_time < now or (isinstance(value, dict) and value.get("tombstone")):
+                continue
+            try:
+                records[subkey] = model.model_validate(value)
+            except ValidationError:
+                continue
+        return records
+
+    def close(self):
+        self.dht.shutdown()
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float, what: str, period_s: float = 0.3):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(period_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def log_has(node, text: str) -> bool:
+    try:
+        with open(node.log_path, errors="replace") as f:
+            return text in f.read()
+    except OSError:
+        return False
+
+
+def load_weights(directory: str) -> dict[str, torch.Tensor]:
+    [name] = [n for n in os.listdir(directory) if n.endswith(".safetensors")]
+    return load_file(os.path.join(directory, name))
+
+
+def flat(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([weights[k].reshape(-1) for k in sorted(weights)])
+
+
+def rounds_of(probe: DhtProbe, run_id: str, stage: int) -> dict[str, AveragingRecord]:
+    return probe.records(averaging_key(run_id, stage), AveragingRecord)
+
+
+@pytest.mark.timeout(150)
+def test_replicas_from_different_weights_agree_after_one_pass(make_swarm, run_config_path, tmp_path):
+    """Three reducers, no training, rounds on the idle clock: within 1e-4 after every segment
+    was averaged once by all three with weight 1."""
+    config = run_config_path(stages=TWO_STAGES, averaging={**FAST_ROUNDS, "idle_period_s": 2.0})
+    run = load_run_config(config)
+    swarm = make_swarm(config, common_args=COMMON)
+    dirs = [str(tmp_path / f"ckpt{i}") for i in range(3)]
+    workers = [swarm.start("worker", stage=0, wait_ready=i == 0,
+                           args=["--reducer", "--test-init-seed-offset", str(i + 1), "--checkpoint-dir", dirs[i],
+                                 "--checkpoint-period-s", "3600"]) for i in range(3)]
+    for worker in workers[1:]:
+        swarm.wait_ready(worker)
+    initial = [flat(StageModel(run.model_copy(update={"seed": i + 1}), 0).state_dict()) for i in range(3)]
+    assert (initial[0] - initial[1]).abs().max() > 1e-2, "the replicas must start apart"
+    probe = DhtProbe(workers[0].maddrs, run.run_id, run.num_stages)
+    try:
+        def full_pass_done():
+            records = rounds_of(probe, run.run_id, 0)
+            if len(records) < 3:
+                return False
+            done = []
+            for record in records.values():
+                segments = {r.segment for r in record.recent if r.status == RoundStatus.COMPLETE and r.group_size == 3
+                            and r.weight == 1.0}
+                done.append(segments == set(range(4)))
+            return all(done)
+
+        wait_for(full_pass_done, 90, "a complete round of all three replicas on every segment")
+    finally:
+        probe.close()
+    for worker in workers:
+        assert swarm.stop(worker, signal.SIGTERM) == 0, worker.log_tail()
+    final = [flat(load_weights(d)) for d in dirs]
+    spread = max(float((final[0] - other).abs().max()) for other in final[1:])
+    print(f"replica spread after one pass: {spread:.2e} (started {float((initial[0] - initial[1]).abs().max()):.2e})")
+    assert spread < 1e-4
+    mean = torch.stack(initial).mean(0)
+    assert float((final[0] - mean).abs().max()) < 1e-4, "weight 1 each: the plain mean of the three"
+
+
+def _kill_mid_round(make_swarm, run_config_path, *, victim_reduces: bool):
+    config = run_config_path(stages=TWO_STAGES, averaging={**FAST_ROUNDS, "idle_period_s": 2.0})
+    run = load_run_config(config)
+    swarm = make_swarm(config, common_args=COMMON)
+    survivors = [swarm.start("worker", stage=0, args=["--reducer"], wait_ready=i == 0) for i in range(2)]
+    swarm.wait_ready(survivors[1])
+    victim_args = ["--test-averaging-stall-s", "60"] + (["--reducer"] if victim_reduces else [])
+    victim = swarm.start("worker", stage=0, args=victim_args)
+    wait_for(lambda: log_has(victim, "test fault: stalling"), 60, "the victim to stall mid-round")
+    with open(victim.log_path) as f:
+        stalled = next(line for line in f if "test fault: stalling" in line)
+    stalled_round = int(stalled.split(" round ")[1].split()[0])
+    swarm.stop(victim, signal.SIGKILL)
+    probe = DhtProbe(survivors[0].maddrs, run.run_id, run.num_stages)
+    try:
+        def outcome_of(round_id, status=None):
+            found = {}
+            for peer, record in rounds_of(probe, run.run_id, 0).items():
+                for summary in record.recent:
+                    if summary.round == round_id and (status is None or summary.status == status):
+                        found[peer] = summary
+            return found if set(found) >= {s.peer_id for s in survivors} else None
+
+        killed = wait_for(lambda: outcome_of(stalled_round), 40, "the survivors' report of the stalled round")
+
+        def later_complete():
+            for record in rounds_of(probe, run.run_id, 0).values():
+                for summary in record.recent:
+                    if summary.round > stalled_round and summary.status == RoundStatus.COMPLETE:
+                        return summary
+            return None
+
+        recovered = wait_for(later_complete, 40, "a complete round after the kill")
+    finally:
+        probe.close()
+    for survivor in survivors:
+        assert survivor.proc.poll() is None, "a survivor died:\n" + survivor.log_tail()
+    return victim, killed, recovered
+
+
+@pytest.mark.timeout(150)
+def test_a_sender_killed_mid_round_gives_a_partial_round_then_complete_ones(make_swarm, run_config_path):
+    victim, killed, recovered = _kill_mid_round(make_swarm, run_config_path, victim_reduces=False)
+    for summary in killed.values():
+        assert summary.status == RoundStatus.PARTIAL, summary
+        assert summary.group_size == 3 and summary.averaging_success == 1.0
+        assert summary.banned_senders == [victim.peer_id], summary
+        assert summary.reduce_success is not None and summary.reduce_success < 1.0
+    print(f"killed round: {[s.failure_reason for s in killed.values()]}; recovered: round {recovered.round} "
+          f"group {recovered.group_size}/{recovered.expected_group_size}")
+    assert recovered.group_size == 2 and recovered.expected_group_size == 2
+
+
+@pytest.mark.timeout(150)
+def test_a_reducer_killed_mid_round_reports_its_slice_then_rounds_recover(make_swarm, run_config_path):
+    victim, killed, recovered = _kill_mid_round(make_swarm, run_config_path, victim_reduces=True)
+    for summary in killed.values():
+        assert summary.status == RoundStatus.PARTIAL, summary
+        [failed] = summary.failed_slices
+        assert failed.reducer == victim.peer_id, "the dead reducer's slice is the one that fell back"
+        assert 0 < failed.failed_elements <= failed.end - failed.start
+        assert summary.averaging_success < 1.0
+    slices = {(s.failed_slices[0].start, s.failed_slices[0].end) for s in killed.values()}
+    assert len(slices) == 1, "every survivor names the same slice"
+    print(f"killed round: {[s.failure_reason for s in killed.values()]}; recovered: round {recovered.round}")
+
+
+@pytest.mark.timeout(200)
+def test_a_joiner_passes_weight_sync_then_optimizer_sync_then_becomes_active(make_swarm, run_config_path, tmp_path):
+    config = run_config_path(stages=TWO_STAGES, target_batch_size=4, averaging=FAST_ROUNDS,
+                             sync={"max_stale_steps": 2, "weight_sync_steps": 12, "optimizer_sync_steps": 12})
+    run = load_run_config(config)
+    swarm = make_swarm(config, common_args=COMMON)
+    checkpoints = str(tmp_path / "checkpoints")
+    first = swarm.start("worker", stage=0, args=["--reducer", "--checkpoint-dir", checkpoints,
+                                                 "--checkpoint-period-s", "3600"])
+    tail = swarm.start("worker", stage=1)
+    trainer = swarm.start("trainer", args=["--lanes", "2", "--discovery-period-s", "1", "--request-timeout-s", "10"])
+    wait_for(lambda: log_has(tail, "stage 1 step 6"), 90, "the stage to train past max_stale_steps")
+    joiner = swarm.start("worker", stage=0, args=["--state-source", "checkpoint", "--checkpoint-dir", checkpoints])
+    probe = DhtProbe(first.maddrs, run.run_id, run.num_stages)
+    seen: list[str] = []
+    try:
+        def phases():
+            record = probe.records(workers_key(run.run_id, 0), WorkerRecord).get(joiner.peer_id)
+            if record is not None and (not seen or seen[-1] != record.phase.value):
+                seen.append(record.phase.value)
+            return seen and seen[-1] == "active"
+
+        wait_for(phases, 120, "the joiner to become active", period_s=0.2)
+    finally:
+        probe.close()
+    assert seen == ["weight_sync", "optimizer_sync", "active"], seen
+    assert swarm.stop(trainer, signal.SIGTERM) == 0
+    assert swarm.stop(joiner, signal.SIGTERM) == 0, joiner.log_tail()
+    summary = joiner.summary()
+    assert summary["joined"]["loaded_step"] == 0 and summary["joined"]["phase"] == "weight_sync"
+    assert summary["joined"]["source"].startswith("checkpoint")
+    weight_sync, optimizer_sync, active = summary["sync_phases"]
+    assert (weight_sync["forward_requests"], weight_sync["backward_requests"]) == (0, 0), \
+        "no trainer request reached the worker in weight sync"
+    assert optimizer_sync["backward_requests"] > 0, "in optimizer sync it serves batches"
+    assert optimizer_sync["to_step"] - optimizer_sync["from_step"] >= 12
+    assert summary["rejected"].get("not_ready", 0) == 0
+    weights = {r["weight"] for r in summary["averaging"]["rounds"] if r["status"] != "skipped"}
+    print(f"joiner phases {seen}; round weights seen {sorted(weights)}; spans {summary['sync_phases']}")
+
+
+@pytest.mark.timeout(200)
+def test_two_replicas_per_stage_train_with_averaging(make_swarm, run_config_path, tmp_path):
+    config = run_config_path(stages=TWO_STAGES, target_batch_size=8,
+                             averaging={**FAST_ROUNDS, "average_every": 4})
+    swarm = make_swarm(config, common_args=COMMON)
+    dirs, workers = {}, []
+    for stage in (0, 1):
+        for i, reducer in enumerate((True, False)):
+            dirs[(stage, i)] = str(tmp_path / f"s{stage}r{i}")
+            args = ["--checkpoint-dir", dirs[(stage, i)], "--checkpoint-period-s", "3600"] + (["--reducer"] if reducer else [])
+            workers.append(swarm.start("worker", stage=stage, args=args, wait_ready=not workers))
+    for worker in workers[1:]:
+        swarm.wait_ready(worker)
+    trainer = swarm.start("trainer", args=["--lanes", "4", "--max-samples", "400", "--discovery-period-s", "1"])
+    assert swarm.wait(trainer, 150) == 0, trainer.log_tail()
+    summary = trainer.summary()
+    assert summary["samples_completed"] >= 380, summary
+    assert summary["last_loss"] < summary["first_loss"] * 0.85, summary
+    for worker in workers:
+        assert swarm.stop(worker, signal.SIGTERM) == 0, worker.log_tail()
+    report = []
+    for stage in (0, 1):
+        a, b = (flat(load_weights(dirs[(stage, i)])) for i in (0, 1))
+        distance = float((a - b).norm() / a.norm())
+        rounds = [w.summary()["averaging"]["counters"] for w in workers if w.stage == stage]
+        report.append((stage, distance, rounds))
+        assert distance < 0.05, f"stage {stage}: replicas drifted apart (relative L2 {distance:.3e})"
+        assert all(c.get("rounds_complete", 0) + c.get("rounds_partial", 0) >= 3 for c in rounds), rounds
+    print("loss %.3f -> %.3f; replica distance (relative L2) per stage: %s" % (
+        summary["first_loss"], summary["last_loss"], ", ".join(f"stage {s}: {d:.3e}" for s, d, _ in report)))
+    for stage, distance, rounds in report:
+        print(f"stage {stage} round counters: {rounds}")
+    assert not math.isnan(report[0][1])
