@@ -64,8 +64,10 @@ class AdmissionQueue:
                 await self._guarded(self._sweep)
             policy = self.authorizer.policy
             tokens = self.bucket.refill(now, policy.join_rate_per_s, policy.join_burst)
-            if tokens < 1:
-                await _wait(stop, timeout_s=max(0.001, self.bucket.seconds_until(1)))
+            if tokens < 1:  # wait for a token; a policy change (new rate) wakes us earlier
+                wakeup.clear()
+                until = min(self.bucket.seconds_until(1), next_sweep - now)
+                await _wait(wakeup, stop, timeout_s=max(0.001, until))
                 continue
             limit = min(int(tokens), MAX_RELEASE_BATCH)
             wakeup.clear()  # before reading the queue: a join committed after the read wakes us

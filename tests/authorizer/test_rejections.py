@@ -73,7 +73,8 @@ def test_capability_floors(http):
     rejected(join(http, vram_bytes=4 * GIB), "insufficient_vram", "8.00 GiB", "stage 1 (body)", "larger GPU")
     rejected(join(http, vram_bytes=0, ram_bytes=2 * GIB), "insufficient_ram", "host RAM", "add a GPU")
     rejected(join(http, role="trainer", ram_bytes=1 * GIB), "insufficient_ram", "a trainer", "4.00 GiB")
-    set_policy(http, floors={"body": {"min_bandwidth_mbps": 500.0, "max_latency_ms": 100.0}})
+    network = {"min_bandwidth_mbps": 500.0, "max_latency_ms": 100.0}
+    set_policy(http, floors={"head": network, "body": network, "tail": network})
     rejected(join(http, bandwidth_mbps=100.0), "insufficient_bandwidth", "500 Mbit/s", "faster connection")
     rejected(join(http, latency_ms=250.0), "latency_too_high", "at most 100 ms", "closer")
 

@@ -1,0 +1,53 @@
+"""A node's credential over time: renewed at two thirds of its life, kept through an authorizer
+outage by retrying, and the node stops with its documented exit code when renewal is refused."""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+
+from node.admission import EXIT_RENEWAL_REFUSED
+
+pytestmark = pytest.mark.integration
+
+ADMIN = "lifecycle-admin-token-0123456789"
+
+
+def _wait_for_log(node, text: str, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(node.log_path, errors="replace") as f:
+            if f.read().count(text) >= count:
+                return
+        assert node.proc.poll() is None, node.log_tail()
+        time.sleep(0.25)
+    raise AssertionError(f"{node.name} did not log {text!r} {count}x in {timeout_s}s:\n{node.log_tail()}")
+
+
+@pytest.mark.timeout(240)
+def test_renewal_outage_and_refusal(make_swarm, run_config_path, tmp_path):
+    config = run_config_path(run_id=f"life-{uuid.uuid4().hex[:6]}")
+    swarm = make_swarm(None)
+    data = str(tmp_path / "authorizer")
+    args = ["--run-config", config, "--data-dir", data, "--credential-ttl-s", "30", "--admin-token", ADMIN,
+            "--checks", "capability,integrity,reachability"]
+    authorizer = swarm.start_authorizer([*args, "--port", "0"])
+    port = authorizer.url.rsplit(":", 1)[1]
+    worker = swarm.start("worker", args=["--authorizer", authorizer.url])
+
+    _wait_for_log(worker, "credential renewed", 1, 40)  # at 2/3 of 30 s
+    swarm.stop(authorizer, signal.SIGKILL)
+    _wait_for_log(worker, "retrying renewal", 1, 40)  # the next renewal meets the outage
+    assert worker.proc.poll() is None, "the node rides out the outage while its credential is valid"
+    swarm.start_authorizer([*args, "--port", port], name="authorizer-restarted")
+    _wait_for_log(worker, "credential renewed", 2, 30)
+
+    response = httpx.post(f"{authorizer.url}/v1/admin/bans", json={"peer_id": worker.peer_id, "reason": "test"},
+                          headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
+    assert response.status_code == 200, response.text
+    assert swarm.wait(worker, 60) == EXIT_RENEWAL_REFUSED
+    assert "renewal refused" in worker.log_tail()
