@@ -13,10 +13,12 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from authorizer.policy import CHECK_NAMES
-from protocol.credentials import DEFAULT_CREDENTIAL_TTL_S
 from protocol.errors import ConfigError
 
 DEFAULT_DATA_DIR = "agora-authorizer"
+DEFAULT_CREDENTIAL_TTL_S = 30 * 60
+"""protocol.credentials.DEFAULT_CREDENTIAL_TTL_S, restated: importing that module loads hivemind
+and torch (seconds), and bad flags should fail at once (tests pin the two equal)."""
 
 
 class AuthorizerConfig(BaseModel):

@@ -60,51 +60,56 @@ def _admin_token(config: AuthorizerConfig) -> str:
     return token
 
 
-class _Server:
-    """uvicorn's Server without its own signal capture (it re-raises the signal after shutdown,
-    which would turn a clean SIGTERM into exit status -15); we handle signals ourselves."""
+def _uvicorn_server(config):
+    """uvicorn's Server without its own signal capture: it re-raises the signal after shutdown,
+    which would turn a clean SIGTERM into exit status -15. We handle the signals ourselves."""
+    import uvicorn
 
-    @staticmethod
-    def make(config):
-        import uvicorn
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
 
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):
-                yield
-
-        return Server(config)
+    return Server(config)
 
 
 async def _serve(config: AuthorizerConfig) -> int:
-    import uvicorn
-
-    from authorizer.app import create_app
-    from authorizer.keys import CredentialIssuer, load_or_create_root_key
-    from authorizer.reachability import Dialer
-    from authorizer.service import Authorizer
-    from authorizer.store import Store
+    # Everything a bad flag or file can break is checked before the heavy imports (hivemind
+    # pulls in torch: seconds), so a mistake is reported at once.
+    from authorizer.keys import load_or_create_root_key
     from roles.model.config import load_run_config
 
     run = load_run_config(config.run_config)
+    config.policy_overrides(run.num_stages)
+    if config.policy_file:
+        load_policy_file(config.policy_file)
+    db_url = config.db_url()
     key, created = load_or_create_root_key(config.resolved_key_path())
     if created:
         logger.warning("created a new root key at %s; back it up: peers trust credentials it signs",
                        config.resolved_key_path())
     admin_token = _admin_token(config)
-    store = Store(config.db_url(), sqlite_synchronous=config.sqlite_synchronous)
+
+    import uvicorn
+
+    from authorizer.app import create_app
+    from authorizer.issuer import CredentialIssuer
+    from authorizer.reachability import Dialer
+    from authorizer.service import Authorizer
+    from authorizer.store import Store
+
+    store = Store(db_url, sqlite_synchronous=config.sqlite_synchronous)
     try:
         store.open(run.run_id, run.num_stages)
         policy = build_policy(config, run, store.load_policy())
-        store.writer.call(lambda conn: store._put_meta(conn, "policy", policy.model_dump_json()))
+        store.save_policy_now(policy.model_dump(mode="json"))
         authorizer = Authorizer(
             run=run, store=store, issuer=CredentialIssuer(key, run.run_id, config.credential_ttl_s), policy=policy,
             dialer=Dialer(config.reachability_timeout_s), bootstrap_peers=config.bootstrap_peers,
         )
-        app = create_app(authorizer, admin_token)
-        server = _Server.make(uvicorn.Config(
-            app, host=config.host, port=config.port, log_config=None, access_log=False,
-            lifespan="on", timeout_graceful_shutdown=10, server_header=False,
+        server = _uvicorn_server(uvicorn.Config(
+            create_app(authorizer, admin_token), host=config.host, port=config.port, log_config=None,
+            access_log=False, lifespan="on", timeout_graceful_shutdown=10, server_header=False,
         ))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -113,19 +118,18 @@ async def _serve(config: AuthorizerConfig) -> int:
         while not server.started and not task.done():
             await asyncio.sleep(0.02)
         if not server.started:
-            await task  # re-raises uvicorn's startup failure (e.g. the port is taken)
+            await task  # re-raises uvicorn's startup failure (it exits on bind errors)
             raise ConfigError(f"cannot serve on {config.host}:{config.port}; choose another --host/--port")
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(f"agora-node ready role=authorizer stage=- peer=- url=http://{shown}:{port}", flush=True)
         logger.info("authorizer of run %s serving on http://%s:%d (db %s)", run.run_id, shown, port,
-                    config.db_url().split("@")[-1])
+                    db_url.split("@")[-1])
         await task
-        logger.info("HTTP server stopped")
+        logger.info("stopped")
         return EXIT_OK
     finally:
         store.close()
-        logger.info("store closed")
 
 
 def run_authorizer(config: AuthorizerConfig) -> int:

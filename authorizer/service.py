@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from authorizer import admission
 from authorizer.admission import HardwareClaim, Rejection
 from authorizer.errors import IdentityMismatch, NotFound, ProofRejected, RenewalRefused, StoreUnavailable
-from authorizer.keys import CredentialIssuer
+from authorizer.issuer import CredentialIssuer
 from authorizer.models import (
     AdmissionOut, JoinRequest, LeaveOut, PoolInfo, Proof, RejectionOut, RenewOut, RunInfo, StageInfo,
     TicketOut, TicketStatus,

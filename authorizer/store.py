@@ -151,6 +151,10 @@ class Store:
     async def save_policy(self, policy: dict) -> None:
         await self.writer.run(lambda conn: self._put_meta(conn, "policy", json.dumps(policy)))
 
+    def save_policy_now(self, policy: dict) -> None:
+        """Blocking `save_policy`, for start-up."""
+        self.writer.call(lambda conn: self._put_meta(conn, "policy", json.dumps(policy)))
+
     def _put_meta(self, conn: Connection, key: str, value: str) -> None:
         stmt = self._insert(meta).values(key=key, value=value)
         conn.execute(stmt.on_conflict_do_update(index_elements=[meta.c.key], set_={"value": stmt.excluded.value}))

@@ -9,6 +9,7 @@ RSA-2048 costs a millisecond). The key is persisted so a restarted node keeps it
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from dataclasses import dataclass
@@ -38,8 +39,13 @@ def peer_id_from_public_key(raw_public: bytes) -> PeerID:
 
 def public_key_from_peer_id(peer_id: PeerID | str) -> Optional[bytes]:
     """The raw Ed25519 public key inside a peer id, or None if it holds no Ed25519 key."""
+    return _public_key_from_peer_id(peer_id if isinstance(peer_id, str) else peer_id.to_base58())
+
+
+@functools.lru_cache(maxsize=8192)
+def _public_key_from_peer_id(peer_id: str) -> Optional[bytes]:
     try:
-        raw = base58.b58decode(peer_id) if isinstance(peer_id, str) else peer_id.to_bytes()
+        raw = base58.b58decode(peer_id)
         if len(raw) < 2 or raw[0] != _IDENTITY_MULTIHASH or raw[1] != len(raw) - 2:
             return None
         message = crypto_pb2.PublicKey.FromString(raw[2:])

@@ -125,15 +125,16 @@ class Windows:
     central_warmup_steps: int
     central_budget_s: float
     idle_window_s: float
+    deadline_s: float  # the lane windows shrink (to 3 s at least) to end the measurements by then
     swarm_lanes_per_trainer: int = 4
 
 
 FULL = Windows(swarm_window_s=20.0, lanes_window_s=15.0, warmup_samples=48, warmup_s=4.0,
                rpc_round_trips=1500, rpc_block=50, central_steps=100, central_warmup_steps=10,
-               central_budget_s=20.0, idle_window_s=5.0)
+               central_budget_s=20.0, idle_window_s=5.0, deadline_s=280.0)
 QUICK = Windows(swarm_window_s=5.0, lanes_window_s=4.0, warmup_samples=16, warmup_s=1.5,
                 rpc_round_trips=500, rpc_block=50, central_steps=20, central_warmup_steps=5,
-                central_budget_s=6.0, idle_window_s=2.0)
+                central_budget_s=6.0, idle_window_s=2.0, deadline_s=150.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -665,9 +666,11 @@ async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dic
 
         log(f"[{time.monotonic() - t0:5.1f}s] (a) swarm: 2 trainers x {windows.swarm_lanes_per_trainer} lanes, "
             f"{windows.swarm_window_s:.0f}s window")
+        started = time.monotonic()
         swarm_run = await measure_trainers(swarm, probe, run, workers, trainers=2,
                                            lanes=windows.swarm_lanes_per_trainer, windows=windows,
                                            window_s=windows.swarm_window_s)
+        overheads = [time.monotonic() - started - swarm_run["window_s"]]  # start, warm-up, stop
         rss_trend = {"after_swarm_run": {w.name: rss_mb(w.pid) for w in workers}}
         ratio = swarm_run["tokens_per_s"] / central["tokens_per_s"]
         best_central = max(central["tokens_per_s"], central["tokens_per_s_best_10_step_block"],
@@ -699,10 +702,16 @@ async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dic
         }
 
         runs = []
-        for lanes in LANES:
-            log(f"[{time.monotonic() - t0:5.1f}s] (b) 1 trainer x {lanes} lane(s), {windows.lanes_window_s:.0f}s window")
+        for i, lanes in enumerate(LANES):
+            # On a busy machine, starting and stopping trainers slows down: shorten the windows
+            # rather than overrun the time budget.
+            per_run = (windows.deadline_s - (time.monotonic() - t0)) / (len(LANES) - i)
+            window = max(3.0, min(windows.lanes_window_s, per_run - statistics.fmean(overheads)))
+            log(f"[{time.monotonic() - t0:5.1f}s] (b) 1 trainer x {lanes} lane(s), {window:.0f}s window")
+            started = time.monotonic()
             runs.append(await measure_trainers(swarm, probe, run, workers, trainers=1, lanes=lanes, windows=windows,
-                                               window_s=windows.lanes_window_s, sample_rss=lanes == 8))
+                                               window_s=window, sample_rss=lanes == 8))
+            overheads.append(time.monotonic() - started - runs[-1]["window_s"])
             rss_trend[f"after_{lanes}_lanes"] = {w.name: rss_mb(w.pid) for w in workers}
         out["utilization_by_lanes"] = {
             "trainers": "one trainer process holding all the lanes",
@@ -719,7 +728,8 @@ async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dic
             "method": (
                 "workers stay up; for each lane count a fresh trainer is started, warmed up like (a), and each "
                 "worker's agora/v1/info counters are read at the start and end of a "
-                f"{windows.lanes_window_s:.0f}s window: utilization = delta compute_ms / wall ms between the two "
+                f"{windows.lanes_window_s:.0f}s window (shorter, see window_s, if the run was behind its time "
+                "budget): utilization = delta compute_ms / wall ms between the two "
                 "replies (compute_ms sums the duration of every batch the compute thread ran). tokens/s as in (a)."
             ),
         }

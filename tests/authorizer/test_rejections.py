@@ -157,18 +157,14 @@ def test_reachability(http, tmp_path):
                 set_policy(http, dial_private_addresses=False)
                 private = (await client.post("/v1/join", json=NodeKey.generate().join_body(
                     announce_maddrs=[address]))).json()
-            return live, stolen, private
+            return live, stolen, private, address
         finally:
             await node.shutdown()
 
-    live, stolen, private = asyncio.run(with_live_node())
+    live, stolen, private, address = asyncio.run(with_live_node())
     assert live["status"] in ("queued", "admitted"), live
-    rejected(stolen, "unreachable", address_port(stolen))
+    rejected(stolen, "unreachable", address, "open TCP port")
     rejected(private, "no_dialable_address", "private address")
-
-
-def address_port(ticket: dict) -> str:
-    return "open TCP port"
 
 
 # -- accountability ----------------------------------------------------------------------------

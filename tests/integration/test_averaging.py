@@ -203,8 +203,8 @@ def test_a_reducer_killed_mid_round_reports_its_slice_then_rounds_recover(make_s
 
 @pytest.mark.timeout(200)
 def test_a_joiner_passes_weight_sync_then_optimizer_sync_then_becomes_active(make_swarm, run_config_path, tmp_path):
-    config = run_config_path(stages=TWO_STAGES, target_batch_size=4, averaging=FAST_ROUNDS,
-                             sync={"max_stale_steps": 2, "weight_sync_steps": 12, "optimizer_sync_steps": 12})
+    config = run_config_path(stages=TWO_STAGES, target_batch_size=8, averaging=FAST_ROUNDS,
+                             sync={"max_stale_steps": 2, "weight_sync_steps": 16, "optimizer_sync_steps": 12})
     run = load_run_config(config)
     swarm = make_swarm(config, common_args=COMMON)
     checkpoints = str(tmp_path / "checkpoints")
@@ -212,18 +212,21 @@ def test_a_joiner_passes_weight_sync_then_optimizer_sync_then_becomes_active(mak
                                                  "--checkpoint-period-s", "3600"])
     tail = swarm.start("worker", stage=1)
     trainer = swarm.start("trainer", args=["--lanes", "2", "--discovery-period-s", "1", "--request-timeout-s", "10"])
-    wait_for(lambda: log_has(tail, "stage 1 step 6"), 90, "the stage to train past max_stale_steps")
-    joiner = swarm.start("worker", stage=0, args=["--state-source", "checkpoint", "--checkpoint-dir", checkpoints])
     probe = DhtProbe(first.maddrs, run.run_id, run.num_stages)
     seen: list[str] = []
     try:
+        wait_for(lambda: log_has(tail, "stage 1 step 6"), 90, "the stage to train past max_stale_steps")
+        joiner = swarm.start("worker", stage=0, wait_ready=False,
+                             args=["--state-source", "checkpoint", "--checkpoint-dir", checkpoints])
+        wait_for(joiner.ready.is_set, 90, "the joiner to start", period_s=0.05)
+
         def phases():
             record = probe.records(workers_key(run.run_id, 0), WorkerRecord).get(joiner.peer_id)
             if record is not None and (not seen or seen[-1] != record.phase.value):
                 seen.append(record.phase.value)
             return seen and seen[-1] == "active"
 
-        wait_for(phases, 120, "the joiner to become active", period_s=0.2)
+        wait_for(phases, 120, "the joiner to become active", period_s=0.1)
     finally:
         probe.close()
     assert seen == ["weight_sync", "optimizer_sync", "active"], seen

@@ -70,6 +70,8 @@ class RoundOutcome:
     mismatched_peers: list[str] = field(default_factory=list)
     delta_sq: float = 0.0
     average_sq: float = 0.0
+    allreduce_s: Optional[float] = None
+    """Time inside hivemind's all-reduce (after matchmaking), as the averager process measured it."""
     finished_at: float = field(default_factory=time.time)
 
     @property
@@ -218,7 +220,7 @@ class SegmentRound:
         return RoundOutcome(
             plan, index_set.digest, status, duration_s, group=peers, reduce_success=reduce_success,
             averaging_success=averaging_success, failure_reason="; ".join(reasons), failed_slices=failed_slices,
-            banned_senders=banned, mismatched_peers=mismatched,
+            banned_senders=banned, mismatched_peers=mismatched, allreduce_s=telemetry.get("allreduce_s"),
         )
 
 

@@ -1,0 +1,307 @@
+"""AsyncSPARTA round benchmark: how long one averaging round of a stage takes, and how close it
+comes to bare hivemind averaging and to a raw libp2p stream. Prints ONE JSON object on stdout
+(logs go to stderr); `--out PATH` also writes it to a file; `--quick` runs only the smallest
+stage.
+
+What is measured, and why that way:
+
+`ours`
+    One round exactly as a worker runs it (roles/worker/averaging: SegmentRound over a
+    StageAverager): gather segment `round mod 20` of the stage's flat parameters (p = 5%) into the
+    fixed-size round buffer under the optimizer lock, set the round's group key and size, run
+    hivemind's butterfly all-reduce through the instrumented runner, read the result back and
+    apply it with the delta rule. `round_s` is the wall time from the first replica entering the
+    round to the last one leaving it (a round is over when every replica has applied it), the
+    median over `--rounds` measured rounds after one warm-up round. `allreduce_s` is the part
+    the averager process spent inside the all-reduce, as its runner measured it. All replicas
+    are reducers; each has its own DHT node, libp2p daemon and averager process, forked from this
+    process, on 127.0.0.1. The index set of the round is computed before the timer starts (the
+    worker prepares the next round's set in the background while it trains); its cost is
+    reported per size as `index_set_s`.
+
+`hivemind`
+    The same bytes through bare hivemind averaging: a plain `DecentralizedAverager` over a
+    buffer of the same size, with the same matchmaking window, group size target, chunk size and
+    timeouts, replicas stepping at the same moment. `ratio_vs_hivemind` = hivemind round time /
+    our round time (1.0 = no overhead; the aim is >= 0.9).
+
+`stream`
+    The ceiling of the transport: the buffer's bytes pushed through ONE long-lived libp2p binary
+    stream between two daemons on this machine, in 1 MiB length-prefixed frames (our framing),
+    one direction. `ratio_vs_stream` = our bytes/s / stream bytes/s, where our bytes/s is the
+    round buffer's bytes (what each replica contributes) over the round time. A butterfly round
+    moves about 2 (R-1)/R times those bytes per replica, in and out, so this ratio is well below
+    1 by construction; it says how far the whole round is from the wire.
+
+Sizes are stages of 10M, 50M and 100M float32 parameters with 2, 4 and 8 replicas. A combination
+is skipped (and listed with the reason) if its replicas' parameters would not fit in the memory
+available, or if the time budget (`--budget-s`) would be exceeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+mp.set_start_method("fork", force=True)  # hivemind needs fork (DESIGN §3)
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+from _bench_common import log, machine_info  # noqa: E402
+
+SEGMENTS = 20
+MATCHMAKING_S = 3.0
+
+
+class Store:
+    """A replica's parameters as the round sees them (what StageOptimizer provides)."""
+
+    def __init__(self, tensors):
+        self.lock = threading.RLock()
+        self.master_params = tensors
+
+    def push_master_to_device(self):
+        pass
+
+
+def _config():
+    from roles.model.config import AveragingConfig
+
+    return AveragingConfig(matchmaking_time_s=MATCHMAKING_S, request_timeout_s=1.0, sender_timeout_s=60.0,
+                           allreduce_timeout_s=600.0)
+
+
+async def _stream_rate(nbytes: int) -> float:
+    """Bytes/s of one framed libp2p binary stream between two local daemons."""
+    from hivemind.p2p import P2P
+
+    from protocol.framing import read_frame, write_frame
+
+    server = await P2P.create()
+    client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+    try:
+        async def sink(info, reader, writer):
+            received = 0
+            while received < nbytes:
+                received += len(await read_frame(reader, 1 << 22))
+            await write_frame(writer, b"ok")
+
+        await server.add_binary_stream_handler("bench/stream", sink)
+        _, reader, writer = await client.call_binary_stream_handler(server.peer_id, "bench/stream")
+        chunk = os.urandom(1 << 20)
+        await write_frame(writer, chunk[:1024])  # open the stream before timing
+        started, sent = time.perf_counter(), 1024
+        while sent < nbytes:
+            piece = chunk[: min(len(chunk), nbytes - sent)]
+            await write_frame(writer, piece)
+            sent += len(piece)
+        await asyncio.wait_for(read_frame(reader), 120)
+        return nbytes / (time.perf_counter() - started)
+    finally:
+        await client.shutdown()
+        await server.shutdown()
+
+
+def _run_together(fns) -> list:
+    """Run the callables in parallel threads, return their results (or exceptions)."""
+    results = [None] * len(fns)
+
+    def go(i):
+        try:
+            results[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - reported in the JSON
+            results[i] = exc
+
+    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(fns))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(900)
+    return results
+
+
+def _ours(dhts, stores, index_sets, replicas: int, rounds: int, tag: str) -> dict:
+    from roles.worker.averaging.averager import StageAverager
+    from roles.worker.averaging.rounds import RoundPlan, SegmentRound
+
+    averagers = []
+    try:
+        for dht in dhts[:replicas]:
+            averager = StageAverager(dht, index_sets.buffer_size, run_id=tag, stage=0, reducer=True, config=_config())
+            averager.start()
+            averagers.append(averager)
+        runners = [SegmentRound(store, index_sets, averager) for store, averager in zip(stores, averagers)]
+        times, allreduce, statuses = [], [], []
+        for round_id in range(rounds + 1):
+            segment = round_id % SEGMENTS
+            index_sets.get(segment)  # prepared in the background by a worker
+            plan = RoundPlan("bench", round_id, segment, 1.0, replicas, "active")
+            started = time.perf_counter()
+            outcomes = _run_together([lambda r=r: r.run(plan) for r in runners])
+            elapsed = time.perf_counter() - started
+            bad = [o for o in outcomes if isinstance(o, BaseException)]
+            if bad:
+                raise bad[0]
+            if round_id == 0:
+                continue  # warm-up: connections, first-touch of the buffer
+            times.append(elapsed)
+            allreduce.append(max(o.allreduce_s or 0.0 for o in outcomes))
+            statuses.extend(o.status.value for o in outcomes)
+        return {"round_s": statistics.median(times), "round_s_all": [round(t, 3) for t in times],
+                "allreduce_s": statistics.median(allreduce),
+                "statuses": {s: statuses.count(s) for s in sorted(set(statuses))}}
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+def _bare_hivemind(dhts, buffer_size: int, replicas: int, rounds: int, tag: str) -> dict:
+    from hivemind.averaging import DecentralizedAverager
+
+    config = _config()
+    averagers = []
+    try:
+        for dht in dhts[:replicas]:
+            averager = DecentralizedAverager(
+                [torch.randn(buffer_size)], dht, start=False, prefix=tag, target_group_size=replicas,
+                min_group_size=2, min_matchmaking_time=config.matchmaking_time_s,
+                request_timeout=config.request_timeout_s, next_chunk_timeout=config.sender_timeout_s,
+                sender_timeout=config.sender_timeout_s, reducer_timeout=2 * config.sender_timeout_s,
+                allreduce_timeout=config.allreduce_timeout_s, part_size_bytes=config.part_size_bytes,
+                allow_state_sharing=False, client_mode=False,
+            )
+            averager.start()
+            averager.wait_until_ready(60)
+            averagers.append(averager)
+        times = []
+        for round_id in range(rounds + 1):
+            timeout = 2 * config.matchmaking_time_s
+            started = time.perf_counter()
+            results = _run_together([lambda a=a: a.step(weight=1.0, timeout=timeout, allow_retries=False)
+                                     for a in averagers])
+            elapsed = time.perf_counter() - started
+            bad = [r for r in results if isinstance(r, BaseException) or r is None]
+            if bad:
+                raise RuntimeError(f"bare hivemind round failed: {bad[0]!r}")
+            if round_id:
+                times.append(elapsed)
+        return {"round_s": statistics.median(times), "round_s_all": [round(t, 3) for t in times]}
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="10e6,50e6,100e6", help="stage sizes in parameters")
+    parser.add_argument("--replicas", default="2,4,8")
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per combination (after a warm-up)")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="skip combinations that would exceed this")
+    parser.add_argument("--quick", action="store_true", help="only the smallest stage, 2 and 4 replicas, 1 round")
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    replica_counts = [int(r) for r in args.replicas.split(",")]
+    if args.quick:
+        sizes, replica_counts, args.rounds = sizes[:1], [r for r in replica_counts if r <= 4], 1
+    torch.set_num_threads(1)
+    started = time.monotonic()
+
+    import hivemind
+
+    from roles.worker.averaging.index_sets import SegmentIndexSets
+    from roles.worker.layout import FlatLayout
+
+    result: dict = {"machine": machine_info(), "settings": {
+        "segments": SEGMENTS, "p": 1 / SEGMENTS, "matchmaking_time_s": MATCHMAKING_S,
+        "part_size_bytes": _config().part_size_bytes, "measured_rounds": args.rounds, "reducers": "all replicas",
+        "budget_s": args.budget_s}, "results": [], "skipped": [], "index_set_s": {}, "stream": {}}
+    log("starting the libp2p stream ceiling")
+    for size in sizes:
+        nbytes = 4 * math.ceil(size / SEGMENTS)
+        rate = asyncio.run(_stream_rate(nbytes))
+        result["stream"][str(size)] = {"bytes": nbytes, "bytes_per_s": round(rate), "seconds": round(nbytes / rate, 4)}
+    log("starting", max(replica_counts), "DHT nodes")
+    dhts = [hivemind.DHT(start=True)]
+    while len(dhts) < max(replica_counts):
+        dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
+    seconds_per_byte = None
+    try:
+        for size in sizes:
+            layout = FlatLayout(["w", "b"], [(size - 1000, ), (1000,)])
+            index_sets = SegmentIndexSets(layout, SEGMENTS, seed=0, stage=0)
+            t0 = time.perf_counter()
+            index_sets.get(0)
+            result["index_set_s"][str(size)] = round(time.perf_counter() - t0, 3)
+            buffer_bytes = 4 * index_sets.buffer_size
+            stores: list[Store] = []
+            for replicas in replica_counts:
+                tag = f"bench{size}x{replicas}"
+                need = 4 * size * replicas * 1.3
+                available = psutil.virtual_memory().available
+                if need > available:
+                    result["skipped"].append({"params": size, "replicas": replicas,
+                                              "reason": f"needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} free"})
+                    continue
+                elapsed = time.monotonic() - started
+                estimate = 0.0 if seconds_per_byte is None else seconds_per_byte * buffer_bytes * replicas
+                if elapsed + estimate > args.budget_s:
+                    result["skipped"].append({"params": size, "replicas": replicas,
+                                              "reason": f"time budget: {elapsed:.0f}s spent, ~{estimate:.0f}s more"})
+                    continue
+                while len(stores) < replicas:
+                    base = stores[0].master_params if stores else [torch.randn(s) for s in layout.shapes]
+                    stores.append(Store([t.clone().add_(len(stores)) for t in base]))
+                log(f"{size / 1e6:.0f}M parameters x {replicas} replicas")
+                combo_started = time.monotonic()
+                entry = {"params": size, "replicas": replicas, "segment_values": index_sets.buffer_size,
+                         "bytes": buffer_bytes}
+                try:
+                    entry["ours"] = _ours(dhts, stores, index_sets, replicas, args.rounds, tag + "ours")
+                    entry["hivemind"] = _bare_hivemind(dhts, index_sets.buffer_size, replicas, args.rounds,
+                                                       tag + "bare")
+                except Exception as exc:  # noqa: BLE001 - one broken combination must not lose the rest
+                    entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    result["results"].append(entry)
+                    continue
+                ours, bare = entry["ours"], entry["hivemind"]
+                ours["bytes_per_s"] = round(buffer_bytes / ours["round_s"])
+                bare["bytes_per_s"] = round(buffer_bytes / bare["round_s"])
+                entry["ratio_vs_hivemind"] = round(bare["round_s"] / ours["round_s"], 3)
+                entry["ratio_vs_stream"] = round(ours["bytes_per_s"] / result["stream"][str(size)]["bytes_per_s"], 4)
+                result["results"].append(entry)
+                seconds_per_byte = (time.monotonic() - combo_started) / (buffer_bytes * replicas)
+                log(json.dumps(entry))
+            del stores
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+    ratios = [e["ratio_vs_hivemind"] for e in result["results"] if "ratio_vs_hivemind" in e]
+    result["summary"] = {
+        "combinations_measured": len(ratios),
+        "ratio_vs_hivemind_min": min(ratios, default=None),
+        "ratio_vs_hivemind_median": statistics.median(ratios) if ratios else None,
+        "total_s": round(time.monotonic() - started, 1),
+    }
+    text = json.dumps(result)
+    print(text, flush=True)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The authorizer process: its one readiness line, clean exits on SIGTERM and SIGINT, a root key
+and policy that survive restarts, refusals of bad configuration, and the queue sweeper."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from authorizer.testing import NodeKey
+from protocol.credentials import SignedCredential, verify_credential
+from tests.authorizer.helpers import ADMIN, ADMIN_TOKEN, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+READY = re.compile(r"^agora-node ready role=authorizer stage=- peer=- url=http://127\.0\.0\.1:(\d+)$")
+CHECKS = ("--checks", "capability,integrity,accountability")
+
+
+def test_ready_line_and_clean_exit_on_signals(start_authorizer, tmp_path):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        authorizer = start_authorizer(*CHECKS, data_dir=str(tmp_path / "data"))
+        assert READY.match(authorizer.stdout_lines[0]), authorizer.stdout_lines
+        assert httpx.get(f"{authorizer.url}/openapi.json").json()["info"]["title"] == "agora-node authorizer"
+        authorizer.proc.send_signal(sig)
+        assert authorizer.proc.wait(30) == 0, authorizer.log_tail()
+        assert len(authorizer.stdout_lines) == 1  # stdout carries the readiness line only; logs go to stderr
+
+
+def test_restart_keeps_root_key_policy_and_records(start_authorizer, tmp_path):
+    data = str(tmp_path / "data")
+    first = start_authorizer(*CHECKS, "--join-rate", "500", data_dir=data)
+    key_file = os.path.join(data, "root.key")
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    node = NodeKey.generate()
+    with httpx.Client(base_url=first.url, timeout=30) as http:
+        root = http.get("/v1/run").json()["authorizer_public_key"]
+        ticket = http.post("/v1/join", json=node.join_body()).json()
+        done = wait_until(lambda: (t := http.get(f"/v1/join/{ticket['ticket']}").json())["status"] == "admitted" and t,
+                          10, message="admission")
+        assert http.patch("/v1/admin/policy", json={"trainer_capacity": 3}, headers=ADMIN).status_code == 200
+    assert first.stop() == 0
+
+    second = start_authorizer(*CHECKS, data_dir=data)  # no --join-rate this time
+    with httpx.Client(base_url=second.url, timeout=30) as http:
+        run = http.get("/v1/run").json()
+        assert run["authorizer_public_key"] == root
+        assert run["trainers"]["capacity"] == 3  # the operator's live change survived
+        assert run["join_rate_per_s"] == 500  # and so did the last explicit setting
+        again = http.get(f"/v1/join/{ticket['ticket']}").json()
+        assert again["status"] == "admitted"
+        signed = SignedCredential.from_bytes(base64.b64decode(again["admission"]["credential_msgpack"]))
+        verify_credential(base64.b64decode(root), signed, peer_id=node.peer_id, run_id="tiny")
+        assert signed == SignedCredential.from_bytes(base64.b64decode(done["admission"]["credential_msgpack"]))
+        renewed = http.post("/v1/renew", json=node.proof_body("renew", "tiny"))
+        assert renewed.status_code == 200
+    assert second.stop() == 0
+    third = start_authorizer(*CHECKS, "--trainer-capacity", "9", data_dir=data)  # an explicit flag wins
+    assert httpx.get(f"{third.url}/v1/run").json()["trainers"]["capacity"] == 9
+
+
+def _run_main(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "authorizer.main", "--port", "0", "--admin-token", ADMIN_TOKEN,
+                           *args], capture_output=True, text=True, timeout=60)
+
+
+def test_bad_configuration_exits_2_with_one_line(tmp_path):
+    data = str(tmp_path / "data")
+    cases = [
+        (["--stage-capacity", "1,2"], "one value for all stages or one per stage"),
+        (["--db", "mysql://x/y"], "sqlite:///"),
+        (["--checks", "capability,telepathy"], "unknown check"),
+        (["--run-config", "nonexistent.yaml"], "preset"),
+        (["--policy-file", str(tmp_path / "missing.yaml")], "does not exist"),
+    ]
+    for args, phrase in cases:
+        done = _run_main("--data-dir", data, *args)
+        assert done.returncode == 2, (args, done.stderr[-2000:])
+        assert phrase in done.stderr and done.stdout == "", (args, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr
+    os.makedirs(data, exist_ok=True)
+    with open(os.path.join(data, "root.key"), "w") as handle:
+        handle.write("not a key")
+    os.chmod(os.path.join(data, "root.key"), 0o644)
+    done = _run_main("--data-dir", data)
+    assert done.returncode == 2 and "chmod 600" in done.stderr
+
+
+def test_database_of_another_run_is_refused(start_authorizer, tmp_path):
+    from roles.model.config import dump_run_config, load_run_config
+
+    db = f"sqlite:///{tmp_path}/shared.db"
+    start_authorizer(*CHECKS, db=db).stop()
+    other = tmp_path / "other.yaml"
+    dump_run_config(load_run_config("tiny", {"run_id": "other-run"}), other)
+    done = _run_main("--data-dir", str(tmp_path / "data"), "--db", db, "--run-config", str(other))
+    assert done.returncode == 2 and "belongs to run 'tiny'" in done.stderr
+
+
+def test_queued_ticket_nobody_polls_is_swept(start_authorizer, tmp_path):
+    authorizer = start_authorizer(*CHECKS, "--join-rate", "0.001", "--join-burst", "1")
+    with httpx.Client(base_url=authorizer.url, timeout=30) as http:
+        http.patch("/v1/admin/policy", json={"queue_idle_timeout_s": 1}, headers=ADMIN)
+        tickets = [http.post("/v1/join", json=NodeKey.generate().join_body(account_token=f"a{i}")).json()
+                   for i in range(2)]
+        queued = [t for t in tickets if t["status"] == "queued"]
+        assert queued
+        stage = queued[-1]["stage"]
+        time.sleep(1.5)
+        wait_until(lambda: http.get("/v1/run").json()["stages"][stage]["queued"] == 0, 15, interval_s=0.5,
+                   message="the sweeper")
+        swept = http.get(f"/v1/join/{queued[-1]['ticket']}").json()
+        assert swept["status"] == "abandoned"
