@@ -160,23 +160,29 @@ class RpcClient:
         payload = pack(envelope)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         key = (peer_id, handler)
-        stream = None
-        try:
-            stream = await asyncio.wait_for(self._acquire(key), timeout)
-            reader, writer = stream
+        held: list = []  # the stream in use, so a timeout can discard it
+
+        async def exchange() -> bytes:
+            held.append(await self._acquire(key))
+            reader, writer = held[0]
             await write_frame(writer, payload)
-            frame = await asyncio.wait_for(read_frame(reader, self.max_frame_bytes), timeout)
+            return await read_frame(reader, self.max_frame_bytes)
+
+        try:
+            frame = await asyncio.wait_for(exchange(), timeout)  # one deadline for the whole exchange
+            stream = held[0]
         except asyncio.TimeoutError as exc:
+            stream = held[0] if held else None
             self._discard(stream)
             raise PeerTimeout(f"{handler} on {peer_id} did not answer within {timeout:.1f}s") from exc
         except (PeerUnavailable, ProtocolError):
-            self._discard(stream)
+            self._discard(held[0] if held else None)
             raise
         except asyncio.CancelledError:
-            self._discard(stream)
+            self._discard(held[0] if held else None)
             raise
         except Exception as exc:
-            self._discard(stream)
+            self._discard(held[0] if held else None)
             raise PeerUnavailable(f"cannot reach {peer_id} for {handler}: {exc}") from exc
         self._release(key, stream)
         reply = parse_model(ReplyEnvelope, unpack(frame), ErrorCode.MALFORMED_FRAME)
