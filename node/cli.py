@@ -21,7 +21,8 @@ def node_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="agora-node", description="Join a permissionless LLM pre-training run.",
                 epilog="Run 'agora-node demo --help' for the local demo swarm. Every flag can also be set as an "
                        "AGORA_<FLAG> environment variable or in the config file's 'node:' section.")
-    p.add_argument("--role", choices=["worker", "trainer"], help="what this node does")
+    p.add_argument("--role", choices=["worker", "trainer", "authorizer"],
+                   help="what this node does (authorizer: see agora-node --role authorizer --help)")
     p.add_argument("--config", help="run config: tiny, 1b, 8b or a YAML path")
     p.add_argument("--stage", type=int, help="pipeline stage served by a worker")
     p.add_argument("--authorizer", metavar="URL", help="the run's authorizer; admits this node and signs its credential")
@@ -68,6 +69,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from node.demo import demo_main
 
             return demo_main(argv[1:])
+        if _role_of(argv) == "authorizer":
+            return _run_authorizer(argv)
         return _run(argv)
     except ConfigError as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
@@ -80,6 +83,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return code
     except KeyboardInterrupt:
         return 130
+
+
+def _role_of(argv: list[str]) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == "--role" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--role="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _run_authorizer(argv: list[str]) -> int:
+    """`agora-node --role authorizer ...` is the authorizer service; `--config` names its run config."""
+    from authorizer.main import main as authorizer_main
+
+    translated: list[str] = []
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg == "--role":
+            skip = True
+        elif arg.startswith("--role="):
+            continue
+        elif arg == "--config":
+            translated.append("--run-config")
+        elif arg.startswith("--config="):
+            translated.append("--run-config=" + arg.split("=", 1)[1])
+        else:
+            translated.append(arg)
+    return authorizer_main(translated)
 
 
 def _run(argv: list[str]) -> int:

@@ -124,3 +124,26 @@ def test_worker_rejects_hostile_requests_and_keeps_serving(make_swarm, run_confi
     rejected = worker.summary()["rejected"]
     assert rejected["wrong_stage"] == 1 and rejected["malformed_frame"] == 1
     assert rejected["invalid_tensor"] == 4 and rejected["invalid_request"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_authorizer_role_serves_and_stops_cleanly(tmp_path):
+    import httpx
+
+    proc = subprocess.Popen(NODE + ["--role", "authorizer", "--config", "tiny", "--port", "0",
+                                    "--data-dir", str(tmp_path / "auth")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("agora-node ready role=authorizer stage=- peer=- url=http://127.0.0.1:"), line
+        url = line.rsplit("url=", 1)[1]
+        info = httpx.get(f"{url}/v1/run", timeout=10).json()
+        assert info["run_id"] == "tiny" and len(info["stages"]) == 3
+        assert httpx.get(f"{url}/openapi.json", timeout=10).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert oct((tmp_path / "auth" / "root.key").stat().st_mode & 0o777) == "0o600"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
