@@ -14,10 +14,13 @@ A single HTTP service (FastAPI on uvicorn) per run [3.6.1]. Modules, one concept
     reachability dialing a joining node back over libp2p
     placement    which stage a worker serves
     queue        releasing the admission queue at the join rate; sweeping lapsed tickets
-    store        participant records on SQLite or PostgreSQL
+    store        participant records on SQLite or PostgreSQL, and every change to them
+    reads        the store's queries (polls, counts, bans, revocations)
+    statements   the hot-path SQL, built once per dialect
     schema       the tables and the invariants the database holds
     writer       group commit: durable writes without an fsync per request
-    keys         the root signing key, admin token, credential issuing
+    keys         the root key file and the admin token file
+    issuer       signing credentials and revocation lists
     errors       the error tree
     testing      helpers for tests and benchmarks: a real PostgreSQL, an authorizer subprocess
 """

@@ -12,6 +12,7 @@
         ├── MethodNotAllowed     405 method_not_allowed
         ├── PayloadTooLarge      413 payload_too_large
         ├── StoreUnavailable     503 store_unavailable   the database did not answer; retry later
+        ├── DialerUnavailable    503 reachability_unavailable  the libp2p dialer could not start
         └── InternalError        500 internal            a bug of ours, never the caller's input
 
 Admission rejections are not errors: they are a normal outcome of a join, carried in the ticket
@@ -26,7 +27,7 @@ from protocol.errors import AgoraError, ConfigError
 __all__ = [
     "AuthorizerError", "ConfigError", "InvalidRequest", "IdentityMismatch", "AdminAuthRequired",
     "ProofRejected", "RenewalRefused", "NotFound", "MethodNotAllowed", "PayloadTooLarge",
-    "StoreUnavailable", "InternalError",
+    "StoreUnavailable", "DialerUnavailable", "InternalError",
 ]
 
 
@@ -78,6 +79,10 @@ class PayloadTooLarge(AuthorizerError):
 
 class StoreUnavailable(AuthorizerError):
     status, code = 503, "store_unavailable"
+
+
+class DialerUnavailable(AuthorizerError):
+    status, code = 503, "reachability_unavailable"
 
 
 class InternalError(AuthorizerError):

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from authorizer.admission import RejectReason
-from authorizer.policy import Checks, HardwareFloor, Policy
+from authorizer.policy import Checks, HardwareFloor
 from protocol.credentials import SignedCredential
 
 PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{20,128}$"  # base58
@@ -76,7 +76,7 @@ class JoinRequest(BaseModel):
     client_version: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9.+_-]+$")
     package_digest: str = Field(default="", max_length=160, pattern=r"^[A-Za-z0-9:+/=._-]*$")
     announce_maddrs: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
-        default_factory=list, max_length=8, description="multiaddrs peers can dial, with or without /p2p/<id>")
+        default_factory=list, max_length=32, description="multiaddrs peers can dial, with or without /p2p/<id>")
     account_token: str = Field(default="", max_length=256, pattern=r"^[\x21-\x7e]*$")
 
     @field_validator("announce_maddrs")

@@ -13,7 +13,6 @@ floors come out higher than the bodies', which is what steers strong nodes to th
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -113,7 +112,10 @@ class Policy(BaseModel):
         return self
 
     def capacity(self, pool: int) -> int:
-        return self.trainer_capacity if pool == TRAINER_POOL else self.stage_capacity[pool]
+        """Capacity of a pool; 0 for a stage the run no longer has (its tickets are not admitted)."""
+        if pool == TRAINER_POOL:
+            return self.trainer_capacity
+        return self.stage_capacity[pool] if 0 <= pool < len(self.stage_capacity) else 0
 
     def target(self, stage: int) -> int:
         return (self.stage_target or self.stage_capacity)[stage]
@@ -199,7 +201,3 @@ def load_policy_file(path: str) -> dict[str, Any]:
         )
     return data
 
-
-def estimated_wait_s(position: int, policy: Policy) -> float:
-    """Seconds until a ticket at `position` (0 = next) leaves the queue at the join rate."""
-    return max(0.0, math.floor(position + 1) / policy.join_rate_per_s)

@@ -21,7 +21,8 @@ from authorizer.service import Authorizer
 logger = logging.getLogger("agora.authorizer.queue")
 
 SWEEP_PERIOD_S = 5.0
-MAX_RELEASE_BATCH = 256
+MAX_RELEASE_BATCH = 32
+"""Admissions per writer transaction: larger batches would hold up the joins waiting behind them."""
 
 
 class TokenBucket:

@@ -20,7 +20,7 @@ router = APIRouter(prefix="/v1", tags=["nodes"])
 _ERRORS = {
     400: {"model": ErrorBody, "description": "invalid request"},
     413: {"model": ErrorBody, "description": "body too large"},
-    503: {"model": ErrorBody, "description": "database unavailable; retry"},
+    503: {"model": ErrorBody, "description": "database or reachability dialer unavailable; retry"},
 }
 _PROOF_ERRORS = {
     **_ERRORS,

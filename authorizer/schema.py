@@ -38,7 +38,7 @@ QUEUED, ADMITTED, REJECTED, LEFT, EXPIRED, BANNED, ABANDONED = (
     "queued", "admitted", "rejected", "left", "expired", "banned", "abandoned",
 )
 LIVE_STATUSES = (QUEUED, ADMITTED)
-_LIVE_SQL = "status IN ('queued', 'admitted')"
+LIVE_SQL = "status IN ('queued', 'admitted')"
 
 meta = Table(
     "meta", metadata,
@@ -94,7 +94,7 @@ participants = Table(
     Column("last_proof_at", Float, comment="signed_at of the last accepted renew proof (replays refused)"),
     Index(
         "participants_live_peer", "peer_id", unique=True,
-        sqlite_where=text(_LIVE_SQL), postgresql_where=text(_LIVE_SQL),
+        sqlite_where=text(LIVE_SQL), postgresql_where=text(LIVE_SQL),
     ),
     Index("participants_status_id", "status", "id"),
     Index("participants_account_status", "account_id", "status"),
@@ -111,4 +111,4 @@ credentials = Table(
     Index("credentials_revoked", "revoked_at", "expires_at"),
 )
 
-LIVE_PEER_INDEX_WHERE = text(_LIVE_SQL)
+LIVE_PEER_INDEX_WHERE = text(LIVE_SQL)

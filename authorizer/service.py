@@ -20,8 +20,10 @@ from sqlalchemy.engine import Row
 from sqlalchemy.exc import SQLAlchemyError
 
 from authorizer import admission
-from authorizer.admission import HardwareClaim, Rejection
-from authorizer.errors import IdentityMismatch, NotFound, ProofRejected, RenewalRefused, StoreUnavailable
+from authorizer.admission import HardwareClaim
+from authorizer.errors import (
+    DialerUnavailable, IdentityMismatch, NotFound, ProofRejected, RenewalRefused, StoreUnavailable,
+)
 from authorizer.issuer import CredentialIssuer
 from authorizer.models import (
     AdmissionOut, JoinRequest, LeaveOut, PoolInfo, Proof, RejectionOut, RenewOut, RunInfo, StageInfo,
@@ -29,7 +31,7 @@ from authorizer.models import (
 )
 from authorizer.placement import choose_pool
 from authorizer.policy import TRAINER_POOL, Policy
-from authorizer.reachability import Dialer
+from authorizer.reachability import Dialer, ReachabilityUnavailable
 from authorizer.schema import ADMITTED, QUEUED
 from authorizer.store import NewParticipant, Store
 from protocol.credentials import MAX_CLOCK_SKEW_S, SignedCredential, proof_bytes, renew_at
@@ -78,7 +80,7 @@ class Authorizer:
         key_peer = peer_id_from_public_key(public_key).to_base58()
         if key_peer != request.peer_id:
             raise IdentityMismatch(
-                f"peer_id {request.peer_id} is not the hash of public_key (that is {key_peer}); "
+                f"peer_id {request.peer_id} does not belong to public_key (whose peer id is {key_peer}); "
                 f"send the peer id and public key of the same libp2p identity")
         policy, now = self.policy, time.time()
         new = NewParticipant(
@@ -94,8 +96,13 @@ class Authorizer:
         if rejection is None and policy.checks.reachability:
             rejection = await self.read(self.store.is_banned, new.peer_id, new.account_id)
             if rejection is None:
-                rejection = await self.dialer.check(new.peer_id, new.announce_maddrs,
-                                                    allow_private=policy.dial_private_addresses)
+                try:
+                    rejection = await self.dialer.check(new.peer_id, new.announce_maddrs,
+                                                        allow_private=policy.dial_private_addresses)
+                except ReachabilityUnavailable as exc:
+                    logger.error("%s", exc)
+                    raise DialerUnavailable("the authorizer cannot check reachability right now (its libp2p "
+                                            "dialer did not start); retry in a minute") from exc
         position = None
         if rejection is not None:
             row = await self.stored(self.store.record_rejection(new, now, rejection))
@@ -157,7 +164,7 @@ class Authorizer:
     async def admit_next(self, limit: int) -> list[tuple[str, Row]]:
         policy = self.policy
         outcomes = await self.store.admit_next(
-            limit, time.time(), policy.capacity, self.issuer.issue,
+            limit, time.time(), policy.capacity, self.issuer,
             run_full=lambda role: admission.run_full_rejection(role, []),
         )
         for outcome, row in outcomes:
@@ -176,14 +183,14 @@ class Authorizer:
         if live is None:
             raise RenewalRefused(f"peer {proof.peer_id} has no live ticket; join with POST /v1/join")
         data = proof_bytes(action, run_id=self.run.run_id, peer_id=proof.peer_id, signed_at=proof.signed_at)
-        if not await asyncio.to_thread(verify_signature, live.public_key, data, proof.signature):
+        if not verify_signature(live.public_key, data, proof.signature):  # Ed25519: tens of microseconds
             raise ProofRejected(
                 f"the signature does not verify with the libp2p key of {proof.peer_id}; sign "
                 f"protocol.credentials.proof_bytes('{action}', ...) with the node's identity key")
 
     async def renew(self, proof: Proof) -> RenewOut:
         await self._check_proof("renew", proof)
-        result = await self.stored(self.store.renew(proof.peer_id, proof.signed_at, time.time(), self.issuer.issue))
+        result = await self.stored(self.store.renew(proof.peer_id, proof.signed_at, time.time(), self.issuer))
         if isinstance(result, str):
             raise {
                 "banned": RenewalRefused(f"peer {proof.peer_id} is banned from this run; contact the operator"),

@@ -14,13 +14,14 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
-from sqlalchemy import Connection, Engine, create_engine, event, exists, func, select, update
+from sqlalchemy import Connection, Engine, create_engine, event, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Row
 from sqlalchemy.exc import SQLAlchemyError
 
+from authorizer import statements
 from authorizer.admission import (
     Rejection,
     RejectReason,
@@ -30,16 +31,18 @@ from authorizer.admission import (
 )
 from authorizer.placement import PoolCount
 from authorizer.policy import TRAINER_POOL
+from authorizer.reads import StoreReads
 from authorizer.schema import (
-    ADMITTED, LIVE_PEER_INDEX_WHERE, LIVE_STATUSES, QUEUED, REJECTED,
-    accounts, banned_peers, credentials, meta, metadata, participants, pools,
+    ADMITTED, LIVE_STATUSES, QUEUED, REJECTED, accounts, banned_peers, credentials, meta, metadata, participants,
+    pools,
 )
-from authorizer.writer import GroupCommitWriter
+from authorizer.writer import GroupCommitWriter, LoopWriter
 from protocol.errors import ConfigError
 
-logger = logging.getLogger("agora.authorizer.store")
+if TYPE_CHECKING:
+    from authorizer.issuer import CredentialIssuer as Issuer
 
-Issue = Callable[..., Any]  # CredentialIssuer.issue
+logger = logging.getLogger("agora.authorizer.store")
 
 
 @dataclass(frozen=True)
@@ -89,9 +92,9 @@ def _sqlite_engines(url: str, synchronous: str) -> tuple[Engine, Engine]:
     return make("BEGIN IMMEDIATE"), make("BEGIN")
 
 
-class Store:
-    """The authorizer's database. Write methods are coroutines (group commit); reads are blocking
-    and are meant to be called through `asyncio.to_thread`."""
+class Store(StoreReads):
+    """The authorizer's database. Write methods are coroutines (group commit); the reads
+    (authorizer.reads) are blocking and are meant to be called through `asyncio.to_thread`."""
 
     def __init__(self, url: str, *, sqlite_synchronous: str = "full"):
         self.url = url
@@ -107,7 +110,8 @@ class Store:
         except (SQLAlchemyError, ImportError) as exc:
             raise ConfigError(f"cannot use database {url!r} ({exc}); check --db") from exc
         self._insert = sqlite.insert if self.is_sqlite else postgresql.insert
-        self.writer = GroupCommitWriter(self.write_engine)
+        self.sql = statements.build("sqlite" if self.is_sqlite else "postgresql")
+        self.writer = LoopWriter(self.write_engine) if self.is_sqlite else GroupCommitWriter(self.write_engine)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -115,7 +119,8 @@ class Store:
         """Create tables, claim the database for `run_id`, and recount the pools."""
         try:
             metadata.create_all(self.write_engine)
-            self.writer.call(lambda conn: self._open(conn, run_id, num_stages))
+            with self.write_engine.begin() as conn:
+                self._open(conn, run_id, num_stages)
         except SQLAlchemyError as exc:
             raise ConfigError(f"cannot open database {self.url!r}: {exc.__class__.__name__}: {exc}; check --db") from exc
 
@@ -135,6 +140,12 @@ class Store:
                        .scalar_subquery())
             conn.execute(update(pools).values({column: counted}))
 
+    async def aclose(self) -> None:
+        """Finish queued writes (on the event loop that ran them), then close."""
+        if isinstance(self.writer, LoopWriter):
+            await self.writer.aclose()
+        self.close()
+
     def close(self) -> None:
         self.writer.close()
         self.write_engine.dispose()
@@ -143,17 +154,13 @@ class Store:
 
     # -- policy ----------------------------------------------------------------------------
 
-    def load_policy(self) -> Optional[dict]:
-        with self.read_engine.connect() as conn:
-            value = conn.execute(select(meta.c.value).where(meta.c.key == "policy")).scalar()
-        return None if value is None else json.loads(value)
-
     async def save_policy(self, policy: dict) -> None:
         await self.writer.run(lambda conn: self._put_meta(conn, "policy", json.dumps(policy)))
 
     def save_policy_now(self, policy: dict) -> None:
-        """Blocking `save_policy`, for start-up."""
-        self.writer.call(lambda conn: self._put_meta(conn, "policy", json.dumps(policy)))
+        """Blocking `save_policy`, for start-up (before the event loop writes anything)."""
+        with self.write_engine.begin() as conn:
+            self._put_meta(conn, "policy", json.dumps(policy))
 
     def _put_meta(self, conn: Connection, key: str, value: str) -> None:
         stmt = self._insert(meta).values(key=key, value=value)
@@ -173,64 +180,55 @@ class Store:
             conn, new, now, account_rules, max_per_account, place, capacity, run_full))
 
     def _create_ticket(self, conn, new, now, account_rules, max_per_account, place, capacity, run_full):
+        sql, binds = self.sql, {"b_account": new.account_id, "b_peer": new.peer_id, "b_now": now}
         if account_rules:
-            stmt = self._insert(accounts).values(id=new.account_id, banned=False, created_at=now)
-            stmt = stmt.on_conflict_do_update(index_elements=[accounts.c.id], set_={"id": stmt.excluded.id})
-            account_banned = conn.execute(stmt.returning(accounts.c.banned)).scalar_one()  # locks the row
-            live = (select(func.count()).select_from(participants)
-                    .where(participants.c.account_id == new.account_id, participants.c.status.in_(LIVE_STATUSES))
-                    .scalar_subquery())
+            account_banned = conn.execute(sql.account_upsert, binds).scalar_one()  # and locks the account row
+            peer_banned, live_count = conn.execute(sql.bans_and_live, binds).one()
         else:
-            account_banned = bool(conn.execute(
-                select(accounts.c.banned).where(accounts.c.id == new.account_id)).scalar())
-            live = select(func.count()).where(False).scalar_subquery()
-        peer_banned, live_count = conn.execute(
-            select(exists().where(banned_peers.c.peer_id == new.peer_id), live)).one()
+            account_banned = conn.execute(sql.account_banned, binds).scalar()
+            peer_banned, live_count = conn.execute(sql.peer_banned, binds).scalar(), 0
         if account_banned:
             return self._reject(conn, new, now, banned_account_rejection()), None
         if peer_banned:
             return self._reject(conn, new, now, banned_peer_rejection(new.peer_id)), None
         if account_rules and live_count >= max_per_account:
             return self._reject(conn, new, now, account_limit_rejection(max_per_account)), None
-        counts = {r.pool: PoolCount(r.pool, r.admitted, r.queued) for r in conn.execute(select(pools))}
+        counts = {r.pool: PoolCount(r.pool, r.admitted, r.queued) for r in conn.execute(sql.pools)}
         choice = place(counts)
         if isinstance(choice, Rejection):
             return self._reject(conn, new, now, choice), None
-        stmt = self._insert(participants).values(**self._values(new, now), status=QUEUED, pool=choice)
-        stmt = stmt.on_conflict_do_nothing(index_elements=[participants.c.peer_id], index_where=LIVE_PEER_INDEX_WHERE)
-        row = conn.execute(stmt.returning(*participants.c)).first()
-        if row is None:
-            return self._live_for_peer(conn, new.peer_id), None
-        taken = conn.execute(update(pools).where(
-            pools.c.pool == choice, pools.c.admitted + pools.c.queued < capacity(choice),
-        ).values(queued=pools.c.queued + 1))
+        row = conn.execute(sql.insert_live, self._binds(new, now, status=QUEUED, pool=choice)).first()
+        if row is None:  # the peer already has a live ticket: that is the answer
+            return conn.execute(sql.live_for_peer, binds).first(), None
+        taken = conn.execute(sql.take_queue_slot, {"b_pool": choice, "b_capacity": capacity(choice)})
         if taken.rowcount != 1:  # another process filled the pool since we counted
             rejection = run_full()
-            return conn.execute(update(participants).where(participants.c.id == row.id).values(
-                status=REJECTED, pool=None, reason=rejection.reason.value, message=rejection.message,
-            ).returning(*participants.c)).one(), None
+            return conn.execute(sql.reject_participant, {
+                "b_id": row.id, "b_reason": rejection.reason.value, "b_message": rejection.message, "b_now": now,
+            }).one(), None
         return row, sum(c.queued for c in counts.values())  # one writer: everything queued is ahead
 
-    def _values(self, new: NewParticipant, now: float) -> dict:
-        return dict(
-            ticket=new.ticket, peer_id=new.peer_id, public_key=new.public_key, account_id=new.account_id,
-            role=new.role, hardware=new.hardware, client_version=new.client_version,
-            package_digest=new.package_digest, announce_maddrs=new.announce_maddrs,
-            created_at=now, updated_at=now, last_seen_at=now,
-        )
+    @staticmethod
+    def _binds(new: NewParticipant, now: float, *, status: str, pool: Optional[int] = None,
+               rejection: Optional[Rejection] = None) -> dict:
+        return {
+            "b_ticket": new.ticket, "b_peer": new.peer_id, "b_public_key": new.public_key,
+            "b_account": new.account_id, "b_role": new.role, "b_pool": pool, "b_status": status,
+            "b_reason": rejection.reason.value if rejection else None,
+            "b_message": rejection.message if rejection else None, "b_hardware": new.hardware,
+            "b_client_version": new.client_version, "b_package_digest": new.package_digest,
+            "b_announce_maddrs": new.announce_maddrs, "b_now": now,
+        }
 
     def _live_for_peer(self, conn: Connection, peer_id: str, *, lock: bool = False) -> Optional[Row]:
-        query = select(participants).where(participants.c.peer_id == peer_id, participants.c.status.in_(LIVE_STATUSES))
-        return conn.execute(query.with_for_update() if lock and not self.is_sqlite else query).first()
+        statement = self.sql.live_for_peer_locked if lock else self.sql.live_for_peer
+        return conn.execute(statement, {"b_peer": peer_id}).first()
 
     def _reject(self, conn: Connection, new: NewParticipant, now: float, rejection: Rejection) -> Row:
         existing = self._live_for_peer(conn, new.peer_id)
         if existing is not None:
             return existing
-        values = self._values(new, now)
-        return conn.execute(participants.insert().values(
-            **values, status=REJECTED, reason=rejection.reason.value, message=rejection.message,
-        ).returning(*participants.c)).one()
+        return conn.execute(self.sql.insert_final, self._binds(new, now, status=REJECTED, rejection=rejection)).one()
 
     async def record_rejection(self, new: NewParticipant, now: float, rejection: Rejection) -> Row:
         """Record a join refused before it reached the queue (capability, integrity, reachability)."""
@@ -238,69 +236,59 @@ class Store:
 
     # -- admission and credentials -----------------------------------------------------------
 
-    async def admit_next(self, limit: int, now: float, capacity: Callable[[int], int], issue: Issue,
+    async def admit_next(self, limit: int, now: float, capacity: Callable[[int], int], issuer: Issuer,
                          run_full: Callable[[str], Rejection]) -> list[tuple[str, Row]]:
         """Release up to `limit` tickets from the head of the queue: each takes a slot of its pool
         (conditional update: never beyond capacity) and gets its first credential, or is rejected
         as run_full if its pool filled up meanwhile (e.g. the operator lowered the capacity)."""
-        return await self.writer.run(lambda conn: self._admit_next(conn, limit, now, capacity, issue, run_full))
+        return await self.writer.run(lambda conn: self._admit_next(conn, limit, now, capacity, issuer, run_full))
 
-    def _admit_next(self, conn, limit, now, capacity, issue, run_full) -> list[tuple[str, Row]]:
-        heads = conn.execute(select(participants).where(participants.c.status == QUEUED)
-                             .order_by(participants.c.id).limit(limit)).all()
+    def _admit_next(self, conn, limit, now, capacity, issuer, run_full) -> list[tuple[str, Row]]:
+        sql = self.sql
         outcomes = []
-        for row in heads:
-            taken = conn.execute(update(pools).where(
-                pools.c.pool == row.pool, pools.c.admitted < capacity(row.pool),
-            ).values(admitted=pools.c.admitted + 1, queued=pools.c.queued - 1))
+        for row in conn.execute(sql.queue_head, {"b_limit": limit}).all():
+            taken = conn.execute(sql.take_admitted_slot, {"b_pool": row.pool, "b_capacity": capacity(row.pool)})
             if taken.rowcount == 1:
-                values = self._issue(conn, row, now, issue)
-                values.update(status=ADMITTED, admitted_at=now)
+                changed = conn.execute(sql.admit, {"b_id": row.id, "b_now": now, **self._issue(conn, row, now, issuer)})
                 outcome = "admitted"
             else:
-                conn.execute(update(pools).where(pools.c.pool == row.pool).values(queued=pools.c.queued - 1))
+                conn.execute(sql.leave_queue, {"b_pool": row.pool})
                 rejection = run_full(row.role)
-                values = dict(status=REJECTED, reason=rejection.reason.value, message=rejection.message,
-                              updated_at=now)
+                changed = conn.execute(sql.release_rejected, {
+                    "b_id": row.id, "b_reason": rejection.reason.value, "b_message": rejection.message, "b_now": now})
                 outcome = "rejected"
-            changed = conn.execute(update(participants).where(
-                participants.c.id == row.id, participants.c.status == QUEUED).values(**values))
-            if changed.rowcount != 1:
-                raise RuntimeError(f"ticket {row.id} changed under the admission batch; retrying")
+            if changed.rowcount != 1:  # another process moved it meanwhile: roll back and retry
+                raise RuntimeError(f"ticket {row.id} changed under the admission batch")
             outcomes.append((outcome, row))
         return outcomes
 
-    def _issue(self, conn: Connection, row: Row, now: float, issue: Issue) -> dict:
-        """Allocate a serial, sign a credential for `row`, and return the participant columns to set."""
+    def _issue(self, conn: Connection, row: Row, now: float, issuer: Issuer) -> dict:
+        """Allocate a serial, sign a credential for `row`, and return the binds that record it."""
         issued_at = int(now)
-        serial = conn.execute(credentials.insert().values(
-            participant_id=row.id, peer_id=row.peer_id, issued_at=issued_at, expires_at=issued_at,
-        ).returning(credentials.c.serial)).scalar_one()
-        signed = issue(serial=serial, peer_id=row.peer_id, public_key=row.public_key, role=row.role,
-                       stage=None if row.pool == TRAINER_POOL else row.pool, issued_at=issued_at)
-        expires_at = signed.credential.expires_at
-        conn.execute(update(credentials).where(credentials.c.serial == serial).values(expires_at=expires_at))
-        return dict(serial=serial, credential=signed.to_bytes(), expires_at=expires_at, updated_at=now,
-                    last_seen_at=now)
+        expires_at = issued_at + issuer.ttl_s
+        serial = conn.execute(self.sql.insert_credential, {
+            "b_id": row.id, "b_peer": row.peer_id, "b_issued_at": issued_at, "b_expires_at": expires_at,
+        }).scalar_one()
+        signed = issuer.issue(serial=serial, peer_id=row.peer_id, public_key=row.public_key, role=row.role,
+                              stage=None if row.pool == TRAINER_POOL else row.pool, issued_at=issued_at)
+        return {"b_serial": serial, "b_credential": signed.to_bytes(), "b_expires_at": expires_at}
 
-    async def renew(self, peer_id: str, signed_at: float, now: float, issue: Issue) -> Union[Row, str]:
+    async def renew(self, peer_id: str, signed_at: float, now: float, issuer: Issuer) -> Union[Row, str]:
         """Issue a fresh credential to the admitted peer; returns the updated row, or a string
         naming why not: 'not_admitted', 'queued', 'banned' or 'replayed'."""
-        return await self.writer.run(lambda conn: self._renew(conn, peer_id, signed_at, now, issue))
+        return await self.writer.run(lambda conn: self._renew(conn, peer_id, signed_at, now, issuer))
 
-    def _renew(self, conn, peer_id, signed_at, now, issue) -> Union[Row, str]:
+    def _renew(self, conn, peer_id, signed_at, now, issuer) -> Union[Row, str]:
         row = self._live_for_peer(conn, peer_id, lock=True)
         if row is None:
-            if conn.execute(select(exists().where(banned_peers.c.peer_id == peer_id))).scalar():
-                return "banned"
-            return "not_admitted"
+            return "banned" if conn.execute(self.sql.peer_banned, {"b_peer": peer_id}).scalar() else "not_admitted"
         if row.status == QUEUED:
             return "queued"
         if row.last_proof_at is not None and signed_at <= row.last_proof_at:
             return "replayed"
-        values = self._issue(conn, row, now, issue)
-        return conn.execute(update(participants).where(participants.c.id == row.id).values(
-            **values, last_proof_at=signed_at).returning(*participants.c)).one()
+        return conn.execute(self.sql.renewed, {
+            "b_id": row.id, "b_now": now, "b_signed_at": signed_at, **self._issue(conn, row, now, issuer),
+        }).one()
 
     async def leave(self, peer_id: str, signed_at: float, now: float) -> Union[Row, str]:
         """Retire the peer's live ticket and revoke its credentials; 'not_live' or 'replayed' if not."""
@@ -324,8 +312,7 @@ class Store:
         ).values(status=status, updated_at=now, reason=reason, message=message))
         if changed.rowcount != 1:
             return False
-        column = pools.c.admitted if row.status == ADMITTED else pools.c.queued
-        conn.execute(update(pools).where(pools.c.pool == row.pool).values({column.name: column - 1}))
+        conn.execute(self.sql.leave_admitted if row.status == ADMITTED else self.sql.leave_queue, {"b_pool": row.pool})
         if revoke and row.status == ADMITTED:
             conn.execute(update(credentials).where(
                 credentials.c.participant_id == row.id, credentials.c.revoked_at.is_(None),
@@ -377,64 +364,4 @@ class Store:
         return await self.writer.run(op)
 
     async def touch(self, participant_id: int, now: float) -> None:
-        await self.writer.run(lambda conn: conn.execute(update(participants).where(
-            participants.c.id == participant_id).values(last_seen_at=now)))
-
-    # -- reads (blocking) ----------------------------------------------------------------------
-
-    def ticket(self, ticket: str) -> Optional[tuple[Row, int]]:
-        """The ticket's row and, if queued, how many queued tickets are ahead of it."""
-        with self.read_engine.connect() as conn:
-            row = conn.execute(select(participants).where(participants.c.ticket == ticket)).first()
-            if row is None:
-                return None
-            ahead = 0
-            if row.status == QUEUED:
-                ahead = conn.execute(select(func.count()).select_from(participants).where(
-                    participants.c.status == QUEUED, participants.c.id < row.id)).scalar_one()
-            return row, ahead
-
-    def live(self, peer_id: str) -> Optional[Row]:
-        """The peer's queued or admitted ticket, if any."""
-        with self.read_engine.connect() as conn:
-            return self._live_for_peer(conn, peer_id)
-
-    def pool_counts(self) -> dict[int, PoolCount]:
-        with self.read_engine.connect() as conn:
-            return {r.pool: PoolCount(r.pool, r.admitted, r.queued) for r in conn.execute(select(pools))}
-
-    def is_banned(self, peer_id: str, account_id: str) -> Optional[Rejection]:
-        with self.read_engine.connect() as conn:
-            peer, account = conn.execute(select(
-                exists().where(banned_peers.c.peer_id == peer_id),
-                exists().where(accounts.c.id == account_id, accounts.c.banned),
-            )).one()
-        if account:
-            return banned_account_rejection()
-        return banned_peer_rejection(peer_id) if peer else None
-
-    def revoked(self, now: float, limit: int) -> tuple[list[int], list[str]]:
-        """Serials of revoked credentials still in their lifetime, and banned peer ids."""
-        with self.read_engine.connect() as conn:
-            serials = list(conn.execute(select(credentials.c.serial).where(
-                credentials.c.revoked_at.is_not(None), credentials.c.expires_at > int(now),
-            ).order_by(credentials.c.serial).limit(limit)).scalars())
-            peers = list(conn.execute(select(banned_peers.c.peer_id).order_by(banned_peers.c.peer_id)
-                                      .limit(limit)).scalars())
-            peers += conn.execute(select(participants.c.peer_id).where(
-                participants.c.status == "banned", participants.c.expires_at > int(now)).limit(limit)).scalars()
-        return serials, sorted(set(peers))[:limit]
-
-    def recent_addresses(self, limit: int) -> list[str]:
-        """Announced addresses of recently seen admitted nodes: bootstrap peers for newcomers."""
-        with self.read_engine.connect() as conn:
-            rows = conn.execute(select(participants.c.announce_maddrs).where(participants.c.status == ADMITTED)
-                                .order_by(participants.c.last_seen_at.desc()).limit(limit)).scalars()
-            return [addr for maddrs in rows for addr in (maddrs or [])[:2]]
-
-    def list_participants(self, status: Optional[str], after_id: int, limit: int) -> list[Row]:
-        with self.read_engine.connect() as conn:
-            query = select(participants).where(participants.c.id > after_id)
-            if status is not None:
-                query = query.where(participants.c.status == status)
-            return conn.execute(query.order_by(participants.c.id).limit(limit)).all()
+        await self.writer.run(lambda conn: conn.execute(self.sql.touch, {"b_id": participant_id, "b_now": now}))

@@ -118,3 +118,10 @@ def test_queued_ticket_nobody_polls_is_swept(start_authorizer, tmp_path):
                    message="the sweeper")
         swept = http.get(f"/v1/join/{queued[-1]['ticket']}").json()
         assert swept["status"] == "abandoned"
+
+
+def test_default_credential_lifetime_matches_the_protocol():
+    from authorizer.config import DEFAULT_CREDENTIAL_TTL_S
+    from protocol import credentials
+
+    assert DEFAULT_CREDENTIAL_TTL_S == credentials.DEFAULT_CREDENTIAL_TTL_S

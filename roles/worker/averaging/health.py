@@ -58,6 +58,6 @@ class RoundHealth:
 
     def should_leave(self) -> Optional[str]:
         if self.failures >= self.max_failures:
-            return (f"failed {self.failures} of the last {len(self.recent)} averaging rounds while the stage averaged "
-                    f"without this worker")
+            return (f"failed {self.failures} of its last {len(self.recent)} averaging rounds while the stage averaged "
+                    f"without it (the limit is {self.max_failures} of {self.recent.maxlen})")
         return None

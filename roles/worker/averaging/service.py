@@ -1,17 +1,12 @@
-"""When a replica averages, with whom, at what weight, and how it reports it [report 4.2, 5.7].
+"""With whom a replica averages, at what weight, and how it reports it [report 4.2, 5.7].
 
-Rounds follow the stage's step: every `average_every` optimizer steps the replicas average
-segment `round mod segments`. Stage steps are collective, so every replica reaches a round
-boundary within one progress period of the others, and the round number (hence the segment and
-the group key) is the same everywhere. A stage whose step does not move (no trainers; tests) may
-average on a wall-clock cadence instead (`idle_period_s`), with the tick number as the round.
-
-Before a round the service reads the stage from the DHT: its workers (the expected group size),
-who reduces, who is active. A replica alone in its stage, or in a stage without a reducer, skips
-the round and says why. A replica's weight is the number of samples it processed since its last
-round, at least 1 while it is active (so an idle stage still averages), and 0 in a sync phase
-[3.3.1.1]. Each round's outcome goes to the log, to the `{run}/stage/{s}/averaging` record (with
-the last rounds and counters) and to the self-protection rule.
+When a round is due (schedule.py), the service reads the stage from the DHT: its workers (the
+expected group size), who reduces, who is active. A replica alone in its stage, or in a stage
+without a reducer, skips the round and says why. A replica's weight is the number of samples it
+processed since its last round, at least 1 while it is active (so an idle stage still averages),
+and 0 in a sync phase [3.3.1.1]. Each round's outcome goes to the log, to the
+`{run}/stage/{s}/averaging` record (with the last rounds and counters) and to the
+self-protection rule (health.py).
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ import enum
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -35,6 +29,7 @@ from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.health import RoundHealth, Verdict
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome, RoundPlan, SegmentRound
+from roles.worker.averaging.schedule import RoundSchedule
 from roles.worker.layout import ParameterStore
 
 logger = logging.getLogger(__name__)
@@ -89,6 +84,9 @@ class _SerialThread:
 
 
 class AveragingService:
+    """One replica's averaging: schedules rounds, runs them off the event loop (one at a time),
+    publishes their outcomes and decides when the replica must leave its stage."""
+
     def __init__(self, config: AveragingConfig, *, swarm: SwarmDHT, run_id: str, stage: int,
                  store: ParameterStore, index_sets: SegmentIndexSets, reducer: bool,
                  local_step: Callable[[], int], phase: Callable[[], Phase], samples_processed: Callable[[], int],
@@ -118,10 +116,7 @@ class AveragingService:
         self._current = ("", 0, 0, "")
         self._thread: Optional[_SerialThread] = None
         self._round_task: Optional[asyncio.Task] = None
-        self._last_step_round = 0
-        self._last_clock_tick = 0
-        self._seen_step = -1
-        self._step_changed_at = time.monotonic()
+        self.schedule = RoundSchedule(config.average_every, config.idle_period_s)
         self._samples_at_last_round = 0
 
     # ---- lifecycle ----
@@ -141,15 +136,11 @@ class AveragingService:
 
     def begin(self) -> None:
         """Start counting rounds from the current step (after state loading set it)."""
-        step = self.local_step()
-        self._last_step_round = step // self.config.average_every
-        if self.config.idle_period_s:
-            self._last_clock_tick = int(time.time() // self.config.idle_period_s)
-        self._seen_step, self._step_changed_at = step, time.monotonic()
+        self.schedule.begin(self.local_step())
         self._samples_at_last_round = self.samples_processed()
         if self.state == AveragingState.CREATED and self.averager is not None:
             self.state = AveragingState.READY
-            self.prefetch((self._last_step_round + 1) % self.index_sets.segments)
+            self.prefetch((self.schedule.last_step_round + 1) % self.index_sets.segments)
 
     async def run(self, stop: asyncio.Event) -> None:
         if self.state == AveragingState.DISABLED:
@@ -189,10 +180,7 @@ class AveragingService:
     def _poll(self) -> None:
         if self.state not in (AveragingState.READY, AveragingState.RUNNING) or self.leave_reason:
             return
-        step, now = self.local_step(), time.monotonic()
-        if step != self._seen_step:
-            self._seen_step, self._step_changed_at = step, now
-        due = self._due_round(step, now)
+        due = self.schedule.due(self.local_step())
         if due is None:
             return
         kind, round_id = due
@@ -203,23 +191,6 @@ class AveragingService:
                                       failure_reason="the previous round is still running"))
             return
         self._round_task = asyncio.create_task(self._run_round(kind, round_id), name=f"averaging-{kind}-{round_id}")
-
-    def _due_round(self, step: int, now: float) -> Optional[tuple[str, int]]:
-        every = self.config.average_every
-        k = step // every
-        if k > self._last_step_round:
-            self._last_step_round = k
-            # A replica that jumped to the stage's step (it joined, or missed steps) did not
-            # reach this boundary with the others; its round would find nobody.
-            if step - k * every <= max(1, every // 4):
-                return "step", k
-        period = self.config.idle_period_s
-        if period and now - self._step_changed_at >= period:
-            tick = int(time.time() // period)
-            if tick > self._last_clock_tick:
-                self._last_clock_tick = tick
-                return "clock", tick
-        return None
 
     # ---- one round ----
 

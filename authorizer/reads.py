@@ -1,0 +1,81 @@
+"""The authorizer's reads: polls, run counts, bans, revocations, the admin listing.
+
+Each runs on its own short-lived connection from the read engine, outside the writer: SQLite in
+WAL mode lets readers proceed beside the one writer, and PostgreSQL readers never block writers.
+They are blocking calls, made through `asyncio.to_thread` by the service.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from sqlalchemy import exists, select
+from sqlalchemy.engine import Row
+
+from authorizer.admission import Rejection, banned_account_rejection, banned_peer_rejection
+from authorizer.placement import PoolCount
+from authorizer.schema import ADMITTED, QUEUED, accounts, banned_peers, credentials, meta, participants
+
+
+class StoreReads:
+    """Read queries of `authorizer.store.Store` (which provides `read_engine` and `sql`)."""
+
+    def load_policy(self) -> Optional[dict]:
+        with self.read_engine.connect() as conn:
+            value = conn.execute(select(meta.c.value).where(meta.c.key == "policy")).scalar()
+        return None if value is None else json.loads(value)
+
+    def ticket(self, ticket: str) -> Optional[tuple[Row, int]]:
+        """The ticket's row and, if queued, how many queued tickets are ahead of it."""
+        with self.read_engine.connect() as conn:
+            row = conn.execute(self.sql.by_ticket, {"b_ticket": ticket}).first()
+            if row is None:
+                return None
+            ahead = conn.execute(self.sql.queued_ahead, {"b_id": row.id}).scalar_one() if row.status == QUEUED else 0
+            return row, ahead
+
+    def live(self, peer_id: str) -> Optional[Row]:
+        """The peer's queued or admitted ticket, if any."""
+        with self.read_engine.connect() as conn:
+            return conn.execute(self.sql.live_for_peer, {"b_peer": peer_id}).first()
+
+    def pool_counts(self) -> dict[int, PoolCount]:
+        with self.read_engine.connect() as conn:
+            return {r.pool: PoolCount(r.pool, r.admitted, r.queued) for r in conn.execute(self.sql.pools)}
+
+    def is_banned(self, peer_id: str, account_id: str) -> Optional[Rejection]:
+        with self.read_engine.connect() as conn:
+            peer, account = conn.execute(select(
+                exists().where(banned_peers.c.peer_id == peer_id),
+                exists().where(accounts.c.id == account_id, accounts.c.banned),
+            )).one()
+        if account:
+            return banned_account_rejection()
+        return banned_peer_rejection(peer_id) if peer else None
+
+    def revoked(self, now: float, limit: int) -> tuple[list[int], list[str]]:
+        """Serials of revoked credentials still in their lifetime, and banned peer ids."""
+        with self.read_engine.connect() as conn:
+            serials = list(conn.execute(select(credentials.c.serial).where(
+                credentials.c.revoked_at.is_not(None), credentials.c.expires_at > int(now),
+            ).order_by(credentials.c.serial).limit(limit)).scalars())
+            peers = list(conn.execute(select(banned_peers.c.peer_id).order_by(banned_peers.c.peer_id)
+                                      .limit(limit)).scalars())
+            peers += conn.execute(select(participants.c.peer_id).where(
+                participants.c.status == "banned", participants.c.expires_at > int(now)).limit(limit)).scalars()
+        return serials, sorted(set(peers))[:limit]
+
+    def recent_addresses(self, limit: int) -> list[str]:
+        """Announced addresses of recently seen admitted nodes: bootstrap peers for newcomers."""
+        with self.read_engine.connect() as conn:
+            rows = conn.execute(select(participants.c.announce_maddrs).where(participants.c.status == ADMITTED)
+                                .order_by(participants.c.last_seen_at.desc()).limit(limit)).scalars()
+            return [addr for maddrs in rows for addr in (maddrs or [])[:2]]
+
+    def list_participants(self, status: Optional[str], after_id: int, limit: int) -> list[Row]:
+        with self.read_engine.connect() as conn:
+            query = select(participants).where(participants.c.id > after_id)
+            if status is not None:
+                query = query.where(participants.c.status == status)
+            return conn.execute(query.order_by(participants.c.id).limit(limit)).all()

@@ -1,0 +1,128 @@
+"""The averaging service's decisions, without an averager process: when a round is due, when it
+is skipped and why, and when failed rounds make a worker leave its stage [report 3.3.1.6]."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import torch
+
+from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, RoundSummaryRecord, WorkerRecord
+from roles.model.config import AveragingConfig
+from roles.worker.averaging.index_sets import SegmentIndexSets
+from roles.worker.averaging.rounds import RoundOutcome, RoundPlan
+from roles.worker.averaging.schedule import RoundSchedule
+from roles.worker.averaging.service import AveragingService
+from roles.worker.layout import FlatLayout
+
+
+class FakeSwarm:
+    peer_id = "me"
+
+    def __init__(self):
+        self.workers: dict[str, WorkerRecord] = {}
+        self.averaging: dict[str, AveragingRecord] = {}
+
+    async def get(self, key, model):
+        return dict(self.workers if model is WorkerRecord else self.averaging)
+
+    async def store(self, key, record, ttl):
+        return True
+
+
+class Store:
+    lock = threading.RLock()
+    master_params = [torch.zeros(40)]
+
+    def push_master_to_device(self):
+        pass
+
+
+def _service(swarm, *, reducer=True, phase=Phase.ACTIVE, **config):
+    step = {"value": 0}
+    service = AveragingService(
+        AveragingConfig(**config), swarm=swarm, run_id="run", stage=0, store=Store(),
+        index_sets=SegmentIndexSets(FlatLayout(["w"], [(40,)]), 4, seed=0, stage=0), reducer=reducer,
+        local_step=lambda: step["value"], phase=lambda: phase, samples_processed=lambda: 0,
+    )
+    return service, step
+
+
+def _worker(phase=Phase.ACTIVE):
+    return WorkerRecord(stage=0, phase=phase, max_batch=1, throughput=1.0)
+
+
+def test_step_rounds_fire_at_boundaries_reached_by_stepping_not_by_jumping():
+    schedule = RoundSchedule(average_every=20)
+    schedule.begin(0)
+    assert schedule.due(19) is None
+    assert schedule.due(20) == ("step", 1)
+    assert schedule.due(21) is None, "one round per boundary"
+    assert schedule.due(43) == ("step", 2), "a few steps late (slow poll) still counts"
+    assert schedule.due(97) is None, "jumped to the stage's step: its peers averaged long ago"
+    assert schedule.due(100) == ("step", 5)
+    joiner = RoundSchedule(average_every=20)
+    joiner.begin(57)
+    assert joiner.due(57) is None and joiner.due(60) == ("step", 3)
+
+
+def test_idle_stages_average_on_the_clock():
+    schedule = RoundSchedule(average_every=20, idle_period_s=1.0)
+    schedule.begin(0)
+    now = time.monotonic()
+    assert schedule.due(0, now + 0.5) is None, "not idle for a period yet"
+    schedule.last_clock_tick -= 1
+    kind, tick = schedule.due(0, now + 2.0)
+    assert kind == "clock" and tick == int(time.time())
+    assert schedule.due(0, now + 2.1) is None, "once per tick"
+    assert schedule.due(1, now + 2.2) is None, "a step resets the idle timer"
+
+
+def test_rounds_are_skipped_with_a_reason():
+    swarm = FakeSwarm()
+    service, _ = _service(swarm, reducer=False)
+    view = asyncio.run(service._stage_view(Phase.ACTIVE))
+    assert service._skip_reason(view) == "alone in the stage"
+    swarm.workers = {"me": _worker(), "peer": _worker()}
+    swarm.averaging = {"peer": AveragingRecord(reducer=False)}
+    view = asyncio.run(service._stage_view(Phase.ACTIVE))
+    assert view.expected == 2 and "--reducer" in service._skip_reason(view)
+    swarm.averaging = {"peer": AveragingRecord(reducer=True)}
+    swarm.workers["peer"] = _worker(Phase.WEIGHT_SYNC)
+    view = asyncio.run(service._stage_view(Phase.OPTIMIZER_SYNC))
+    assert service._skip_reason(view) == "no active replica in the stage to average with"
+    view = asyncio.run(service._stage_view(Phase.ACTIVE))
+    assert service._skip_reason(view) == ""
+    swarm.workers["gone"] = _worker(Phase.LEAVING)
+    assert asyncio.run(service._stage_view(Phase.ACTIVE)).expected == 2, "leaving workers are not expected"
+
+
+def _failed(round_id):
+    return RoundOutcome(RoundPlan("step", round_id, round_id % 4, 1.0, 2, "active"), "d", RoundStatus.FAILED,
+                        failure_reason="no group formed within the matchmaking window")
+
+
+def _survived(round_id):
+    return RoundSummaryRecord(kind="step", round=round_id, segment=round_id % 4, digest="d",
+                              status=RoundStatus.COMPLETE, group_size=1, expected_group_size=2, duration_s=1.0,
+                              weight=1.0)
+
+
+def test_a_worker_leaves_after_failing_two_rounds_the_stage_survived():
+    swarm = FakeSwarm()
+    swarm.workers = {"me": _worker(), "peer": _worker()}
+    service, _ = _service(swarm)
+    service._finish(_failed(1))
+    swarm.averaging = {"peer": AveragingRecord(reducer=True, recent=[])}
+    service._resolve_health(asyncio.run(service._stage_view(Phase.ACTIVE)))
+    assert service.leave_reason is None and service.health.failures == 0, "nobody averaged round 1: neutral"
+    service._finish(_failed(2))
+    service._finish(_failed(3))
+    swarm.averaging = {"peer": AveragingRecord(reducer=True, recent=[_survived(2), _survived(3)])}
+    service._resolve_health(asyncio.run(service._stage_view(Phase.ACTIVE)))
+    assert service.leave_reason and "the limit is 2 of 3" in service.leave_reason
+    assert service.counters["rounds_failed"] == 3
+    record = service.record()
+    assert record.rounds_failed == 3 and [r.round for r in record.recent] == [1, 2, 3]
