@@ -187,9 +187,10 @@ def main() -> int:
                     out["postgres"] = bench_backend("postgres", pg.create_database("bench"), workdir, args.joins,
                                                     args.concurrency, args.warmup, args.light_concurrency)
                     out["postgres"]["fsync"] = True
-    out["auth_overhead_ratio"] = None
-    out["auth_overhead_note"] = ("measured elsewhere: the peer-side credential and signature checks on every "
-                                 "RPC are benchmarked with the pipeline (scripts/bench_pipeline.py)")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _auth_overhead import measure_auth_overhead
+
+        out.update(measure_auth_overhead(workdir, quick=args.joins < 1000))
     out["machine"] = {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)}
     print(json.dumps(out), flush=True)
     return 0
