@@ -12,7 +12,9 @@ What is measured, and why that way:
     hivemind's butterfly all-reduce through the instrumented runner, read the result back and
     apply it with the delta rule. `round_s` is the wall time from the first replica entering the
     round to the last one leaving it (a round is over when every replica has applied it), the
-    median over `--rounds` measured rounds after one warm-up round. `allreduce_s` is the part
+    median over `--rounds` measured rounds after one warm-up round (alternating with the bare
+    hivemind rounds below, so that a change in the machine's load hits both alike). `allreduce_s`
+    is the part
     the averager process spent inside the all-reduce, as its runner measured it. All replicas
     are reducers; each has its own DHT node, libp2p daemon and averager process, forked from this
     process, on 127.0.0.1. The index set of the round is computed before the timer starts (the
@@ -23,7 +25,10 @@ What is measured, and why that way:
     The same bytes through bare hivemind averaging: a plain `DecentralizedAverager` over a
     buffer of the same size, with the same matchmaking window, group size target, chunk size and
     timeouts, replicas stepping at the same moment. `ratio_vs_hivemind` = hivemind round time /
-    our round time (1.0 = no overhead; the aim is >= 0.9).
+    our round time (1.0 = no overhead; the aim is >= 0.9). `ratio_step_vs_hivemind` compares
+    bare hivemind's round with our slowest replica's matchmaking + all-reduce alone, i.e. without
+    the gather into the buffer and the delta applied back to the parameters: what is left of the
+    difference is that host-side work, which here all replicas do on the same 2 cores.
 
 `stream`
     The ceiling of the transport: the buffer's bytes pushed through ONE long-lived libp2p binary
@@ -133,47 +138,62 @@ def _run_together(fns) -> list:
     return results
 
 
-def _ours(dhts, stores, index_sets, replicas: int, rounds: int, tag: str) -> dict:
-    from roles.worker.averaging.averager import StageAverager
-    from roles.worker.averaging.rounds import RoundPlan, SegmentRound
+class OurRounds:
+    """Replicas running rounds exactly as workers do (SegmentRound over StageAverager)."""
 
-    averagers = []
-    try:
+    def __init__(self, dhts, stores, index_sets, replicas: int, tag: str):
+        from roles.worker.averaging.averager import StageAverager
+        from roles.worker.averaging.rounds import SegmentRound
+
+        self.index_sets, self.replicas = index_sets, replicas
+        self.averagers = []
         for dht in dhts[:replicas]:
             averager = StageAverager(dht, index_sets.buffer_size, run_id=tag, stage=0, reducer=True, config=_config())
             averager.start()
-            averagers.append(averager)
-        runners = [SegmentRound(store, index_sets, averager) for store, averager in zip(stores, averagers)]
-        times, allreduce, statuses = [], [], []
-        for round_id in range(rounds + 1):
-            segment = round_id % SEGMENTS
-            index_sets.get(segment)  # prepared in the background by a worker
-            plan = RoundPlan("bench", round_id, segment, 1.0, replicas, "active")
-            started = time.perf_counter()
-            outcomes = _run_together([lambda r=r: r.run(plan) for r in runners])
-            elapsed = time.perf_counter() - started
-            bad = [o for o in outcomes if isinstance(o, BaseException)]
-            if bad:
-                raise bad[0]
-            if round_id == 0:
-                continue  # warm-up: connections, first-touch of the buffer
-            times.append(elapsed)
-            allreduce.append(max(o.allreduce_s or 0.0 for o in outcomes))
-            statuses.extend(o.status.value for o in outcomes)
-        return {"round_s": statistics.median(times), "round_s_all": [round(t, 3) for t in times],
-                "allreduce_s": statistics.median(allreduce),
-                "statuses": {s: statuses.count(s) for s in sorted(set(statuses))}}
-    finally:
-        for averager in averagers:
+            self.averagers.append(averager)
+        self.runners = [SegmentRound(store, index_sets, averager) for store, averager in zip(stores, self.averagers)]
+        self.times, self.allreduce, self.statuses, self.parts = [], [], [], {}
+
+    def round(self, round_id: int, measure: bool) -> None:
+        from roles.worker.averaging.rounds import RoundPlan
+
+        segment = round_id % SEGMENTS
+        self.index_sets.get(segment)  # a worker prepares it in the background while it trains
+        plan = RoundPlan("bench", round_id, segment, 1.0, self.replicas, "active")
+        started = time.perf_counter()
+        outcomes = _run_together([lambda r=r: r.run(plan) for r in self.runners])
+        elapsed = time.perf_counter() - started
+        bad = [o for o in outcomes if isinstance(o, BaseException)]
+        if bad:
+            raise bad[0]
+        if not measure:
+            return
+        self.times.append(elapsed)
+        self.allreduce.append(max(o.allreduce_s or 0.0 for o in outcomes))
+        self.statuses.extend(o.status.value for o in outcomes)
+        for name in outcomes[0].timings:
+            self.parts.setdefault(name, []).append(max(o.timings.get(name, 0.0) for o in outcomes))
+
+    def report(self) -> dict:
+        return {"round_s": statistics.median(self.times), "round_s_all": [round(t, 3) for t in self.times],
+                "allreduce_s": statistics.median(self.allreduce),
+                "slowest_replica_s": {name: round(statistics.median(v), 4) for name, v in self.parts.items()},
+                "statuses": {s: self.statuses.count(s) for s in sorted(set(self.statuses))}}
+
+    def close(self) -> None:
+        for averager in self.averagers:
             averager.shutdown()
 
 
-def _bare_hivemind(dhts, buffer_size: int, replicas: int, rounds: int, tag: str) -> dict:
-    from hivemind.averaging import DecentralizedAverager
+class BareRounds:
+    """The same bytes through plain hivemind DecentralizedAverager steps."""
 
-    config = _config()
-    averagers = []
-    try:
+    def __init__(self, dhts, buffer_size: int, replicas: int, tag: str):
+        from hivemind.averaging import DecentralizedAverager
+
+        config = _config()
+        self.timeout = 2 * config.matchmaking_time_s
+        self.averagers = []
         for dht in dhts[:replicas]:
             averager = DecentralizedAverager(
                 [torch.randn(buffer_size)], dht, start=False, prefix=tag, target_group_size=replicas,
@@ -183,32 +203,52 @@ def _bare_hivemind(dhts, buffer_size: int, replicas: int, rounds: int, tag: str)
                 allreduce_timeout=config.allreduce_timeout_s, part_size_bytes=config.part_size_bytes,
                 allow_state_sharing=False, client_mode=False,
             )
-            averager.start()
+            averager.start()  # not run_in_background: it would make this process ignore Ctrl-C
             averager.wait_until_ready(60)
-            averagers.append(averager)
-        times = []
-        for round_id in range(rounds + 1):
-            timeout = 2 * config.matchmaking_time_s
-            started = time.perf_counter()
-            results = _run_together([lambda a=a: a.step(weight=1.0, timeout=timeout, allow_retries=False)
-                                     for a in averagers])
-            elapsed = time.perf_counter() - started
-            bad = [r for r in results if isinstance(r, BaseException) or r is None]
-            if bad:
-                raise RuntimeError(f"bare hivemind round failed: {bad[0]!r}")
-            if round_id:
-                times.append(elapsed)
-        return {"round_s": statistics.median(times), "round_s_all": [round(t, 3) for t in times]}
-    finally:
-        for averager in averagers:
+            self.averagers.append(averager)
+        self.times = []
+
+    def round(self, round_id: int, measure: bool) -> None:
+        started = time.perf_counter()
+        results = _run_together([lambda a=a: a.step(weight=1.0, timeout=self.timeout, allow_retries=False)
+                                 for a in self.averagers])
+        elapsed = time.perf_counter() - started
+        bad = [r for r in results if isinstance(r, BaseException) or r is None]
+        if bad:
+            raise RuntimeError(f"bare hivemind round failed: {bad[0]!r}")
+        if measure:
+            self.times.append(elapsed)
+
+    def report(self) -> dict:
+        return {"round_s": statistics.median(self.times), "round_s_all": [round(t, 3) for t in self.times]}
+
+    def close(self) -> None:
+        for averager in self.averagers:
             averager.shutdown()
+
+
+def _compare(dhts, stores, index_sets, replicas: int, rounds: int, tag: str) -> tuple[dict, dict]:
+    """One warm-up round each, then measured rounds alternating ours and bare hivemind, so a
+    change in the machine's load hits both alike."""
+    ours = bare = None
+    try:
+        ours = OurRounds(dhts, stores, index_sets, replicas, tag + "ours")
+        bare = BareRounds(dhts, index_sets.buffer_size, replicas, tag + "bare")
+        for round_id in range(rounds + 1):
+            ours.round(round_id, measure=round_id > 0)
+            bare.round(round_id, measure=round_id > 0)
+        return ours.report(), bare.report()
+    finally:
+        for side in (ours, bare):
+            if side is not None:
+                side.close()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10e6,50e6,100e6", help="stage sizes in parameters")
     parser.add_argument("--replicas", default="2,4,8")
-    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per combination (after a warm-up)")
+    parser.add_argument("--rounds", type=int, default=4, help="measured rounds per combination (after a warm-up)")
     parser.add_argument("--budget-s", type=float, default=450.0, help="skip combinations that would exceed this")
     parser.add_argument("--quick", action="store_true", help="only the smallest stage, 2 and 4 replicas, 1 round")
     parser.add_argument("--out", help="also write the JSON here")
@@ -270,9 +310,7 @@ def main() -> int:
                 entry = {"params": size, "replicas": replicas, "segment_values": index_sets.buffer_size,
                          "bytes": buffer_bytes}
                 try:
-                    entry["ours"] = _ours(dhts, stores, index_sets, replicas, args.rounds, tag + "ours")
-                    entry["hivemind"] = _bare_hivemind(dhts, index_sets.buffer_size, replicas, args.rounds,
-                                                       tag + "bare")
+                    entry["ours"], entry["hivemind"] = _compare(dhts, stores, index_sets, replicas, args.rounds, tag)
                 except Exception as exc:  # noqa: BLE001 - one broken combination must not lose the rest
                     entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
                     result["results"].append(entry)
@@ -281,6 +319,7 @@ def main() -> int:
                 ours["bytes_per_s"] = round(buffer_bytes / ours["round_s"])
                 bare["bytes_per_s"] = round(buffer_bytes / bare["round_s"])
                 entry["ratio_vs_hivemind"] = round(bare["round_s"] / ours["round_s"], 3)
+                entry["ratio_step_vs_hivemind"] = round(bare["round_s"] / ours["slowest_replica_s"]["step_s"], 3)
                 entry["ratio_vs_stream"] = round(ours["bytes_per_s"] / result["stream"][str(size)]["bytes_per_s"], 4)
                 result["results"].append(entry)
                 seconds_per_byte = (time.monotonic() - combo_started) / (buffer_bytes * replicas)

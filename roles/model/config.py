@@ -158,6 +158,11 @@ class AveragingConfig(BaseModel):
                 f"request_timeout_s {self.request_timeout_s} must be below matchmaking_time_s "
                 f"{self.matchmaking_time_s} (hivemind matchmaking can deadlock otherwise)"
             )
+        if self.idle_period_s is not None and self.idle_period_s < 2 * self.matchmaking_time_s:
+            raise ValueError(
+                f"idle_period_s {self.idle_period_s} must be at least twice matchmaking_time_s "
+                f"{self.matchmaking_time_s}, so a round that finds nobody ends before the next is due"
+            )
         return self
 
 

@@ -112,10 +112,14 @@ class StageCheckpoints:
             self.store.push_master_to_device()
         return int(metadata.get("step", "0"))
 
-    async def run(self, stop: asyncio.Event, period_s: float, step_fn) -> None:
-        """Write now (a fresh writer publishes its state at once), then every `period_s`."""
+    async def run(self, stop: asyncio.Event, period_s: float, step_fn, may_write=lambda: True) -> None:
+        """Write now (a fresh writer publishes its state at once), then every `period_s`; skip a
+        write while `may_write()` is false (a writer in a sync phase holds stale weights)."""
         while not stop.is_set():
-            await self.save_logged(step_fn())
+            if may_write():
+                await self.save_logged(step_fn())
+            else:
+                logger.info("checkpoint of stage %d skipped: this worker is still syncing", self.stage)
             try:
                 await asyncio.wait_for(stop.wait(), period_s)
             except asyncio.TimeoutError:

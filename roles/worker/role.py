@@ -257,7 +257,8 @@ class WorkerRole:
         ]
         if self.checkpoints is not None and self.config.checkpoint_period_s:
             self._tasks.append(asyncio.create_task(
-                self.checkpoints.run(stop, self.config.checkpoint_period_s, lambda: self.optimizer.local_step),
+                self.checkpoints.run(stop, self.config.checkpoint_period_s, lambda: self.optimizer.local_step,
+                                     may_write=lambda: self.phase == Phase.ACTIVE),
                 name="checkpoints"))
         while not stop.is_set():
             if self.runtime.failure is not None:
@@ -306,7 +307,8 @@ class WorkerRole:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.progress.withdraw()
         await self.averaging.shutdown()
-        if self.checkpoints is not None and self.config.checkpoint_period_s and not self.averaging.leave_reason:
+        if (self.checkpoints is not None and self.config.checkpoint_period_s and not self.averaging.leave_reason
+                and self.phase == Phase.ACTIVE):
             await self.checkpoints.save_logged(self.optimizer.local_step)
         await self.server.shutdown()
         self.state = WorkerState.STOPPED

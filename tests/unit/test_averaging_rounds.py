@@ -4,6 +4,7 @@ average is never applied; and the self-protection rule."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 
@@ -49,10 +50,19 @@ class FakeAverager:
 
     def prepare_round(self, bits, target):
         self.prepared = (bits, target)
+        done = concurrent.futures.Future()
+        done.set_result(None)
+        return done
 
     @contextlib.contextmanager
     def locked_buffer(self, timeout_s):
         yield self.buffer
+
+    def begin_step(self, weight, gather):
+        return (weight, gather)
+
+    def finish_step(self, control):
+        return self.step(*control)
 
     def step(self, weight, gather):
         if self.train_fn is not None:
@@ -168,3 +178,25 @@ def test_two_failures_in_three_rounds_leave_unless_everyone_failed():
     health.record_failure("step", 4)
     health.resolve({("step", 4)})
     assert health.should_leave() is not None, "2 of the last 3 rounds failed while the stage averaged"
+
+
+def test_a_round_edits_the_master_copy_and_pushes_it_to_the_compute_parameters():
+    """The path a GPU worker takes: the optimizer keeps separate float32 master weights, the round
+    edits those, and the compute parameters follow (here on the CPU, forced)."""
+    from roles.worker.optimizer import StageOptimizer
+
+    model = torch.nn.Linear(10, 5)
+    optimizer = StageOptimizer(model.parameters(), lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                               warmup_steps=0, total_steps=10, min_lr_ratio=1.0, clip_threshold=1.0, device="cpu",
+                               force_master_copy=True)
+    assert not optimizer.shares_master
+    layout = FlatLayout.of_module(model)
+    layout.check(optimizer.master_params)
+    sets = SegmentIndexSets(layout, 2, seed=0, stage=0)
+    fake = FakeAverager(sets.buffer_size, optimizer, average_fn=lambda snap: snap * 0 + 3.0)
+    outcome = SegmentRound(optimizer, sets, fake).run(RoundPlan("step", 1, 1, 1.0, 2, "active"))
+    assert outcome.status == RoundStatus.COMPLETE
+    compute = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    master = torch.cat([m.reshape(-1) for m in optimizer.master_params])
+    assert torch.equal(compute, master), "the compute parameters follow the edited master weights"
+    assert torch.all(master[sets.get(1).indices] == 3.0)

@@ -54,8 +54,11 @@ class SpartaAverager(DecentralizedAverager):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         super().run()
 
-    async def _set_target_group_size(self, size: Optional[int], future: MPFuture) -> None:
+    async def _prepare_round(self, group_bits: str, size: Optional[int], future: MPFuture) -> None:
+        """Per round, in the averager process: the group key's bits, and the group size at which
+        a leader starts the all-reduce without waiting for the end of the window."""
         try:
+            self._matchmaking.group_key_manager.group_bits = group_bits
             self._matchmaking.target_group_size = size
             self._matchmaking.potential_leaders.target_group_size = size
             future.set_result(None)
@@ -151,31 +154,50 @@ class StageAverager:
         except Exception as exc:
             raise AveragingError(f"the averager process did not start within {timeout_s:.0f}s: {exc}") from exc
 
+    def matchmaking_deadline_s(self) -> float:
+        """How long a step looks for a group: the window (leaders assemble at its end), plus
+        time for the followers' last requests. Kept short on purpose: a replica that found
+        nobody must be free again before the next round is due, or it falls out of step with
+        its peers for good (each would keep skipping the round the other runs)."""
+        return self.config.matchmaking_time_s + max(self.config.request_timeout_s, self.config.matchmaking_time_s / 2)
+
     def step_timeout_s(self) -> float:
-        """Deadline of one step: two matchmaking windows to find a group, then the all-reduce."""
-        return 2 * self.config.matchmaking_time_s + self.config.allreduce_timeout_s
+        """Longest a step may take: matchmaking, then the all-reduce."""
+        return self.matchmaking_deadline_s() + self.config.allreduce_timeout_s
 
-    def prepare_round(self, group_bits: str, target_group_size: Optional[int], timeout_s: float = 10.0) -> None:
-        """Set the next round's group key bits and the group size at which a leader starts."""
-        self.process.set_group_bits(group_bits, wait=False).result(timeout_s)
+    def prepare_round(self, group_bits: str, target_group_size: Optional[int]) -> MPFuture:
+        """Set the next round's group key bits and the group size at which a leader starts.
+        Returns the confirmation without waiting for it: the averager handles its pipe in order,
+        so a step sent after this runs with the new key; check the future after sending it."""
+        if not all(bit in "01" for bit in group_bits):
+            raise AveragingError(f"group bits must be 0s and 1s, got {group_bits!r}")
         future = MPFuture()
-        self.process._outer_pipe.send(("_set_target_group_size", [], dict(size=target_group_size, future=future)))
-        future.result(timeout_s)
+        self.process._outer_pipe.send(("_prepare_round", [], dict(group_bits=group_bits, size=target_group_size,
+                                                                   future=future)))
+        return future
 
-    def step(self, weight: float, gather: dict[str, Any]) -> dict[str, Any]:
-        """Run one round on the buffer as it is now; returns `{"gathered", "telemetry"}`.
+    def begin_step(self, weight: float, gather: dict[str, Any]):
+        """Start matchmaking for one round and return its control; the all-reduce waits for
+        `finish_step`, so the caller fills the buffer while the group forms."""
+        return self.process.step(weight=float(weight), gather=gather, timeout=self.matchmaking_deadline_s(),
+                                 allow_retries=False, require_trigger=True, wait=False)
+
+    def finish_step(self, control) -> dict[str, Any]:
+        """Let the all-reduce run on the buffer as it is now; returns `{"gathered", "telemetry"}`.
         Raises whatever hivemind raised (no group, all-reduce broken, timeout)."""
-        timeout = self.step_timeout_s()
-        control = self.process.step(weight=float(weight), gather=gather, timeout=2 * self.config.matchmaking_time_s,
-                                    allow_retries=False, wait=False)
         try:
-            result = control.result(timeout + 10)
+            control.allow_allreduce()
+            result = control.result(self.step_timeout_s() + 10)
         except BaseException:
             control.cancel()
             raise
         if not isinstance(result, dict) or "telemetry" not in result:
             raise AveragingError(f"the averager returned {type(result).__name__}, not a round report")
         return result
+
+    def step(self, weight: float, gather: dict[str, Any]) -> dict[str, Any]:
+        """One round on the buffer as it is now (begin and finish at once)."""
+        return self.finish_step(self.begin_step(weight, gather))
 
     @contextlib.contextmanager
     def locked_buffer(self, timeout_s: float) -> Iterator[torch.Tensor]:

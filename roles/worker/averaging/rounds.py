@@ -72,6 +72,8 @@ class RoundOutcome:
     average_sq: float = 0.0
     allreduce_s: Optional[float] = None
     """Time inside hivemind's all-reduce (after matchmaking), as the averager process measured it."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Where this replica's round time went: prepare, snapshot, step (matchmaking + all-reduce), apply."""
     finished_at: float = field(default_factory=time.time)
 
     @property
@@ -130,42 +132,58 @@ class SegmentRound:
         index_set = self.index_sets.get(plan.segment)
         n = len(index_set)
         started = time.monotonic()
+        timings: dict[str, float] = {}
+
+        def lap(name: str, since: float) -> float:
+            now = time.monotonic()
+            timings[name] = now - since
+            return now
+
+        gather = {"kind": plan.kind, "round": plan.round, "segment": plan.segment, "digest": index_set.digest,
+                  "weight": float(plan.weight), "phase": plan.phase}
+        control = None
         try:
-            self.averager.prepare_round(round_key_bits(plan.kind, plan.round, index_set.digest),
-                                        plan.expected_group_size)
+            prepared = self.averager.prepare_round(round_key_bits(plan.kind, plan.round, index_set.digest),
+                                                   plan.expected_group_size)
+            # The group forms while the snapshot is taken; the all-reduce starts once it is in the buffer.
+            control = self.averager.begin_step(plan.weight, gather)
+            prepared.result(self.lock_timeout_s)
+            mark = lap("prepare_s", started)
             with self.averager.locked_buffer(self.lock_timeout_s) as buffer, self.store.lock:
                 FlatLayout.gather(self.store.master_params, index_set.pieces, buffer[:n])
                 buffer[n:].zero_()
                 snapshot = buffer[:n].clone()
+            mark = lap("snapshot_s", mark)
         except Exception as exc:  # noqa: BLE001 - becomes the round's failure reason
+            if control is not None:
+                control.cancel()
             return RoundOutcome(plan, index_set.digest, RoundStatus.FAILED, time.monotonic() - started,
                                 failure_reason=f"could not prepare the round: {_reason(exc)}")
-        gather = {"kind": plan.kind, "round": plan.round, "segment": plan.segment, "digest": index_set.digest,
-                  "weight": float(plan.weight), "phase": plan.phase}
         report: Optional[dict[str, Any]] = None
         error: Optional[BaseException] = None
         try:
-            report = self.averager.step(plan.weight, gather)
+            report = self.averager.finish_step(control)
         except Exception as exc:  # noqa: BLE001 - hivemind raises several unrelated types
             error = exc
+        mark = lap("step_s", mark)
         # Read back even after a failure: whatever the averager applied must reach the weights.
         try:
             with self.averager.locked_buffer(self.lock_timeout_s) as buffer:
-                average = buffer[:n].clone()
+                average_sq = float(torch.linalg.vector_norm(buffer[:n])) ** 2
+                delta = torch.sub(buffer[:n], snapshot, out=snapshot)  # the snapshot is not needed any more
         except Exception as exc:  # noqa: BLE001
             return RoundOutcome(plan, index_set.digest, RoundStatus.FAILED, time.monotonic() - started,
                                 failure_reason=f"the round's result could not be read and was dropped: {_reason(exc)}")
-        delta = average - snapshot
-        delta_sq = float(delta.double().square().sum())
-        average_sq = float(average.double().square().sum())
+        delta_sq = float(torch.linalg.vector_norm(delta)) ** 2
         if not math.isfinite(delta_sq):
             return RoundOutcome(plan, index_set.digest, RoundStatus.FAILED, time.monotonic() - started,
                                 failure_reason="the average is not finite (did every group member have weight 0?); "
                                                "it was not applied")
         if delta_sq > 0:
             self._apply(index_set, delta)
+        lap("apply_s", mark)
         outcome = self._describe(plan, index_set, report, error, time.monotonic() - started)
-        outcome.delta_sq, outcome.average_sq = delta_sq, average_sq
+        outcome.delta_sq, outcome.average_sq, outcome.timings = delta_sq, average_sq, timings
         return outcome
 
     def _apply(self, index_set: IndexSet, delta: torch.Tensor) -> None:

@@ -111,7 +111,7 @@ class AveragingService:
         self.leave_reason: Optional[str] = None
         self.counters: collections.Counter[str] = collections.Counter()
         self.recent: collections.deque[RoundOutcome] = collections.deque(maxlen=RECENT_ROUNDS)
-        self.history: collections.deque[RoundOutcome] = collections.deque(maxlen=256)
+        self.history: collections.deque[RoundOutcome] = collections.deque(maxlen=128)
         self.announcer = Announcer(swarm, averaging_key(run_id, stage), self.record, period_s=announce_period_s)
         self._current = ("", 0, 0, "")
         self._thread: Optional[_SerialThread] = None
@@ -187,8 +187,11 @@ class AveragingService:
         if self._round_task is not None and not self._round_task.done():
             segment = round_id % self.index_sets.segments
             plan = RoundPlan(kind, round_id, segment, 0.0, 0, self.phase().value)
+            # Replicas that skip different rounds fall out of step until a round boundary finds
+            # them all idle again: rounds must be shorter than the interval between them.
             self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED,
-                                      failure_reason="the previous round is still running"))
+                                      failure_reason="the previous round is still running: rounds take longer "
+                                                     "than average_every steps here; consider raising it"))
             return
         self._round_task = asyncio.create_task(self._run_round(kind, round_id), name=f"averaging-{kind}-{round_id}")
 
@@ -318,7 +321,7 @@ class AveragingService:
         )
 
     def summary(self) -> dict:
-        """Counters and the last (up to 256) rounds, for the node's exit summary."""
+        """Counters and the last (up to 128) rounds, for the node's exit summary."""
         return {
             "state": self.state.value,
             "reducer": self.reducer,
