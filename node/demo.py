@@ -96,7 +96,8 @@ def demo_main(argv: list[str]) -> int:
             f"and {args.trainers} trainer(s) "
             f"on 127.0.0.1; training {args.steps} steps of {run.target_batch_size} samples")
         # The authorizer places each worker on the stage furthest below its target.
-        workers = [swarm.start("worker", args=["--max-batch", "16", "--account-token", f"demo-worker-{i}"],
+        # Every demo worker is a stable local node, so each may reduce averaging slices.
+        workers = [swarm.start("worker", args=["--max-batch", "16", "--account-token", f"demo-worker-{i}", "--reducer"],
                                wait_ready=False, name=f"worker-{i}")
                    for i in range(args.stages * args.workers_per_stage)]
         trainers = [

@@ -170,6 +170,7 @@ class WorkerRole:
             "phase": self.phase.value,
             "counters": dict(self.runtime.counters),
             "rejected": dict(self.server.rejected),
+            "auth_rejected": dict(self.server.auth_rejected),
             "compute_s": round(self.runtime.compute_s, 3),
             "mean_batch_size": round(stats.mean_batch_size, 3),
             "joined": self.joined,
@@ -183,12 +184,13 @@ class WorkerRole:
     async def start(self) -> None:
         # Fork hivemind's averager before any thread of ours exists (DESIGN §10).
         self.averaging.start_averager(self.swarm.dht)
-        await self.server.add_handler(version.STATE, self.state_server.handle)
+        # In authenticated runs only stage peers may pull state, and only trainers route samples.
+        await self.server.add_handler(version.STATE, self.state_server.handle, roles=frozenset({"worker"}))
         await self._join_stage()
         self.averaging.begin()
         self.runtime.start()
-        await self.server.add_handler(version.FORWARD, self.handlers.forward)
-        await self.server.add_handler(version.BACKWARD, self.handlers.backward)
+        await self.server.add_handler(version.FORWARD, self.handlers.forward, roles=frozenset({"trainer"}))
+        await self.server.add_handler(version.BACKWARD, self.handlers.backward, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.INFO, self.handlers.info)
         self.state = WorkerState.ONLINE
         await self.announcer.announce_now()
