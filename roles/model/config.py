@@ -363,6 +363,7 @@ def _read_source(source: str) -> dict[str, Any]:
         raise ConfigError(
             f"config {source}: top level must be a mapping of fields, got {type(data).__name__}"
         )
+    data.pop("node", None)  # the node's own settings (flags' defaults), read by node/settings.py
     return data
 
 
