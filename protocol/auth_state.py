@@ -10,24 +10,10 @@ changed, so the check per DHT message is one stat().
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Optional
 
 from protocol.credentials import MalformedCredential, RevocationList, SignedCredential, verify_revocation_list
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+from protocol.files import atomic_write
 
 
 class _Watched:
@@ -63,7 +49,7 @@ class SharedAuthState:
         self._revocation_bytes: Optional[bytes] = None
 
     def publish_credential(self, signed: SignedCredential) -> None:
-        _atomic_write(self._credential.path, signed.to_bytes())
+        atomic_write(self._credential.path, signed.to_bytes())
 
     def credential_bytes(self) -> Optional[bytes]:
         return self._credential.read()
@@ -78,7 +64,7 @@ class SharedAuthState:
         current = self.revocations()
         if current is not None and current.issued_at >= revocations.issued_at:
             return False
-        _atomic_write(self._revocations.path, revocations.to_bytes())
+        atomic_write(self._revocations.path, revocations.to_bytes())
         return True
 
     def revocations(self) -> Optional[RevocationList]:

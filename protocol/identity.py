@@ -22,6 +22,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
 from protocol.errors import ConfigError
+from protocol.files import atomic_write
 
 _IDENTITY_MULTIHASH = 0x00
 _ED25519_PUBLIC_LEN = 32
@@ -145,16 +146,5 @@ def load_or_create_identity(path: str | None) -> Identity:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise ConfigError(f"cannot create identity {path}: directory {directory} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".identity-")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, blob, mode=0o600)
     return Identity(key, path)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from typing import Optional
-
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P

@@ -11,7 +11,6 @@ import copy
 import math
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +25,7 @@ from pydantic import (
 )
 
 from protocol.errors import ConfigError
+from protocol.files import atomic_write
 
 StageKind = Literal["head", "body", "tail"]
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
@@ -386,16 +386,5 @@ def load_run_config(source: str, overrides: dict | None = None) -> RunConfig:
 def dump_run_config(cfg: RunConfig, path: str | os.PathLike[str]) -> None:
     """Write `cfg` as YAML that `load_run_config` reads back equal; atomic, so a reader never
     sees half a file."""
-    target = Path(path)
     text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, text.encode("utf-8"), mode=0o644)

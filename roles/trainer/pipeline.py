@@ -9,7 +9,6 @@ A sample that cannot be completed raises SampleDropped with its reason; it is ne
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import time

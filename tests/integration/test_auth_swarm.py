@@ -58,16 +58,14 @@ async def _admitted_identity(authorizer_url, path, account):
 
 async def _attacks(worker, authorizer_url: str, tmp_path, *, ban) -> dict:
     """Play every attack against `worker`; return the reason each one was rejected with."""
-    from hivemind.p2p import P2P, PeerID
+    from hivemind.p2p import PeerID
 
-    from node.admission import AuthorizerClient, join_run
     from protocol import version
     from protocol.auth import PeerAuthenticator
     from protocol.codec import encode_tensor, pack, unpack
-    from protocol.credentials import Credential, SignedCredential, sign_credential
+    from protocol.credentials import SignedCredential, sign_credential
     from protocol.errors import RemoteError
     from protocol.framing import read_frame, write_frame
-    from protocol.identity import load_or_create_identity
     from protocol.messages import make_envelope
     from protocol.transport import RpcClient, dial
     import torch

@@ -80,7 +80,7 @@ def test_worker_rejects_hostile_requests_and_keeps_serving(make_swarm, run_confi
     from hivemind.p2p import P2P, PeerID
 
     from protocol import version
-    from protocol.codec import encode_tensor, pack, unpack
+    from protocol.codec import encode_tensor, unpack
     from protocol.errors import ErrorCode, RemoteError
     from protocol.framing import read_frame, write_frame
     from protocol.transport import RpcClient, dial
