@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import hivemind
 import pytest
