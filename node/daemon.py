@@ -168,9 +168,7 @@ def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator)
                               checkpoint_dir=settings.checkpoint_dir, checkpoint_period_s=settings.checkpoint_period_s,
                               test_init_seed_offset=settings.test_init_seed_offset,
                               test_averaging_stall_s=settings.test_averaging_stall_s)
-        role = WorkerRole(config, run, swarm, p2p, maddrs)
-        role.server.authenticator = authenticator
-        return role
+        return WorkerRole(config, run, swarm, p2p, maddrs, authenticator)
     from roles.trainer.config import TrainerConfig
     from roles.trainer.role import TrainerRole
 
@@ -180,9 +178,7 @@ def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator)
         discovery_period_s=settings.discovery_period_s, announce_period_s=settings.announce_period_s,
         request_timeout_s=settings.request_timeout_s,
     )
-    role = TrainerRole(config, run, swarm, p2p)
-    role.client.authenticator = authenticator
-    return role
+    return TrainerRole(config, run, swarm, p2p, authenticator)
 
 
 def configure_logging(level: str) -> None:

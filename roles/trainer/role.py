@@ -11,6 +11,7 @@ from typing import Iterator, Optional
 
 from hivemind.p2p import P2P, PeerID
 
+from protocol.auth import PeerAuthenticator
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import TrainerRecord, trainers_key
 from protocol.transport import RpcClient, dial
@@ -34,13 +35,14 @@ class TrainerState(enum.Enum):
 
 
 class TrainerRole:
-    def __init__(self, config: TrainerConfig, run: RunConfig, swarm: SwarmDHT, p2p: P2P):
+    def __init__(self, config: TrainerConfig, run: RunConfig, swarm: SwarmDHT, p2p: P2P,
+                 authenticator: Optional[PeerAuthenticator] = None):
         self.config = config
         self.run_config = run
         self.swarm = swarm
         self.p2p = p2p
         self.state = TrainerState.WAITING
-        self.client = RpcClient(p2p, timeout_s=config.request_timeout_s)
+        self.client = RpcClient(p2p, timeout_s=config.request_timeout_s, authenticator=authenticator)
         self.balancers = [StageBalancer(s, ban_s=config.ban_s) for s in range(run.num_stages)]
         self.discovery = WorkerDiscovery(swarm, run.run_id, self.balancers, period_s=config.discovery_period_s)
         self.driver = PipelineDriver(

@@ -19,6 +19,7 @@ import torch
 from hivemind.p2p import P2P
 
 from protocol import version
+from protocol.auth import PeerAuthenticator
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import Phase, ProgressRecord, WorkerRecord, progress_key, workers_key
 from protocol.errors import ErrorCode, ProtocolError
@@ -56,7 +57,8 @@ class WorkerState(enum.Enum):
 
 
 class WorkerRole:
-    def __init__(self, config: WorkerConfig, run: RunConfig, swarm: SwarmDHT, p2p: P2P, maddrs: list[str]):
+    def __init__(self, config: WorkerConfig, run: RunConfig, swarm: SwarmDHT, p2p: P2P, maddrs: list[str],
+                 authenticator: Optional[PeerAuthenticator] = None):
         self.config = config
         self.run_config = run
         self.swarm = swarm
@@ -87,7 +89,7 @@ class WorkerRole:
             device=self.device, autocast_dtype=autocast, counts_towards_target=self._counts_towards_target,
             on_backward=lambda: self.progress.notify_samples(),
         )
-        self.server = RpcServer(p2p)
+        self.server = RpcServer(p2p, authenticator=authenticator)
         self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches)
         self.announcer = Announcer(
             swarm, workers_key(run.run_id, config.stage), self._record, period_s=config.announce_period_s
@@ -236,8 +238,8 @@ class WorkerRole:
              if peer != self.swarm.peer_id and record.phase in SERVING_PHASES),
             key=lambda item: -item[1].throughput,
         )
-        client = RpcClient(self.p2p, timeout_s=self.run_config.sync.state_chunk_timeout_s)
-        client.authenticator = getattr(self.server, "authenticator", None)  # authenticated runs sign requests
+        client = RpcClient(self.p2p, timeout_s=self.run_config.sync.state_chunk_timeout_s,
+                           authenticator=self.server.authenticator)
         sync = self.run_config.sync
         loader = StateLoader(self.p2p, client, self.optimizer, self.layout, run_id=self.run_config.run_id,
                              stage=self.config.stage, chunk_elements=sync.state_chunk_elements,
