@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -104,7 +105,7 @@ class PeerAuthenticator:
 
     def sign_request(self, handler: str, recipient: str, body: bytes) -> dict:
         """Fields to add to a request envelope carrying `body` (already packed)."""
-        nonce = _nonce()
+        nonce = os.urandom(16)
         timestamp = self.clock()
         return {
             "nonce": nonce, "timestamp": timestamp, "recipient": recipient,
@@ -163,8 +164,3 @@ class PeerAuthenticator:
                 peer_id, reply_signing_bytes(handler, self.peer_id, nonce, body), signature):
             raise RequestRejected("bad_reply_signature", f"reply from {peer_id} is not signed by it")
 
-
-def _nonce() -> bytes:
-    import os
-
-    return os.urandom(16)
