@@ -53,6 +53,8 @@ class ProgressRecord(RecordModel):
     samples_accumulated: int = Field(ge=0)
     counts_towards_target: bool = True
     time: float
+    next_samples: int = Field(default=0, ge=0, description="samples accumulated for local_step + 1")
+    samples_consumed: int = Field(default=0, ge=0, description="samples the stage consumed in all its steps")
 
 
 class RoundStatus(str, enum.Enum):

@@ -86,11 +86,16 @@ class BackwardRequest(WireModel):
     tokens: WireTensor
     coords: Optional[WireTensor] = None
     grad_output: Optional[WireTensor] = None
+    step: Optional[int] = Field(default=None, ge=0)
+    """The global optimizer step the sample belongs to, as the tail tagged it; absent at the tail
+    (which tags) and from older trainers (the worker then tags it itself)."""
 
 
 class BackwardReply(WireModel):
     grad_input: Optional[WireTensor] = None
     loss: Optional[float] = None
+    step: Optional[int] = None
+    """The step the sample was accumulated into: the tail's tag, to be carried to the other stages."""
 
 
 class InfoRequest(WireModel):

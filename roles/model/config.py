@@ -102,14 +102,55 @@ class OptimizerConfig(BaseModel):
             )
         return self
 
-    def lr_at(self, step: int) -> float:
-        """Learning rate for optimizer step `step` (0-based): the schedule every replica follows."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
+    def lr_at(self, position: float) -> float:
+        """Learning rate at schedule `position`, measured in nominal steps: samples the stage has
+        consumed divided by `target_batch_size` (0-based; an exact step `s` sits at `s`).
+
+        Linear warmup from lr/warmup_steps up to lr, then cosine decay to `min_lr_ratio * lr` at
+        `total_steps`, flat after it. Because the position counts samples, a step that happens to
+        consume more or fewer samples cannot shift the schedule [issue 7]; and because it is a
+        pure function, every replica of a stage agrees on the rate without talking to the others.
+        """
+        if position < 0:
+            raise ValueError(f"schedule position must be non-negative, got {position}")
+        if position < self.warmup_steps:
+            return self.lr * min(1.0, (position + 1) / self.warmup_steps)
         floor = self.min_lr_ratio * self.lr
-        span = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
+        span = self.total_steps - self.warmup_steps
+        if span <= 0 or position >= self.total_steps:
+            return floor
+        progress = (position - self.warmup_steps) / span
         return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class StalenessConfig(BaseModel):
+    """How far the weights a sample's backward uses may lag the ones its forward saw [issue 7].
+
+    A pipeline keeps samples in flight while stages step, so a sample's forward at one stage can
+    run on weights one step older than its backward recompute. Two remedies, both measured by
+    `scripts/bench_fidelity.py`: cap the samples in flight against the batch, and recompute the
+    backward with the weights its forward used.
+    """
+
+    model_config = _FROZEN
+
+    max_in_flight_ratio: float | None = Field(
+        default=None, gt=0,
+        description="Trainers together keep at most this fraction of target_batch_size samples in "
+        "flight (each trainer takes its share by the number of live trainers); None: no cap beyond lanes.",
+    )
+    pin_forward_weights: bool = Field(
+        default=True,
+        description="Keep the previous version of a stage's weights while samples forwarded on it "
+        "are in flight, so their backward recomputes with the weights their forward used "
+        "(one extra copy of the stage's parameters).",
+    )
+    step_close_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="A stage whose open step misses samples (their trainer died after the tail "
+        "tagged them) closes it short after this long without one of them arriving, once later "
+        "samples are waiting; the shortfall is reported.",
+    )
 
 
 class AveragingConfig(BaseModel):
@@ -244,6 +285,10 @@ class RunConfig(BaseModel):
     )
     sync: SyncConfig = Field(
         default_factory=SyncConfig, description="State loading and sync phases of a joiner."
+    )
+    staleness: StalenessConfig = Field(
+        default_factory=StalenessConfig,
+        description="Bounds on the weight-version gap between a sample's forward and backward.",
     )
 
     @field_validator("run_id")

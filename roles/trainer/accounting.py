@@ -19,6 +19,8 @@ class SampleAccounting:
     first_losses: list[float] = field(default_factory=list)
     recent_losses: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LOSS_WINDOW))
     last_loss: Optional[float] = None
+    last_step: Optional[int] = None
+    """The latest global step a completed sample was tagged with."""
 
     @property
     def dropped(self) -> int:
@@ -35,8 +37,10 @@ class SampleAccounting:
     def start(self) -> None:
         self.started += 1
 
-    def complete(self, loss: float, tokens: int) -> None:
+    def complete(self, loss: float, tokens: int, step: Optional[int] = None) -> None:
         self.completed += 1
+        if step is not None:
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
         self.tokens += tokens
         self.last_loss = loss
         self.recent_losses.append(loss)
@@ -64,4 +68,5 @@ class SampleAccounting:
             "tokens": self.tokens,
             "first_loss": self.first_loss,
             "last_loss": self.recent_loss,
+            "last_step": self.last_step,
         }

@@ -42,6 +42,8 @@ class SampleResult:
     route: list[str]
     backward_fallbacks: int = 0
     elapsed_s: float = 0.0
+    step: Optional[int] = None
+    """The global step the tail tagged the sample with; every stage accumulated it into that step."""
 
 
 @dataclass
@@ -117,12 +119,17 @@ class PipelineDriver:
         route[tail], reply = await self._balanced(
             tail, version.BACKWARD, {"stage": tail, "sample_id": sample_id, "tokens": wire_tokens, "coords": coords}
         )
-        loss, grad = reply.get("loss"), reply.get("grad_input")
+        loss, grad, step = reply.get("loss"), reply.get("grad_input"), reply.get("step")
         if not isinstance(loss, float) or grad is None:
             raise SampleDropped("bad_reply", f"tail worker {route[tail][-8:]} sent no loss or gradient")
+        if step is not None and (not isinstance(step, int) or step < 0):
+            raise SampleDropped("bad_reply", f"tail worker {route[tail][-8:]} sent step {step!r}")
         fallbacks = 0
         for stage in range(self.num_stages - 2, -1, -1):
+            # The tail's tag makes every stage accumulate this sample into the same global step.
             body = {"stage": stage, "sample_id": sample_id, "tokens": wire_tokens, "grad_output": grad}
+            if step is not None:
+                body["step"] = step
             if inputs[stage] is not None:
                 body["coords"] = inputs[stage]
             reply, used_fallback = await self._pinned_backward(stage, route[stage], body)
@@ -133,7 +140,7 @@ class PipelineDriver:
         for stage, peer in enumerate(route):
             self.stats.served[(stage, peer)] += 1
         return SampleResult(loss=loss, route=route, backward_fallbacks=fallbacks,
-                            elapsed_s=time.perf_counter() - started)
+                            elapsed_s=time.perf_counter() - started, step=step)
 
     async def _pinned_backward(self, stage: int, peer: str, body: dict) -> tuple[dict, int]:
         """Backward must run on the forward's replica: replicas drift between averaging rounds,

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
+import math
+import os
 import time
-from typing import Iterator, Optional
+from typing import IO, Iterator, Optional
 
 from hivemind.p2p import P2P, PeerID
 
@@ -56,6 +59,12 @@ class TrainerRole:
         self.accounting = SampleAccounting()
         self.announcer = Announcer(swarm, trainers_key(run.run_id), self._record, period_s=config.announce_period_s)
         self._connected: set[str] = set()
+        self.live_trainers = 1
+        self._slot_freed = asyncio.Event()
+        # AGORA_SAMPLE_LOG names a file that gets one JSON line per completed sample (its id, the
+        # step it belonged to, its loss): what scripts/bench_fidelity.py replays in one process.
+        log_path = os.environ.get("AGORA_SAMPLE_LOG")
+        self.sample_log: Optional[IO[str]] = open(log_path, "a", encoding="utf-8") if log_path else None
         self.started_at: Optional[float] = None
         self.finished_at: Optional[float] = None
         self._tasks: list[asyncio.Task] = []
@@ -98,6 +107,16 @@ class TrainerRole:
                 pass
         return False
 
+    def in_flight_cap(self) -> int:
+        """Samples this trainer may have in flight: its lanes, and its share of the run's cap on
+        samples in flight against the stage batch, which bounds how stale a sample's weights can
+        get between its forward and backward [issue 7]."""
+        ratio = self.run_config.staleness.max_in_flight_ratio
+        if ratio is None:
+            return self.config.lanes
+        share = math.floor(ratio * self.run_config.target_batch_size / max(1, self.live_trainers))
+        return max(1, min(self.config.lanes, share))
+
     def _take_sample(self) -> Optional[Sample]:
         limit = self.config.max_samples
         if limit is not None and self.accounting.started >= limit:
@@ -106,8 +125,21 @@ class TrainerRole:
         self.accounting.start()
         return sample
 
+    async def _wait_for_slot(self, stop: asyncio.Event) -> bool:
+        while self.accounting.in_flight >= self.in_flight_cap():
+            self._slot_freed.clear()
+            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._slot_freed.wait())]
+            await asyncio.wait(waiters, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in waiters:
+                waiter.cancel()
+            if stop.is_set():
+                return False
+        return True
+
     async def _lane(self, lane: int, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            if not await self._wait_for_slot(stop):
+                return
             sample = self._take_sample()
             if sample is None:
                 return
@@ -115,6 +147,7 @@ class TrainerRole:
                 result = await self.driver.train_sample(sample.sample_id, sample.tokens)
             except SampleDropped as exc:
                 self.accounting.drop(exc.reason)
+                self._slot_freed.set()
                 logger.warning("lane %d dropped sample %s: %s", lane, sample.sample_id, exc)
                 if exc.reason == "no_workers":
                     await asyncio.sleep(1.0)
@@ -124,9 +157,28 @@ class TrainerRole:
                 raise
             except Exception as exc:  # a bug must cost one sample, counted, not the lane
                 self.accounting.drop("error")
+                self._slot_freed.set()
                 logger.exception("lane %d: sample %s failed unexpectedly: %s", lane, sample.sample_id, exc)
                 continue
-            self.accounting.complete(result.loss, int(sample.tokens.numel()))
+            self.accounting.complete(result.loss, int(sample.tokens.numel()), result.step)
+            self._slot_freed.set()
+            if self.sample_log is not None:
+                self.sample_log.write(json.dumps({"sample_id": sample.sample_id, "step": result.step,
+                                                  "loss": result.loss}) + "\n")
+                self.sample_log.flush()
+
+    async def _count_trainers(self, stop: asyncio.Event) -> None:
+        """Keep `live_trainers` current: the in-flight cap is shared among the run's trainers."""
+        while not stop.is_set():
+            try:
+                records = await self.swarm.get(trainers_key(self.run_config.run_id), TrainerRecord)
+                self.live_trainers = max(1, len(records) + (self.swarm.peer_id not in records))
+            except Exception:  # noqa: BLE001 - keep the last count; the next refresh may work
+                logger.debug("could not count trainers", exc_info=True)
+            try:
+                await asyncio.wait_for(stop.wait(), self.config.discovery_period_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def _report_progress(self, stop: asyncio.Event) -> None:
         """Log a progress line now and then, so an operator sees the trainer is doing its job."""
@@ -151,6 +203,8 @@ class TrainerRole:
             asyncio.create_task(self.announcer.run(stop), name="announce"),
             asyncio.create_task(self._report_progress(stop), name="progress-log"),
         ]
+        if self.run_config.staleness.max_in_flight_ratio is not None:
+            self._tasks.append(asyncio.create_task(self._count_trainers(stop), name="count-trainers"))
         if not await self.wait_for_workers(stop):
             return
         self.state = TrainerState.TRAINING
@@ -194,3 +248,5 @@ class TrainerRole:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.announcer.withdraw()
         await self.client.close()
+        if self.sample_log is not None:
+            self.sample_log.close()

@@ -75,6 +75,8 @@ class WorkerHandlers:
             reply["grad_input"] = encode_tensor(result.grad_input)
         if result.loss is not None:
             reply["loss"] = float(result.loss)
+        if result.step is not None:
+            reply["step"] = int(result.step)
         return reply
 
     async def info(self, peer_id: PeerID, body: dict) -> dict:

@@ -13,17 +13,19 @@ the parameters themselves.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from protocol.errors import AgoraError
+from roles.model.config import OptimizerConfig, RunConfig
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 class NonFiniteGradients(AgoraError):
@@ -44,25 +46,6 @@ class StepReport:
     samples: int
 
 
-def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Learning rate of 0-based `step`: linear warmup from lr/warmup_steps up to lr, then cosine
-    decay to `min_lr_ratio * lr` at `total_steps`, flat after it.
-
-    A pure function of the step so every replica of a stage, and a replica that jumped its position
-    with `set_step`, agrees on the rate without talking to the others.
-    """
-    if step < 0:
-        raise ValueError(f"step must be non-negative, got {step}")
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    min_lr = lr * min_lr_ratio
-    decay_steps = total_steps - warmup_steps
-    if decay_steps <= 0 or step >= total_steps:
-        return min_lr
-    progress = (step - warmup_steps) / decay_steps
-    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def stage_clip_threshold(num_stages: int, *, is_tail: bool) -> float:
     """Per-stage gradient-norm threshold that splits a unit global budget evenly over the stages.
 
@@ -78,9 +61,22 @@ def stage_clip_threshold(num_stages: int, *, is_tail: bool) -> float:
 class StageOptimizer:
     """Owns a stage replica's accumulated gradients and its AdamW, with master weights on the CPU.
 
+    Gradients accumulate per global step [issue 7]: the open step (`local_step`) in the
+    parameters' `.grad`, and the step after it in a second set of buffers, so that samples
+    arriving for the next step while the open one waits for its last samples neither join the
+    wrong step nor stall. `accumulating(offset)` routes a backward pass to one of the two.
+
+    The schedule follows samples, not steps: the learning rate of a step is taken at the
+    position `samples_consumed / target_batch_size`, so a short or long step cannot shift it.
+
+    With `keep_previous` the optimizer snapshots the weights before each update (`previous`,
+    one extra copy of the parameters where they compute), so a backward whose forward ran on the
+    version before the step can recompute on exactly those weights.
+
     `lock` (re-entrant) is held during `step`, so the averager and the state server, which take it
     too, always see consistent weights; the runtime holds it around each backward pass and its
-    `add_samples` so a step never lands in the middle of accumulation.
+    `add_samples` so a step never lands in the middle of accumulation. Lock order: `lock` before
+    any lock of the task queues.
     """
 
     def __init__(
@@ -96,6 +92,8 @@ class StageOptimizer:
         min_lr_ratio: float,
         clip_threshold: float,
         device: torch.device | str,
+        target_batch_size: int = 1,
+        keep_previous: bool = False,
         force_master_copy: bool = False,
     ):
         self._params = list(params)
@@ -109,15 +107,26 @@ class StageOptimizer:
             raise ValueError(f"clip_threshold must be positive, got {clip_threshold}")
         if warmup_steps < 0 or total_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError("warmup_steps and total_steps must be >= 0 and min_lr_ratio in [0, 1]")
-        self._schedule = dict(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
+        if target_batch_size < 1:
+            raise ValueError(f"target_batch_size must be at least 1, got {target_batch_size}")
+        self.schedule = OptimizerConfig.model_construct(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps,
+            total_steps=max(total_steps, 1), min_lr_ratio=min_lr_ratio)
+        self.target_batch_size = target_batch_size
         self._hparams = dict(betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.clip_threshold = clip_threshold
         self.lock = threading.RLock()
         self.local_step = 0
+        """Steps this replica has applied; also the version of its weights."""
+        self.samples_consumed = 0
+        """Samples the whole stage consumed in all steps so far: the schedule's position."""
         self.samples_accumulated = 0
-        """Samples whose gradients are accumulated now: what `step` divides the sum by."""
+        """Samples whose gradients are accumulated for the open step: what `step` divides the sum by."""
         self.samples_counted = 0
         """Of those, the samples that count towards the stage's target batch (what progress publishes)."""
+        self.next_accumulated = 0
+        self.next_counted = 0
+        self._next_grads: list[Optional[torch.Tensor]] = [None] * len(self._params)
 
         self._on_cuda = self._device.type == "cuda"
         self._shared = (
@@ -133,6 +142,22 @@ class StageOptimizer:
             self._master = [self._host_buffer(p).copy_(p.detach()).requires_grad_(True) for p in self._params]
             self._grad_buffers = [self._host_buffer(p) for p in self._params]
         self._optimizer = torch.optim.AdamW(self._master, lr=lr, **self._hparams)
+        self.previous: Optional[list[torch.Tensor]] = (
+            [torch.empty_like(p, requires_grad=False) for p in self._params] if keep_previous else None)
+        self.previous_version: Optional[int] = None
+        """The weight version `previous` holds (the step before the last update), if any."""
+
+    @classmethod
+    def for_stage(cls, run: RunConfig, stage: int, params: Iterable[torch.nn.Parameter],
+                  device: torch.device | str, **kwargs: Any) -> "StageOptimizer":
+        """The optimizer a worker of `stage` builds from the run config: the run's AdamW settings,
+        schedule by samples, and the stage-wise clip threshold [4.3]."""
+        opt = run.optimizer
+        kwargs.setdefault("keep_previous", run.staleness.pin_forward_weights)
+        return cls(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+                   warmup_steps=opt.warmup_steps, total_steps=opt.total_steps, min_lr_ratio=opt.min_lr_ratio,
+                   clip_threshold=run.clip_threshold(stage), device=device,
+                   target_batch_size=run.target_batch_size, **kwargs)
 
     def _host_buffer(self, p: torch.Tensor) -> torch.Tensor:
         return torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=self._on_cuda)
@@ -143,12 +168,48 @@ class StageOptimizer:
         return self._master
 
     @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters the stage computes with, in layout order."""
+        return self._params
+
+    @property
     def shares_master(self) -> bool:
         """True when the master weights are the compute parameters themselves (no duplicate memory)."""
         return self._shared
 
-    def add_samples(self, n: int, *, counted: bool = True) -> None:
-        """Record that the last backward batch added the summed gradients of `n` samples.
+    @property
+    def schedule_position(self) -> float:
+        """Where the stage is in its learning-rate schedule, in nominal steps of target_batch_size."""
+        return self.samples_consumed / self.target_batch_size
+
+    def lr_now(self) -> float:
+        return self.schedule.lr_at(self.schedule_position)
+
+    @contextlib.contextmanager
+    def accumulating(self, offset: int) -> Iterator[None]:
+        """Backward passes inside add their gradients to the open step (offset 0) or the one after
+        it (offset 1); a negative offset (a step already closed) sends them to a scratch set that
+        is thrown away. Hold `lock` around it."""
+        if offset == 0:
+            yield
+            return
+        if offset > 1:
+            raise ValueError(f"gradients accumulate for the open step or the next one, not offset {offset}")
+        with self.lock:
+            current = [p.grad for p in self._params]
+            for p, g in zip(self._params, self._next_grads if offset == 1 else [None] * len(self._params)):
+                p.grad = g
+            try:
+                yield
+            finally:
+                if offset == 1:
+                    self._next_grads = [p.grad for p in self._params]
+                for p, g in zip(self._params, current):
+                    p.grad = g
+
+    def add_samples(self, n: int, *, counted: bool = True, offset: int = 0) -> None:
+        """Record that the last backward batch added the summed gradients of `n` samples to the
+        open step (offset 0) or the next (offset 1).
 
         `counted=False` is for a worker in optimizer sync: its gradients are real and its own step
         must average them (it warms AdamW on them), but they count nothing towards the stage's
@@ -157,56 +218,78 @@ class StageOptimizer:
         if n < 0:
             raise ValueError(f"sample count must be non-negative, got {n}")
         with self.lock:
-            self.samples_accumulated += n
-            if counted:
-                self.samples_counted += n
+            if offset == 0:
+                self.samples_accumulated += n
+                self.samples_counted += n if counted else 0
+            else:
+                self.next_accumulated += n
+                self.next_counted += n if counted else 0
 
-    def set_step(self, step: int) -> None:
-        """Jump the schedule position, for a replica whose stage stepped without it.
+    def set_step(self, step: int, samples_consumed: Optional[int] = None) -> None:
+        """Jump the step and schedule position, for a replica whose stage stepped without it.
 
-        AdamW's per-parameter bias-correction counters are left alone: they count this replica's
-        own updates of its moments, not the stage's steps.
+        `samples_consumed` is the stage's (from its progress records); without it the position is
+        taken as `step` exact batches. AdamW's per-parameter bias-correction counters are left
+        alone: they count this replica's own updates of its moments, not the stage's steps.
         """
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
         with self.lock:
             self.local_step = step
+            self.samples_consumed = step * self.target_batch_size if samples_consumed is None else samples_consumed
 
-    def step(self) -> StepReport:
-        """Average, clip and apply the accumulated gradients, then clear them for the next step.
+    def step(self, stage_samples: Optional[int] = None) -> StepReport:
+        """Average, clip and apply the open step's gradients, then make the next step's the open ones.
 
-        With no accumulated samples the weights are left alone but `local_step` still advances,
-        so an idle replica keeps its place in the stage's schedule. Non-finite gradients are
-        dropped and raise `NonFiniteGradients` without advancing `local_step`.
+        `stage_samples` is what the whole stage consumed in this step (it advances the schedule);
+        by default this replica's own counted samples. With no accumulated samples the weights are
+        left alone but `local_step` still advances, so an idle replica keeps its place in the
+        stage's schedule. Non-finite gradients are dropped and raise `NonFiniteGradients`, and the
+        step counts as taken, so this replica stays at the stage's step.
         """
         with self.lock:
             step, samples = self.local_step, self.samples_accumulated
-            lr = lr_at(step, **self._schedule)
-            if samples == 0:
-                self._clear_grads()
-                self.local_step += 1
-                return StepReport(step=step, lr=lr, grad_norm=0.0, clipped=False, samples=0)
-            with torch.no_grad():
-                for p in self._params:
-                    if p.grad is not None:
-                        p.grad.div_(samples)
-                # Clipping runs where the gradients are, before they cross to the host.
-                norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.clip_threshold))
-                if not math.isfinite(norm):
-                    self._clear_grads()
-                    raise NonFiniteGradients(
-                        f"gradient norm is {norm} at step {step}; the {samples} accumulated samples were dropped"
-                    )
-                if not self._shared:
-                    self._grads_to_master()
-                for group in self._optimizer.param_groups:
-                    group["lr"] = lr
-                self._optimizer.step()
-                if not self._shared:
-                    self._copy_master_to_device()
-            self._clear_grads()
-            self.local_step += 1
-            return StepReport(step=step, lr=lr, grad_norm=norm, clipped=norm > self.clip_threshold, samples=samples)
+            consumed = self.samples_counted if stage_samples is None else stage_samples
+            lr = self.lr_now()
+            if self.previous is not None:
+                with torch.no_grad():
+                    for prev, p in zip(self.previous, self._params):
+                        prev.copy_(p.detach())
+                self.previous_version = step
+            try:
+                if samples == 0:
+                    return StepReport(step=step, lr=lr, grad_norm=0.0, clipped=False, samples=0)
+                with torch.no_grad():
+                    for p in self._params:
+                        if p.grad is not None:
+                            p.grad.div_(samples)
+                    # Clipping runs where the gradients are, before they cross to the host.
+                    norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.clip_threshold))
+                    if not math.isfinite(norm):
+                        raise NonFiniteGradients(
+                            f"gradient norm is {norm} at step {step}; the {samples} accumulated samples were dropped"
+                        )
+                    if not self._shared:
+                        self._grads_to_master()
+                    for group in self._optimizer.param_groups:
+                        group["lr"] = lr
+                    self._optimizer.step()
+                    if not self._shared:
+                        self._copy_master_to_device()
+                return StepReport(step=step, lr=lr, grad_norm=norm, clipped=norm > self.clip_threshold, samples=samples)
+            finally:
+                self._advance()
+                self.samples_consumed += consumed
+
+    def _advance(self) -> None:
+        """Close the open step: the next step's gradients and counts become the open ones."""
+        self._clear_grads()
+        for p, g in zip(self._params, self._next_grads):
+            p.grad = g
+        self._next_grads = [None] * len(self._params)
+        self.samples_accumulated, self.samples_counted = self.next_accumulated, self.next_counted
+        self.next_accumulated = self.next_counted = 0
+        self.local_step += 1
 
     def push_master_to_device(self) -> None:
         """Copy the master weights to the compute parameters after someone (the averager) edited them."""
@@ -240,13 +323,24 @@ class StageOptimizer:
         self.samples_accumulated = 0
         self.samples_counted = 0
 
+    def discard_all(self) -> dict[int, int]:
+        """Drop every accumulated gradient (open and next step) and say how many samples each held,
+        by step; for a worker leaving with unfinished steps."""
+        with self.lock:
+            dropped = {self.local_step: self.samples_accumulated, self.local_step + 1: self.next_accumulated}
+            self._clear_grads()
+            self._next_grads = [None] * len(self._params)
+            self.next_accumulated = self.next_counted = 0
+            return {step: n for step, n in dropped.items() if n}
+
     def state_dict(self) -> dict[str, Any]:
         """Schedule position and AdamW moments for a checkpoint; the weights are saved by the model.
 
         The tensors are live references: hold `lock` until they are serialized if steps may run.
         """
         with self.lock:
-            return {"version": STATE_VERSION, "local_step": self.local_step, "optimizer": self._optimizer.state_dict()}
+            return {"version": STATE_VERSION, "local_step": self.local_step,
+                    "samples_consumed": self.samples_consumed, "optimizer": self._optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint's moments and step; this node's configured hyperparameters win."""
@@ -257,4 +351,7 @@ class StageOptimizer:
             for group in self._optimizer.param_groups:
                 group.update(self._hparams)
             self.local_step = int(state["local_step"])
+            self.samples_consumed = int(state["samples_consumed"])
             self._clear_grads()
+            self._next_grads = [None] * len(self._params)
+            self.next_accumulated = self.next_counted = 0

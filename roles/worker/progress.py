@@ -1,9 +1,11 @@
-"""The stage-collective optimizer step [report 3.2, 3.3.1]: each worker publishes how many
-samples it accumulated at its current step; when the workers at the stage's step together reach
-`target_batch_size`, every worker steps its own optimizer on its own gradients.
+"""The stage's progress exchange [report 3.2, 3.3.1]: each worker publishes how many samples it
+holds for its open step and the next one, and reads what the other replicas of its stage hold,
+so the step ledger can close a step when the stage as a whole has its target batch.
 
-A worker that sees a peer already past its step steps too (on whatever it has, possibly
-nothing), so replicas never drift apart in schedule position.
+The exchange only informs; the compute thread decides and takes the steps (roles/worker/step_ledger.py).
+A worker alone in its stage needs nobody's count, so it publishes on its own steps and on a slow
+period (to stay visible to joiners and observers); replicas with peers publish on every change,
+at most every `min_interval_s`, because a peer waiting on their count is waiting on the DHT.
 """
 
 from __future__ import annotations
@@ -15,78 +17,60 @@ from typing import Callable, Optional
 
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import ProgressRecord, progress_key
-from roles.worker.optimizer import NonFiniteGradients, StageOptimizer, StepReport
+from roles.worker.optimizer import StageOptimizer
+from roles.worker.step_ledger import PeerView, StepLedger
 
 logger = logging.getLogger(__name__)
 
 
 class StageProgress:
-    """Publishes this worker's progress record, reads the stage's, and steps when it is due."""
+    """Publishes this worker's progress record and feeds the stage's to the step ledger."""
 
-    def __init__(self, swarm: SwarmDHT, run_id: str, stage: int, target_batch_size: int,
-                 optimizer: StageOptimizer, *, period_s: float = 0.25, ttl_s: float = 30.0,
+    def __init__(self, swarm: SwarmDHT, run_id: str, stage: int, optimizer: StageOptimizer, ledger: StepLedger,
+                 *, period_s: float = 0.25, ttl_s: float = 30.0, min_interval_s: float = 0.02,
                  counts_towards_target: Callable[[], bool] = lambda: True,
-                 on_step: Optional[Callable[[StepReport], None]] = None):
+                 on_peers: Callable[[], None] = lambda: None):
         self.swarm = swarm
         self.key = progress_key(run_id, stage)
-        self.target = target_batch_size
         self.optimizer = optimizer
+        self.ledger = ledger
         self.period_s = period_s
         self.ttl_s = ttl_s
+        self.min_interval_s = min_interval_s
         self.counts_towards_target = counts_towards_target
-        self.on_step = on_step
-        self.stage_samples = 0  # last seen stage-wide count at our step
-        self.peer_samples = 0  # last seen count of the other workers at our step
-        self.non_finite_steps = 0
+        self.on_peers = on_peers
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._wake = asyncio.Event()
+        self._published: Optional[tuple] = None
 
     def _own_record(self) -> ProgressRecord:
+        opt = self.optimizer
         return ProgressRecord(
-            local_step=self.optimizer.local_step,
-            samples_accumulated=self.optimizer.samples_counted,
+            local_step=opt.local_step,
+            samples_accumulated=opt.samples_counted,
+            next_samples=opt.next_counted,
             counts_towards_target=self.counts_towards_target(),
+            samples_consumed=opt.samples_consumed,
             time=time.time(),
         )
 
-    async def tick(self) -> Optional[StepReport]:
-        """Publish our progress, read the stage's, and step if the stage is due."""
-        await self.swarm.store(self.key, self._own_record(), self.ttl_s)
+    async def tick(self, force: bool = False) -> None:
+        """Publish our record if it changed (or `force`), then read the stage's into the ledger."""
+        record = self._own_record()
+        state = (record.local_step, record.samples_accumulated, record.next_samples, record.counts_towards_target)
+        alone = self.ledger.peers.alone
+        if force or (state != self._published and (not alone or state[0] != (self._published or (None,))[0])):
+            await self.swarm.store(self.key, record, self.ttl_s)
+            self._published = state
         peers = await self.swarm.get(self.key, ProgressRecord)
-        my_step = self.optimizer.local_step
         peers.pop(self.swarm.peer_id, None)
-        ahead = max((r.local_step for r in peers.values()), default=my_step)
-        # Our own samples count only while they count towards the target (not in a sync phase).
-        total = self.optimizer.samples_counted + sum(
-            r.samples_accumulated for r in peers.values() if r.local_step == my_step and r.counts_towards_target
-        )
-        self.stage_samples = total
-        self.peer_samples = total - self.optimizer.samples_counted
-        if ahead > my_step or total >= self.target:
-            report = await asyncio.to_thread(self._step, ahead)
-            if report is not None:
-                await self.swarm.store(self.key, self._own_record(), self.ttl_s)
-            return report
-        return None
+        self.ledger.update_peers(peer_view(peers.values()))
+        self.on_peers()
 
-    def _step(self, stage_step: int) -> Optional[StepReport]:
-        try:
-            report = self.optimizer.step()
-        except NonFiniteGradients:
-            self.non_finite_steps += 1
-            logger.error("non-finite gradients at step %d; update skipped", self.optimizer.local_step)
-            return None
-        if stage_step > self.optimizer.local_step:
-            self.optimizer.set_step(stage_step)  # we missed steps: jump our schedule to the stage's
-        if self.on_step is not None:
-            self.on_step(report)
-        return report
-
-    def notify_samples(self) -> None:
-        """Called from the compute thread after each backward batch: tick at once when the stage
-        looks due, instead of overshooting the target until the next period."""
+    def notify(self) -> None:
+        """Called from the compute thread after each backward batch and step: publish soon."""
         loop = self._loop
-        if loop is not None and self.optimizer.samples_counted + self.peer_samples >= self.target:
+        if loop is not None:
             loop.call_soon_threadsafe(self._wake.set)
 
     async def withdraw(self) -> None:
@@ -99,13 +83,36 @@ class StageProgress:
 
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
+        last_forced = 0.0
         while not stop.is_set():
             self._wake.clear()
+            started = time.monotonic()
+            force = started - last_forced >= max(self.period_s * 8, 2.0)
             try:
-                await self.tick()
+                await self.tick(force=force)
+                if force:
+                    last_forced = started
             except Exception:
-                logger.exception("progress tick failed")
+                logger.exception("progress exchange failed")
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
             await asyncio.wait(waiters, timeout=self.period_s, return_when=asyncio.FIRST_COMPLETED)
             for waiter in waiters:
                 waiter.cancel()
+            rest = self.min_interval_s - (time.monotonic() - started)
+            if rest > 0 and not stop.is_set():
+                await asyncio.sleep(rest)
+
+
+def peer_view(records) -> PeerView:
+    """Sum what the other replicas hold per step; only replicas whose samples count contribute."""
+    counts: dict[int, int] = {}
+    max_step: Optional[int] = None
+    consumed = 0
+    for record in records:
+        max_step = record.local_step if max_step is None else max(max_step, record.local_step)
+        consumed = max(consumed, record.samples_consumed)
+        if not record.counts_towards_target:
+            continue
+        counts[record.local_step] = counts.get(record.local_step, 0) + record.samples_accumulated
+        counts[record.local_step + 1] = counts.get(record.local_step + 1, 0) + record.next_samples
+    return PeerView(counts=counts, max_step=max_step, samples_consumed=consumed)

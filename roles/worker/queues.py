@@ -58,6 +58,7 @@ class Task:
     `on_done` is called exactly once, from the compute thread, with `(result, None)` or
     `(None, exc)`; the submitter makes it thread-safe (e.g. `loop.call_soon_threadsafe`).
     Only tasks with equal `group_key` (e.g. the sequence length) are merged into one batch.
+    `step` is a backward's global step tag (None: untagged, the worker tags it when it runs).
     """
 
     kind: TaskKind
@@ -65,6 +66,7 @@ class Task:
     on_done: Callable[[Any, BaseException | None], None]
     enqueued_at: float = field(default_factory=time.monotonic)
     group_key: Hashable = None
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class TaskQueues:
         self._max_batch = 1
         self.max_batch = max_batch
         self._closed = False
+        self._woken = False
         self._total_batches = 0
         self._total_tasks = 0
         self._batches_by_kind = {kind: 0 for kind in TaskKind}
@@ -128,17 +131,38 @@ class TaskQueues:
             self._queues[task.kind].append((next(self._seq), task))
             self._cond.notify()
 
-    def next_batch(self, timeout: float | None = None) -> list[Task]:
-        """Block until work exists (or `timeout` passes, or the queues close), then take one batch.
+    def next_batch(self, timeout: float | None = None, *, hold_after: int | None = None,
+                   untagged_limit: int | None = None) -> list[Task]:
+        """Block until eligible work exists (or `timeout` passes, `wake` is called, or the queues
+        close), then take one batch.
 
-        The batch comes from the queue whose head is the oldest request, so neither pass can
-        starve the other, and holds that head plus the following tasks of the same queue with the
-        head's `group_key`, oldest first, at most `max_batch` of them. Returns [] on timeout or
-        once closed.
+        Eligible: every forward; a tagged backward whose step is at most `hold_after` (later ones
+        are held until the stage steps); an untagged backward while `untagged_limit` is not 0.
+        The batch comes from the queue whose oldest eligible request is the oldest, so neither
+        pass can starve the other, and holds that request plus the following eligible tasks of
+        the same queue with its `group_key`, oldest first, at most `max_batch` of them (and at
+        most `untagged_limit` untagged ones). Returns [] on timeout, wake-up or once closed.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def eligible(task: Task) -> bool:
+            if task.kind != TaskKind.BACKWARD:
+                return True
+            if task.step is None:
+                return untagged_limit is None or untagged_limit > 0
+            return hold_after is None or task.step <= hold_after
+
         with self._cond:
-            while not self._closed and not any(self._queues.values()):
+            while True:
+                if self._closed:
+                    return []
+                if self._woken:
+                    self._woken = False
+                    return []
+                heads = {kind: next((e for e in q if eligible(e[1])), None) for kind, q in self._queues.items()}
+                heads = {kind: e for kind, e in heads.items() if e is not None}
+                if heads:
+                    break
                 if deadline is None:
                     self._cond.wait()
                     continue
@@ -146,31 +170,42 @@ class TaskQueues:
                 if remaining <= 0:
                     return []
                 self._cond.wait(remaining)
-            if self._closed:
-                return []
-            kind = min(
-                (k for k, q in self._queues.items() if q),
-                key=lambda k: (self._queues[k][0][1].enqueued_at, self._queues[k][0][0]),
-            )
-            batch = self._take(self._queues[kind])
+            kind = min(heads, key=lambda k: (heads[k][1].enqueued_at, heads[k][0]))
+            limit = self._max_batch
+            if heads[kind][1].kind == TaskKind.BACKWARD and heads[kind][1].step is None and untagged_limit is not None:
+                limit = min(limit, untagged_limit)
+            batch = self._take(self._queues[kind], heads[kind], eligible, limit)
             self._total_batches += 1
             self._total_tasks += len(batch)
             self._batches_by_kind[kind] += 1
             self._batch_size_counts[len(batch)] += 1
             return batch
 
-    def _take(self, queue: collections.deque[tuple[int, Task]]) -> list[Task]:
-        key = queue[0][1].group_key
+    def _take(self, queue: collections.deque[tuple[int, Task]], head: tuple[int, Task],
+              eligible: Callable[[Task], bool], limit: int) -> list[Task]:
+        key = head[1].group_key
         taken: list[Task] = []
         kept: list[tuple[int, Task]] = []
-        while queue and len(taken) < self._max_batch:
+        while queue and len(taken) < limit:
             entry = queue.popleft()
-            if entry[1].group_key == key:
+            if entry[0] >= head[0] and entry[1].group_key == key and eligible(entry[1]):
                 taken.append(entry[1])
             else:
                 kept.append(entry)
         queue.extendleft(reversed(kept))
         return taken
+
+    def wake(self) -> None:
+        """Make a waiting `next_batch` return at once, so the consumer re-reads what it may take."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
+    def held(self, hold_after: int) -> int:
+        """Tagged backward requests waiting for a step later than `hold_after`."""
+        with self._cond:
+            return sum(1 for _, task in self._queues[TaskKind.BACKWARD]
+                       if task.step is not None and task.step > hold_after)
 
     def close(self) -> list[Task]:
         """Stop accepting work, wake the consumer, and return every task still queued, oldest first."""

@@ -42,6 +42,7 @@ from roles.worker.queues import TaskQueues
 from roles.worker.runtime import StageRuntime
 from roles.worker.state_loader import StateLoader
 from roles.worker.state_server import StateServer
+from roles.worker.step_ledger import StepLedger
 from roles.worker.sync_phase import SyncPhases
 
 logger = logging.getLogger(__name__)
@@ -70,24 +71,21 @@ class WorkerRole:
         if config.test_init_seed_offset:
             init_run = run.model_copy(update={"seed": run.seed + config.test_init_seed_offset})
         self.model = StageModel(init_run, config.stage, device=self.device)
-        self.optimizer = StageOptimizer(
-            self.model.trainable_parameters(),
-            lr=run.optimizer.lr, betas=run.optimizer.betas, eps=run.optimizer.eps,
-            weight_decay=run.optimizer.weight_decay, warmup_steps=run.optimizer.warmup_steps,
-            total_steps=run.optimizer.total_steps, min_lr_ratio=run.optimizer.min_lr_ratio,
-            clip_threshold=run.clip_threshold(config.stage), device=self.device,
-        )
+        self.optimizer = StageOptimizer.for_stage(run, config.stage, self.model.trainable_parameters(), self.device)
         self.layout = FlatLayout.of_module(self.model)
         self.layout.check(self.optimizer.master_params)
         self.sync = SyncPhases(run.sync, run.averaging.segments)
         autocast = None
         if self.device.type == "cuda" and run.dtype != "float32":
             autocast = getattr(torch, run.dtype)
+        self.ledger = StepLedger(run.target_batch_size, assigns=self.model.kind == "tail",
+                                 close_timeout_s=run.staleness.step_close_timeout_s)
         self.runtime = StageRuntime(
             self.model, self.optimizer, TaskQueues(config.max_batch, config.max_pending),
             stage=config.stage, vocab_size=run.model.vocab_size, max_seq_len=run.model.max_seq_len,
-            device=self.device, autocast_dtype=autocast, counts_towards_target=self._counts_towards_target,
-            on_backward=lambda: self.progress.notify_samples(),
+            device=self.device, ledger=self.ledger, autocast_dtype=autocast,
+            counts_towards_target=self._counts_towards_target,
+            on_backward=lambda: self.progress.notify(), on_step=self._on_step,
         )
         self.server = RpcServer(p2p, authenticator=authenticator)
         self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches)
@@ -95,9 +93,9 @@ class WorkerRole:
             swarm, workers_key(run.run_id, config.stage), self._record, period_s=config.announce_period_s
         )
         self.progress = StageProgress(
-            swarm, run.run_id, config.stage, run.target_batch_size, self.optimizer,
+            swarm, run.run_id, config.stage, self.optimizer, self.ledger,
             period_s=config.progress_period_s, counts_towards_target=self._counts_towards_target,
-            on_step=self._on_step,
+            on_peers=self.runtime.wake,
         )
         self.averaging = AveragingService(
             run.averaging, swarm=swarm, run_id=run.run_id, stage=config.stage, store=self.optimizer,
@@ -140,7 +138,9 @@ class WorkerRole:
         )
 
     def _on_step(self, report: StepReport) -> None:
+        """Called on the compute thread right after the stage's optimizer step."""
         self.last_step = report
+        self.progress.notify()
         logger.info("stage %d step %d: lr %.2e, grad norm %.3f%s, %d local samples",
                     self.config.stage, report.step, report.lr, report.grad_norm,
                     " (clipped)" if report.clipped else "", report.samples)
@@ -174,6 +174,10 @@ class WorkerRole:
             "rejected": dict(self.server.rejected),
             "auth_rejected": dict(self.server.auth_rejected),
             "compute_s": round(self.runtime.compute_s, 3),
+            "steps": {**self.ledger.summary(),
+                      "discarded_at_shutdown": sum(self.runtime.discarded_at_shutdown.values()),
+                      "discarded_by_step": {str(k): v for k, v in self.runtime.discarded_at_shutdown.items()}},
+            "staleness": self.runtime.staleness.summary(),
             "mean_batch_size": round(stats.mean_batch_size, 3),
             "joined": self.joined,
             "sync_phases": self.sync.summary(),
@@ -203,6 +207,7 @@ class WorkerRole:
         progress = await self.swarm.get(progress_key(self.run_config.run_id, self.config.stage), ProgressRecord)
         progress.pop(self.swarm.peer_id, None)
         stage_step = max((record.local_step for record in progress.values()), default=0)
+        stage_consumed = max((record.samples_consumed for record in progress.values()), default=0)
         if stage_step == 0:
             self.sync.begin(Phase.ACTIVE, 0, "the stage has not stepped yet: every replica starts from the seed")
             self.joined = {"stage_step": 0, "loaded_step": 0, "source": "seed", "phase": Phase.ACTIVE.value}
@@ -224,7 +229,7 @@ class WorkerRole:
         if loaded_step is None:
             logger.warning("no state loaded: starting from the seeded weights, counted as step 0")
             loaded_step = 0
-        self.optimizer.set_step(stage_step)
+        self.optimizer.set_step(stage_step, stage_consumed or None)
         phase = self.sync.join_phase(stage_step, loaded_step)
         reason = f"loaded step {loaded_step} from {source}; the stage is at step {stage_step}"
         self.sync.begin(phase, stage_step, reason)
@@ -316,5 +321,9 @@ class WorkerRole:
             await self.checkpoints.save_logged(self.optimizer.local_step)
         await self.server.shutdown()
         self.state = WorkerState.STOPPED
-        logger.info("worker left stage %d in %.1fs; %d queued requests handed back",
-                    self.config.stage, time.monotonic() - started, len(leftover))
+        discarded = self.runtime.discarded_at_shutdown
+        if discarded:
+            logger.warning("discarded the gradients of %d sample(s) of unfinished step(s) %s: the stage had "
+                           "not completed them", sum(discarded.values()), sorted(discarded))
+        logger.info("worker left stage %d in %.1fs after %d steps; %d queued requests handed back",
+                    self.config.stage, time.monotonic() - started, self.optimizer.local_step, len(leftover))

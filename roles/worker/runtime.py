@@ -21,7 +21,8 @@ import torch
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import BackwardRequest, ForwardRequest
 from roles.model.stage import StageModel
-from roles.worker.optimizer import StageOptimizer
+from roles.worker.optimizer import NonFiniteGradients, StageOptimizer, StepReport
+from roles.worker.step_ledger import StepLedger
 from roles.worker.queues import Task, TaskKind, TaskQueues, run_batch
 
 logger = logging.getLogger(__name__)
@@ -33,30 +34,64 @@ _COORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class BackwardResult:
     grad_input: Optional[torch.Tensor]
     loss: Optional[float]
+    step: Optional[int] = None
+    """The global step the sample was accumulated into here (the tail's tag)."""
 
 
 class RecentSamples:
-    """Bounded memory of the sample ids this worker ran forward for, to count backward requests
-    that were not pinned to us (they would use gradients from other weights [report 4.2.1])."""
+    """Bounded memory of the sample ids this worker ran forward for, with the weight version
+    (optimizer step) the forward saw: backward requests that were not pinned to us are counted
+    (they use gradients from other weights [report 4.2.1]), and the version gap measures staleness."""
 
     def __init__(self, capacity: int = 65536):
-        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._ids: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._capacity = capacity
         self._lock = threading.Lock()
 
-    def add(self, sample_id: str) -> None:
+    def add(self, sample_id: str, version: int = 0) -> None:
         with self._lock:
-            self._ids[sample_id] = None
+            self._ids[sample_id] = version
             if len(self._ids) > self._capacity:
                 self._ids.popitem(last=False)
 
-    def pop(self, sample_id: str) -> bool:
+    def peek(self, sample_id: str) -> Optional[int]:
         with self._lock:
-            return self._ids.pop(sample_id, 0) is None
+            return self._ids.get(sample_id)
+
+    def pop(self, sample_id: str) -> Optional[int]:
+        """The version the sample's forward saw here, or None if it did not run here."""
+        with self._lock:
+            return self._ids.pop(sample_id, None)
+
+
+class StalenessStats:
+    """Version gaps between a sample's forward and its backward at this stage [issue 7]."""
+
+    def __init__(self) -> None:
+        self.gaps: collections.Counter[int] = collections.Counter()
+        self.pinned = 0
+        """Backward batches of samples recomputed on the previous weights their forward used."""
+        self.pinned_samples = 0
+
+    def record(self, gap: int, n: int) -> None:
+        self.gaps[gap] += n
+
+    def summary(self) -> dict:
+        total = sum(self.gaps.values())
+        return {
+            "samples": total,
+            "mean_gap": round(sum(g * n for g, n in self.gaps.items()) / total, 4) if total else None,
+            "max_gap": max(self.gaps, default=None),
+            "stale_share": round(sum(n for g, n in self.gaps.items() if g > 0) / total, 4) if total else None,
+            "pinned": self.pinned_samples,
+            "gaps": {str(g): n for g, n in sorted(self.gaps.items())},
+        }
 
 
 class StageRuntime:
-    """Owns the stage model, its optimizer and the task queues; runs the compute thread."""
+    """Owns the stage model, its optimizer, the task queues and the step ledger; runs the compute
+    thread, which is also where the stage's optimizer steps happen, so a step always falls between
+    two batches and the ledger is only ever touched by one thread."""
 
     def __init__(
         self,
@@ -68,15 +103,18 @@ class StageRuntime:
         vocab_size: int,
         max_seq_len: int,
         device: torch.device,
+        ledger: Optional[StepLedger] = None,
         autocast_dtype: Optional[torch.dtype] = None,
         counts_towards_target: Callable[[], bool] = lambda: True,
         on_backward: Callable[[], None] = lambda: None,
+        on_step: Callable[[StepReport], None] = lambda report: None,
     ):
         self.model = model
         self.optimizer = optimizer
         self.queues = queues
         self.stage = stage
         self.kind = model.kind
+        self.ledger = ledger or StepLedger(optimizer.target_batch_size, assigns=model.kind == "tail")
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.rank = model.subspace_rank
@@ -84,10 +122,15 @@ class StageRuntime:
         self.autocast_dtype = autocast_dtype
         self.counts_towards_target = counts_towards_target
         self.on_backward = on_backward
+        self.on_step = on_step
         self.counters: collections.Counter[str] = collections.Counter()
         self.compute_s = 0.0
         self.throughput = 0.0  # samples per second of compute, smoothed
         self.forwarded = RecentSamples()
+        self.staleness = StalenessStats()
+        self.discarded_at_shutdown: dict[int, int] = {}
+        self.last_step: Optional[StepReport] = None
+        self._param_names = [name for name, p in model.named_parameters() if p.requires_grad]
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.failure: Optional[BaseException] = None
@@ -106,10 +149,16 @@ class StageRuntime:
             if request.grad_output is not None:
                 raise ProtocolError("the tail computes its own loss; grad_output must be absent",
                                     ErrorCode.INVALID_REQUEST)
+            if request.step is not None:
+                raise ProtocolError("the tail tags samples with their step itself; step must be absent",
+                                    ErrorCode.INVALID_REQUEST)
             if seq_len < 2:
                 raise ProtocolError("the tail needs at least 2 tokens", ErrorCode.INVALID_TENSOR)
         else:
             self._check_coords(request.grad_output, seq_len, "grad_output")
+        if request.step is not None and request.step > self.optimizer.local_step + 1_000_000:
+            raise ProtocolError(f"step {request.step} is implausibly far ahead of this stage's "
+                                f"{self.optimizer.local_step}", ErrorCode.INVALID_REQUEST)
 
     def _check_common(self, stage: int, tokens: torch.Tensor, coords: Optional[torch.Tensor]) -> int:
         if stage != self.stage:
@@ -141,7 +190,14 @@ class StageRuntime:
     # ---- submission ----
 
     def submit(self, kind: TaskKind, request, on_done) -> None:
-        self.queues.submit(Task(kind=kind, payload=request, on_done=on_done, group_key=request.tokens.numel()))
+        step, version = None, None
+        if kind == TaskKind.BACKWARD:
+            step = request.step
+            version = self.forwarded.peek(request.sample_id)
+        # Only samples of one step, forwarded on one weight version, share a batch: a batch
+        # accumulates into one step and recomputes on one set of weights.
+        key = (request.tokens.numel(), step, version)
+        self.queues.submit(Task(kind=kind, payload=request, on_done=on_done, group_key=key, step=step))
 
     # ---- compute thread ----
 
@@ -149,10 +205,17 @@ class StageRuntime:
         self._thread = threading.Thread(target=self._loop, name=f"stage{self.stage}-compute", daemon=True)
         self._thread.start()
 
+    def wake(self) -> None:
+        """Something the step decision depends on changed (a peer's count): re-check it now."""
+        self.queues.wake()
+
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                batch = self.queues.next_batch(timeout=0.1)
+                self._maybe_step()
+                open_step = self.optimizer.local_step
+                limit, _ = self._untagged_capacity()
+                batch = self.queues.next_batch(timeout=0.1, hold_after=open_step + 1, untagged_limit=limit)
                 if not batch:
                     continue
                 compute = self._forward_batch if batch[0].kind == TaskKind.FORWARD else self._backward_batch
@@ -166,12 +229,42 @@ class StageRuntime:
             logger.exception("compute thread crashed")
             self.failure = exc
 
+    def _untagged_capacity(self) -> tuple[int, int]:
+        opt = self.optimizer
+        return self.ledger.capacity(opt.local_step, opt.samples_counted, opt.next_counted,
+                                    self.counts_towards_target(), self.queues.max_batch)
+
+    def _maybe_step(self) -> None:
+        opt = self.optimizer
+        with opt.lock:
+            later = opt.next_accumulated > 0 or self.queues.held(opt.local_step + 1) > 0
+            due = self.ledger.due(opt.local_step, opt.samples_counted, later)
+            if due is None:
+                return
+            local = opt.samples_accumulated
+            try:
+                report = opt.step(stage_samples=due.stage_samples)
+            except NonFiniteGradients as exc:
+                self.counters["non_finite_steps"] += 1
+                logger.error("%s", exc)
+                report = None
+            self.ledger.stepped(due, local)
+        if due.reason != "complete":
+            logger.info("stage %d closed step %d with %d samples (%s)", self.stage, opt.local_step - 1,
+                        due.stage_samples, "a replica was ahead" if due.reason == "peer_ahead"
+                        else f"no sample of it for {self.ledger.close_timeout_s:.0f}s")
+        if report is not None:
+            self.last_step = report
+            self.on_step(report)
+
     def stop(self, timeout_s: float = 30.0) -> list[Task]:
-        """Stop taking work; return what was still queued so the caller can hand it back."""
+        """Stop taking work; return what was still queued so the caller can hand it back. Gradients
+        of steps the stage never completed are discarded and reported, never stepped on alone."""
         leftover = self.queues.close()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        self.discarded_at_shutdown = self.optimizer.discard_all()
         return leftover
 
     def _autocast(self):
@@ -189,40 +282,86 @@ class StageRuntime:
     def _forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
         tokens, coords = self._inputs(requests)
         with torch.no_grad(), self.optimizer.lock, self._autocast():
+            version = self.optimizer.local_step
             out = self.model(coords, tokens)
         out = out.float().cpu()
         for request in requests:
-            self.forwarded.add(request.sample_id)
+            self.forwarded.add(request.sample_id, version)
         self.counters["forward_requests"] += len(requests)
         self.counters["forward_batches"] += 1
         return list(out.unbind(0))
+
+    def _previous_weights(self, versions: list[Optional[int]]) -> Optional[dict[str, torch.Tensor]]:
+        """The weights the batch's forward ran on, if they are the previous version and kept."""
+        opt = self.optimizer
+        version = versions[0]
+        if (version is None or opt.previous is None or opt.previous_version != version
+                or any(v != version for v in versions)):
+            return None
+        return {name: t.detach().requires_grad_(True) for name, t in zip(self._param_names, opt.previous)}
 
     def _backward_batch(self, requests: list[BackwardRequest]) -> list[BackwardResult]:
         tokens, coords = self._inputs(requests)
         if coords is not None:
             coords.requires_grad_(True)
-        with self.optimizer.lock:
-            with self._autocast():
-                out = self.model(coords, tokens)
-            if self.kind == "tail":
-                losses = out.float()
-                losses.sum().backward()
+        opt = self.optimizer
+        n = len(requests)
+        versions = [self.forwarded.pop(r.sample_id) for r in requests] if self.kind != "tail" else []
+        with opt.lock:
+            counted = self.counts_towards_target()
+            tag = requests[0].step
+            if tag is None:
+                limit, offset = self._untagged_capacity()
+                tag = opt.local_step + offset
             else:
-                grad = torch.stack([r.grad_output for r in requests]).to(self.device, torch.float32)
-                out.float().backward(grad)
-                losses = None
+                offset = self.ledger.offset(tag, opt.local_step)
+            if offset < 0:
+                self.ledger.note_late(n)
+            elif offset == 0:
+                self.ledger.arrived()
+            pinned = self._previous_weights(versions) if versions else None
+            with opt.accumulating(min(offset, 1) if offset >= 0 else -1):
+                with self._autocast():
+                    if pinned is not None:
+                        out = torch.func.functional_call(self.model, pinned, (coords, tokens))
+                    else:
+                        out = self.model(coords, tokens)
+                if self.kind == "tail":
+                    losses = out.float()
+                    losses.sum().backward()
+                else:
+                    grad = torch.stack([r.grad_output for r in requests]).to(self.device, torch.float32)
+                    out.float().backward(grad)
+                    losses = None
+                if pinned is not None:
+                    # The gradients were taken at the previous weights; they join this step's sum.
+                    for param, old in zip(opt.params, pinned.values()):
+                        if old.grad is None:
+                            continue
+                        param.grad = old.grad if param.grad is None else param.grad.add_(old.grad)
             # Always accumulate (a worker in optimizer sync steps on its own gradients to warm its
             # moments); only an active worker's samples count towards the stage's target.
-            self.optimizer.add_samples(len(requests), counted=self.counts_towards_target())
+            if offset >= 0:
+                opt.add_samples(n, counted=counted, offset=min(offset, 1))
+            version_now = opt.local_step
         grads = coords.grad.cpu() if coords is not None else None
-        loss_values = losses.detach().cpu().tolist() if losses is not None else [None] * len(requests)
+        loss_values = losses.detach().cpu().tolist() if losses is not None else [None] * n
         if self.kind != "tail":
-            unpinned = sum(0 if self.forwarded.pop(r.sample_id) else 1 for r in requests)
+            unpinned = sum(1 for v in versions if v is None)
             self.counters["backward_unpinned"] += unpinned
-        self.counters["backward_requests"] += len(requests)
+            for v in versions:
+                if v is not None:
+                    gap = version_now - v
+                    if pinned is not None:
+                        self.staleness.pinned_samples += 1
+                        gap = 0
+                    self.staleness.record(gap, 1)
+        self.counters["backward_requests"] += n
         self.counters["backward_batches"] += 1
+        if offset < 0:
+            self.counters["late_samples"] += n
         self.on_backward()
         return [
-            BackwardResult(grad_input=None if grads is None else grads[i], loss=loss_values[i])
-            for i in range(len(requests))
+            BackwardResult(grad_input=None if grads is None else grads[i], loss=loss_values[i], step=tag)
+            for i in range(n)
         ]

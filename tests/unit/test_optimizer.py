@@ -11,12 +11,18 @@ import torch
 from torch import nn
 
 from protocol.errors import AgoraError
-from roles.worker.optimizer import NonFiniteGradients, StageOptimizer, lr_at, stage_clip_threshold
+from roles.model.config import OptimizerConfig
+from roles.worker.optimizer import NonFiniteGradients, StageOptimizer, stage_clip_threshold
 
 # eps is large on purpose: with a tiny eps AdamW is almost blind to the gradient's scale, and these
 # tests must see whether the gradients were averaged and clipped correctly.
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-2, weight_decay=0.1, warmup_steps=2, total_steps=20, min_lr_ratio=0.1)
 SCHEDULE = {k: HP[k] for k in ("lr", "warmup_steps", "total_steps", "min_lr_ratio")}
+
+
+def lr_at(position, *, lr, warmup_steps, total_steps, min_lr_ratio):
+    return OptimizerConfig(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
+                           min_lr_ratio=min_lr_ratio).lr_at(position)
 
 
 def make_model(seed: int = 0, dtype=torch.float32, device="cpu") -> nn.Module:
@@ -35,8 +41,9 @@ def per_sample_loss(model, x, y):
     return ((out - y.to(out.device)) ** 2).sum(dim=1)
 
 
-def make_opt(model, *, clip=1e6, device="cpu", **kw) -> StageOptimizer:
-    return StageOptimizer(list(model.parameters()), **HP, clip_threshold=clip, device=torch.device(device), **kw)
+def make_opt(model, *, clip=1e6, device="cpu", target_batch_size=8, **kw) -> StageOptimizer:
+    return StageOptimizer(list(model.parameters()), **HP, clip_threshold=clip, device=torch.device(device),
+                          target_batch_size=target_batch_size, **kw)
 
 
 def accumulate(opt, model, x, y, splits):
@@ -143,7 +150,8 @@ def test_non_finite_gradients_raise_and_leave_params_unchanged(bad):
     assert isinstance(info.value, AgoraError)
     assert_params_close(model, before, atol=0)
     assert all(p.grad is None for p in model.parameters())
-    assert opt.samples_accumulated == 0 and opt.local_step == 0
+    # The step counts as taken (its samples are lost), so this replica stays at its stage's step.
+    assert opt.samples_accumulated == 0 and opt.local_step == 1
     assert opt.state_dict()["optimizer"]["state"] == {}
 
 

@@ -13,6 +13,7 @@ from protocol.dht_schema import Phase, ProgressRecord, RoundStatus
 from roles.model.config import SyncConfig
 from roles.worker.optimizer import StageOptimizer
 from roles.worker.progress import StageProgress
+from roles.worker.step_ledger import StepLedger
 from roles.worker.sync_phase import SyncPhases
 
 
@@ -94,8 +95,11 @@ def test_progress_publishes_and_counts_only_counted_samples():
     opt.add_samples(6, counted=False)
     peer = ProgressRecord(local_step=0, samples_accumulated=5, counts_towards_target=True, time=0.0)
     swarm = FakeSwarm({"peer": peer})
-    progress = StageProgress(swarm, "run", 0, 8, opt, counts_towards_target=lambda: False)
-    assert asyncio.run(progress.tick()) is None, "6 uncounted + 5 counted samples do not reach 8"
-    assert progress.stage_samples == 5
+    ledger = StepLedger(8, assigns=False)
+    progress = StageProgress(swarm, "run", 0, opt, ledger, counts_towards_target=lambda: False)
+    asyncio.run(progress.tick(force=True))
+    assert ledger.peers.counts[0] == 5
+    assert ledger.due(opt.local_step, opt.samples_counted, later_waiting=False) is None, \
+        "6 uncounted + 5 counted samples do not reach 8"
     published = next(iter(swarm.stored.values()))
     assert published.samples_accumulated == 0 and published.counts_towards_target is False

@@ -1,0 +1,143 @@
+"""Step boundaries of a stage: which global step each sample belongs to, and when the stage's
+open step is complete [report 3.2, 3.3.1; issue 7].
+
+A sample belongs to one global step in every stage it passes through. The tail, the first stage
+whose gradients a sample touches, tags it: the first `target_batch_size` samples it accumulates
+after a step belong to that step, the rest to the next. The trainer carries the tag back through
+the bodies and the head, which accumulate each sample into the step it names (the open step, or
+the one after it while the open one waits for its last samples). So every stage steps on exactly
+the same samples, `target_batch_size` of them, and every stage takes the same number of steps.
+
+A replica alone in its stage closes its open step the moment the step is complete, in the compute
+thread; replicas of one stage also count what their peers published (`PeerView`, refreshed by
+the progress exchange on every change), so the overshoot of a multi-replica tail is bounded by
+the samples that arrive while a peer's count is in transit. A step whose last samples never come
+(their trainer died after the tail tagged them) is closed short after `close_timeout_s` once later
+samples wait, and the shortfall is counted.
+
+All methods run on the compute thread, except `update_peers` (the progress task), which replaces
+one immutable snapshot.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """What the other replicas of the stage published: samples they hold per step (counting
+    replicas only) and the furthest step any of them reached."""
+
+    counts: dict[int, int] = field(default_factory=dict)
+    max_step: Optional[int] = None
+    samples_consumed: int = 0
+
+    @property
+    def alone(self) -> bool:
+        return self.max_step is None
+
+
+@dataclass(frozen=True)
+class StepDue:
+    """A step the stage must take now: `stage_samples` consumed by the stage in it, and why."""
+
+    stage_samples: int
+    reason: str  # "complete", "peer_ahead", "timeout"
+
+
+class StepLedger:
+    """Per replica: the step boundaries and the per-step statistics the worker reports."""
+
+    def __init__(self, target: int, *, assigns: bool, close_timeout_s: float = 30.0):
+        if target < 1:
+            raise ValueError(f"target must be at least 1, got {target}")
+        self.target = target
+        self.assigns = assigns
+        """True for the tail: it tags untagged samples itself."""
+        self.close_timeout_s = close_timeout_s
+        self.peers = PeerView()
+        self.step_sizes: list[int] = []
+        """Samples the stage consumed in each step this replica took (its view)."""
+        self.local_sizes: list[int] = []
+        self.reasons: collections.Counter[str] = collections.Counter()
+        self.late_samples = 0
+        """Samples tagged for a step this stage had already closed: computed, gradient discarded."""
+        self._open_since = time.monotonic()
+
+    # ---- peers ----
+
+    def update_peers(self, view: PeerView) -> None:
+        self.peers = view
+
+    # ---- tagging ----
+
+    def offset(self, tag: int, open_step: int) -> int:
+        """Where a sample tagged `tag` accumulates: 0 the open step, 1 the next, < 0 a closed step
+        (late: its gradient is discarded). Callers hold tags beyond `open_step + 1`."""
+        return tag - open_step
+
+    def capacity(self, open_step: int, open_counted: int, next_counted: int, counting: bool,
+                 max_batch: int) -> tuple[int, int]:
+        """How many untagged samples this replica may tag now, and for which offset (0 or 1).
+
+        (0, 0) means hold them: both the open and the next step are full stage-wide.
+        A replica whose samples do not count (a sync phase) tags them with the open step, without limit.
+        """
+        if not counting:
+            return max_batch, 0
+        peers = self.peers.counts
+        open_left = self.target - open_counted - peers.get(open_step, 0)
+        if open_left > 0:
+            return min(open_left, max_batch), 0
+        next_left = self.target - next_counted - peers.get(open_step + 1, 0)
+        if next_left > 0:
+            return min(next_left, max_batch), 1
+        return 0, 0
+
+    def note_late(self, n: int) -> None:
+        self.late_samples += n
+
+    # ---- closing ----
+
+    def due(self, open_step: int, open_counted: int, later_waiting: bool) -> Optional[StepDue]:
+        """Whether the open step must be taken now.
+
+        `later_waiting`: samples of later steps are accumulated or held here, which is what
+        makes a silent open step look abandoned rather than merely slow.
+        """
+        view = self.peers
+        total = open_counted + view.counts.get(open_step, 0)
+        if total >= self.target:
+            return StepDue(total, "complete")
+        if view.max_step is not None and view.max_step > open_step:
+            return StepDue(max(total, self.target), "peer_ahead")
+        if later_waiting and time.monotonic() - self._open_since > self.close_timeout_s:
+            return StepDue(total, "timeout")
+        return None
+
+    def arrived(self) -> None:
+        """A sample of the open step arrived: restarts the abandonment clock."""
+        self._open_since = time.monotonic()
+
+    def stepped(self, due: StepDue, local_samples: int) -> None:
+        self.step_sizes.append(due.stage_samples)
+        self.local_sizes.append(local_samples)
+        self.reasons[due.reason] += 1
+        self._open_since = time.monotonic()
+
+    def summary(self) -> dict:
+        sizes = self.step_sizes
+        return {
+            "taken": len(sizes),
+            "samples_per_step_mean": round(sum(sizes) / len(sizes), 3) if sizes else None,
+            "samples_per_step_max": max(sizes, default=None),
+            "samples_per_step_min": min(sizes, default=None),
+            "short_steps": sum(1 for n in sizes if n < self.target),
+            "long_steps": sum(1 for n in sizes if n > self.target),
+            "closed_by": dict(self.reasons),
+            "late_samples": self.late_samples,
+        }
