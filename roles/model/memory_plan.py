@@ -77,7 +77,8 @@ class MemoryPlan:
     device: str
     max_batch: int
     param_bytes: int
-    grad_bytes: int
+    grad_bytes: int  # the open step's gradients, plus the next step's on head and body stages
+    previous_weights_bytes: int  # the weights before the last step, kept for pinned backward recomputes
     fixed_buffer_bytes: int  # U_k (the stage's and each block's copy) and the fixed embedding
     optimizer_host_bytes: int  # AdamW master weights + 2 moments, float32, in host RAM [3.3.1]
     activation_bytes_per_sample: int  # recomputed forward + backward for one sample at seq_len
@@ -89,7 +90,7 @@ class MemoryPlan:
 
     @property
     def _static_device_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.fixed_buffer_bytes
+        return self.param_bytes + self.grad_bytes + self.previous_weights_bytes + self.fixed_buffer_bytes
 
     def _device_total(self, batch: int) -> int:
         return math.ceil(
@@ -135,6 +136,7 @@ class MemoryPlan:
             f"{head} on {self.device}, max batch {self.max_batch}",
             f"  parameters        {gib(self.param_bytes)}",
             f"  gradients         {gib(self.grad_bytes)}",
+            f"  previous weights  {gib(self.previous_weights_bytes)}",
             f"  fixed buffers     {gib(self.fixed_buffer_bytes)}",
             f"  activations/sample{gib(self.activation_bytes_per_sample)}",
             f"  device total      {gib(self.device_bytes)}  (incl. 10% headroom)",
@@ -165,12 +167,17 @@ def plan_memory(run: RunConfig, stage_index: int, device: str, max_batch: int) -
     host_bytes = (
         optimizer_host_bytes + num_params * _WIDE + model.vocab_size * model.d_model * _WIDE
     )
+    # Head and body stages accumulate the next step's samples beside the open step's while its
+    # last samples are in flight, and keep the previous weights for pinned recomputes [issue 7];
+    # the tail tags samples itself and fuses forward with backward, so it needs neither.
+    pipelined = kind != "tail"
     plan = MemoryPlan(
         stage_index=stage_index,
         device=device,
         max_batch=max_batch,
         param_bytes=param_bytes,
-        grad_bytes=param_bytes,
+        grad_bytes=param_bytes * (2 if pipelined else 1),
+        previous_weights_bytes=param_bytes if pipelined and run.staleness.pin_forward_weights else 0,
         fixed_buffer_bytes=fixed_buffer_bytes,
         optimizer_host_bytes=optimizer_host_bytes,
         activation_bytes_per_sample=activation,

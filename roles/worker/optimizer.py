@@ -153,7 +153,8 @@ class StageOptimizer:
         """The optimizer a worker of `stage` builds from the run config: the run's AdamW settings,
         schedule by samples, and the stage-wise clip threshold [4.3]."""
         opt = run.optimizer
-        kwargs.setdefault("keep_previous", run.staleness.pin_forward_weights)
+        # The tail runs forward and backward in one pass: its samples never see two versions.
+        kwargs.setdefault("keep_previous", run.staleness.pin_forward_weights and run.stage_kind(stage) != "tail")
         return cls(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
                    warmup_steps=opt.warmup_steps, total_steps=opt.total_steps, min_lr_ratio=opt.min_lr_ratio,
                    clip_threshold=run.clip_threshold(stage), device=device,

@@ -321,6 +321,11 @@ class StageRuntime:
                 self.ledger.arrived()
             pinned = self._previous_weights(versions) if versions else None
             with opt.accumulating(min(offset, 1) if offset >= 0 else -1):
+                if pinned is not None:
+                    # Gradients taken at the previous weights join this step's sum in place: autograd
+                    # adds into an existing .grad, so no third gradient buffer is ever allocated.
+                    for param, old in zip(opt.params, pinned.values()):
+                        old.grad = param.grad
                 with self._autocast():
                     if pinned is not None:
                         out = torch.func.functional_call(self.model, pinned, (coords, tokens))
@@ -334,11 +339,8 @@ class StageRuntime:
                     out.float().backward(grad)
                     losses = None
                 if pinned is not None:
-                    # The gradients were taken at the previous weights; they join this step's sum.
                     for param, old in zip(opt.params, pinned.values()):
-                        if old.grad is None:
-                            continue
-                        param.grad = old.grad if param.grad is None else param.grad.add_(old.grad)
+                        param.grad, old.grad = old.grad, None
             # Always accumulate (a worker in optimizer sync steps on its own gradients to warm its
             # moments); only an active worker's samples count towards the stage's target.
             if offset >= 0:

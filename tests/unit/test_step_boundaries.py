@@ -1,0 +1,240 @@
+"""Exact step boundaries in a worker's compute thread [issue 7]: the tail tags samples with their
+global step and never lets a step hold more than the target, other stages accumulate each sample
+into the step it is tagged with, late and abandoned samples are accounted, the schedule follows
+samples, and a pinned backward recomputes on the weights its forward saw."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from protocol.messages import BackwardRequest, ForwardRequest
+from roles.model.config import load_run_config
+from roles.model.stage import StageModel
+from roles.worker.optimizer import StageOptimizer
+from roles.worker.queues import TaskKind, TaskQueues
+from roles.worker.runtime import StageRuntime
+from roles.worker.step_ledger import PeerView, StepLedger
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_run(target: int, **staleness):
+    return load_run_config("tiny", {"target_batch_size": target, "staleness": staleness})
+
+
+def make_runtime(run, stage: int, *, max_batch: int = 16, start: bool = True) -> StageRuntime:
+    model = StageModel(run, stage)
+    optimizer = StageOptimizer.for_stage(run, stage, model.trainable_parameters(), "cpu")
+    ledger = StepLedger(run.target_batch_size, assigns=model.kind == "tail",
+                        close_timeout_s=run.staleness.step_close_timeout_s)
+    runtime = StageRuntime(model, optimizer, TaskQueues(max_batch), stage=stage, vocab_size=run.model.vocab_size,
+                           max_seq_len=run.model.max_seq_len, device=torch.device("cpu"), ledger=ledger)
+    if start:
+        runtime.start()
+    return runtime
+
+
+class Replies:
+    """Collects on_done callbacks from the compute thread."""
+
+    def __init__(self):
+        self.results: dict[str, object] = {}
+        self.cond = threading.Condition()
+
+    def callback(self, sample_id: str):
+        def on_done(result, exc):
+            with self.cond:
+                self.results[sample_id] = exc if exc is not None else result
+                self.cond.notify_all()
+        return on_done
+
+    def wait(self, ids, timeout: float = 20.0):
+        with self.cond:
+            assert self.cond.wait_for(lambda: all(i in self.results for i in ids), timeout), \
+                f"no reply for {[i for i in ids if i not in self.results]}"
+        return [self.results[i] for i in ids]
+
+
+def poll_until(condition, timeout_s: float = 10.0) -> None:
+    """The compute thread steps right after the batch that completed a step; wait for it."""
+    event = threading.Event()
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        event.wait(0.02)
+    assert condition()
+
+
+def tokens(i: int, run) -> torch.Tensor:
+    return torch.randint(0, run.model.vocab_size, (run.seq_len,), generator=torch.Generator().manual_seed(i))
+
+
+def coords(i: int, run) -> torch.Tensor:
+    return torch.randn(run.seq_len, run.model.subspace_rank, generator=torch.Generator().manual_seed(1000 + i)) * 0.1
+
+
+def tail_request(i: int, run) -> BackwardRequest:
+    return BackwardRequest(stage=run.num_stages - 1, sample_id=f"s{i}", tokens=tokens(i, run), coords=coords(i, run))
+
+
+def body_backward(i: int, run, step):
+    return BackwardRequest(stage=1, sample_id=f"s{i}", tokens=tokens(i, run), coords=coords(i, run),
+                           grad_output=coords(2000 + i, run), step=step)
+
+
+def test_tail_tags_exact_batches_even_when_more_samples_are_queued():
+    run = make_run(4)
+    runtime = make_runtime(run, run.num_stages - 1, start=False)
+    replies = Replies()
+    for i in range(6):  # all queued before the compute thread starts: one coalesced batch would hold 6
+        runtime.submit(TaskKind.BACKWARD, tail_request(i, run), replies.callback(f"s{i}"))
+    runtime.start()
+    try:
+        results = replies.wait([f"s{i}" for i in range(6)])
+        assert [r.step for r in results] == [0, 0, 0, 0, 1, 1]
+        poll_until(lambda: runtime.optimizer.local_step == 1)
+        assert runtime.optimizer.samples_accumulated == 2, "the two extra samples wait for step 1"
+        assert runtime.ledger.step_sizes == [4]
+    finally:
+        runtime.stop(5)
+    assert runtime.discarded_at_shutdown == {1: 2}, "unfinished work is reported at shutdown"
+
+
+def test_tagged_samples_accumulate_into_their_own_step():
+    run = make_run(4)
+    runtime = make_runtime(run, 1)
+    replies = Replies()
+    try:
+        for i, step in enumerate([0, 0, 0, 1, 1]):
+            runtime.submit(TaskKind.BACKWARD, body_backward(i, run, step), replies.callback(f"s{i}"))
+        replies.wait([f"s{i}" for i in range(5)])
+        opt = runtime.optimizer
+        assert opt.local_step == 0, "step 0 has 3 of its 4 samples"
+        assert (opt.samples_accumulated, opt.next_accumulated) == (3, 2)
+        runtime.submit(TaskKind.BACKWARD, body_backward(5, run, 2), replies.callback("s5"))
+        runtime.submit(TaskKind.BACKWARD, body_backward(6, run, 0), replies.callback("s6"))
+        replies.wait(["s6"])
+        # step 0 closed on exactly its 4 samples; step 2's sample was held until step 1 opened
+        replies.wait(["s5"])
+        poll_until(lambda: opt.local_step == 1)
+        assert runtime.ledger.step_sizes == [4]
+        assert (opt.samples_accumulated, opt.next_accumulated) == (2, 1)
+        runtime.submit(TaskKind.BACKWARD, body_backward(7, run, 0), replies.callback("s7"))
+        replies.wait(["s7"])
+        assert runtime.ledger.late_samples == 1 and runtime.counters["late_samples"] == 1
+        assert (opt.samples_accumulated, opt.next_accumulated) == (2, 1), "a late sample's gradient is discarded"
+    finally:
+        runtime.stop(5)
+
+
+def test_held_sample_waits_until_its_step_is_next():
+    run = make_run(2)
+    runtime = make_runtime(run, 1)
+    replies = Replies()
+    try:
+        runtime.submit(TaskKind.BACKWARD, body_backward(0, run, 2), replies.callback("s0"))
+        with pytest.raises(AssertionError):
+            replies.wait(["s0"], timeout=0.5)
+        for i, step in [(1, 0), (2, 0)]:
+            runtime.submit(TaskKind.BACKWARD, body_backward(i, run, step), replies.callback(f"s{i}"))
+        replies.wait(["s0", "s1", "s2"])
+        poll_until(lambda: runtime.optimizer.local_step == 1)
+        assert runtime.optimizer.next_accumulated == 1
+    finally:
+        runtime.stop(5)
+
+
+def test_abandoned_step_closes_short_after_the_timeout():
+    run = make_run(4, step_close_timeout_s=0.5)
+    runtime = make_runtime(run, 1)
+    replies = Replies()
+    try:
+        for i, step in enumerate([0, 0, 1]):
+            runtime.submit(TaskKind.BACKWARD, body_backward(i, run, step), replies.callback(f"s{i}"))
+        replies.wait(["s0", "s1", "s2"])
+        poll_until(lambda: runtime.optimizer.local_step == 1)
+        assert runtime.ledger.step_sizes == [2] and runtime.ledger.reasons["timeout"] == 1
+        assert runtime.ledger.summary()["short_steps"] == 1
+    finally:
+        runtime.stop(5)
+
+
+def test_replicas_close_on_the_stage_wide_count():
+    ledger = StepLedger(8, assigns=True)
+    assert ledger.capacity(0, open_counted=3, next_counted=0, counting=True, max_batch=16) == (5, 0)
+    ledger.update_peers(PeerView(counts={0: 5}, max_step=0))
+    assert ledger.capacity(0, open_counted=3, next_counted=0, counting=True, max_batch=16) == (0, 0) or \
+        ledger.due(0, 3, later_waiting=False) is not None
+    due = ledger.due(0, 3, later_waiting=False)
+    assert due is not None and due.stage_samples == 8 and due.reason == "complete"
+    ledger.update_peers(PeerView(counts={}, max_step=3))
+    assert ledger.due(0, 0, later_waiting=False).reason == "peer_ahead"
+    assert ledger.capacity(0, 0, 0, counting=False, max_batch=16) == (16, 0), "sync-phase samples are not capped"
+
+
+def test_schedule_follows_samples_not_steps():
+    run = make_run(8)
+    model = StageModel(run, 1)
+    opt = StageOptimizer.for_stage(run, 1, model.trainable_parameters(), "cpu")
+    lr = run.optimizer.lr_at
+    assert opt.step(stage_samples=12).lr == pytest.approx(lr(0.0))
+    assert opt.samples_consumed == 12 and opt.schedule_position == pytest.approx(1.5)
+    assert opt.step(stage_samples=4).lr == pytest.approx(lr(1.5))
+    assert opt.step().lr == pytest.approx(lr(2.0)), "two uneven steps land where two exact ones would"
+    opt.set_step(10)
+    assert opt.schedule_position == pytest.approx(10.0)
+
+
+def test_pinned_backward_recomputes_on_the_forwards_weights():
+    run = make_run(2, pin_forward_weights=True)
+    runtime = make_runtime(run, 1, start=False)
+    replies = Replies()
+    v0 = copy.deepcopy(runtime.model)
+    # Forward sample 0 on version 0, then let two other samples complete step 0.
+    [out] = runtime._forward_batch([ForwardRequest(stage=1, sample_id="s0", tokens=tokens(0, run), coords=coords(0, run))])
+    runtime.start()
+    try:
+        for i in (8, 9):
+            runtime.submit(TaskKind.BACKWARD, body_backward(i, run, 0), replies.callback(f"s{i}"))
+        replies.wait(["s8", "s9"])
+        poll_until(lambda: runtime.optimizer.local_step == 1)
+        assert runtime.optimizer.previous_version == 0
+        changed = any(not torch.equal(a, b) for a, b in zip(v0.parameters(), runtime.model.parameters()))
+        assert changed, "step 0 moved the weights"
+        runtime.submit(TaskKind.BACKWARD, body_backward(0, run, 1), replies.callback("s0"))
+        [result] = replies.wait(["s0"])
+        grads = [p.grad.clone() for p in runtime.optimizer.params]
+    finally:
+        runtime.stop(5)
+    # The reference: the same backward computed by hand on the version-0 weights.
+    c = coords(0, run).unsqueeze(0).requires_grad_(True)
+    ref_out = v0(c, tokens(0, run).unsqueeze(0))
+    torch.testing.assert_close(ref_out[0].detach(), out, rtol=1e-5, atol=1e-6)
+    ref_out.backward(coords(2000, run).unsqueeze(0))
+    torch.testing.assert_close(result.grad_input, c.grad[0], rtol=1e-5, atol=1e-7)
+    for got, param in zip(grads, [p for p in v0.parameters() if p.requires_grad]):
+        torch.testing.assert_close(got, param.grad, rtol=1e-5, atol=1e-7)
+    assert runtime.staleness.pinned_samples == 1
+    assert runtime.staleness.summary()["max_gap"] == 0
+
+
+def test_without_pinning_the_gap_is_measured():
+    run = make_run(1, pin_forward_weights=False)
+    runtime = make_runtime(run, 1, start=False)
+    runtime._forward_batch([ForwardRequest(stage=1, sample_id="s0", tokens=tokens(0, run), coords=coords(0, run))])
+    replies = Replies()
+    runtime.start()
+    try:
+        runtime.submit(TaskKind.BACKWARD, body_backward(9, run, 0), replies.callback("s9"))
+        replies.wait(["s9"])
+        poll_until(lambda: runtime.optimizer.local_step == 1)
+        runtime.submit(TaskKind.BACKWARD, body_backward(0, run, 1), replies.callback("s0"))
+        replies.wait(["s0"])
+    finally:
+        runtime.stop(5)
+    summary = runtime.staleness.summary()
+    assert summary["max_gap"] == 1 and summary["pinned"] == 0 and summary["stale_share"] == pytest.approx(1.0)
