@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import shutil
 import sys
@@ -88,7 +87,10 @@ def demo_main(argv: list[str]) -> int:
                             host_maddrs=trust.host_maddrs, announce_maddrs=[], bootstrap_timeout_s=30,
                             auth_state=trust.auth_state, authorizer=trust.dht_authorizer)
     swarm.common_args += ["--authorizer", authorizer.url]
-    samples_per_trainer = math.ceil(args.steps * run.target_batch_size / args.trainers)
+    # Exactly `steps` batches in all, so every step the stages take is a whole one.
+    total_samples = args.steps * run.target_batch_size
+    samples_per_trainer = [total_samples // args.trainers + (i < total_samples % args.trainers)
+                           for i in range(args.trainers)]
     summary: Optional[dict] = None
     code = 0
     try:
@@ -101,7 +103,7 @@ def demo_main(argv: list[str]) -> int:
                                wait_ready=False, name=f"worker-{i}")
                    for i in range(args.stages * args.workers_per_stage)]
         trainers = [
-            swarm.start("trainer", args=["--lanes", str(args.lanes), "--max-samples", str(samples_per_trainer),
+            swarm.start("trainer", args=["--lanes", str(args.lanes), "--max-samples", str(samples_per_trainer[i]),
                                          "--shard-index", str(i), "--num-shards", str(args.trainers),
                                          "--discovery-period-s", "2", "--account-token", f"demo-trainer-{i}"],
                         wait_ready=False, name=f"trainer-{i}")
@@ -115,6 +117,9 @@ def demo_main(argv: list[str]) -> int:
         if missing:
             raise NodeStartError(f"{missing[0].name} ended without a summary:\n{missing[0].log_tail()}")
         summary = combine_summaries(summaries)
+        # Workers print what they stepped on as they leave: stop them before reading it.
+        swarm.stop_all()
+        summary.update(combine_worker_summaries([_summary_of(w) for w in workers]))
     except KeyboardInterrupt:
         say("\ninterrupted; stopping every node")
         code = 130
@@ -144,7 +149,41 @@ def demo_main(argv: list[str]) -> int:
         print(f"done: loss {first:.3f} -> {last:.3f} ({(1 - last / first) * 100:.0f}% lower), "
               f"{summary['tokens_per_s']:.0f} tokens/s, {summary['samples_completed']} samples completed, "
               f"{summary['samples_dropped']} dropped", flush=True)
+        steps = summary.get("steps_per_stage") or {}
+        if steps:
+            print(f"      steps per stage {list(steps.values())}, {summary['samples_per_step_mean']:g} samples per "
+                  f"step (max {summary['samples_per_step_max']}, target {run.target_batch_size}), "
+                  f"{summary['discarded_at_shutdown']} samples discarded at shutdown", flush=True)
     return 0
+
+
+def _summary_of(node, wait_s: float = 3.0) -> Optional[dict]:
+    """A stopped node's summary line; its stdout reader may still be catching up."""
+    deadline = time.monotonic() + wait_s
+    while (summary := node.summary()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return summary
+
+
+def combine_worker_summaries(summaries: list[Optional[dict]]) -> dict:
+    """Steps per stage and the samples each step consumed, from the workers' summaries."""
+    steps: dict[str, int] = {}
+    sizes: list[tuple[float, int]] = []
+    for summary in summaries:
+        if not summary or "steps" not in summary:
+            continue
+        info = summary["steps"]
+        stage = str(summary["stage"])
+        steps[stage] = max(steps.get(stage, 0), summary["local_step"])
+        if info.get("samples_per_step_mean") is not None:
+            sizes.append((info["samples_per_step_mean"], info["samples_per_step_max"]))
+    return {
+        "steps_per_stage": dict(sorted(steps.items(), key=lambda kv: int(kv[0]))),
+        "samples_per_step_mean": round(sum(m for m, _ in sizes) / len(sizes), 2) if sizes else None,
+        "samples_per_step_max": max((m for _, m in sizes), default=None),
+        "discarded_at_shutdown": sum(s["steps"].get("discarded_at_shutdown", 0) for s in summaries
+                                     if s and "steps" in s),
+    }
 
 
 def combine_summaries(summaries: list[dict]) -> dict:
