@@ -23,22 +23,21 @@ from roles.model.stage import StageModel
 from roles.worker.optimizer import StageOptimizer
 from roles.worker.queues import TaskQueues
 from roles.worker.runtime import StageRuntime
+from roles.worker.step_ledger import StepLedger
 
 
 def build_runtime(run, stage: int, max_batch: int, device: torch.device) -> StageRuntime:
     model = StageModel(run, stage, device=device)
-    optimizer = StageOptimizer(
-        model.trainable_parameters(), lr=run.optimizer.lr, betas=run.optimizer.betas, eps=run.optimizer.eps,
-        weight_decay=run.optimizer.weight_decay, warmup_steps=run.optimizer.warmup_steps,
-        total_steps=run.optimizer.total_steps, min_lr_ratio=run.optimizer.min_lr_ratio,
-        clip_threshold=run.clip_threshold(stage), device=device,
-    )
+    optimizer = StageOptimizer.for_stage(run, stage, model.trainable_parameters(), device)
     autocast = getattr(torch, run.dtype) if run.dtype != "float32" else None
+    ledger = StepLedger(run.target_batch_size, assigns=model.kind == "tail")
     return StageRuntime(model, optimizer, TaskQueues(max_batch), stage=stage, vocab_size=run.model.vocab_size,
-                        max_seq_len=run.model.max_seq_len, device=device, autocast_dtype=autocast)
+                        max_seq_len=run.model.max_seq_len, device=device, ledger=ledger, autocast_dtype=autocast)
 
 
 def memory_case(preset: str, stage: int, max_batch: int, device: torch.device) -> dict:
+    """The worst case the plan budgets for: on head and body stages, the open step's gradients, the
+    next step's, and the previous weights for a pinned recompute, all on the device at once."""
     run = load_run_config(preset)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -48,19 +47,33 @@ def memory_case(preset: str, stage: int, max_batch: int, device: torch.device) -
     seq, rank = run.seq_len, run.model.subspace_rank
     tokens = torch.randint(0, run.model.vocab_size, (seq,))
     coords = None if runtime.kind == "head" else torch.randn(seq, rank) * 0.01
-    forward = [ForwardRequest(stage=stage, sample_id=f"f{i}", tokens=tokens, coords=coords) for i in range(max_batch)]
     grad = None if runtime.kind == "tail" else torch.randn(seq, rank) * 1e-3
-    backward = [BackwardRequest(stage=stage, sample_id=f"f{i}", tokens=tokens, coords=coords, grad_output=grad)
+
+    def backward(prefix: str, step):
+        return [BackwardRequest(stage=stage, sample_id=f"{prefix}{i}", tokens=tokens, coords=coords,
+                                grad_output=grad, step=step) for i in range(max_batch)]
+
+    def forward(prefix: str):
+        return [ForwardRequest(stage=stage, sample_id=f"{prefix}{i}", tokens=tokens, coords=coords)
                 for i in range(max_batch)]
-    if runtime.kind != "tail":
-        runtime._forward_batch(forward)
-    runtime._backward_batch(backward)
-    runtime.optimizer.step()
+
+    pinned = 0
+    if runtime.kind == "tail":
+        runtime._backward_batch(backward("t", None))
+        runtime.optimizer.step()
+    else:
+        runtime._forward_batch(forward("f"))
+        runtime._forward_batch(forward("g"))
+        runtime._backward_batch(backward("x", 0))
+        runtime.optimizer.step()
+        runtime._backward_batch(backward("f", 1))  # open step, recomputed on the previous weights
+        runtime._backward_batch(backward("g", 2))  # next step's gradients beside the open step's
+        pinned = runtime.staleness.pinned_samples
     torch.cuda.synchronize(device)
     timings = []
     for _ in range(3):
         t = time.perf_counter()
-        runtime._backward_batch(backward)
+        runtime._backward_batch(backward("t", None if runtime.kind == "tail" else 1))
         torch.cuda.synchronize(device)
         timings.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated(device)
@@ -70,7 +83,8 @@ def memory_case(preset: str, stage: int, max_batch: int, device: torch.device) -
         "build_s": round(built_s, 1), "backward_batch_s": round(min(timings), 4),
         "peak_allocated_gib": round(peak / 2**30, 3), "plan_device_gib": round(plan.device_bytes / 2**30, 3),
         "plan_over_actual": round(plan.device_bytes / max(peak, 1), 3),
-        "master_on_host": not runtime.optimizer.shares_master,
+        "master_on_host": not runtime.optimizer.shares_master, "pinned_samples": pinned,
+        "next_step_samples": runtime.optimizer.next_accumulated,
     }
     del runtime
     torch.cuda.empty_cache()
