@@ -122,10 +122,8 @@ class StageOptimizer:
         """Samples the whole stage consumed in all steps so far: the schedule's position."""
         self.samples_accumulated = 0
         """Samples whose gradients are accumulated for the open step: what `step` divides the sum by."""
-        self.samples_counted = 0
-        """Of those, the samples that count towards the stage's target batch (what progress publishes)."""
         self.next_accumulated = 0
-        self.next_counted = 0
+        """Samples accumulated for the step after the open one."""
         self._next_grads: list[Optional[torch.Tensor]] = [None] * len(self._params)
 
         self._on_cuda = self._device.type == "cuda"
@@ -208,23 +206,16 @@ class StageOptimizer:
                 for p, g in zip(self._params, current):
                     p.grad = g
 
-    def add_samples(self, n: int, *, counted: bool = True, offset: int = 0) -> None:
+    def add_samples(self, n: int, *, offset: int = 0) -> None:
         """Record that the last backward batch added the summed gradients of `n` samples to the
-        open step (offset 0) or the next (offset 1).
-
-        `counted=False` is for a worker in optimizer sync: its gradients are real and its own step
-        must average them (it warms AdamW on them), but they count nothing towards the stage's
-        target batch [report 3.3.1.1], so they enter `samples_accumulated` and not `samples_counted`.
-        """
+        open step (offset 0) or the next (offset 1)."""
         if n < 0:
             raise ValueError(f"sample count must be non-negative, got {n}")
         with self.lock:
             if offset == 0:
                 self.samples_accumulated += n
-                self.samples_counted += n if counted else 0
             else:
                 self.next_accumulated += n
-                self.next_counted += n if counted else 0
 
     def set_step(self, step: int, samples_consumed: Optional[int] = None) -> None:
         """Jump the step and schedule position, for a replica whose stage stepped without it.
@@ -243,14 +234,14 @@ class StageOptimizer:
         """Average, clip and apply the open step's gradients, then make the next step's the open ones.
 
         `stage_samples` is what the whole stage consumed in this step (it advances the schedule);
-        by default this replica's own counted samples. With no accumulated samples the weights are
+        by default this replica's own samples. With no accumulated samples the weights are
         left alone but `local_step` still advances, so an idle replica keeps its place in the
         stage's schedule. Non-finite gradients are dropped and raise `NonFiniteGradients`, and the
         step counts as taken, so this replica stays at the stage's step.
         """
         with self.lock:
             step, samples = self.local_step, self.samples_accumulated
-            consumed = self.samples_counted if stage_samples is None else stage_samples
+            consumed = samples if stage_samples is None else stage_samples
             lr = self.lr_now()
             if self.previous is not None:
                 with torch.no_grad():
@@ -288,8 +279,7 @@ class StageOptimizer:
         for p, g in zip(self._params, self._next_grads):
             p.grad = g
         self._next_grads = [None] * len(self._params)
-        self.samples_accumulated, self.samples_counted = self.next_accumulated, self.next_counted
-        self.next_accumulated = self.next_counted = 0
+        self.samples_accumulated, self.next_accumulated = self.next_accumulated, 0
         self.local_step += 1
 
     def push_master_to_device(self) -> None:
@@ -322,7 +312,6 @@ class StageOptimizer:
             for master in self._master:
                 master.grad = None
         self.samples_accumulated = 0
-        self.samples_counted = 0
 
     def discard_all(self) -> dict[int, int]:
         """Drop every accumulated gradient (open and next step) and say how many samples each held,
@@ -331,7 +320,7 @@ class StageOptimizer:
             dropped = {self.local_step: self.samples_accumulated, self.local_step + 1: self.next_accumulated}
             self._clear_grads()
             self._next_grads = [None] * len(self._params)
-            self.next_accumulated = self.next_counted = 0
+            self.next_accumulated = 0
             return {step: n for step, n in dropped.items() if n}
 
     def state_dict(self) -> dict[str, Any]:
@@ -355,4 +344,4 @@ class StageOptimizer:
             self.samples_consumed = int(state["samples_consumed"])
             self._clear_grads()
             self._next_grads = [None] * len(self._params)
-            self.next_accumulated = self.next_counted = 0
+            self.next_accumulated = 0

@@ -47,8 +47,8 @@ class StageProgress:
         opt = self.optimizer
         return ProgressRecord(
             local_step=opt.local_step,
-            samples_accumulated=opt.samples_counted,
-            next_samples=opt.next_counted,
+            samples_accumulated=opt.samples_accumulated,
+            next_samples=opt.next_accumulated,
             counts_towards_target=self.counts_towards_target(),
             samples_consumed=opt.samples_consumed,
             time=time.time(),
@@ -104,15 +104,14 @@ class StageProgress:
 
 
 def peer_view(records) -> PeerView:
-    """Sum what the other replicas hold per step; only replicas whose samples count contribute."""
+    """Sum what the other replicas hold per step. A syncing replica's samples are in the sums too:
+    the tail tagged them into the step, so the step is not complete without them."""
     counts: dict[int, int] = {}
     max_step: Optional[int] = None
     consumed = 0
     for record in records:
         max_step = record.local_step if max_step is None else max(max_step, record.local_step)
         consumed = max(consumed, record.samples_consumed)
-        if not record.counts_towards_target:
-            continue
         counts[record.local_step] = counts.get(record.local_step, 0) + record.samples_accumulated
         counts[record.local_step + 1] = counts.get(record.local_step + 1, 0) + record.next_samples
     return PeerView(counts=counts, max_step=max_step, samples_consumed=consumed)

@@ -84,7 +84,6 @@ class WorkerRole:
             self.model, self.optimizer, TaskQueues(config.max_batch, config.max_pending),
             stage=config.stage, vocab_size=run.model.vocab_size, max_seq_len=run.model.max_seq_len,
             device=self.device, ledger=self.ledger, autocast_dtype=autocast,
-            counts_towards_target=self._counts_towards_target,
             on_backward=lambda: self.progress.notify(), on_step=self._on_step,
         )
         self.server = RpcServer(p2p, authenticator=authenticator)

@@ -105,7 +105,6 @@ class StageRuntime:
         device: torch.device,
         ledger: Optional[StepLedger] = None,
         autocast_dtype: Optional[torch.dtype] = None,
-        counts_towards_target: Callable[[], bool] = lambda: True,
         on_backward: Callable[[], None] = lambda: None,
         on_step: Callable[[StepReport], None] = lambda report: None,
     ):
@@ -120,7 +119,6 @@ class StageRuntime:
         self.rank = model.subspace_rank
         self.device = device
         self.autocast_dtype = autocast_dtype
-        self.counts_towards_target = counts_towards_target
         self.on_backward = on_backward
         self.on_step = on_step
         self.counters: collections.Counter[str] = collections.Counter()
@@ -231,14 +229,14 @@ class StageRuntime:
 
     def _untagged_capacity(self) -> tuple[int, int]:
         opt = self.optimizer
-        return self.ledger.capacity(opt.local_step, opt.samples_counted, opt.next_counted,
-                                    self.counts_towards_target(), self.queues.max_batch)
+        return self.ledger.capacity(opt.local_step, opt.samples_accumulated, opt.next_accumulated,
+                                    self.queues.max_batch)
 
     def _maybe_step(self) -> None:
         opt = self.optimizer
         with opt.lock:
             later = opt.next_accumulated > 0 or self.queues.held(opt.local_step + 1) > 0
-            due = self.ledger.due(opt.local_step, opt.samples_counted, later)
+            due = self.ledger.due(opt.local_step, opt.samples_accumulated, later)
             if due is None:
                 return
             local = opt.samples_accumulated
@@ -308,7 +306,6 @@ class StageRuntime:
         n = len(requests)
         versions = [self.forwarded.pop(r.sample_id) for r in requests] if self.kind != "tail" else []
         with opt.lock:
-            counted = self.counts_towards_target()
             tag = requests[0].step
             if tag is None:
                 limit, offset = self._untagged_capacity()
@@ -341,10 +338,10 @@ class StageRuntime:
                 if pinned is not None:
                     for param, old in zip(opt.params, pinned.values()):
                         param.grad, old.grad = old.grad, None
-            # Always accumulate (a worker in optimizer sync steps on its own gradients to warm its
-            # moments); only an active worker's samples count towards the stage's target.
+            # A worker in optimizer sync accumulates too: it steps on its own gradients to warm its
+            # moments [report 3.3.1.1], and its samples complete the step they were tagged with.
             if offset >= 0:
-                opt.add_samples(n, counted=counted, offset=min(offset, 1))
+                opt.add_samples(n, offset=min(offset, 1))
             version_now = opt.local_step
         grads = coords.grad.cpu() if coords is not None else None
         loss_values = losses.detach().cpu().tolist() if losses is not None else [None] * n

@@ -15,6 +15,12 @@ the samples that arrive while a peer's count is in transit. A step whose last sa
 (their trainer died after the tail tagged them) is closed short after `close_timeout_s` once later
 samples wait, and the shortfall is counted.
 
+A step is the set of samples tagged with it, whichever replica processed them: a replica in
+optimizer sync [report 3.3.1.1] serves tagged samples too, and they complete the step at its
+stage even though its gradients only warm its own optimizer. So the active replicas of a stage
+step on the step's samples that they processed, and no stage waits for samples that a syncing
+replica already took.
+
 All methods run on the compute thread, except `update_peers` (the progress task), which replaces
 one immutable snapshot.
 """
@@ -29,8 +35,8 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class PeerView:
-    """What the other replicas of the stage published: samples they hold per step (counting
-    replicas only) and the furthest step any of them reached."""
+    """What the other replicas of the stage published: samples they hold per step and the
+    furthest step any of them reached."""
 
     counts: dict[int, int] = field(default_factory=dict)
     max_step: Optional[int] = None
@@ -80,20 +86,16 @@ class StepLedger:
         (late: its gradient is discarded). Callers hold tags beyond `open_step + 1`."""
         return tag - open_step
 
-    def capacity(self, open_step: int, open_counted: int, next_counted: int, counting: bool,
-                 max_batch: int) -> tuple[int, int]:
+    def capacity(self, open_step: int, open_samples: int, next_samples: int, max_batch: int) -> tuple[int, int]:
         """How many untagged samples this replica may tag now, and for which offset (0 or 1).
 
         (0, 0) means hold them: both the open and the next step are full stage-wide.
-        A replica whose samples do not count (a sync phase) tags them with the open step, without limit.
         """
-        if not counting:
-            return max_batch, 0
         peers = self.peers.counts
-        open_left = self.target - open_counted - peers.get(open_step, 0)
+        open_left = self.target - open_samples - peers.get(open_step, 0)
         if open_left > 0:
             return min(open_left, max_batch), 0
-        next_left = self.target - next_counted - peers.get(open_step + 1, 0)
+        next_left = self.target - next_samples - peers.get(open_step + 1, 0)
         if next_left > 0:
             return min(next_left, max_batch), 1
         return 0, 0
@@ -103,14 +105,14 @@ class StepLedger:
 
     # ---- closing ----
 
-    def due(self, open_step: int, open_counted: int, later_waiting: bool) -> Optional[StepDue]:
+    def due(self, open_step: int, open_samples: int, later_waiting: bool) -> Optional[StepDue]:
         """Whether the open step must be taken now.
 
         `later_waiting`: samples of later steps are accumulated or held here, which is what
         makes a silent open step look abandoned rather than merely slow.
         """
         view = self.peers
-        total = open_counted + view.counts.get(open_step, 0)
+        total = open_samples + view.counts.get(open_step, 0)
         if total >= self.target:
             return StepDue(total, "complete")
         if view.max_step is not None and view.max_step > open_step:

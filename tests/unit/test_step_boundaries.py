@@ -165,15 +165,14 @@ def test_abandoned_step_closes_short_after_the_timeout():
 
 def test_replicas_close_on_the_stage_wide_count():
     ledger = StepLedger(8, assigns=True)
-    assert ledger.capacity(0, open_counted=3, next_counted=0, counting=True, max_batch=16) == (5, 0)
-    ledger.update_peers(PeerView(counts={0: 5}, max_step=0))
-    assert ledger.capacity(0, open_counted=3, next_counted=0, counting=True, max_batch=16) == (0, 0) or \
-        ledger.due(0, 3, later_waiting=False) is not None
+    assert ledger.capacity(0, open_samples=3, next_samples=0, max_batch=16) == (5, 0)
+    assert ledger.capacity(0, open_samples=3, next_samples=0, max_batch=2) == (2, 0)
+    ledger.update_peers(PeerView(counts={0: 5, 1: 6}, max_step=0))
+    assert ledger.capacity(0, open_samples=3, next_samples=1, max_batch=16) == (1, 1), "open step full stage-wide"
     due = ledger.due(0, 3, later_waiting=False)
     assert due is not None and due.stage_samples == 8 and due.reason == "complete"
     ledger.update_peers(PeerView(counts={}, max_step=3))
     assert ledger.due(0, 0, later_waiting=False).reason == "peer_ahead"
-    assert ledger.capacity(0, 0, 0, counting=False, max_batch=16) == (16, 0), "sync-phase samples are not capped"
 
 
 def test_schedule_follows_samples_not_steps():

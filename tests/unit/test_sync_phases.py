@@ -62,16 +62,16 @@ def _optimizer():
     return model, opt
 
 
-def test_optimizer_sync_steps_on_samples_that_do_not_count():
+def test_a_syncing_replica_steps_on_its_own_gradients():
     model, opt = _optimizer()
     before = model.weight.detach().clone()
     model(torch.ones(3, 4)).sum().backward()
-    opt.add_samples(3, counted=False)
-    assert (opt.samples_accumulated, opt.samples_counted) == (3, 0)
+    opt.add_samples(3)
+    assert opt.samples_accumulated == 3
     report = opt.step()
     assert report.samples == 3 and report.grad_norm > 0
     assert not torch.equal(model.weight, before), "the optimizer stepped on its own gradients"
-    assert (opt.samples_accumulated, opt.samples_counted) == (0, 0)
+    assert opt.samples_accumulated == 0
 
 
 class FakeSwarm:
@@ -90,16 +90,19 @@ class FakeSwarm:
 
 
 @pytest.mark.timeout(30)
-def test_progress_publishes_and_counts_only_counted_samples():
+def test_progress_counts_every_tagged_sample_of_the_step():
+    """A replica in optimizer sync serves samples the tail tagged into the step; the step is not
+    complete at this stage without them, though they update only the syncing replica's weights."""
     _, opt = _optimizer()
-    opt.add_samples(6, counted=False)
+    opt.add_samples(2)
     peer = ProgressRecord(local_step=0, samples_accumulated=5, counts_towards_target=True, time=0.0)
     swarm = FakeSwarm({"peer": peer})
     ledger = StepLedger(8, assigns=False)
     progress = StageProgress(swarm, "run", 0, opt, ledger, counts_towards_target=lambda: False)
     asyncio.run(progress.tick(force=True))
     assert ledger.peers.counts[0] == 5
-    assert ledger.due(opt.local_step, opt.samples_counted, later_waiting=False) is None, \
-        "6 uncounted + 5 counted samples do not reach 8"
+    assert ledger.due(opt.local_step, opt.samples_accumulated, later_waiting=False) is None, "7 of 8 samples"
     published = next(iter(swarm.stored.values()))
-    assert published.samples_accumulated == 0 and published.counts_towards_target is False
+    assert published.samples_accumulated == 2 and published.counts_towards_target is False
+    opt.add_samples(1)
+    assert ledger.due(opt.local_step, opt.samples_accumulated, later_waiting=False).stage_samples == 8
