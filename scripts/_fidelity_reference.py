@@ -1,0 +1,184 @@
+"""The one-process reference of `bench_fidelity.py`: train a model on given step compositions with
+the optimizer a swarm's workers use, evaluate it, and load a swarm's final stage weights.
+
+What makes the comparison with a swarm fair is that only the pipeline differs: the same seeded
+`StageModel`s (so the same init), one `StageOptimizer.for_stage` per stage (AdamW, schedule by
+samples, stage-wise clipping), gradients summed over a step's samples and divided by their
+count, and the very samples the swarm put into each step, regenerated from their ids. Sample ids
+`s{shard}-{index}` name a position in the run's one sample stream (a shard keeps the positions
+`index % num_shards == shard`), so an unsharded stream regenerates any trainer's sample.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from roles.model.config import RunConfig
+from roles.model.stage import FullModel, StageModel
+from roles.trainer.data import SampleStream, SyntheticCorpus
+from roles.trainer.tokenizer import load_tokenizer
+from roles.worker.layout import FlatLayout
+from roles.worker.optimizer import StageOptimizer
+
+HELD_OUT_SEED_OFFSET = 1000
+"""The held-out set is the synthetic corpus under seed `run.seed + 1000`: text no trainer reads."""
+
+_SAMPLE_ID = re.compile(r"s(\d+)-(\d+)$")
+
+
+def stream_index(sample_id: str) -> int:
+    """Position in the run's sample stream of a trainer sample id (a routing prefix is allowed)."""
+    match = _SAMPLE_ID.search(sample_id)
+    if match is None:
+        raise ValueError(f"{sample_id!r} is not a trainer sample id (s<shard>-<index>)")
+    return int(match.group(2))
+
+
+def synthetic_stream(run: RunConfig, seed: int) -> SampleStream:
+    """The unsharded synthetic stream of `run` under `seed`: sample k is stream position k."""
+    return SampleStream(SyntheticCorpus(seed), load_tokenizer(None), run.seq_len, shard_index=0, num_shards=1,
+                        seed=seed, epochs=None)
+
+
+class SampleBank:
+    """Tokens of the run's synthetic training stream by position, generated once up to the
+    highest position asked for."""
+
+    def __init__(self, run: RunConfig):
+        self._stream = iter(synthetic_stream(run, run.seed))
+        self._tokens: list[Tensor] = []
+
+    def tokens(self, indices: Iterable[int]) -> Tensor:
+        """[n, seq_len] int64 tokens of the given stream positions, in that order."""
+        indices = list(indices)
+        while len(self._tokens) <= max(indices, default=-1):
+            self._tokens.append(next(self._stream).tokens)
+        return torch.stack([self._tokens[i] for i in indices])
+
+    def sequential_steps(self, total_samples: int, batch: int) -> list[list[int]]:
+        """Positions 0..total-1 cut into steps of `batch`: what the trainers would read if one
+        process consumed their shards round-robin."""
+        return [list(range(start, min(start + batch, total_samples))) for start in range(0, total_samples, batch)]
+
+
+def held_out_tokens(run: RunConfig, count: int = 256) -> Tensor:
+    """`count` samples of the held-out stream, [count, seq_len]."""
+    stream = iter(synthetic_stream(run, run.seed + HELD_OUT_SEED_OFFSET))
+    return torch.stack([next(stream).tokens for _ in range(count)])
+
+
+def build_stages(run: RunConfig) -> list[StageModel]:
+    """The run's stages at their seeded init, exactly as each worker builds its own."""
+    return [StageModel(run, index) for index in range(run.num_stages)]
+
+
+@dataclass
+class StepRecord:
+    """One reference step: samples in it and their mean training loss."""
+
+    samples: int
+    loss: float
+
+
+@dataclass
+class OneProcessTrainer:
+    """Trains `model` (tokens [n, T] -> per-sample losses [n]) with one StageOptimizer per group
+    of `groups`, the i-th configured as stage i of `run`."""
+
+    model: nn.Module
+    groups: Sequence[Sequence[nn.Parameter]]
+    run: RunConfig
+    optimizers: list[StageOptimizer] = field(init=False)
+    history: list[StepRecord] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.groups) != self.run.num_stages:
+            raise ValueError(f"{len(self.groups)} parameter groups for a run of {self.run.num_stages} stages")
+        # keep_previous only serves a worker's pinned recompute; the reference never recomputes.
+        self.optimizers = [StageOptimizer.for_stage(self.run, index, group, "cpu", keep_previous=False)
+                           for index, group in enumerate(self.groups)]
+
+    @classmethod
+    def for_stages(cls, run: RunConfig, stages: Optional[list[StageModel]] = None) -> OneProcessTrainer:
+        """The reference for the subspace model: the stages chained by FullModel."""
+        stages = build_stages(run) if stages is None else stages
+        return cls(FullModel.from_stages(stages), [s.trainable_parameters() for s in stages], run)
+
+    def step(self, tokens: Tensor) -> float:
+        """One optimizer step on all of `tokens`: summed per-sample gradients, then each stage's
+        optimizer divides by the count, clips and steps, as workers do with a stage's batch."""
+        self.model.train()
+        losses = self.model(tokens)
+        losses.sum().backward()
+        for optimizer in self.optimizers:
+            optimizer.add_samples(len(tokens))
+            optimizer.step()
+        loss = float(losses.detach().mean())
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss is {loss} at step {len(self.history)}")
+        self.history.append(StepRecord(len(tokens), loss))
+        return loss
+
+    def train(self, steps: Sequence[Sequence[int]], bank: SampleBank,
+              progress: Optional[Callable[[int, float], None]] = None) -> list[StepRecord]:
+        """Run one step per entry of `steps` (stream positions); empty steps are skipped, since
+        the schedule follows samples and an empty step changes nothing."""
+        for indices in steps:
+            if indices:
+                loss = self.step(bank.tokens(indices))
+                if progress is not None:
+                    progress(len(self.history), loss)
+        return self.history
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, tokens: Tensor, batch: int = 64) -> float:
+    """Mean per-sample loss of `model` on `tokens`."""
+    model.eval()
+    total = sum(float(model(tokens[i:i + batch]).sum()) for i in range(0, len(tokens), batch))
+    return total / len(tokens)
+
+
+def load_stage_weights(stage: StageModel, tensors: dict[str, Tensor]) -> None:
+    """Copy a checkpoint's tensors (named by the stage's FlatLayout) into `stage`."""
+    names = FlatLayout.of_module(stage).names
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise KeyError(f"checkpoint of stage {stage.stage_index} misses {missing[:3]}")
+    with torch.no_grad():
+        for name, param in zip(names, stage.trainable_parameters()):
+            if tensors[name].shape != param.shape:
+                raise ValueError(f"stage {stage.stage_index}: {name} has shape {tuple(tensors[name].shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.copy_(tensors[name])
+
+
+def loss_figures(steps: Sequence[StepRecord]) -> dict:
+    """Final training loss (mean step loss over the last 10% of steps) and the sample-weighted
+    training loss over the 10% of tokens that end at 25, 50, 75 and 100% of them."""
+    if not steps:
+        return {"final_train_loss": None, "train_loss_at_fraction": {}, "steps": 0, "samples": 0}
+    tail = steps[-max(1, math.ceil(0.1 * len(steps))):]
+    total = sum(s.samples for s in steps)
+    at: dict[str, Optional[float]] = {}
+    for fraction in (0.25, 0.5, 0.75, 1.0):
+        lo, hi = (fraction - 0.1) * total, fraction * total
+        seen, weighted, count = 0, 0.0, 0
+        for record in steps:
+            end = seen + record.samples
+            if lo < end <= hi or (count == 0 and end > hi):  # at least the step that crosses `hi`
+                weighted += record.loss * record.samples
+                count += record.samples
+            seen = end
+            if seen >= hi and count:
+                break
+        at[f"{round(fraction * 100)}%"] = round(weighted / count, 4) if count else None
+    return {"final_train_loss": round(sum(s.loss for s in tail) / len(tail), 4), "train_loss_at_fraction": at,
+            "steps": len(steps), "samples": total}

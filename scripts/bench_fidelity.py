@@ -1,0 +1,490 @@
+"""Fidelity benchmark [issue 7]: does a swarm train as well as the same model in one process, at
+equal tokens? Prints ONE JSON object on stdout (progress goes to stderr); `--out PATH` also writes
+it to a file, `--quick` runs a short smoke version, `--setting demo|batch64|all` picks the runs.
+
+Settings (the tiny preset, 3 stages x 1 worker, 2 trainers x 4 lanes, lr schedule over the run):
+  demo     target_batch_size 16, 150 steps = 2,400 samples; aim: held-out gap <= 3%
+  batch64  target_batch_size 64,  60 steps = 3,840 samples; aim: held-out gap <= 1%
+
+For each setting the benchmark starts real agora-node processes on 127.0.0.1 (open run, the
+first worker is the bootstrap peer; averaging is off, since each stage has one replica). Each
+trainer appends one line per completed sample to the file `AGORA_SAMPLE_LOG` names:
+`{"sample_id", "step", "loss"}`, `step` being the optimizer step the sample joined at every
+stage. When the trainers are done the workers get SIGTERM and write their final weights to
+`--checkpoint-dir`. Then, in this process, with the same seeded init, data, stage-wise
+optimizers (`StageOptimizer.for_stage`) and schedule:
+
+- `reference.swarm_order` trains the unsplit model on exactly the swarm's steps (the logged
+  sample sets, tokens regenerated from the ids), so order noise cancels and only the pipeline
+  (staleness, short or long steps) differs. This is the reference the gaps use.
+- `reference.sequential` trains on the first N samples in stream order (both shards
+  round-robin) in steps of target_batch_size: how far order alone moves the loss.
+- `unconstrained` trains a plain Llama of the same shape (roles/model/plain.py: learned
+  full-rank embedding, full-rank writes) on the swarm's steps: the price of the subspace model.
+
+Figures, for each: final training loss (mean step loss over the last 10% of steps), held-out loss
+(256 samples of the corpus under seed + 1000; the swarm's from its checkpoints, evaluated with
+FullModel, i.e. without boundary compression, which is lossless to ~1e-7), and the training loss
+over the 10% of tokens ending at 25/50/75/100%. Gaps are (swarm - reference) / reference. Per
+stage: steps taken, samples per step and staleness from the workers' summaries (null while a
+worker does not report them), and samples per step from the log.
+
+`--ablation` instead trains one-process variants that move one difference between the subspace
+model and a plain Llama at a time (scripts/_fidelity_ablation.py) and reports held-out losses over
+three run seeds, plus a longer-horizon check. Measured on this 2-core machine (tiny, batch 16,
+2,400 samples, seeds 0-2): subspace 1.103, plain Llama 0.880 (+26%, seed spread of plain 0.17).
+rank only: subspace_rank = d keeps 1.079 (-2%); a learned full-rank embedding with rank-k writes
+gives 0.778 (better than plain); plain + frozen T_fixed 1.105 and plain with a learned embedding
+started at T_fixed's scale 1.110 (both +26%); T_fixed scaled to std 0.02 with rank-k embedding
+1.128; T_fixed at std 0.02 with the whole embedding learnable (rank d) 0.914 (+5%, noise). So the
+cost is the token embedding, not the rank of the residual writes: a fixed random table of row
+norm ~1 (6x a learned one) dominates the residual stream and only k of its d dims learn; either
+property alone keeps most of the gap. It is a slow start: at 4x the tokens (9,600 samples) the
+gap is 2.7% (0.470 vs 0.458). Details in the JSON "notes".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a file: find the helpers
+from _bench_common import log, machine_info, rounded  # noqa: E402
+
+SAMPLE_LOG_ENV = "AGORA_SAMPLE_LOG"
+HELD_OUT_SAMPLES = 256
+STAGES, TRAINERS, LANES = 3, 2, 4
+
+
+@dataclass(frozen=True)
+class Setting:
+    target_batch_size: int
+    steps: int
+    quick_steps: int
+    worker_max_batch: int
+    held_out_gap_max: float
+
+
+SETTINGS = {
+    "demo": Setting(target_batch_size=16, steps=150, quick_steps=20, worker_max_batch=16, held_out_gap_max=0.03),
+    "batch64": Setting(target_batch_size=64, steps=60, quick_steps=6, worker_max_batch=64, held_out_gap_max=0.01),
+}
+
+
+def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.Namespace):
+    """The tiny preset at the setting's batch, its schedule spanning the run, averaging off."""
+    from roles.model.config import load_run_config
+
+    overrides: dict[str, Any] = {
+        "run_id": f"fidelity-{name}-{os.getpid()}",
+        "target_batch_size": setting.target_batch_size,
+        "optimizer": {"total_steps": steps},
+        "averaging": {"enabled": False},
+    }
+    staleness: dict[str, Any] = {}
+    if args.max_in_flight_ratio is not None:
+        staleness["max_in_flight_ratio"] = args.max_in_flight_ratio
+    if args.no_pin_forward_weights:
+        staleness["pin_forward_weights"] = False
+    if staleness:
+        overrides["staleness"] = staleness
+    return load_run_config("tiny", overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# the swarm
+# ---------------------------------------------------------------------------------------------
+
+def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_samples: int) -> dict:
+    """Train `total_samples` with a local swarm; return its sample logs, summaries and
+    checkpoint directory. Every process is stopped before this returns or raises."""
+    from node.launcher import LocalSwarm
+
+    checkpoints = os.path.join(workdir, "checkpoints")
+    swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=1,
+                       common_args=["--announce-period-s", "2"])
+    logs = [os.path.join(workdir, f"samples-{k}.jsonl") for k in range(TRAINERS)]
+    out: dict[str, Any] = {"sample_logs": logs, "checkpoint_dir": checkpoints, "errors": []}
+    started = time.monotonic()
+    try:
+        workers = [swarm.start("worker", stage=s, wait_ready=s == 0, timeout_s=120,
+                               args=["--max-batch", str(setting.worker_max_batch), "--checkpoint-dir", checkpoints,
+                                     "--checkpoint-period-s", "100000"])
+                   for s in range(STAGES)]
+        for node in workers:
+            swarm.wait_ready(node, timeout_s=120)
+        out["startup_s"] = round(time.monotonic() - started, 1)
+        log(f"  workers ready after {out['startup_s']:.0f}s; starting {TRAINERS} trainers")
+        per_trainer = math.ceil(total_samples / TRAINERS)
+        trainers = []
+        base_env = swarm.env
+        for k in range(TRAINERS):
+            # LocalSwarm has one environment for all its nodes; each trainer needs its own log.
+            swarm.env = {**base_env, SAMPLE_LOG_ENV: logs[k]}
+            try:
+                trainers.append(swarm.start(
+                    "trainer", wait_ready=False, name=f"trainer-{k}",
+                    args=["--lanes", str(LANES), "--max-samples", str(per_trainer), "--shard-index", str(k),
+                          "--num-shards", str(TRAINERS), "--discovery-period-s", "2"]))
+            finally:
+                swarm.env = base_env
+        for node in trainers:
+            swarm.wait_ready(node, timeout_s=120)
+        train_started = time.monotonic()
+        deadline = train_started + 300 + total_samples / 4
+        last_report = train_started
+        while any(t.proc.poll() is None for t in trainers):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainers still running after {time.monotonic() - train_started:.0f}s")
+            time.sleep(0.5)
+            if time.monotonic() - last_report > 15:
+                last_report = time.monotonic()
+                log(f"  {sum(_count_lines(p) for p in logs)}/{total_samples} samples logged, "
+                    f"{last_report - train_started:.0f}s")
+        out["train_wall_s"] = round(time.monotonic() - train_started, 1)
+        out["trainer_exit_codes"] = [t.proc.returncode for t in trainers]
+        if any(out["trainer_exit_codes"]):
+            out["errors"].append(f"trainer exit codes {out['trainer_exit_codes']}")
+    finally:
+        swarm.stop_all(timeout_s=60)  # SIGTERM: workers write their final checkpoints
+        out["wall_s"] = round(time.monotonic() - started, 1)
+        out["survivors"] = swarm.survivors()
+        if out["survivors"]:
+            out["errors"].append(f"processes {out['survivors']} survived shutdown")
+        out["summaries"] = {node.name: _summary(node) for node in swarm.nodes}
+        out["stages"] = {node.name: node.stage for node in swarm.nodes}
+        out["exit_codes"] = {node.name: node.proc.returncode for node in swarm.nodes}
+        out["log_dir"] = swarm.workdir
+    return out
+
+
+def _summary(node, wait_s: float = 3.0) -> Optional[dict]:
+    """A node's final summary line; the stdout reader may still be catching up after exit."""
+    deadline = time.monotonic() + wait_s
+    while (found := node.summary()) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
+def _count_lines(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def read_sample_logs(paths: list[str]) -> tuple[dict[int, list[tuple[int, float]]], int]:
+    """Logged samples grouped by step: {step: [(stream position, loss)]}, and how many lines
+    were unreadable. A sample logged twice (a retry) counts once, at its last line."""
+    from _fidelity_reference import stream_index
+
+    latest: dict[str, dict] = {}
+    bad = 0
+    for path in paths:
+        try:
+            with open(path) as f:
+                lines = f.readlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                record = json.loads(line)
+                latest[record["sample_id"]] = record
+            except (ValueError, KeyError, TypeError):
+                bad += 1
+    steps: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for sample_id, record in latest.items():
+        try:
+            steps[int(record["step"])].append((stream_index(sample_id), float(record["loss"])))
+        except (ValueError, KeyError, TypeError):
+            bad += 1
+    return {step: sorted(samples) for step, samples in sorted(steps.items())}, bad
+
+
+def read_checkpoints(run, directory: str):
+    """The swarm's final stages (None where a checkpoint is missing) and the step each was
+    written at."""
+    from safetensors import safe_open
+
+    from _fidelity_reference import build_stages, load_stage_weights
+    from roles.worker.checkpoint import checkpoint_path
+
+    stages = build_stages(run)
+    written: dict[int, Optional[int]] = {}
+    for stage in stages:
+        path = checkpoint_path(directory, run.run_id, stage.stage_index)
+        if not path.is_file():
+            written[stage.stage_index] = None
+            continue
+        with safe_open(str(path), framework="pt") as handle:
+            written[stage.stage_index] = int((handle.metadata() or {}).get("step", "0"))
+            load_stage_weights(stage, {name: handle.get_tensor(name) for name in handle.keys()})
+    return (stages if all(v is not None for v in written.values()) else None), written
+
+
+def _stage_figures(summary: Optional[dict]) -> dict:
+    """What a worker reported about its steps and staleness; null where it reported nothing."""
+    summary = summary or {}
+    steps = summary.get("steps") or {}
+    stale = summary.get("staleness") or {}
+    return {
+        "local_step": summary.get("local_step"),
+        "steps": {k: steps.get(k) for k in ("taken", "samples_per_step_mean", "samples_per_step_max",
+                                           "samples_per_step_min", "short_steps", "late_samples",
+                                           "discarded_at_shutdown")},
+        "staleness": {k: stale.get(k) for k in ("mean_gap", "max_gap", "stale_share", "pinned")},
+        "mean_batch_size": summary.get("mean_batch_size"),
+        "compute_s": summary.get("compute_s"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# one setting
+# ---------------------------------------------------------------------------------------------
+
+def _gap(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None else round((a - b) / b, 4)
+
+
+def _trained(trainer, steps, bank, held_out, label: str) -> dict:
+    from _fidelity_reference import evaluate, loss_figures
+
+    started = time.monotonic()
+    trainer.train(steps, bank)
+    figures = loss_figures(trainer.history)
+    figures["held_out_loss"] = round(evaluate(trainer.model, held_out), 4)
+    figures["wall_s"] = round(time.monotonic() - started, 1)
+    log(f"  {label}: held-out {figures['held_out_loss']:.4f}, final train {figures['final_train_loss']:.4f} "
+        f"({figures['wall_s']:.0f}s)")
+    return figures
+
+
+def bench_setting(name: str, args: argparse.Namespace) -> dict:
+    from _fidelity_reference import OneProcessTrainer, SampleBank, StepRecord, evaluate, held_out_tokens, loss_figures
+    from roles.model.config import dump_run_config
+    from roles.model.plain import PlainModel
+
+    setting = SETTINGS[name]
+    steps = setting.quick_steps if args.quick else setting.steps
+    total = steps * setting.target_batch_size
+    run = fidelity_run_config(name, setting, steps, args)
+    workdir = tempfile.mkdtemp(prefix=f"agora-fidelity-{name}-")
+    config_path = os.path.join(workdir, "run.yaml")
+    dump_run_config(run, config_path)
+    out: dict[str, Any] = {
+        "config": {"preset": "tiny", "stages": STAGES, "workers_per_stage": 1, "trainers": TRAINERS, "lanes": LANES,
+                   "target_batch_size": run.target_batch_size, "steps": steps, "samples": total,
+                   "seq_len": run.seq_len, "worker_max_batch": setting.worker_max_batch,
+                   "optimizer": run.optimizer.model_dump(mode="json"), "averaging": "off (one replica per stage)",
+                   "staleness": run.staleness.model_dump(mode="json")},
+    }
+    errors: list[str] = []
+    started = time.monotonic()
+    log(f"[{name}] swarm: {STAGES} stages x 1 worker, {TRAINERS} trainers x {LANES} lanes, {steps} steps of "
+        f"{run.target_batch_size} = {total} samples")
+    swarm: dict[str, Any] = {}
+    try:
+        swarm = run_swarm(run, config_path, workdir, setting, total)
+    except Exception as exc:  # noqa: BLE001 - report what was measured, and the failure
+        errors.append(f"swarm: {type(exc).__name__}: {exc}")
+        log(traceback.format_exc())
+    errors += swarm.pop("errors", [])
+
+    held_out = held_out_tokens(run, HELD_OUT_SAMPLES)
+    bank = SampleBank(run)
+    logged, bad_lines = read_sample_logs(swarm.get("sample_logs", []))
+    stages, written = read_checkpoints(run, swarm["checkpoint_dir"]) if swarm else (None, {})
+    applied = min((v for v in written.values() if v is not None), default=None)
+    if not logged:
+        errors.append(f"the trainers logged no samples to ${SAMPLE_LOG_ENV}; the swarm-order reference and the "
+                      "swarm's training loss are missing")
+    if logged and applied is not None and any(s >= applied for s in logged):
+        errors.append(f"samples of steps >= {applied} were logged but not applied by every stage before shutdown")
+    if stages is None:
+        errors.append(f"missing final checkpoints (step written per stage: {written}); no swarm held-out loss")
+    # Steps the workers did not apply before they stopped are not in the swarm's weights.
+    swarm_steps = {s: samples for s, samples in logged.items() if applied is None or s < applied}
+    unapplied = sum(len(v) for s, v in logged.items() if s not in swarm_steps)
+    step_sizes = [len(v) for v in swarm_steps.values()]
+    history = [StepRecord(len(v), statistics.fmean(loss for _, loss in v)) for v in swarm_steps.values()]
+    swarm_figures = loss_figures(history)
+    swarm_figures["held_out_loss"] = None if stages is None else round(evaluate(
+        OneProcessTrainer.for_stages(run, stages).model, held_out), 4)
+    by_stage = {}
+    for node_name, summary in swarm.get("summaries", {}).items():
+        if node_name.startswith("worker"):
+            by_stage[str(swarm["stages"][node_name])] = _stage_figures(summary)
+    out["swarm"] = {
+        **swarm_figures,
+        "samples_logged": sum(len(v) for v in logged.values()), "samples_in_unapplied_steps": unapplied,
+        "unreadable_log_lines": bad_lines, "checkpoint_step_per_stage": written,
+        "samples_per_step_from_log": {"mean": rounded(statistics.fmean(step_sizes)) if step_sizes else None,
+                                      "max": max(step_sizes, default=None), "min": min(step_sizes, default=None),
+                                      "steps_not_at_target": sum(1 for n in step_sizes if n != run.target_batch_size)},
+        "per_stage": by_stage,
+        "trainers": {n: s for n, s in swarm.get("summaries", {}).items() if n.startswith("trainer")},
+        "startup_s": swarm.get("startup_s"), "train_wall_s": swarm.get("train_wall_s"), "wall_s": swarm.get("wall_s"),
+        "exit_codes": swarm.get("exit_codes"), "survivors": swarm.get("survivors"),
+    }
+
+    log(f"[{name}] one-process references")
+    samples = sum(step_sizes) if step_sizes else total
+    reference: dict[str, Any] = {"swarm_order": None}
+    try:
+        if swarm_steps:
+            order = [[index for index, _ in v] for v in swarm_steps.values()]
+            reference["swarm_order"] = _trained(OneProcessTrainer.for_stages(run), order, bank, held_out,
+                                                "reference, swarm order")
+        sequential = bank.sequential_steps(samples, run.target_batch_size)
+        reference["sequential"] = _trained(OneProcessTrainer.for_stages(run), sequential, bank, held_out,
+                                           "reference, sequential order")
+        plain = PlainModel(run)
+        out["unconstrained"] = _trained(OneProcessTrainer(plain, plain.stage_parameters(run), run),
+                                        order if swarm_steps else sequential, bank, held_out,
+                                        "unconstrained plain Llama")
+        out["unconstrained"]["order"] = "swarm" if swarm_steps else "sequential"
+    except Exception as exc:  # noqa: BLE001
+        errors.append(f"reference: {type(exc).__name__}: {exc}")
+        log(traceback.format_exc())
+    out["reference"] = reference
+
+    primary = reference["swarm_order"] or reference.get("sequential") or {}
+    sequential_ref = reference.get("sequential") or {}
+    held_gap = _gap(swarm_figures["held_out_loss"], primary.get("held_out_loss"))
+    out["gaps"] = {
+        "reference_used": "swarm_order" if reference["swarm_order"] else "sequential",
+        "held_out": held_gap,
+        "final_train": _gap(swarm_figures["final_train_loss"], primary.get("final_train_loss")),
+        "held_out_vs_sequential_reference": _gap(swarm_figures["held_out_loss"], sequential_ref.get("held_out_loss")),
+        "order_alone_held_out": _gap((reference["swarm_order"] or {}).get("held_out_loss"),
+                                     sequential_ref.get("held_out_loss")),
+        "subspace_constraint_held_out": _gap(primary.get("held_out_loss"),
+                                             (out.get("unconstrained") or {}).get("held_out_loss")),
+        "how_to_read": "(a - b) / b; held_out and final_train: swarm against the reference; order_alone: the "
+                       "reference on the swarm's steps against sequential order; subspace_constraint: the "
+                       "subspace reference against the plain Llama",
+    }
+    out["aim"] = {"held_out_gap_max": setting.held_out_gap_max,
+                  "met": None if held_gap is None else held_gap <= setting.held_out_gap_max}
+    out["errors"] = errors
+    out["elapsed_s"] = round(time.monotonic() - started, 1)
+    if errors or args.keep_logs:
+        log(f"[{name}] node logs and sample logs: {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# ablation
+# ---------------------------------------------------------------------------------------------
+
+def bench_ablation(args: argparse.Namespace) -> dict:
+    from _fidelity_ablation import VARIANTS, run_ablation
+    from roles.model.config import load_run_config
+
+    steps = 40 if args.quick else SETTINGS["demo"].steps
+    seeds = [0] if args.quick else [0, 1, 2]
+    base = load_run_config("tiny", {"optimizer": {"total_steps": steps}})
+    log(f"[ablation] {len(VARIANTS)} variants x {len(seeds)} seed(s), {steps} steps of {base.target_batch_size}")
+    out = run_ablation(base, steps=steps, seeds=seeds, variants=list(VARIANTS), log=log)
+    horizon = {}
+    for factor in () if args.quick else (2, 4):
+        longer = load_run_config("tiny", {"optimizer": {"total_steps": steps * factor}})
+        found = run_ablation(longer, steps=steps * factor, seeds=[0], variants=["subspace", "plain"], log=log)
+        horizon[f"{steps * factor * base.target_batch_size}_samples"] = {
+            "subspace": found["variants"]["subspace"]["held_out_loss_mean"],
+            "plain": found["variants"]["plain"]["held_out_loss_mean"],
+            "subspace_vs_plain": found["attribution"]["subspace_vs_plain"]}
+    out["horizon_seed_0"] = horizon
+    out["notes"] = ABLATION_NOTES
+    return out
+
+
+ABLATION_NOTES = [
+    "The subspace model's gap to a plain Llama at equal tokens comes from its token embedding, not from the "
+    "rank of its residual writes: with a learned full-rank embedding, rank-k writes train as well as (here "
+    "better than) full-rank ones, while raising the rank to d with T_fixed kept recovers ~2% of a ~26% gap.",
+    "T_fixed hurts in two ways, each enough on its own: its rows have norm ~1 (std d^-1/2, ~6x a learned "
+    "embedding's 0.02), so they dominate the residual stream the blocks write into (a plain Llama given the "
+    "frozen T_fixed, or a learned embedding started at that scale, loses as much), and only k of its d "
+    "dimensions can learn (scaling T_fixed down to std 0.02 does not help at rank k). Scaled down and with the "
+    "whole embedding learnable (rank d) it matches the plain model within seed noise.",
+    "The gap is a slow start, not a lower ceiling: it shrinks from ~26% at 2,400 samples to ~3% at 9,600 "
+    "(see horizon_seed_0). A remedy inside the design would keep the boundary lossless while letting the "
+    "embedding learn: a smaller T_fixed plus a learned embedding every stage can reconstruct (e.g. one the "
+    "head publishes with the checkpoint), or a larger k for the head's learned part.",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="short smoke run (demo ~1 min, batch64 ~1 min)")
+    p.add_argument("--setting", choices=[*SETTINGS, "all"], default="all", help="which setting(s) to run")
+    p.add_argument("--ablation", action="store_true",
+                   help="instead of the swarm, train the one-process variants of the subspace ablation")
+    p.add_argument("--max-in-flight-ratio", type=float, help="run config staleness.max_in_flight_ratio")
+    p.add_argument("--no-pin-forward-weights", action="store_true",
+                   help="run config staleness.pin_forward_weights = false")
+    p.add_argument("--out", metavar="PATH", help="also write the JSON result to PATH")
+    p.add_argument("--keep-logs", action="store_true", help="keep node and sample logs and print where they are")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    import torch
+
+    torch.set_num_threads(1)  # tiny matrices: threads buy nothing and stall when a core is busy
+    started = time.monotonic()
+    out: dict[str, Any] = {"benchmark": "fidelity", "quick": args.quick, "machine": machine_info()}
+    errors: list[str] = []
+    try:
+        if args.ablation:
+            out["ablation"] = bench_ablation(args)
+        else:
+            names = list(SETTINGS) if args.setting == "all" else [args.setting]
+            out["settings"] = {}
+            for name in names:
+                out["settings"][name] = result = bench_setting(name, args)
+                errors += [f"{name}: {e}" for e in result["errors"]]
+    except KeyboardInterrupt:
+        errors.append("interrupted")
+    except Exception as exc:  # noqa: BLE001 - report what was measured, and the failure
+        errors.append(f"{type(exc).__name__}: {exc}")
+        log(traceback.format_exc())
+    out["errors"] = errors
+    out["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    out["elapsed_s"] = round(time.monotonic() - started, 1)
+    print(json.dumps(out, default=str), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps(out, indent=2, default=str) + "\n")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

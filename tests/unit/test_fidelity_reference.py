@@ -1,0 +1,127 @@
+"""The fidelity benchmark's one-process reference: it must step exactly as a swarm's stage
+optimizers would, and the unconstrained model it compares against must train."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from roles.model.config import RunConfig, load_run_config
+from roles.model.plain import PlainModel
+from roles.model.stage import FullModel, StageModel
+from roles.worker.layout import FlatLayout
+from roles.worker.optimizer import StageOptimizer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+from _fidelity_reference import (  # noqa: E402
+    OneProcessTrainer,
+    SampleBank,
+    load_stage_weights,
+    loss_figures,
+    StepRecord,
+    stream_index,
+)
+
+
+@pytest.fixture(scope="module")
+def run() -> RunConfig:
+    return load_run_config("tiny", {"target_batch_size": 4, "optimizer": {"warmup_steps": 1, "total_steps": 4}})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_reference_steps_like_stage_optimizers_fed_the_same_samples(run):
+    bank = SampleBank(run)
+    steps = [[5, 0, 3], [1, 2, 7, 4, 6]]  # a short and a long step, out of stream order
+
+    trainer = OneProcessTrainer.for_stages(run)
+    trainer.train(steps, bank)
+
+    stages = [StageModel(run, i) for i in range(run.num_stages)]
+    full = FullModel.from_stages(stages)
+    optimizers = [StageOptimizer.for_stage(run, i, s.trainable_parameters(), "cpu", keep_previous=False)
+                  for i, s in enumerate(stages)]
+    for indices in steps:
+        # As workers do: each sample's own backward, summed gradients, one step per stage.
+        for index in indices:
+            full(bank.tokens([index])).sum().backward()
+        for optimizer in optimizers:
+            optimizer.add_samples(len(indices))
+            optimizer.step()
+
+    assert [r.samples for r in trainer.history] == [3, 5]
+    for ours, theirs in zip(trainer.model.stages, stages):
+        for a, b in zip(ours.trainable_parameters(), theirs.trainable_parameters()):
+            # Summation order differs (per-sample vs batched backward); a wrong step would be off by ~lr.
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+    moved = [not torch.equal(a, b) for a, b in zip(trainer.model.stages[0].trainable_parameters(),
+                                                  StageModel(run, 0).trainable_parameters())]
+    assert all(moved)
+
+
+def test_stage_weights_round_trip_through_layout_names(run):
+    trained = OneProcessTrainer.for_stages(run)
+    trained.train([[0, 1]], SampleBank(run))
+    source = trained.model.stages[1]
+    fresh = StageModel(run, 1)
+    names = FlatLayout.of_module(source).names
+    load_stage_weights(fresh, dict(zip(names, (p.detach() for p in source.trainable_parameters()))))
+    for a, b in zip(fresh.trainable_parameters(), source.trainable_parameters()):
+        assert torch.equal(a, b)
+
+
+def test_sample_bank_matches_a_trainer_shard(run):
+    from roles.trainer.data import make_sample_stream
+
+    shard = iter(make_sample_stream("synthetic", None, run.seq_len, 1, 2, run.seed, epochs=None))
+    samples = [next(shard) for _ in range(3)]
+    bank = SampleBank(run)
+    for sample in samples:
+        assert torch.equal(bank.tokens([stream_index(sample.sample_id)])[0], sample.tokens)
+    assert stream_index("ab12cd34-s1-7") == 7
+
+
+def test_loss_figures_windows():
+    steps = [StepRecord(10, float(i)) for i in range(20)]
+    figures = loss_figures(steps)
+    assert figures["final_train_loss"] == pytest.approx(18.5)
+    assert figures["train_loss_at_fraction"]["25%"] == pytest.approx(3.5)  # steps 3 and 4
+    assert figures["train_loss_at_fraction"]["100%"] == pytest.approx(18.5)
+    assert figures["samples"] == 200
+
+
+def test_plain_model_trains_from_uniform_loss(run):
+    model = PlainModel(run)
+    tokens = SampleBank(run).tokens(range(4))
+    losses = model(tokens)
+    assert losses.shape == (4,)
+    assert float(losses.detach().mean()) == pytest.approx(math.log(run.model.vocab_size), abs=0.1)
+    groups = model.stage_parameters(run)
+    assert len(groups) == run.num_stages
+    assert sum(len(g) for g in groups) == len(list(model.parameters()))
+    assert {id(p) for g in groups for p in g} == {id(p) for p in model.parameters()}
+
+    trainer = OneProcessTrainer(model, groups, run)
+    first = trainer.step(tokens)
+    for _ in range(3):
+        last = trainer.step(tokens)
+    assert last < first
+    assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+def test_plain_model_init_is_seeded(run):
+    a, b = PlainModel(run), PlainModel(run)
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert torch.equal(x, y)
+    other = PlainModel(run.model_copy(update={"seed": run.seed + 1}))
+    assert not torch.equal(a.embedding.weight, other.embedding.weight)
