@@ -98,6 +98,14 @@ class BackwardReply(WireModel):
     """The step the sample was accumulated into: the tail's tag, to be carried to the other stages."""
 
 
+class AbandonRequest(WireModel):
+    """A sample tagged with `step` was dropped before its backward reached this stage."""
+
+    stage: int = Field(ge=0)
+    sample_id: SampleId
+    step: int = Field(ge=0)
+
+
 class InfoRequest(WireModel):
     pass
 

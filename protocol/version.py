@@ -13,6 +13,9 @@ BACKWARD = HANDLER_PREFIX + "backward"
 INFO = HANDLER_PREFIX + "info"
 STATE = HANDLER_PREFIX + "state"
 """A stage replica's parameters, served in chunks to a joining worker [report 3.3.1.1]."""
+ABANDON = HANDLER_PREFIX + "abandon"
+"""A trainer tells a stage that a sample tagged with a step will not reach it (it was dropped
+below a failed stage), so the stage closes that step without waiting for it."""
 
 
 def client_version() -> str:

@@ -146,7 +146,7 @@ class StalenessConfig(BaseModel):
         "(one extra copy of the stage's parameters).",
     )
     step_close_timeout_s: float = Field(
-        default=30.0, gt=0,
+        default=10.0, gt=0,
         description="A stage whose open step misses samples (their trainer died after the tail "
         "tagged them) closes it short after this long without one of them arriving, once later "
         "samples are waiting; the shortfall is reported.",

@@ -34,6 +34,10 @@ class SampleDropped(AgoraError):
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+        self.step: Optional[int] = None
+        """The step the tail tagged the sample with, if it got that far."""
+        self.unreached: list[tuple[int, str]] = []
+        """(stage, worker) pairs whose backward the sample never reached: told to close its step without it."""
 
 
 @dataclass
@@ -132,15 +136,37 @@ class PipelineDriver:
                 body["step"] = step
             if inputs[stage] is not None:
                 body["coords"] = inputs[stage]
-            reply, used_fallback = await self._pinned_backward(stage, route[stage], body)
+            try:
+                reply, used_fallback = await self._pinned_backward(stage, route[stage], body)
+            except SampleDropped as exc:
+                exc.step, exc.unreached = step, [(s, route[s]) for s in range(stage, -1, -1)]
+                raise
             fallbacks += used_fallback
             grad = reply.get("grad_input")
             if stage > 0 and grad is None:
-                raise SampleDropped("bad_reply", f"stage {stage} worker sent no input gradient")
+                dropped = SampleDropped("bad_reply", f"stage {stage} worker sent no input gradient")
+                dropped.step, dropped.unreached = step, [(s, route[s]) for s in range(stage - 1, -1, -1)]
+                raise dropped
         for stage, peer in enumerate(route):
             self.stats.served[(stage, peer)] += 1
         return SampleResult(loss=loss, route=route, backward_fallbacks=fallbacks,
                             elapsed_s=time.perf_counter() - started, step=step)
+
+    async def abandon(self, sample_id: str, dropped: SampleDropped, timeout_s: float = 5.0) -> int:
+        """Tell the stages a tagged sample never reached that it will not come, so they close its
+        step now instead of after their timeout. Best effort: returns how many stages took it."""
+        if dropped.step is None:
+            return 0
+        taken = 0
+        for stage, peer in dropped.unreached:
+            body = {"stage": stage, "sample_id": f"{self.id_prefix}{sample_id}", "step": dropped.step}
+            try:
+                await self.connect(peer)
+                reply = await self.client.call(PeerID.from_base58(peer), version.ABANDON, body, timeout_s=timeout_s)
+                taken += bool(reply.get("taken"))
+            except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
+                logger.debug("stage %d worker %s did not take the abandon notice: %s", stage, peer[-8:], exc)
+        return taken
 
     async def _pinned_backward(self, stage: int, peer: str, body: dict) -> tuple[dict, int]:
         """Backward must run on the forward's replica: replicas drift between averaging rounds,

@@ -149,6 +149,8 @@ class TrainerRole:
                 self.accounting.drop(exc.reason)
                 self._slot_freed.set()
                 logger.warning("lane %d dropped sample %s: %s", lane, sample.sample_id, exc)
+                if exc.unreached:
+                    await self.driver.abandon(sample.sample_id, exc)
                 if exc.reason == "no_workers":
                     await asyncio.sleep(1.0)
                 continue

@@ -13,7 +13,7 @@ from hivemind.p2p import PeerID
 
 from protocol.codec import encode_tensor
 from protocol.errors import AgoraError, ErrorCode, ProtocolError
-from protocol.messages import BackwardRequest, ForwardRequest, InfoReply, parse_model
+from protocol.messages import AbandonRequest, BackwardRequest, ForwardRequest, InfoReply, parse_model
 from roles.worker.queues import QueueClosed, QueueFull, TaskKind
 from roles.worker.runtime import BackwardResult, StageRuntime
 
@@ -78,6 +78,13 @@ class WorkerHandlers:
         if result.step is not None:
             reply["step"] = int(result.step)
         return reply
+
+    async def abandon(self, peer_id: PeerID, body: dict) -> dict:
+        request = parse_model(AbandonRequest, body)
+        if request.stage != self.runtime.stage:
+            raise ProtocolError(f"this worker serves stage {self.runtime.stage}, not {request.stage}",
+                                ErrorCode.WRONG_STAGE)
+        return {"taken": self.runtime.abandon(request.step)}
 
     async def info(self, peer_id: PeerID, body: dict) -> dict:
         return self.info_fn().model_dump(mode="python")

@@ -44,11 +44,12 @@ class StageProgress:
         self._published: Optional[tuple] = None
 
     def _own_record(self) -> ProgressRecord:
-        opt = self.optimizer
+        opt, ledger = self.optimizer, self.ledger
+        step = opt.local_step
         return ProgressRecord(
-            local_step=opt.local_step,
-            samples_accumulated=opt.samples_accumulated,
-            next_samples=opt.next_accumulated,
+            local_step=step,
+            samples_accumulated=opt.samples_accumulated + ledger.abandoned(step),
+            next_samples=opt.next_accumulated + ledger.abandoned(step + 1),
             counts_towards_target=self.counts_towards_target(),
             samples_consumed=opt.samples_consumed,
             time=time.time(),

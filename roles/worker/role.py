@@ -196,6 +196,7 @@ class WorkerRole:
         self.runtime.start()
         await self.server.add_handler(version.FORWARD, self.handlers.forward, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.BACKWARD, self.handlers.backward, roles=frozenset({"trainer"}))
+        await self.server.add_handler(version.ABANDON, self.handlers.abandon, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.INFO, self.handlers.info)
         self.state = WorkerState.ONLINE
         await self.announcer.announce_now()

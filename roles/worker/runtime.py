@@ -227,16 +227,30 @@ class StageRuntime:
             logger.exception("compute thread crashed")
             self.failure = exc
 
+    def arrived(self) -> tuple[int, int]:
+        """Samples of the open step and of the next that reached this replica: accumulated here, or
+        reported abandoned by their trainer (they complete the step without a gradient)."""
+        opt, ledger = self.optimizer, self.ledger
+        step = opt.local_step
+        return (opt.samples_accumulated + ledger.abandoned(step), opt.next_accumulated + ledger.abandoned(step + 1))
+
+    def abandon(self, step: int) -> bool:
+        """Called on the event loop when a trainer reports a dropped sample of `step`."""
+        taken = self.ledger.abandon(step, self.optimizer.local_step)
+        if taken:
+            self.queues.wake()
+        return taken
+
     def _untagged_capacity(self) -> tuple[int, int]:
-        opt = self.optimizer
-        return self.ledger.capacity(opt.local_step, opt.samples_accumulated, opt.next_accumulated,
-                                    self.queues.max_batch)
+        open_samples, next_samples = self.arrived()
+        return self.ledger.capacity(self.optimizer.local_step, open_samples, next_samples, self.queues.max_batch)
 
     def _maybe_step(self) -> None:
         opt = self.optimizer
         with opt.lock:
-            later = opt.next_accumulated > 0 or self.queues.held(opt.local_step + 1) > 0
-            due = self.ledger.due(opt.local_step, opt.samples_accumulated, later)
+            open_samples, next_samples = self.arrived()
+            later = next_samples > 0 or self.queues.held(opt.local_step + 1) > 0
+            due = self.ledger.due(opt.local_step, open_samples, later)
             if due is None:
                 return
             local = opt.samples_accumulated
@@ -246,7 +260,7 @@ class StageRuntime:
                 self.counters["non_finite_steps"] += 1
                 logger.error("%s", exc)
                 report = None
-            self.ledger.stepped(due, local)
+            self.ledger.stepped(opt.local_step - 1, due, local)
         if due.reason != "complete":
             logger.info("stage %d closed step %d with %d samples (%s)", self.stage, opt.local_step - 1,
                         due.stage_samples, "a replica was ahead" if due.reason == "peer_ahead"

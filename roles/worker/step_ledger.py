@@ -28,6 +28,7 @@ one immutable snapshot.
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -72,6 +73,10 @@ class StepLedger:
         self.reasons: collections.Counter[str] = collections.Counter()
         self.late_samples = 0
         """Samples tagged for a step this stage had already closed: computed, gradient discarded."""
+        self.abandoned_total = 0
+        """Samples trainers reported dropped before reaching this stage: their steps closed without them."""
+        self._abandoned: dict[int, int] = {}
+        self._abandoned_lock = threading.Lock()
         self._open_since = time.monotonic()
 
     # ---- peers ----
@@ -103,6 +108,21 @@ class StepLedger:
     def note_late(self, n: int) -> None:
         self.late_samples += n
 
+    def abandon(self, step: int, open_step: int) -> bool:
+        """A trainer dropped a sample tagged `step` before it reached us (called on the event loop).
+        It completes its step like an arrived sample that brings no gradient. False if that step
+        is already closed or implausibly far ahead."""
+        if not open_step <= step <= open_step + 1:
+            return False
+        with self._abandoned_lock:
+            self._abandoned[step] = self._abandoned.get(step, 0) + 1
+            self.abandoned_total += 1
+        return True
+
+    def abandoned(self, step: int) -> int:
+        with self._abandoned_lock:
+            return self._abandoned.get(step, 0)
+
     # ---- closing ----
 
     def due(self, open_step: int, open_samples: int, later_waiting: bool) -> Optional[StepDue]:
@@ -125,11 +145,13 @@ class StepLedger:
         """A sample of the open step arrived: restarts the abandonment clock."""
         self._open_since = time.monotonic()
 
-    def stepped(self, due: StepDue, local_samples: int) -> None:
+    def stepped(self, step: int, due: StepDue, local_samples: int) -> None:
         self.step_sizes.append(due.stage_samples)
         self.local_sizes.append(local_samples)
         self.reasons[due.reason] += 1
         self._open_since = time.monotonic()
+        with self._abandoned_lock:
+            self._abandoned = {s: n for s, n in self._abandoned.items() if s > step}
 
     def summary(self) -> dict:
         sizes = self.step_sizes
@@ -142,4 +164,5 @@ class StepLedger:
             "long_steps": sum(1 for n in sizes if n > self.target),
             "closed_by": dict(self.reasons),
             "late_samples": self.late_samples,
+            "abandoned_samples": self.abandoned_total,
         }

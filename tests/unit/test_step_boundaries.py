@@ -163,6 +163,25 @@ def test_abandoned_step_closes_short_after_the_timeout():
         runtime.stop(5)
 
 
+def test_abandoned_sample_completes_its_step_at_once():
+    run = make_run(4)
+    runtime = make_runtime(run, 1)
+    replies = Replies()
+    try:
+        for i in range(3):
+            runtime.submit(TaskKind.BACKWARD, body_backward(i, run, 0), replies.callback(f"s{i}"))
+        replies.wait(["s0", "s1", "s2"])
+        assert runtime.optimizer.local_step == 0
+        assert runtime.abandon(0), "a trainer dropped the fourth sample below this stage"
+        poll_until(lambda: runtime.optimizer.local_step == 1)
+        assert runtime.ledger.step_sizes == [4] and runtime.ledger.local_sizes == [3]
+        assert runtime.last_step.samples == 3, "the gradient is the mean over the samples that came"
+        assert not runtime.abandon(0), "a closed step takes no more notices"
+        assert runtime.ledger.summary()["abandoned_samples"] == 1
+    finally:
+        runtime.stop(5)
+
+
 def test_replicas_close_on_the_stage_wide_count():
     ledger = StepLedger(8, assigns=True)
     assert ledger.capacity(0, open_samples=3, next_samples=0, max_batch=16) == (5, 0)
