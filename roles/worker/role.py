@@ -152,6 +152,7 @@ class WorkerRole:
         counters = dict(self.runtime.counters)
         counters.update({f"rejected_{k}": v for k, v in self.server.rejected.items()})
         counters["compute_ms"] = int(self.runtime.compute_s * 1000)
+        counters.update(self._step_counters())
         counters.update(self.averaging.counters)
         counters.update(self.state_server.counters)
         if self.checkpoints is not None:
@@ -161,6 +162,21 @@ class WorkerRole:
             max_batch=self.config.max_batch, local_step=self.optimizer.local_step,
             queued={k.value: v for k, v in pending.items()}, counters=counters, version=version.client_version(),
         )
+
+    def _step_counters(self) -> dict[str, int]:
+        """Step boundaries and staleness as `agora/v1/info` counters: the version gaps sum to
+        `staleness_gap_total` over `staleness_samples` backwards [issue 7]."""
+        ledger, stale = self.ledger, self.runtime.staleness
+        return {
+            "steps_taken": len(ledger.step_sizes),
+            "step_samples_total": sum(ledger.step_sizes),
+            "steps_short": sum(1 for n in ledger.step_sizes if n < ledger.target),
+            "late_samples": ledger.late_samples,
+            "abandoned_samples": ledger.abandoned_total,
+            "staleness_samples": sum(stale.gaps.values()),
+            "staleness_gap_total": sum(g * n for g, n in stale.gaps.items()),
+            "staleness_pinned": stale.pinned_samples,
+        }
 
     def summary(self) -> dict:
         """What this worker did, printed as its last stdout line on exit."""
