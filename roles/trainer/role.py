@@ -30,6 +30,16 @@ from roles.trainer.pipeline import PipelineDriver, SampleDropped
 logger = logging.getLogger(__name__)
 
 
+def in_flight_cap(lanes: int, ratio: Optional[float], target_batch_size: int, live_trainers: int) -> int:
+    """Samples one trainer may have in flight: its lanes, and its share of the run's cap on samples
+    in flight against the stage batch, which bounds how stale a sample's weights can get between
+    its forward and backward [issue 7]. Never below one, so every trainer makes progress."""
+    if ratio is None:
+        return lanes
+    share = math.floor(ratio * target_batch_size / max(1, live_trainers))
+    return max(1, min(lanes, share))
+
+
 class TrainerState(enum.Enum):
     WAITING = "waiting"  # not every stage has a worker yet
     TRAINING = "training"
@@ -108,14 +118,8 @@ class TrainerRole:
         return False
 
     def in_flight_cap(self) -> int:
-        """Samples this trainer may have in flight: its lanes, and its share of the run's cap on
-        samples in flight against the stage batch, which bounds how stale a sample's weights can
-        get between its forward and backward [issue 7]."""
-        ratio = self.run_config.staleness.max_in_flight_ratio
-        if ratio is None:
-            return self.config.lanes
-        share = math.floor(ratio * self.run_config.target_batch_size / max(1, self.live_trainers))
-        return max(1, min(self.config.lanes, share))
+        return in_flight_cap(self.config.lanes, self.run_config.staleness.max_in_flight_ratio,
+                             self.run_config.target_batch_size, self.live_trainers)
 
     def _take_sample(self) -> Optional[Sample]:
         limit = self.config.max_samples

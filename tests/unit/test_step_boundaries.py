@@ -256,3 +256,12 @@ def test_without_pinning_the_gap_is_measured():
         runtime.stop(5)
     summary = runtime.staleness.summary()
     assert summary["max_gap"] == 1 and summary["pinned"] == 0 and summary["stale_share"] == pytest.approx(1.0)
+
+
+def test_trainers_share_the_in_flight_cap():
+    from roles.trainer.role import in_flight_cap
+
+    assert in_flight_cap(4, None, 16, 2) == 4, "no cap: every lane runs"
+    assert in_flight_cap(4, 0.25, 16, 2) == 2, "4 in flight over 2 trainers"
+    assert in_flight_cap(4, 0.25, 64, 2) == 4, "the lanes still bound it"
+    assert in_flight_cap(4, 0.1, 16, 3) == 1, "never below one sample per trainer"
