@@ -249,8 +249,8 @@ class StageRuntime:
         opt = self.optimizer
         with opt.lock:
             open_samples, next_samples = self.arrived()
-            later = next_samples > 0 or self.queues.held(opt.local_step + 1) > 0
-            due = self.ledger.due(opt.local_step, open_samples, later)
+            held = self.queues.held(opt.local_step + 1)
+            due = self.ledger.due(opt.local_step, open_samples, next_samples > 0 or held > 0, overtaken=held > 0)
             if due is None:
                 return
             local = opt.samples_accumulated
@@ -262,9 +262,11 @@ class StageRuntime:
                 report = None
             self.ledger.stepped(opt.local_step - 1, due, local)
         if due.reason != "complete":
-            logger.info("stage %d closed step %d with %d samples (%s)", self.stage, opt.local_step - 1,
-                        due.stage_samples, "a replica was ahead" if due.reason == "peer_ahead"
-                        else f"no sample of it for {self.ledger.close_timeout_s:.0f}s")
+            why = {"peer_ahead": "a replica of this stage was ahead",
+                   "overtaken": "samples two steps ahead arrived; the rest of it was lost",
+                   "timeout": f"no sample of it for {self.ledger.close_timeout_s:.0f}s"}[due.reason]
+            logger.info("stage %d closed step %d with %d of %d samples (%s)", self.stage, opt.local_step - 1,
+                        due.stage_samples, self.ledger.target, why)
         if report is not None:
             self.last_step = report
             self.on_step(report)

@@ -12,8 +12,9 @@ A replica alone in its stage closes its open step the moment the step is complet
 thread; replicas of one stage also count what their peers published (`PeerView`, refreshed by
 the progress exchange on every change), so the overshoot of a multi-replica tail is bounded by
 the samples that arrive while a peer's count is in transit. A step whose last samples never come
-(their trainer died after the tail tagged them) is closed short after `close_timeout_s` once later
-samples wait, and the shortfall is counted.
+(their trainer reported them dropped, or they died with a replica or a trainer) is closed short:
+at once on an abandon notice or when samples two steps ahead arrive, else after
+`close_timeout_s` once later samples wait; the shortfall is counted.
 
 A step is the set of samples tagged with it, whichever replica processed them: a replica in
 optimizer sync [report 3.3.1.1] serves tagged samples too, and they complete the step at its
@@ -53,7 +54,7 @@ class StepDue:
     """A step the stage must take now: `stage_samples` consumed by the stage in it, and why."""
 
     stage_samples: int
-    reason: str  # "complete", "peer_ahead", "timeout"
+    reason: str  # "complete", "peer_ahead", "overtaken", "timeout"
 
 
 class StepLedger:
@@ -125,11 +126,14 @@ class StepLedger:
 
     # ---- closing ----
 
-    def due(self, open_step: int, open_samples: int, later_waiting: bool) -> Optional[StepDue]:
+    def due(self, open_step: int, open_samples: int, later_waiting: bool, overtaken: bool = False) -> Optional[StepDue]:
         """Whether the open step must be taken now.
 
         `later_waiting`: samples of later steps are accumulated or held here, which is what
-        makes a silent open step look abandoned rather than merely slow.
+        makes a silent open step look abandoned rather than merely slow. `overtaken`: a sample
+        tagged two steps ahead arrived, so the tail has closed the step after the open one too;
+        whatever of the open step has not come by now was lost with a replica or a trainer (a
+        straggler that still comes is counted late), and holding on would stall the pipeline.
         """
         view = self.peers
         total = open_samples + view.counts.get(open_step, 0)
@@ -137,6 +141,8 @@ class StepLedger:
             return StepDue(total, "complete")
         if view.max_step is not None and view.max_step > open_step:
             return StepDue(max(total, self.target), "peer_ahead")
+        if overtaken:
+            return StepDue(total, "overtaken")
         if later_waiting and time.monotonic() - self._open_since > self.close_timeout_s:
             return StepDue(total, "timeout")
         return None
