@@ -138,6 +138,71 @@ class OneProcessTrainer:
         return self.history
 
 
+class StaleReplay:
+    """Replays a swarm's staleness in one process: each sample's loss and gradients are taken, at
+    every stage, at the weight version that stage's forward used in the swarm, and join the step
+    the sample was tagged with. With every version equal to the step this is the plain reference;
+    the difference between the two prices staleness alone, and what the swarm loses beyond the
+    replay is something else (a bug, compression, lost samples).
+
+    Versions are a stage's optimizer steps taken (its `local_step`) at the forward, as logged; the
+    weights of version v are those before step v, kept for `keep` versions.
+    """
+
+    def __init__(self, trainer: OneProcessTrainer, keep: int = 16):
+        self.trainer = trainer
+        self.keep = keep
+        self._names = {id(p): name for name, p in trainer.model.named_parameters()}
+        self._snapshots: dict[int, list[list[Tensor]]] = {}
+
+    def _snapshot(self, version: int) -> None:
+        self._snapshots[version] = [[p.detach().clone() for p in group] for group in self.trainer.groups]
+        for old in [v for v in self._snapshots if v <= version - self.keep]:
+            del self._snapshots[old]
+
+    def _weights(self, stage: int, version: int) -> list[Tensor]:
+        # A version without a snapshot followed an empty step: its weights equal the one before.
+        known = [v for v in self._snapshots if v <= version]
+        if not known:
+            raise ValueError(f"stage {stage}: weight version {version} is older than the {self.keep} kept")
+        return self._snapshots[max(known)][stage]
+
+    def step(self, step: int, tokens: Tensor, versions: Sequence[Sequence[int]]) -> float:
+        """One step numbered `step` on `tokens`, sample i seen by stage s at version versions[i][s]."""
+        trainer = self.trainer
+        trainer.model.train()
+        self._snapshot(step)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, seen in enumerate(versions):
+            seen = tuple(int(v) for v in seen)
+            if len(seen) != len(trainer.groups) or max(seen) > step:
+                raise ValueError(f"sample {i} of step {step} has versions {seen}; expected one per stage, "
+                                 f"none after the step")
+            groups.setdefault(seen, []).append(i)
+        total = 0.0
+        for seen, rows in groups.items():
+            stale = {}
+            for stage, version in enumerate(seen):
+                if version == step:
+                    continue
+                for param, weights in zip(trainer.groups[stage], self._weights(stage, version)):
+                    stale[param] = weights.detach().requires_grad_(True)
+            losses = torch.func.functional_call(trainer.model, {self._names[id(p)]: w for p, w in stale.items()},
+                                                (tokens[rows],))
+            losses.sum().backward()
+            for param, weights in stale.items():
+                if weights.grad is not None:
+                    param.grad = weights.grad if param.grad is None else param.grad.add_(weights.grad)
+                weights.grad = None
+            total += float(losses.detach().sum())
+        for optimizer in trainer.optimizers:
+            optimizer.add_samples(len(tokens))
+            optimizer.step()
+        loss = total / len(tokens)
+        trainer.history.append(StepRecord(len(tokens), loss))
+        return loss
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, tokens: Tensor, batch: int = 64) -> float:
     """Mean per-sample loss of `model` on `tokens`."""

@@ -17,6 +17,10 @@ optimizers (`StageOptimizer.for_stage`) and schedule:
 - `reference.swarm_order` trains the unsplit model on exactly the swarm's steps (the logged
   sample sets, tokens regenerated from the ids), so order noise cancels and only the pipeline
   (staleness, short or long steps) differs. This is the reference the gaps use.
+- `reference.swarm_replay` replays the swarm's steps with each sample's loss and gradients taken,
+  at every stage, at the weight version that stage's forward used in the swarm (the log line's
+  optional `versions`, one per stage): what staleness alone costs. The swarm's gap to the replay
+  is what it loses beyond staleness.
 - `reference.sequential` trains on the first N samples in stream order (both shards
   round-robin) in steps of target_batch_size: how far order alone moves the loss.
 - `unconstrained` trains a plain Llama of the same shape (roles/model/plain.py: learned
@@ -186,9 +190,10 @@ def _count_lines(path: str) -> int:
         return 0
 
 
-def read_sample_logs(paths: list[str]) -> tuple[dict[int, list[tuple[int, float]]], int]:
-    """Logged samples grouped by step: {step: [(stream position, loss)]}, and how many lines
-    were unreadable. A sample logged twice (a retry) counts once, at its last line."""
+def read_sample_logs(paths: list[str]) -> tuple[dict[int, list[tuple[int, float, Optional[tuple]]]], int]:
+    """Logged samples grouped by step: {step: [(stream position, loss, versions)]}, and how many
+    lines were unreadable. `versions` (None if not logged) are the weight versions each stage's
+    forward used. A sample logged twice (a retry) counts once, at its last line."""
     from _fidelity_reference import stream_index
 
     latest: dict[str, dict] = {}
@@ -208,7 +213,9 @@ def read_sample_logs(paths: list[str]) -> tuple[dict[int, list[tuple[int, float]
     steps: dict[int, list[tuple[int, float]]] = defaultdict(list)
     for sample_id, record in latest.items():
         try:
-            steps[int(record["step"])].append((stream_index(sample_id), float(record["loss"])))
+            versions = record.get("versions")
+            steps[int(record["step"])].append((stream_index(sample_id), float(record["loss"]),
+                                               None if versions is None else tuple(int(v) for v in versions)))
         except (ValueError, KeyError, TypeError):
             bad += 1
     return {step: sorted(samples) for step, samples in sorted(steps.items())}, bad
@@ -245,7 +252,11 @@ def _stage_figures(summary: Optional[dict]) -> dict:
         "steps": {k: steps.get(k) for k in ("taken", "samples_per_step_mean", "samples_per_step_max",
                                            "samples_per_step_min", "short_steps", "late_samples",
                                            "discarded_at_shutdown")},
-        "staleness": {k: stale.get(k) for k in ("mean_gap", "max_gap", "stale_share", "pinned")},
+        "staleness": {k: stale.get(k) for k in ("samples", "mean_gap", "max_gap", "stale_share", "pinned")},
+        # A pinned sample's forward ran before this stage's last step and its gradient joins a later
+        # step: one step older than the reference's, however consistent its recompute.
+        "pinned_share": (round(stale["pinned"] / stale["samples"], 4)
+                         if stale.get("samples") and stale.get("pinned") is not None else None),
         "mean_batch_size": summary.get("mean_batch_size"),
         "compute_s": summary.get("compute_s"),
     }
@@ -270,6 +281,32 @@ def _trained(trainer, steps, bank, held_out, label: str) -> dict:
     log(f"  {label}: held-out {figures['held_out_loss']:.4f}, final train {figures['final_train_loss']:.4f} "
         f"({figures['wall_s']:.0f}s)")
     return figures
+
+
+def _replayed(run, swarm_steps: dict, bank, held_out) -> dict:
+    """The swarm's steps replayed at the weight versions each stage's forward used."""
+    from _fidelity_reference import OneProcessTrainer, StaleReplay, evaluate, loss_figures
+
+    started = time.monotonic()
+    trainer = OneProcessTrainer.for_stages(run)
+    replay = StaleReplay(trainer)
+    for step, samples in swarm_steps.items():
+        replay.step(step, bank.tokens([index for index, _, _ in samples]), [v for _, _, v in samples])
+    figures = loss_figures(trainer.history)
+    figures["held_out_loss"] = round(evaluate(trainer.model, held_out), 4)
+    figures["wall_s"] = round(time.monotonic() - started, 1)
+    log(f"  reference, swarm replay (stale versions): held-out {figures['held_out_loss']:.4f}")
+    return figures
+
+
+def _log_staleness(swarm_steps: dict, stages: int) -> dict:
+    """Per stage, how many steps older than its step the weights a sample's forward used were."""
+    out = {}
+    for stage in range(stages):
+        lags = [step - versions[stage] for step, samples in swarm_steps.items() for _, _, versions in samples]
+        out[str(stage)] = {"mean_lag": rounded(statistics.fmean(lags), 4), "max_lag": max(lags),
+                           "stale_share": rounded(sum(1 for g in lags if g > 0) / len(lags), 4)}
+    return out
 
 
 def bench_setting(name: str, args: argparse.Namespace) -> dict:
@@ -319,7 +356,9 @@ def bench_setting(name: str, args: argparse.Namespace) -> dict:
     swarm_steps = {s: samples for s, samples in logged.items() if applied is None or s < applied}
     unapplied = sum(len(v) for s, v in logged.items() if s not in swarm_steps)
     step_sizes = [len(v) for v in swarm_steps.values()]
-    history = [StepRecord(len(v), statistics.fmean(loss for _, loss in v)) for v in swarm_steps.values()]
+    history = [StepRecord(len(v), statistics.fmean(loss for _, loss, _ in v)) for v in swarm_steps.values()]
+    versioned = bool(swarm_steps) and all(
+        versions is not None and len(versions) == run.num_stages for v in swarm_steps.values() for _, _, versions in v)
     swarm_figures = loss_figures(history)
     swarm_figures["held_out_loss"] = None if stages is None else round(evaluate(
         OneProcessTrainer.for_stages(run, stages).model, held_out), 4)
@@ -335,6 +374,13 @@ def bench_setting(name: str, args: argparse.Namespace) -> dict:
                                       "max": max(step_sizes, default=None), "min": min(step_sizes, default=None),
                                       "steps_not_at_target": sum(1 for n in step_sizes if n != run.target_batch_size)},
         "per_stage": by_stage,
+        "staleness_from_log": _log_staleness(swarm_steps, run.num_stages) if versioned else None,
+        "per_stage_how_to_read": "steps and staleness as each worker reports them. staleness.mean_gap, max_gap and "
+                                 "stale_share: version gaps between a sample's forward and its backward left after "
+                                 "pinning; pinned_share: samples whose backward was recomputed on the weights their "
+                                 "forward saw because the stage had stepped meanwhile, i.e. whose gradient is at "
+                                 "least one step older than the reference's (a lower bound: a sample forwarded on "
+                                 "version v that joins step v + 1 before the stage steps is not counted)",
         "trainers": {n: s for n, s in swarm.get("summaries", {}).items() if n.startswith("trainer")},
         "startup_s": swarm.get("startup_s"), "train_wall_s": swarm.get("train_wall_s"), "wall_s": swarm.get("wall_s"),
         "exit_codes": swarm.get("exit_codes"), "survivors": swarm.get("survivors"),
@@ -345,9 +391,13 @@ def bench_setting(name: str, args: argparse.Namespace) -> dict:
     reference: dict[str, Any] = {"swarm_order": None}
     try:
         if swarm_steps:
-            order = [[index for index, _ in v] for v in swarm_steps.values()]
+            order = [[index for index, _, _ in v] for v in swarm_steps.values()]
             reference["swarm_order"] = _trained(OneProcessTrainer.for_stages(run), order, bank, held_out,
                                                 "reference, swarm order")
+        reference["swarm_replay"] = _replayed(run, swarm_steps, bank, held_out) if versioned else None
+        if not versioned:
+            reference["swarm_replay_missing"] = ("the sample log has no per-stage 'versions' (the weight version "
+                                                 "each stage's forward used), so staleness cannot be replayed")
         sequential = bank.sequential_steps(samples, run.target_batch_size)
         reference["sequential"] = _trained(OneProcessTrainer.for_stages(run), sequential, bank, held_out,
                                            "reference, sequential order")
@@ -371,10 +421,16 @@ def bench_setting(name: str, args: argparse.Namespace) -> dict:
         "held_out_vs_sequential_reference": _gap(swarm_figures["held_out_loss"], sequential_ref.get("held_out_loss")),
         "order_alone_held_out": _gap((reference["swarm_order"] or {}).get("held_out_loss"),
                                      sequential_ref.get("held_out_loss")),
+        "held_out_vs_replay": _gap(swarm_figures["held_out_loss"],
+                                   (reference.get("swarm_replay") or {}).get("held_out_loss")),
+        "staleness_alone_held_out": _gap((reference.get("swarm_replay") or {}).get("held_out_loss"),
+                                         (reference["swarm_order"] or {}).get("held_out_loss")),
         "subspace_constraint_held_out": _gap(primary.get("held_out_loss"),
                                              (out.get("unconstrained") or {}).get("held_out_loss")),
         "how_to_read": "(a - b) / b; held_out and final_train: swarm against the reference; order_alone: the "
-                       "reference on the swarm's steps against sequential order; subspace_constraint: the "
+                       "reference on the swarm's steps against sequential order; staleness_alone: the replay (the swarm's "
+                       "steps at the swarm's weight versions) against the reference; held_out_vs_replay: what the "
+                       "swarm loses beyond staleness; subspace_constraint: the "
                        "subspace reference against the plain Llama",
     }
     out["aim"] = {"held_out_gap_max": setting.held_out_gap_max,

@@ -20,9 +20,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"
 from _fidelity_reference import (  # noqa: E402
     OneProcessTrainer,
     SampleBank,
+    StaleReplay,
+    StepRecord,
     load_stage_weights,
     loss_figures,
-    StepRecord,
     stream_index,
 )
 
@@ -125,3 +126,91 @@ def test_plain_model_init_is_seeded(run):
         assert torch.equal(x, y)
     other = PlainModel(run.model_copy(update={"seed": run.seed + 1}))
     assert not torch.equal(a.embedding.weight, other.embedding.weight)
+
+
+def test_replay_at_current_versions_is_the_plain_reference(run):
+    bank = SampleBank(run)
+    steps = [[0, 1, 2], [3, 4]]
+    plain = OneProcessTrainer.for_stages(run)
+    plain.train(steps, bank)
+    replayed = OneProcessTrainer.for_stages(run)
+    replay = StaleReplay(replayed)
+    for number, indices in enumerate(steps):
+        replay.step(number, bank.tokens(indices), [(number,) * run.num_stages] * len(indices))
+    for a, b in zip(plain.model.parameters(), replayed.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert [r.loss for r in plain.history] == pytest.approx([r.loss for r in replayed.history], abs=1e-5)
+
+
+def test_replay_takes_stale_gradients_at_the_logged_versions(run):
+    """Step 1 holds a sample the head and body forwarded on version 0: its gradient there must be
+    taken at the initial weights, the tail's at the current ones."""
+    bank = SampleBank(run)
+    replayed = OneProcessTrainer.for_stages(run)
+    replay = StaleReplay(replayed)
+    replay.step(0, bank.tokens([0, 1]), [(0, 0, 0)] * 2)
+    replay.step(1, bank.tokens([2, 3]), [(1, 1, 1), (0, 0, 1)])
+
+    manual = OneProcessTrainer.for_stages(run)
+    initial = [[p.detach().clone() for p in s.trainable_parameters()] for s in manual.model.stages]
+    manual.step(bank.tokens([0, 1]))
+    manual.model(bank.tokens([2])).sum().backward()
+    # The stale sample: head and body at the initial weights, tail at the current ones.
+    old = [StageModel(run, i) for i in range(run.num_stages)]
+    with torch.no_grad():
+        for stage, weights in zip(old[:2], initial[:2]):
+            for p, w in zip(stage.trainable_parameters(), weights):
+                p.copy_(w)
+        for p, q in zip(old[2].trainable_parameters(), manual.model.stages[2].trainable_parameters()):
+            p.copy_(q)
+    FullModel.from_stages(old)(bank.tokens([3])).sum().backward()
+    for stage, stale in zip(manual.model.stages, old):
+        for p, q in zip(stage.trainable_parameters(), stale.trainable_parameters()):
+            p.grad.add_(q.grad)
+    for optimizer in manual.optimizers:
+        optimizer.add_samples(2)
+        optimizer.step()
+    for a, b in zip(manual.model.parameters(), replayed.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+    fresh = OneProcessTrainer.for_stages(run)
+    fresh.train([[0, 1], [2, 3]], bank)
+    assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(fresh.model.parameters(),
+                                                                  replayed.model.parameters()))
+
+
+def test_bench_reads_a_swarm_that_trained_exactly_like_the_reference(monkeypatch, tmp_path):
+    """A fake swarm (the reference itself, with its sample logs and final checkpoints) must come
+    out with zero gaps: log parsing, step grouping, checkpoint loading and the replay agree."""
+    import json
+
+    import bench_fidelity
+    from roles.worker.checkpoint import checkpoint_path, write_checkpoint
+
+    def fake_swarm(run, config_path, workdir, setting, total):
+        bank = SampleBank(run)
+        trainer = OneProcessTrainer.for_stages(run)
+        steps = bank.sequential_steps(total, run.target_batch_size)
+        logs = [str(tmp_path / f"samples-{k}.jsonl") for k in range(2)]
+        with open(logs[0], "w") as a, open(logs[1], "w") as b:
+            for number, indices in enumerate(steps):
+                trainer.step(bank.tokens(indices))
+                for index in indices:
+                    (a if index % 2 == 0 else b).write(json.dumps({
+                        "sample_id": f"s{index % 2}-{index}", "step": number, "loss": trainer.history[-1].loss,
+                        "versions": [number] * run.num_stages}) + "\n")
+        for stage in trainer.model.stages:
+            names = FlatLayout.of_module(stage).names
+            write_checkpoint(checkpoint_path(tmp_path, run.run_id, stage.stage_index),
+                             {n: p.detach().clone() for n, p in zip(names, stage.trainable_parameters())},
+                             {"step": str(len(steps))})
+        return {"sample_logs": logs, "checkpoint_dir": str(tmp_path), "errors": [], "summaries": {}, "stages": {}}
+
+    monkeypatch.setattr(bench_fidelity, "run_swarm", fake_swarm)
+    args = bench_fidelity.parse_args(["--quick", "--setting", "demo"])
+    result = bench_fidelity.bench_setting("demo", args)
+    assert result["errors"] == []
+    assert result["gaps"]["held_out"] == pytest.approx(0.0, abs=2e-4)
+    assert result["gaps"]["held_out_vs_replay"] == pytest.approx(0.0, abs=2e-4)
+    assert result["gaps"]["order_alone_held_out"] == pytest.approx(0.0, abs=2e-4)
+    assert result["swarm"]["staleness_from_log"]["0"]["stale_share"] == 0
+    assert result["swarm"]["samples_per_step_from_log"]["steps_not_at_target"] == 0
