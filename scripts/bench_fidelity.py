@@ -35,16 +35,19 @@ worker does not report them), and samples per step from the log.
 
 `--ablation` instead trains one-process variants that move one difference between the subspace
 model and a plain Llama at a time (scripts/_fidelity_ablation.py) and reports held-out losses over
-three run seeds, plus a longer-horizon check. Measured on this 2-core machine (tiny, batch 16,
-2,400 samples, seeds 0-2): subspace 1.103, plain Llama 0.880 (+26%, seed spread of plain 0.17).
-rank only: subspace_rank = d keeps 1.079 (-2%); a learned full-rank embedding with rank-k writes
-gives 0.778 (better than plain); plain + frozen T_fixed 1.105 and plain with a learned embedding
-started at T_fixed's scale 1.110 (both +26%); T_fixed scaled to std 0.02 with rank-k embedding
-1.128; T_fixed at std 0.02 with the whole embedding learnable (rank d) 0.914 (+5%, noise). So the
-cost is the token embedding, not the rank of the residual writes: a fixed random table of row
-norm ~1 (6x a learned one) dominates the residual stream and only k of its d dims learn; either
-property alone keeps most of the gap. It is a slow start: at 4x the tokens (9,600 samples) the
-gap is 2.7% (0.470 vs 0.458). Details in the JSON "notes".
+three run seeds, plus a longer-horizon check (about 6 minutes on two cores). Measured here (tiny,
+batch 16, 2,400 samples, mean of seeds 0-2): subspace 1.103, plain Llama 0.880 (subspace +26%;
+plain's seed spread is 0.17, the subspace model's 0.005). Rank alone: subspace_rank = d with
+T_fixed kept 1.079 (2% better than rank k, still 24% behind plain). Rank-k writes with a learned
+full-rank embedding 0.778 (better than plain). Plain + frozen T_fixed 1.105, plain with its
+learned embedding started at T_fixed's scale 1.110 (both +26%). T_fixed scaled to std 0.02,
+learned part still rank k: 1.130. T_fixed at std 0.02 and the whole embedding learnable (rank
+d): 0.914 (+5%, within plain's seed spread). So the cost is the token embedding, not the rank of
+the residual writes: a fixed random table of row norm ~1 (6x a learned one) dominates the
+residual stream, and only k of its d dimensions can learn; either property alone keeps the whole
+gap. It is a slow start rather than a lower ceiling: subspace vs plain is +7.8% at 2x the tokens
+(4,800 samples; the ~8% the issue quotes) and +1.9% at 4x (9,600), seed 0. The JSON's "notes"
+say the same.
 """
 
 from __future__ import annotations
@@ -473,16 +476,16 @@ def bench_ablation(args: argparse.Namespace) -> dict:
 ABLATION_NOTES = [
     "The subspace model's gap to a plain Llama at equal tokens comes from its token embedding, not from the "
     "rank of its residual writes: with a learned full-rank embedding, rank-k writes train as well as (here "
-    "better than) full-rank ones, while raising the rank to d with T_fixed kept recovers ~2% of a ~26% gap.",
-    "T_fixed hurts in two ways, each enough on its own: its rows have norm ~1 (std d^-1/2, ~6x a learned "
-    "embedding's 0.02), so they dominate the residual stream the blocks write into (a plain Llama given the "
-    "frozen T_fixed, or a learned embedding started at that scale, loses as much), and only k of its d "
-    "dimensions can learn (scaling T_fixed down to std 0.02 does not help at rank k). Scaled down and with the "
-    "whole embedding learnable (rank d) it matches the plain model within seed noise.",
-    "The gap is a slow start, not a lower ceiling: it shrinks from ~26% at 2,400 samples to ~3% at 9,600 "
-    "(see horizon_seed_0). A remedy inside the design would keep the boundary lossless while letting the "
-    "embedding learn: a smaller T_fixed plus a learned embedding every stage can reconstruct (e.g. one the "
-    "head publishes with the checkpoint), or a larger k for the head's learned part.",
+    "better than) full-rank ones, while raising the rank to d with T_fixed kept recovers ~2 of ~26 points.",
+    "T_fixed costs in two ways, each enough on its own to keep the whole gap: its rows have norm ~1 (std "
+    "d^-1/2, ~6x a learned embedding's 0.02), so they dominate the residual stream the blocks write into (a "
+    "plain Llama given the frozen T_fixed, or a learned embedding started at that scale, loses as much), and "
+    "only k of its d dimensions learn (T_fixed scaled down to std 0.02 does not help while the learned part is "
+    "rank k). Scaled down with the whole embedding learnable (rank d), it matches plain within seed noise.",
+    "It is a slow start rather than a lower ceiling: the gap shrinks from ~26% at 2,400 samples to ~8% at "
+    "4,800 and ~2% at 9,600 (horizon_seed_0). Inside the design the learned part of the embedding must stay in "
+    "span(U_k) (a boundary carries k values), so closing the gap early means a smaller T_fixed together with "
+    "a learned embedding every stage can regenerate; the experiment does not test such a scheme.",
 ]
 
 
