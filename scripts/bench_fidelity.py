@@ -86,18 +86,20 @@ class Setting:
 
 SETTINGS = {
     "demo": Setting(target_batch_size=16, steps=150, quick_steps=20, worker_max_batch=16, held_out_gap_max=0.03),
-    "batch64": Setting(target_batch_size=64, steps=60, quick_steps=6, worker_max_batch=64, held_out_gap_max=0.01),
+    "batch64": Setting(target_batch_size=64, steps=60, quick_steps=10, worker_max_batch=64, held_out_gap_max=0.01),
 }
 
 
 def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.Namespace):
-    """The tiny preset at the setting's batch, its schedule spanning the run, averaging off."""
+    """The tiny preset at the setting's batch, its schedule spanning the run (never shorter than
+    the warmup), averaging off."""
     from roles.model.config import load_run_config
 
+    warmup = load_run_config("tiny").optimizer.warmup_steps
     overrides: dict[str, Any] = {
         "run_id": f"fidelity-{name}-{os.getpid()}",
         "target_batch_size": setting.target_batch_size,
-        "optimizer": {"total_steps": steps},
+        "optimizer": {"total_steps": max(steps, warmup)},
         "averaging": {"enabled": False},
     }
     staleness: dict[str, Any] = {}
