@@ -206,7 +206,7 @@ def test_bench_reads_a_swarm_that_trained_exactly_like_the_reference(monkeypatch
         return {"sample_logs": logs, "checkpoint_dir": str(tmp_path), "errors": [], "summaries": {}, "stages": {}}
 
     monkeypatch.setattr(bench_fidelity, "run_swarm", fake_swarm)
-    args = bench_fidelity.parse_args(["--quick", "--setting", "demo"])
+    args = bench_fidelity.parse_args(["--quick", "--setting", "demo", "--noise-runs", "1"])
     result = bench_fidelity.bench_setting("demo", args)
     assert result["errors"] == []
     assert result["gaps"]["held_out"] == pytest.approx(0.0, abs=2e-4)
@@ -214,3 +214,5 @@ def test_bench_reads_a_swarm_that_trained_exactly_like_the_reference(monkeypatch
     assert result["gaps"]["order_alone_held_out"] == pytest.approx(0.0, abs=2e-4)
     assert result["swarm"]["staleness_from_log"]["0"]["stale_share"] == 0
     assert result["swarm"]["samples_per_step_from_log"]["steps_not_at_target"] == 0
+    noise = result["reference"]["order_noise"]
+    assert len(noise["held_out_losses"]) == 2 and noise["relative_std"] > 0
