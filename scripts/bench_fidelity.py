@@ -132,7 +132,8 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
 
 def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_samples: int) -> dict:
     """Train `total_samples` with a local swarm; return its sample logs, summaries and
-    checkpoint directory. Every process is stopped before this returns or raises."""
+    checkpoint directory, and its failure in "errors". Every process is stopped before this
+    returns (or an interrupt propagates)."""
     from node.launcher import LocalSwarm
 
     checkpoints = os.path.join(workdir, "checkpoints")
@@ -180,6 +181,9 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
         out["trainer_exit_codes"] = [t.proc.returncode for t in trainers]
         if any(out["trainer_exit_codes"]):
             out["errors"].append(f"trainer exit codes {out['trainer_exit_codes']}")
+    except Exception as exc:  # noqa: BLE001 - keep what the nodes logged and checkpointed so far
+        out["errors"].append(f"swarm: {type(exc).__name__}: {exc}")
+        log(traceback.format_exc())
     finally:
         swarm.stop_all(timeout_s=60)  # SIGTERM: workers write their final checkpoints
         out["wall_s"] = round(time.monotonic() - started, 1)
@@ -215,7 +219,7 @@ def read_sample_logs(paths: list[str]) -> tuple[dict[int, list[tuple[int, float,
     forward used. A sample logged twice (a retry) counts once, at its last line."""
     from _fidelity_reference import stream_index
 
-    latest: dict[str, dict] = {}
+    latest: dict[int, dict] = {}
     bad = 0
     for path in paths:
         try:
@@ -226,14 +230,14 @@ def read_sample_logs(paths: list[str]) -> tuple[dict[int, list[tuple[int, float,
         for line in lines:
             try:
                 record = json.loads(line)
-                latest[record["sample_id"]] = record
+                latest[stream_index(record["sample_id"])] = record
             except (ValueError, KeyError, TypeError):
                 bad += 1
-    steps: dict[int, list[tuple[int, float]]] = defaultdict(list)
-    for sample_id, record in latest.items():
+    steps: dict[int, list[tuple[int, float, Optional[tuple]]]] = defaultdict(list)
+    for index, record in latest.items():
         try:
             versions = record.get("versions")
-            steps[int(record["step"])].append((stream_index(sample_id), float(record["loss"]),
+            steps[int(record["step"])].append((index, float(record["loss"]),
                                                None if versions is None else tuple(int(v) for v in versions)))
         except (ValueError, KeyError, TypeError):
             bad += 1
@@ -356,6 +360,22 @@ def _log_staleness(swarm_steps: dict, stages: int) -> dict:
 
 
 def bench_setting(name: str, args: argparse.Namespace) -> dict:
+    """One setting: the swarm, then the references. Its logs are removed unless something failed
+    (or --keep-logs), in which case their directory is printed, interrupts included."""
+    workdir = tempfile.mkdtemp(prefix=f"agora-fidelity-{name}-")
+    keep = True
+    try:
+        out = _bench_setting(name, args, workdir)
+        keep = bool(out["errors"]) or args.keep_logs
+        return out
+    finally:
+        if keep:
+            log(f"[{name}] node logs and sample logs: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     from _fidelity_reference import OneProcessTrainer, SampleBank, StepRecord, evaluate, held_out_tokens, loss_figures
     from roles.model.config import dump_run_config
     from roles.model.plain import PlainModel
@@ -364,7 +384,6 @@ def bench_setting(name: str, args: argparse.Namespace) -> dict:
     steps = setting.quick_steps if args.quick else setting.steps
     total = steps * setting.target_batch_size
     run = fidelity_run_config(name, setting, steps, args)
-    workdir = tempfile.mkdtemp(prefix=f"agora-fidelity-{name}-")
     config_path = os.path.join(workdir, "run.yaml")
     dump_run_config(run, config_path)
     out: dict[str, Any] = {
@@ -378,18 +397,17 @@ def bench_setting(name: str, args: argparse.Namespace) -> dict:
     started = time.monotonic()
     log(f"[{name}] swarm: {STAGES} stages x 1 worker, {TRAINERS} trainers x {LANES} lanes, {steps} steps of "
         f"{run.target_batch_size} = {total} samples")
-    swarm: dict[str, Any] = {}
-    try:
-        swarm = run_swarm(run, config_path, workdir, setting, total)
-    except Exception as exc:  # noqa: BLE001 - report what was measured, and the failure
-        errors.append(f"swarm: {type(exc).__name__}: {exc}")
-        log(traceback.format_exc())
+    swarm = run_swarm(run, config_path, workdir, setting, total)
     errors += swarm.pop("errors", [])
 
     held_out = held_out_tokens(run, HELD_OUT_SAMPLES)
     bank = SampleBank(run)
     logged, bad_lines = read_sample_logs(swarm.get("sample_logs", []))
-    stages, written = read_checkpoints(run, swarm["checkpoint_dir"]) if swarm else (None, {})
+    try:
+        stages, written = read_checkpoints(run, swarm["checkpoint_dir"])
+    except Exception as exc:  # noqa: BLE001 - a garbled file: report it, keep the rest
+        stages, written = None, {}
+        errors.append(f"reading the swarm's checkpoints: {type(exc).__name__}: {exc}")
     applied = min((v for v in written.values() if v is not None), default=None)
     if not logged:
         errors.append(f"the trainers logged no samples to ${SAMPLE_LOG_ENV}; the swarm-order reference and the "
@@ -488,10 +506,6 @@ def bench_setting(name: str, args: argparse.Namespace) -> dict:
                   "gap_in_noise_std": None if held_gap is None or not noise else round(held_gap / noise, 2)}
     out["errors"] = errors
     out["elapsed_s"] = round(time.monotonic() - started, 1)
-    if errors or args.keep_logs:
-        log(f"[{name}] node logs and sample logs: {workdir}")
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
     return out
 
 
