@@ -206,6 +206,8 @@ def test_bench_reads_a_swarm_that_trained_exactly_like_the_reference(monkeypatch
         return {"sample_logs": logs, "checkpoint_dir": str(tmp_path), "errors": [], "summaries": {}, "stages": {}}
 
     monkeypatch.setattr(bench_fidelity, "run_swarm", fake_swarm)
+    monkeypatch.setitem(bench_fidelity.SETTINGS, "demo", bench_fidelity.Setting(
+        target_batch_size=4, steps=3, quick_steps=3, worker_max_batch=4, held_out_gap_max=0.03))
     args = bench_fidelity.parse_args(["--quick", "--setting", "demo", "--noise-runs", "1"])
     result = bench_fidelity.bench_setting("demo", args)
     assert result["errors"] == []
