@@ -96,6 +96,8 @@ class BackwardReply(WireModel):
     loss: Optional[float] = None
     step: Optional[int] = None
     """The step the sample was accumulated into: the tail's tag, to be carried to the other stages."""
+    version: Optional[int] = None
+    """The weight version (optimizer steps applied) this stage's gradient was taken at."""
 
 
 class AbandonRequest(WireModel):

@@ -121,6 +121,8 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
         staleness["max_in_flight_ratio"] = args.max_in_flight_ratio
     if args.no_pin_forward_weights:
         staleness["pin_forward_weights"] = False
+    if args.max_delayed_per_step is not None:
+        staleness["max_delayed_per_step"] = args.max_delayed_per_step
     if staleness:
         overrides["staleness"] = staleness
     return load_run_config("tiny", overrides)
@@ -237,6 +239,8 @@ def read_sample_logs(paths: list[str]) -> tuple[dict[int, list[tuple[int, float,
     for index, record in latest.items():
         try:
             versions = record.get("versions")
+            if versions is not None and any(v is None for v in versions):
+                versions = None  # a stage did not say (an older worker): no replay for this sample
             steps[int(record["step"])].append((index, float(record["loss"]),
                                                None if versions is None else tuple(int(v) for v in versions)))
         except (ValueError, KeyError, TypeError):
@@ -275,7 +279,8 @@ def _stage_figures(summary: Optional[dict]) -> dict:
         "steps": {k: steps.get(k) for k in ("taken", "samples_per_step_mean", "samples_per_step_max",
                                            "samples_per_step_min", "short_steps", "late_samples",
                                            "discarded_at_shutdown")},
-        "staleness": {k: stale.get(k) for k in ("samples", "mean_gap", "max_gap", "stale_share", "pinned")},
+        "staleness": {k: stale.get(k) for k in ("samples", "mean_gap", "max_gap", "stale_share", "pinned",
+                                                "mean_delay", "max_delay", "delayed_share")},
         # A pinned sample's forward ran before this stage's last step and its gradient joins a later
         # step: one step older than the reference's, however consistent its recompute.
         "pinned_share": (round(stale["pinned"] / stale["samples"], 4)
@@ -440,11 +445,11 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
         "per_stage": by_stage,
         "staleness_from_log": _log_staleness(swarm_steps, run.num_stages) if versioned else None,
         "per_stage_how_to_read": "steps and staleness as each worker reports them. staleness.mean_gap, max_gap and "
-                                 "stale_share: version gaps between a sample's forward and its backward left after "
-                                 "pinning; pinned_share: samples whose backward was recomputed on the weights their "
-                                 "forward saw because the stage had stepped meanwhile, i.e. whose gradient is at "
-                                 "least one step older than the reference's (a lower bound: a sample forwarded on "
-                                 "version v that joins step v + 1 before the stage steps is not counted)",
+                                 "stale_share: version gaps between the weights a sample's forward saw and the ones "
+                                 "its backward recomputed on (0 once pinned); mean_delay, max_delay, delayed_share: "
+                                 "versions between the weights a gradient was taken at and the step it was applied "
+                                 "in, where the reference has 0 for every sample; pinned: backwards recomputed on "
+                                 "the previous weights",
         "trainers": {n: s for n, s in swarm.get("summaries", {}).items() if n.startswith("trainer")},
         "startup_s": swarm.get("startup_s"), "train_wall_s": swarm.get("train_wall_s"), "wall_s": swarm.get("wall_s"),
         "exit_codes": swarm.get("exit_codes"), "survivors": swarm.get("survivors"),
@@ -563,6 +568,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ablation", action="store_true",
                    help="instead of the swarm, train the one-process variants of the subspace ablation")
     p.add_argument("--max-in-flight-ratio", type=float, help="run config staleness.max_in_flight_ratio")
+    p.add_argument("--max-delayed-per-step", type=int, help="run config staleness.max_delayed_per_step")
     p.add_argument("--no-pin-forward-weights", action="store_true",
                    help="run config staleness.pin_forward_weights = false")
     p.add_argument("--noise-runs", type=int, default=None,

@@ -145,6 +145,13 @@ class StalenessConfig(BaseModel):
         "are in flight, so their backward recomputes with the weights their forward used "
         "(one extra copy of the stage's parameters).",
     )
+    max_delayed_per_step: int | None = Field(
+        default=None, ge=0,
+        description="The head serves at most target_batch_size plus this many forwards on one "
+        "version of its weights; the rest wait for its next step. Bounds how many samples of a step "
+        "carry gradients taken on the previous weights; 0 drains the pipeline at every step (no "
+        "staleness, a bubble per step); None: no bound beyond the samples in flight.",
+    )
     step_close_timeout_s: float = Field(
         default=10.0, gt=0,
         description="A stage whose open step misses samples (their trainer died after the tail "

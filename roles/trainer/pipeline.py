@@ -48,6 +48,8 @@ class SampleResult:
     elapsed_s: float = 0.0
     step: Optional[int] = None
     """The global step the tail tagged the sample with; every stage accumulated it into that step."""
+    versions: list[Optional[int]] = field(default_factory=list)
+    """Per stage, the weight version its gradient was taken at (step - version = its delay)."""
 
 
 @dataclass
@@ -124,6 +126,8 @@ class PipelineDriver:
             tail, version.BACKWARD, {"stage": tail, "sample_id": sample_id, "tokens": wire_tokens, "coords": coords}
         )
         loss, grad, step = reply.get("loss"), reply.get("grad_input"), reply.get("step")
+        versions: list[Optional[int]] = [None] * self.num_stages
+        versions[tail] = reply.get("version")
         if not isinstance(loss, float) or grad is None:
             raise SampleDropped("bad_reply", f"tail worker {route[tail][-8:]} sent no loss or gradient")
         if step is not None and (not isinstance(step, int) or step < 0):
@@ -143,6 +147,7 @@ class PipelineDriver:
                 raise
             fallbacks += used_fallback
             grad = reply.get("grad_input")
+            versions[stage] = reply.get("version")
             if stage > 0 and grad is None:
                 dropped = SampleDropped("bad_reply", f"stage {stage} worker sent no input gradient")
                 dropped.step, dropped.unreached = step, [(s, route[s]) for s in range(stage - 1, -1, -1)]
@@ -150,7 +155,8 @@ class PipelineDriver:
         for stage, peer in enumerate(route):
             self.stats.served[(stage, peer)] += 1
         return SampleResult(loss=loss, route=route, backward_fallbacks=fallbacks,
-                            elapsed_s=time.perf_counter() - started, step=step)
+                            elapsed_s=time.perf_counter() - started, step=step,
+                            versions=[v if isinstance(v, int) else None for v in versions])
 
     async def abandon(self, sample_id: str, dropped: SampleDropped, timeout_s: float = 5.0) -> int:
         """Tell the stages a tagged sample never reached that it will not come, so they close its

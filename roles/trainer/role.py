@@ -72,7 +72,8 @@ class TrainerRole:
         self.live_trainers = 1
         self._slot_freed = asyncio.Event()
         # AGORA_SAMPLE_LOG names a file that gets one JSON line per completed sample (its id, the
-        # step it belonged to, its loss): what scripts/bench_fidelity.py replays in one process.
+        # step it belonged to, its loss, each stage's gradient weight version): what
+        # scripts/bench_fidelity.py replays in one process.
         log_path = os.environ.get("AGORA_SAMPLE_LOG")
         self.sample_log: Optional[IO[str]] = open(log_path, "a", encoding="utf-8") if log_path else None
         self.started_at: Optional[float] = None
@@ -170,7 +171,7 @@ class TrainerRole:
             self._slot_freed.set()
             if self.sample_log is not None:
                 self.sample_log.write(json.dumps({"sample_id": sample.sample_id, "step": result.step,
-                                                  "loss": result.loss}) + "\n")
+                                                  "loss": result.loss, "versions": result.versions}) + "\n")
                 self.sample_log.flush()
 
     async def _count_trainers(self, stop: asyncio.Event) -> None:

@@ -77,6 +77,8 @@ class WorkerHandlers:
             reply["loss"] = float(result.loss)
         if result.step is not None:
             reply["step"] = int(result.step)
+        if result.version is not None:
+            reply["version"] = int(result.version)
         return reply
 
     async def abandon(self, peer_id: PeerID, body: dict) -> dict:

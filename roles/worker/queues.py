@@ -132,12 +132,13 @@ class TaskQueues:
             self._cond.notify()
 
     def next_batch(self, timeout: float | None = None, *, hold_after: int | None = None,
-                   untagged_limit: int | None = None) -> list[Task]:
+                   untagged_limit: int | None = None, forward_limit: int | None = None) -> list[Task]:
         """Block until eligible work exists (or `timeout` passes, `wake` is called, or the queues
         close), then take one batch.
 
-        Eligible: every forward; a tagged backward whose step is at most `hold_after` (later ones
-        are held until the stage steps); an untagged backward while `untagged_limit` is not 0.
+        Eligible: a forward while `forward_limit` is not 0; a tagged backward whose step is at most
+        `hold_after` (later ones are held until the stage steps); an untagged backward while
+        `untagged_limit` is not 0.
         The batch comes from the queue whose oldest eligible request is the oldest, so neither
         pass can starve the other, and holds that request plus the following eligible tasks of
         the same queue with its `group_key`, oldest first, at most `max_batch` of them (and at
@@ -147,7 +148,7 @@ class TaskQueues:
 
         def eligible(task: Task) -> bool:
             if task.kind != TaskKind.BACKWARD:
-                return True
+                return forward_limit is None or forward_limit > 0
             if task.step is None:
                 return untagged_limit is None or untagged_limit > 0
             return hold_after is None or task.step <= hold_after
@@ -172,8 +173,11 @@ class TaskQueues:
                 self._cond.wait(remaining)
             kind = min(heads, key=lambda k: (heads[k][1].enqueued_at, heads[k][0]))
             limit = self._max_batch
-            if heads[kind][1].kind == TaskKind.BACKWARD and heads[kind][1].step is None and untagged_limit is not None:
+            head = heads[kind][1]
+            if head.kind == TaskKind.BACKWARD and head.step is None and untagged_limit is not None:
                 limit = min(limit, untagged_limit)
+            if head.kind == TaskKind.FORWARD and forward_limit is not None:
+                limit = min(limit, forward_limit)
             batch = self._take(self._queues[kind], heads[kind], eligible, limit)
             self._total_batches += 1
             self._total_tasks += len(batch)

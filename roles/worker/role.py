@@ -84,6 +84,7 @@ class WorkerRole:
             self.model, self.optimizer, TaskQueues(config.max_batch, config.max_pending),
             stage=config.stage, vocab_size=run.model.vocab_size, max_seq_len=run.model.max_seq_len,
             device=self.device, ledger=self.ledger, autocast_dtype=autocast,
+            forward_budget=self._forward_budget(run),
             on_backward=lambda: self.progress.notify(), on_step=self._on_step,
         )
         self.server = RpcServer(p2p, authenticator=authenticator)
@@ -116,6 +117,13 @@ class WorkerRole:
         self.joined: dict = {}
         self.last_step: Optional[StepReport] = None
         self._tasks: list[asyncio.Task] = []
+
+    def _forward_budget(self, run: RunConfig) -> Optional[int]:
+        """The head gates forwards per weight version; every later stage follows the head's pace."""
+        slack = run.staleness.max_delayed_per_step
+        if slack is None or self.model.kind != "head":
+            return None
+        return run.target_batch_size + slack
 
     @property
     def phase(self) -> Phase:
@@ -164,8 +172,10 @@ class WorkerRole:
         )
 
     def _step_counters(self) -> dict[str, int]:
-        """Step boundaries and staleness as `agora/v1/info` counters: the version gaps sum to
-        `staleness_gap_total` over `staleness_samples` backwards [issue 7]."""
+        """Step boundaries and staleness as `agora/v1/info` counters: over `staleness_samples`
+        backwards, forward-to-backward version gaps sum to `staleness_gap_total` and gradient delays
+        (the step applied minus the version the gradient was taken at) to `staleness_delay_total`
+        [issue 7]."""
         ledger, stale = self.ledger, self.runtime.staleness
         return {
             "steps_taken": len(ledger.step_sizes),
@@ -175,6 +185,8 @@ class WorkerRole:
             "abandoned_samples": ledger.abandoned_total,
             "staleness_samples": sum(stale.gaps.values()),
             "staleness_gap_total": sum(g * n for g, n in stale.gaps.items()),
+            "staleness_delay_total": sum(d * n for d, n in stale.delays.items()),
+            "staleness_delayed": sum(n for d, n in stale.delays.items() if d > 0),
             "staleness_pinned": stale.pinned_samples,
         }
 

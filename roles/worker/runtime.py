@@ -36,6 +36,8 @@ class BackwardResult:
     loss: Optional[float]
     step: Optional[int] = None
     """The global step the sample was accumulated into here (the tail's tag)."""
+    version: Optional[int] = None
+    """The weight version (steps applied) the gradient was taken at."""
 
 
 class RecentSamples:
@@ -65,26 +67,41 @@ class RecentSamples:
 
 
 class StalenessStats:
-    """Version gaps between a sample's forward and its backward at this stage [issue 7]."""
+    """How old the weights behind a stage's gradients are [issue 7], two ways:
+
+    - `gaps`: versions between the weights a sample's forward saw here and the ones its backward
+      recomputed on (0 when pinned: the recompute then uses the forward's weights);
+    - `delays`: versions between the weights the gradient was taken at and the step it is applied
+      in (its tag). One process has 0 for every sample; this is what costs fidelity.
+    """
 
     def __init__(self) -> None:
         self.gaps: collections.Counter[int] = collections.Counter()
-        self.pinned = 0
-        """Backward batches of samples recomputed on the previous weights their forward used."""
+        self.delays: collections.Counter[int] = collections.Counter()
         self.pinned_samples = 0
+        """Backwards recomputed on the previous weights their forward used."""
 
-    def record(self, gap: int, n: int) -> None:
-        self.gaps[gap] += n
+    def record(self, gap: int, delay: int) -> None:
+        self.gaps[gap] += 1
+        self.delays[delay] += 1
+
+    @staticmethod
+    def _stats(counts: collections.Counter[int]) -> tuple:
+        total = sum(counts.values())
+        if not total:
+            return None, None, None
+        return (round(sum(g * n for g, n in counts.items()) / total, 4), max(counts),
+                round(sum(n for g, n in counts.items() if g > 0) / total, 4))
 
     def summary(self) -> dict:
-        total = sum(self.gaps.values())
+        mean_gap, max_gap, stale_share = self._stats(self.gaps)
+        mean_delay, max_delay, delayed_share = self._stats(self.delays)
         return {
-            "samples": total,
-            "mean_gap": round(sum(g * n for g, n in self.gaps.items()) / total, 4) if total else None,
-            "max_gap": max(self.gaps, default=None),
-            "stale_share": round(sum(n for g, n in self.gaps.items() if g > 0) / total, 4) if total else None,
+            "samples": sum(self.gaps.values()),
+            "mean_gap": mean_gap, "max_gap": max_gap, "stale_share": stale_share,
             "pinned": self.pinned_samples,
-            "gaps": {str(g): n for g, n in sorted(self.gaps.items())},
+            "mean_delay": mean_delay, "max_delay": max_delay, "delayed_share": delayed_share,
+            "delays": {str(d): n for d, n in sorted(self.delays.items())},
         }
 
 
@@ -104,6 +121,7 @@ class StageRuntime:
         max_seq_len: int,
         device: torch.device,
         ledger: Optional[StepLedger] = None,
+        forward_budget: Optional[int] = None,
         autocast_dtype: Optional[torch.dtype] = None,
         on_backward: Callable[[], None] = lambda: None,
         on_step: Callable[[StepReport], None] = lambda report: None,
@@ -128,6 +146,9 @@ class StageRuntime:
         self.staleness = StalenessStats()
         self.discarded_at_shutdown: dict[int, int] = {}
         self.last_step: Optional[StepReport] = None
+        self.forward_budget = forward_budget
+        """Head only: forwards served per weight version before the rest wait for the next step."""
+        self._forwards_at_version = 0
         self._param_names = [name for name, p in model.named_parameters() if p.requires_grad]
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -213,7 +234,9 @@ class StageRuntime:
                 self._maybe_step()
                 open_step = self.optimizer.local_step
                 limit, _ = self._untagged_capacity()
-                batch = self.queues.next_batch(timeout=0.1, hold_after=open_step + 1, untagged_limit=limit)
+                forwards = None if self.forward_budget is None else max(0, self.forward_budget - self._forwards_at_version)
+                batch = self.queues.next_batch(timeout=0.1, hold_after=open_step + 1, untagged_limit=limit,
+                                               forward_limit=forwards)
                 if not batch:
                     continue
                 compute = self._forward_batch if batch[0].kind == TaskKind.FORWARD else self._backward_batch
@@ -261,6 +284,7 @@ class StageRuntime:
                 logger.error("%s", exc)
                 report = None
             self.ledger.stepped(opt.local_step - 1, due, local)
+            self._forwards_at_version = 0
         if due.reason != "complete":
             why = {"peer_ahead": "a replica of this stage was ahead",
                    "overtaken": "samples two steps ahead arrived; the rest of it was lost",
@@ -301,6 +325,7 @@ class StageRuntime:
         out = out.float().cpu()
         for request in requests:
             self.forwarded.add(request.sample_id, version)
+        self._forwards_at_version += len(requests)
         self.counters["forward_requests"] += len(requests)
         self.counters["forward_batches"] += 1
         return list(out.unbind(0))
@@ -358,25 +383,21 @@ class StageRuntime:
             # moments [report 3.3.1.1], and its samples complete the step they were tagged with.
             if offset >= 0:
                 opt.add_samples(n, offset=min(offset, 1))
-            version_now = opt.local_step
+            used = opt.previous_version if pinned is not None else opt.local_step  # the gradient's weights
         grads = coords.grad.cpu() if coords is not None else None
         loss_values = losses.detach().cpu().tolist() if losses is not None else [None] * n
         if self.kind != "tail":
-            unpinned = sum(1 for v in versions if v is None)
-            self.counters["backward_unpinned"] += unpinned
+            self.counters["backward_unpinned"] += sum(1 for v in versions if v is None)
+            self.staleness.pinned_samples += n if pinned is not None else 0
             for v in versions:
                 if v is not None:
-                    gap = version_now - v
-                    if pinned is not None:
-                        self.staleness.pinned_samples += 1
-                        gap = 0
-                    self.staleness.record(gap, 1)
+                    self.staleness.record(used - v, tag - used)
         self.counters["backward_requests"] += n
         self.counters["backward_batches"] += 1
         if offset < 0:
             self.counters["late_samples"] += n
         self.on_backward()
         return [
-            BackwardResult(grad_input=None if grads is None else grads[i], loss=loss_values[i], step=tag)
+            BackwardResult(grad_input=None if grads is None else grads[i], loss=loss_values[i], step=tag, version=used)
             for i in range(n)
         ]

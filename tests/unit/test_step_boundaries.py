@@ -268,3 +268,33 @@ def test_trainers_share_the_in_flight_cap():
     assert in_flight_cap(4, 0.25, 16, 2) == 2, "4 in flight over 2 trainers"
     assert in_flight_cap(4, 0.25, 64, 2) == 4, "the lanes still bound it"
     assert in_flight_cap(4, 0.1, 16, 3) == 1, "never below one sample per trainer"
+
+
+def test_head_gates_forwards_per_weight_version():
+    """With max_delayed_per_step 0 the head forwards one step's worth of samples per version: the
+    next step's samples start on the weights that step produced, so no gradient is delayed."""
+    run = make_run(2, max_delayed_per_step=0)
+    model = StageModel(run, 0)
+    optimizer = StageOptimizer.for_stage(run, 0, model.trainable_parameters(), "cpu")
+    runtime = StageRuntime(model, optimizer, TaskQueues(16), stage=0, vocab_size=run.model.vocab_size,
+                           max_seq_len=run.model.max_seq_len, device=torch.device("cpu"),
+                           ledger=StepLedger(2, assigns=False), forward_budget=2)
+    replies = Replies()
+    runtime.start()
+    try:
+        for i in range(3):
+            runtime.submit(TaskKind.FORWARD, ForwardRequest(stage=0, sample_id=f"s{i}", tokens=tokens(i, run)),
+                           replies.callback(f"f{i}"))
+        replies.wait(["f0", "f1"])
+        with pytest.raises(AssertionError):
+            replies.wait(["f2"], timeout=0.5)
+        for i in range(2):
+            runtime.submit(TaskKind.BACKWARD, BackwardRequest(stage=0, sample_id=f"s{i}", tokens=tokens(i, run),
+                                                              grad_output=coords(i, run), step=0),
+                           replies.callback(f"b{i}"))
+        replies.wait(["b0", "b1", "f2"])
+        assert runtime.optimizer.local_step == 1
+        assert runtime.forwarded.peek("s2") == 1, "the third sample ran on the weights after step 0"
+        assert runtime.staleness.summary()["max_delay"] == 0
+    finally:
+        runtime.stop(5)
