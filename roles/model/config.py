@@ -147,10 +147,10 @@ class StalenessConfig(BaseModel):
     )
     max_delayed_per_step: int | None = Field(
         default=None, ge=0,
-        description="The head serves at most target_batch_size plus this many forwards on one "
-        "version of its weights; the rest wait for its next step. Bounds how many samples of a step "
-        "carry gradients taken on the previous weights; 0 drains the pipeline at every step (no "
-        "staleness, a bubble per step); None: no bound beyond the samples in flight.",
+        description="The head keeps at most this many more samples in flight than its open step "
+        "still needs; the rest wait for its step. Bounds how many samples of a step carry gradients "
+        "taken on the previous weights; 0 drains the pipeline at every step (no staleness, a bubble "
+        "per step); None: no bound beyond the samples in flight.",
     )
     step_close_timeout_s: float = Field(
         default=10.0, gt=0,

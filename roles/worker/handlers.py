@@ -86,7 +86,7 @@ class WorkerHandlers:
         if request.stage != self.runtime.stage:
             raise ProtocolError(f"this worker serves stage {self.runtime.stage}, not {request.stage}",
                                 ErrorCode.WRONG_STAGE)
-        return {"taken": self.runtime.abandon(request.step)}
+        return {"taken": self.runtime.abandon(request.step, request.sample_id)}
 
     async def info(self, peer_id: PeerID, body: dict) -> dict:
         return self.info_fn().model_dump(mode="python")

@@ -84,7 +84,7 @@ class WorkerRole:
             self.model, self.optimizer, TaskQueues(config.max_batch, config.max_pending),
             stage=config.stage, vocab_size=run.model.vocab_size, max_seq_len=run.model.max_seq_len,
             device=self.device, ledger=self.ledger, autocast_dtype=autocast,
-            forward_budget=self._forward_budget(run),
+            max_delayed_per_step=run.staleness.max_delayed_per_step if self.model.kind == "head" else None,
             on_backward=lambda: self.progress.notify(), on_step=self._on_step,
         )
         self.server = RpcServer(p2p, authenticator=authenticator)
@@ -117,13 +117,6 @@ class WorkerRole:
         self.joined: dict = {}
         self.last_step: Optional[StepReport] = None
         self._tasks: list[asyncio.Task] = []
-
-    def _forward_budget(self, run: RunConfig) -> Optional[int]:
-        """The head gates forwards per weight version; every later stage follows the head's pace."""
-        slack = run.staleness.max_delayed_per_step
-        if slack is None or self.model.kind != "head":
-            return None
-        return run.target_batch_size + slack
 
     @property
     def phase(self) -> Phase:

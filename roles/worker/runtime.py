@@ -41,29 +41,44 @@ class BackwardResult:
 
 
 class RecentSamples:
-    """Bounded memory of the sample ids this worker ran forward for, with the weight version
-    (optimizer step) the forward saw: backward requests that were not pinned to us are counted
-    (they use gradients from other weights [report 4.2.1]), and the version gap measures staleness."""
+    """The samples this worker ran forward for and whose backward has not come yet, with the weight
+    version (optimizer step) each forward saw: backward requests that were not pinned to us are
+    counted (they use gradients from other weights [report 4.2.1]), the version gap measures
+    staleness, and the head gates its forwards on how many are in flight. A sample whose backward
+    never comes (dropped without a notice) is forgotten after `ttl_s`."""
 
-    def __init__(self, capacity: int = 65536):
-        self._ids: collections.OrderedDict[str, int] = collections.OrderedDict()
+    def __init__(self, capacity: int = 65536, ttl_s: float = 120.0):
+        self._ids: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
         self._capacity = capacity
+        self._ttl_s = ttl_s
         self._lock = threading.Lock()
 
     def add(self, sample_id: str, version: int = 0) -> None:
         with self._lock:
-            self._ids[sample_id] = version
-            if len(self._ids) > self._capacity:
-                self._ids.popitem(last=False)
+            self._ids[sample_id] = (version, time.monotonic())
+            self._ids.move_to_end(sample_id)
+            self._expire()
+
+    def _expire(self) -> None:
+        horizon = time.monotonic() - self._ttl_s
+        while self._ids and (len(self._ids) > self._capacity or next(iter(self._ids.values()))[1] < horizon):
+            self._ids.popitem(last=False)
 
     def peek(self, sample_id: str) -> Optional[int]:
         with self._lock:
-            return self._ids.get(sample_id)
+            entry = self._ids.get(sample_id)
+            return None if entry is None else entry[0]
 
     def pop(self, sample_id: str) -> Optional[int]:
         """The version the sample's forward saw here, or None if it did not run here."""
         with self._lock:
-            return self._ids.pop(sample_id, None)
+            entry = self._ids.pop(sample_id, None)
+            return None if entry is None else entry[0]
+
+    def in_flight(self) -> int:
+        with self._lock:
+            self._expire()
+            return len(self._ids)
 
 
 class StalenessStats:
@@ -121,7 +136,7 @@ class StageRuntime:
         max_seq_len: int,
         device: torch.device,
         ledger: Optional[StepLedger] = None,
-        forward_budget: Optional[int] = None,
+        max_delayed_per_step: Optional[int] = None,
         autocast_dtype: Optional[torch.dtype] = None,
         on_backward: Callable[[], None] = lambda: None,
         on_step: Callable[[StepReport], None] = lambda report: None,
@@ -146,9 +161,8 @@ class StageRuntime:
         self.staleness = StalenessStats()
         self.discarded_at_shutdown: dict[int, int] = {}
         self.last_step: Optional[StepReport] = None
-        self.forward_budget = forward_budget
-        """Head only: forwards served per weight version before the rest wait for the next step."""
-        self._forwards_at_version = 0
+        self.max_delayed_per_step = max_delayed_per_step
+        """Head only: how many more samples than the open step still needs may be in flight here."""
         self._param_names = [name for name, p in model.named_parameters() if p.requires_grad]
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -234,9 +248,8 @@ class StageRuntime:
                 self._maybe_step()
                 open_step = self.optimizer.local_step
                 limit, _ = self._untagged_capacity()
-                forwards = None if self.forward_budget is None else max(0, self.forward_budget - self._forwards_at_version)
                 batch = self.queues.next_batch(timeout=0.1, hold_after=open_step + 1, untagged_limit=limit,
-                                               forward_limit=forwards)
+                                               forward_limit=self._forward_allowance())
                 if not batch:
                     continue
                 compute = self._forward_batch if batch[0].kind == TaskKind.FORWARD else self._backward_batch
@@ -257,12 +270,29 @@ class StageRuntime:
         step = opt.local_step
         return (opt.samples_accumulated + ledger.abandoned(step), opt.next_accumulated + ledger.abandoned(step + 1))
 
-    def abandon(self, step: int) -> bool:
+    def abandon(self, step: int, sample_id: Optional[str] = None) -> bool:
         """Called on the event loop when a trainer reports a dropped sample of `step`."""
+        if sample_id is not None:
+            self.forwarded.pop(sample_id)  # its backward will not come: no longer in flight here
         taken = self.ledger.abandon(step, self.optimizer.local_step)
         if taken:
             self.queues.wake()
         return taken
+
+    def _forward_allowance(self) -> Optional[int]:
+        """Forwards the head may start now without delaying gradients beyond its bound [issue 7].
+
+        The tail tags samples in about the order the head forwarded them, so the samples in flight
+        here fill the open step's remaining slots first; a forward beyond those belongs to the next
+        step but runs on the open step's weights, so its gradient will be a step old. At most
+        `max_delayed_per_step` such forwards run ahead; the rest wait for the step (0: the
+        pipeline drains at every step, and no gradient is delayed).
+        """
+        if self.max_delayed_per_step is None:
+            return None
+        open_samples, _ = self.arrived()
+        remaining = self.ledger.target - open_samples - self.ledger.peers.counts.get(self.optimizer.local_step, 0)
+        return max(0, remaining + self.max_delayed_per_step - self.forwarded.in_flight())
 
     def _untagged_capacity(self) -> tuple[int, int]:
         open_samples, next_samples = self.arrived()
@@ -284,7 +314,6 @@ class StageRuntime:
                 logger.error("%s", exc)
                 report = None
             self.ledger.stepped(opt.local_step - 1, due, local)
-            self._forwards_at_version = 0
         if due.reason != "complete":
             why = {"peer_ahead": "a replica of this stage was ahead",
                    "overtaken": "samples two steps ahead arrived; the rest of it was lost",
@@ -325,7 +354,6 @@ class StageRuntime:
         out = out.float().cpu()
         for request in requests:
             self.forwarded.add(request.sample_id, version)
-        self._forwards_at_version += len(requests)
         self.counters["forward_requests"] += len(requests)
         self.counters["forward_batches"] += 1
         return list(out.unbind(0))

@@ -271,14 +271,15 @@ def test_trainers_share_the_in_flight_cap():
 
 
 def test_head_gates_forwards_per_weight_version():
-    """With max_delayed_per_step 0 the head forwards one step's worth of samples per version: the
-    next step's samples start on the weights that step produced, so no gradient is delayed."""
+    """With max_delayed_per_step 0 the head keeps only as many samples in flight as its open step
+    still needs: the next step's samples start on the weights that step produced, so no gradient
+    is delayed."""
     run = make_run(2, max_delayed_per_step=0)
     model = StageModel(run, 0)
     optimizer = StageOptimizer.for_stage(run, 0, model.trainable_parameters(), "cpu")
     runtime = StageRuntime(model, optimizer, TaskQueues(16), stage=0, vocab_size=run.model.vocab_size,
                            max_seq_len=run.model.max_seq_len, device=torch.device("cpu"),
-                           ledger=StepLedger(2, assigns=False), forward_budget=2)
+                           ledger=StepLedger(2, assigns=False), max_delayed_per_step=0)
     replies = Replies()
     runtime.start()
     try:
