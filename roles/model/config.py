@@ -146,7 +146,7 @@ class StalenessConfig(BaseModel):
         "(one extra copy of the stage's parameters).",
     )
     max_delayed_per_step: int | None = Field(
-        default=None, ge=0,
+        default=0, ge=0,
         description="The head keeps at most this many more samples in flight than its open step "
         "still needs; the rest wait for its step. Bounds how many samples of a step carry gradients "
         "taken on the previous weights; 0 drains the pipeline at every step (no staleness, a bubble "
