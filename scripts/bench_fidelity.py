@@ -123,6 +123,8 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
         staleness["pin_forward_weights"] = False
     if args.max_delayed_per_step is not None:
         staleness["max_delayed_per_step"] = args.max_delayed_per_step
+    if args.no_forward_gate:
+        staleness["max_delayed_per_step"] = None
     if staleness:
         overrides["staleness"] = staleness
     return load_run_config("tiny", overrides)
@@ -569,6 +571,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="instead of the swarm, train the one-process variants of the subspace ablation")
     p.add_argument("--max-in-flight-ratio", type=float, help="run config staleness.max_in_flight_ratio")
     p.add_argument("--max-delayed-per-step", type=int, help="run config staleness.max_delayed_per_step")
+    p.add_argument("--no-forward-gate", action="store_true",
+                   help="run config staleness.max_delayed_per_step = null (the head forwards freely)")
     p.add_argument("--no-pin-forward-weights", action="store_true",
                    help="run config staleness.pin_forward_weights = false")
     p.add_argument("--noise-runs", type=int, default=None,
