@@ -36,16 +36,17 @@ over the 10% of tokens ending at 25/50/75/100%. Gaps are (swarm - reference) / r
 stage: steps taken, samples per step and staleness from the workers' summaries (null while a
 worker does not report them), and samples per step from the log.
 
-Measured on this 2-core machine (`--setting all` takes 3.5-6 minutes; `--quick` about 1.2):
-- demo, five runs: held-out gap +3.2%, +9.7%, -1.6%, +10.2% (and +3.8% with
-  --max-in-flight-ratio 0.25); the swarm's held-out 1.117-1.198 (mean 1.16) against references
-  1.08-1.18 (mean ~1.12), so ~+4% on average, above the 3% aim. Order noise alone is 3.7% (relative
-  std of the held-out loss), so one run's gap says little; pinned_share is 25-28% at the head and
-  15-18% at the body: a quarter of the head's samples carry gradients one step older than the
-  reference's. In one process, making 1 of 16 samples per step one step stale at every stage
-  costs +9% held-out, 4 of 16 at head and body +14%: this setting is very sensitive to staleness,
-  and staleness is the likely cause; a log with per-stage `versions` would let `swarm_replay` say so.
-- batch64, three runs: +0.1%, -0.4%, +0.1% (aim 1%: met); order noise 0.3%; pinned_share ~7%.
+Measured on this 2-core machine (`--setting all` takes about 6 minutes; `--quick` about 1.2):
+- With the default staleness.max_delayed_per_step 0 (the head keeps only as many samples in
+  flight as its open step still needs): demo and batch64 held-out gap 0.0% (swarm 1.0347 =
+  reference 1.0347; 2.1625 = 2.1625); every stage 150 (60) steps of exactly 16 (64) samples; no
+  gradient delayed; order noise 5.9% (0.2%) for scale.
+- Without the gate (`--no-forward-gate`), demo: held-out +12.3%, +5.7% in two runs (earlier
+  builds: +3.2%, +9.7%, -1.6%, +10.2%), with 33% of the head's and 19% of the body's gradients one
+  step old; `swarm_replay` reproduces the swarm to 0.0%, so staleness is the whole gap. Gate 2:
+  15% delayed, -0.6%; gate 4: 25% delayed, +10.5%. The gate costs the demo 14% of its tokens/s
+  (1,900 against 2,220, same run), the drain of a 3-stage pipeline once per 16-sample step.
+- batch64 without the gate: +0.1%, -0.4%, +0.1% (about 7% of the head's gradients one step old).
 
 `--ablation` instead trains one-process variants that move one difference between the subspace
 model and a plain Llama at a time (scripts/_fidelity_ablation.py) and reports held-out losses over
