@@ -152,6 +152,12 @@ class StalenessConfig(BaseModel):
         "taken on the previous weights; 0 drains the pipeline at every step (no staleness, a bubble "
         "per step); None: no bound beyond the samples in flight.",
     )
+    forward_gate_timeout_s: float = Field(
+        default=5.0, gt=0,
+        description="A forward whose backward has not come back after this long stops holding a "
+        "slot of the head's gate (its sample was probably dropped): a slower round trip costs a "
+        "delayed gradient, never a stall.",
+    )
     step_close_timeout_s: float = Field(
         default=10.0, gt=0,
         description="A stage whose open step misses samples (their trainer died after the tail "

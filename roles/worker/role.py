@@ -85,6 +85,7 @@ class WorkerRole:
             stage=config.stage, vocab_size=run.model.vocab_size, max_seq_len=run.model.max_seq_len,
             device=self.device, ledger=self.ledger, autocast_dtype=autocast,
             max_delayed_per_step=run.staleness.max_delayed_per_step if self.model.kind == "head" else None,
+            forward_gate_timeout_s=run.staleness.forward_gate_timeout_s,
             on_backward=lambda: self.progress.notify(), on_step=self._on_step,
         )
         self.server = RpcServer(p2p, authenticator=authenticator)

@@ -75,10 +75,12 @@ class RecentSamples:
             entry = self._ids.pop(sample_id, None)
             return None if entry is None else entry[0]
 
-    def in_flight(self) -> int:
+    def in_flight(self, max_age_s: float) -> int:
+        """Forwards younger than `max_age_s` whose backward has not come yet."""
+        horizon = time.monotonic() - max_age_s
         with self._lock:
             self._expire()
-            return len(self._ids)
+            return sum(1 for _, at in reversed(self._ids.values()) if at >= horizon)
 
 
 class StalenessStats:
@@ -137,6 +139,7 @@ class StageRuntime:
         device: torch.device,
         ledger: Optional[StepLedger] = None,
         max_delayed_per_step: Optional[int] = None,
+        forward_gate_timeout_s: float = 5.0,
         autocast_dtype: Optional[torch.dtype] = None,
         on_backward: Callable[[], None] = lambda: None,
         on_step: Callable[[StepReport], None] = lambda report: None,
@@ -163,6 +166,7 @@ class StageRuntime:
         self.last_step: Optional[StepReport] = None
         self.max_delayed_per_step = max_delayed_per_step
         """Head only: how many more samples than the open step still needs may be in flight here."""
+        self.forward_gate_timeout_s = forward_gate_timeout_s
         self._param_names = [name for name, p in model.named_parameters() if p.requires_grad]
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -286,13 +290,17 @@ class StageRuntime:
         here fill the open step's remaining slots first; a forward beyond those belongs to the next
         step but runs on the open step's weights, so its gradient will be a step old. At most
         `max_delayed_per_step` such forwards run ahead; the rest wait for the step (0: the
-        pipeline drains at every step, and no gradient is delayed).
+        pipeline drains at every step, and no gradient is delayed). A forward whose backward has
+        not come within `forward_gate_timeout_s` no longer holds a slot: its sample was probably
+        dropped, and a gate waiting for it would stall the stage (a slow one costs a delayed
+        gradient instead).
         """
         if self.max_delayed_per_step is None:
             return None
         open_samples, _ = self.arrived()
         remaining = self.ledger.target - open_samples - self.ledger.peers.counts.get(self.optimizer.local_step, 0)
-        return max(0, remaining + self.max_delayed_per_step - self.forwarded.in_flight())
+        in_flight = self.forwarded.in_flight(self.forward_gate_timeout_s)
+        return max(0, remaining + self.max_delayed_per_step - in_flight)
 
     def _untagged_capacity(self) -> tuple[int, int]:
         open_samples, next_samples = self.arrived()

@@ -299,3 +299,23 @@ def test_head_gates_forwards_per_weight_version():
         assert runtime.staleness.summary()["max_delay"] == 0
     finally:
         runtime.stop(5)
+
+
+def test_a_forward_whose_backward_never_comes_stops_holding_the_gate():
+    run = make_run(2, max_delayed_per_step=0)
+    model = StageModel(run, 0)
+    optimizer = StageOptimizer.for_stage(run, 0, model.trainable_parameters(), "cpu")
+    runtime = StageRuntime(model, optimizer, TaskQueues(16), stage=0, vocab_size=run.model.vocab_size,
+                           max_seq_len=run.model.max_seq_len, device=torch.device("cpu"),
+                           ledger=StepLedger(2, assigns=False), max_delayed_per_step=0, forward_gate_timeout_s=0.5)
+    replies = Replies()
+    runtime.start()
+    try:
+        for i in range(3):  # s0 and s1 are dropped by their trainer after the forward, with no notice
+            runtime.submit(TaskKind.FORWARD, ForwardRequest(stage=0, sample_id=f"s{i}", tokens=tokens(i, run)),
+                           replies.callback(f"f{i}"))
+        replies.wait(["f0", "f1"])
+        replies.wait(["f2"], timeout=10)  # served once the two silent forwards timed out of the gate
+        assert runtime.optimizer.local_step == 0
+    finally:
+        runtime.stop(5)
