@@ -38,9 +38,9 @@ worker does not report them), and samples per step from the log.
 
 Measured on this 2-core machine (`--setting all` takes about 6 minutes; `--quick` about 1.2):
 - With the default staleness.max_delayed_per_step 0 (the head keeps only as many samples in
-  flight as its open step still needs): demo and batch64 held-out gap 0.0% (swarm 1.0347 =
-  reference 1.0347; 2.1625 = 2.1625); every stage 150 (60) steps of exactly 16 (64) samples; no
-  gradient delayed; order noise 5.9% (0.2%) for scale.
+  flight as its open step still needs): demo and batch64 held-out gap 0.0% in each of three runs
+  (e.g. swarm 1.1213 = reference 1.1213; 2.1578 = 2.1578); every stage 150 (60) steps of exactly
+  16 (64) samples; no gradient delayed; order noise 1.7-5.9% (0.2%) for scale.
 - Without the gate (`--no-forward-gate`), demo: held-out +12.3%, +5.7% in two runs (earlier
   builds: +3.2%, +9.7%, -1.6%, +10.2%), with 33% of the head's and 19% of the body's gradients one
   step old; `swarm_replay` reproduces the swarm to 0.0%, so staleness is the whole gap. Gate 2:
