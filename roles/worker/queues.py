@@ -205,11 +205,13 @@ class TaskQueues:
             self._woken = True
             self._cond.notify_all()
 
-    def held(self, hold_after: int) -> int:
-        """Tagged backward requests waiting for a step later than `hold_after`."""
+    def held(self, hold_after: int) -> tuple[int, int | None]:
+        """Tagged backward requests waiting for a step later than `hold_after`: how many, and the
+        earliest step among them."""
         with self._cond:
-            return sum(1 for _, task in self._queues[TaskKind.BACKWARD]
-                       if task.step is not None and task.step > hold_after)
+            steps = [task.step for _, task in self._queues[TaskKind.BACKWARD]
+                     if task.step is not None and task.step > hold_after]
+            return len(steps), min(steps, default=None)
 
     def close(self) -> list[Task]:
         """Stop accepting work, wake the consumer, and return every task still queued, oldest first."""

@@ -310,7 +310,10 @@ class StageRuntime:
         opt = self.optimizer
         with opt.lock:
             open_samples, next_samples = self.arrived()
-            held = self.queues.held(opt.local_step + 1)
+            held, earliest = self.queues.held(opt.local_step + 1)
+            if held and not open_samples and not next_samples and opt.samples_accumulated == 0:
+                self._jump_to(earliest)
+                return
             due = self.ledger.due(opt.local_step, open_samples, next_samples > 0 or held > 0, overtaken=held > 0)
             if due is None:
                 return
@@ -331,6 +334,17 @@ class StageRuntime:
         if report is not None:
             self.last_step = report
             self.on_step(report)
+
+    def _jump_to(self, step: int) -> None:
+        """Samples of a step two or more ahead arrived while this worker holds nothing: the run
+        moved on without it (it was away, or it restarted a stage that had no replica left), so
+        it joins the run's step at once instead of closing every step in between."""
+        opt = self.optimizer
+        skipped = step - opt.local_step
+        opt.set_step(step, opt.samples_consumed + skipped * self.ledger.target)
+        self.ledger.skipped(skipped)
+        logger.info("stage %d jumped from step %d to %d: samples of step %d arrived and this worker held none of "
+                    "the steps in between", self.stage, step - skipped, step, step)
 
     def stop(self, timeout_s: float = 30.0) -> list[Task]:
         """Stop taking work; return what was still queued so the caller can hand it back. Gradients

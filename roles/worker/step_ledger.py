@@ -76,6 +76,7 @@ class StepLedger:
         """Samples tagged for a step this stage had already closed: computed, gradient discarded."""
         self.abandoned_total = 0
         """Samples trainers reported dropped before reaching this stage: their steps closed without them."""
+        self.steps_skipped = 0
         self._abandoned: dict[int, int] = {}
         self._abandoned_lock = threading.Lock()
         self._open_since = time.monotonic()
@@ -159,6 +160,11 @@ class StepLedger:
         with self._abandoned_lock:
             self._abandoned = {s: n for s, n in self._abandoned.items() if s > step}
 
+    def skipped(self, steps: int) -> None:
+        """The worker jumped `steps` steps it held no sample of (the run had moved on without it)."""
+        self.steps_skipped += steps
+        self._open_since = time.monotonic()
+
     def summary(self) -> dict:
         sizes = self.step_sizes
         return {
@@ -171,4 +177,5 @@ class StepLedger:
             "closed_by": dict(self.reasons),
             "late_samples": self.late_samples,
             "abandoned_samples": self.abandoned_total,
+            "steps_skipped": self.steps_skipped,
         }

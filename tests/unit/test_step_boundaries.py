@@ -166,6 +166,20 @@ def test_abandoned_step_closes_short_after_the_timeout():
         runtime.stop(5)
 
 
+def test_a_worker_the_run_left_behind_jumps_to_its_step():
+    run = make_run(2)
+    runtime = make_runtime(run, 1)
+    replies = Replies()
+    try:
+        runtime.submit(TaskKind.BACKWARD, body_backward(0, run, 40), replies.callback("s0"))
+        replies.wait(["s0"])
+        assert runtime.optimizer.local_step == 40 and runtime.optimizer.samples_accumulated == 1
+        assert runtime.optimizer.samples_consumed == 80, "the schedule follows the run's position"
+        assert runtime.ledger.summary()["steps_skipped"] == 40 and runtime.ledger.step_sizes == []
+    finally:
+        runtime.stop(5)
+
+
 def test_abandoned_sample_completes_its_step_at_once():
     run = make_run(4)
     runtime = make_runtime(run, 1)
