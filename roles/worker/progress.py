@@ -42,6 +42,7 @@ class StageProgress:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._wake = asyncio.Event()
         self._published: Optional[tuple] = None
+        self._last_read = 0.0
 
     def _own_record(self) -> ProgressRecord:
         opt, ledger = self.optimizer, self.ledger
@@ -56,13 +57,21 @@ class StageProgress:
         )
 
     async def tick(self, force: bool = False) -> None:
-        """Publish our record if it changed (or `force`), then read the stage's into the ledger."""
+        """Publish our record if it changed (or `force`), then read the stage's into the ledger.
+
+        Alone in its stage, a worker publishes only new steps and reads once a period (to notice
+        a peer arriving); with peers it publishes and reads on every change, since they wait on it.
+        """
         record = self._own_record()
         state = (record.local_step, record.samples_accumulated, record.next_samples, record.counts_towards_target)
         alone = self.ledger.peers.alone
-        if force or (state != self._published and (not alone or state[0] != (self._published or (None,))[0])):
+        published_step = self._published[0] if self._published else None
+        if force or (state != self._published and (not alone or record.local_step != published_step)):
             await self.swarm.store(self.key, record, self.ttl_s)
             self._published = state
+        if alone and not force and time.monotonic() - self._last_read < self.period_s:
+            return
+        self._last_read = time.monotonic()
         peers = await self.swarm.get(self.key, ProgressRecord)
         peers.pop(self.swarm.peer_id, None)
         self.ledger.update_peers(peer_view(peers.values()))
@@ -109,10 +118,8 @@ def peer_view(records) -> PeerView:
     the tail tagged them into the step, so the step is not complete without them."""
     counts: dict[int, int] = {}
     max_step: Optional[int] = None
-    consumed = 0
     for record in records:
         max_step = record.local_step if max_step is None else max(max_step, record.local_step)
-        consumed = max(consumed, record.samples_consumed)
         counts[record.local_step] = counts.get(record.local_step, 0) + record.samples_accumulated
         counts[record.local_step + 1] = counts.get(record.local_step + 1, 0) + record.next_samples
-    return PeerView(counts=counts, max_step=max_step, samples_consumed=consumed)
+    return PeerView(counts=counts, max_step=max_step)

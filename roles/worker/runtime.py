@@ -76,11 +76,16 @@ class RecentSamples:
             return None if entry is None else entry[0]
 
     def in_flight(self, max_age_s: float) -> int:
-        """Forwards younger than `max_age_s` whose backward has not come yet."""
+        """Forwards younger than `max_age_s` whose backward has not come yet (entries are in the
+        order they were added, so the count stops at the first older one)."""
         horizon = time.monotonic() - max_age_s
+        count = 0
         with self._lock:
-            self._expire()
-            return sum(1 for _, at in reversed(self._ids.values()) if at >= horizon)
+            for _, at in reversed(self._ids.values()):
+                if at < horizon:
+                    break
+                count += 1
+        return count
 
 
 class StalenessStats:
@@ -317,14 +322,13 @@ class StageRuntime:
             due = self.ledger.due(opt.local_step, open_samples, next_samples > 0 or held > 0, overtaken=held > 0)
             if due is None:
                 return
-            local = opt.samples_accumulated
             try:
                 report = opt.step(stage_samples=due.stage_samples)
             except NonFiniteGradients as exc:
                 self.counters["non_finite_steps"] += 1
                 logger.error("%s", exc)
                 report = None
-            self.ledger.stepped(opt.local_step - 1, due, local)
+            self.ledger.stepped(opt.local_step - 1, due)
         if due.reason != "complete":
             why = {"peer_ahead": "a replica of this stage was ahead",
                    "overtaken": "samples two steps ahead arrived; the rest of it was lost",
@@ -402,7 +406,7 @@ class StageRuntime:
                 limit, offset = self._untagged_capacity()
                 tag = opt.local_step + offset
             else:
-                offset = self.ledger.offset(tag, opt.local_step)
+                offset = tag - opt.local_step  # 0 open step, 1 next, < 0 closed (late: discarded)
             if offset < 0:
                 self.ledger.note_late(n)
             elif offset == 0:

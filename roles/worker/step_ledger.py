@@ -42,7 +42,6 @@ class PeerView:
 
     counts: dict[int, int] = field(default_factory=dict)
     max_step: Optional[int] = None
-    samples_consumed: int = 0
 
     @property
     def alone(self) -> bool:
@@ -70,7 +69,6 @@ class StepLedger:
         self.peers = PeerView()
         self.step_sizes: list[int] = []
         """Samples the stage consumed in each step this replica took (its view)."""
-        self.local_sizes: list[int] = []
         self.reasons: collections.Counter[str] = collections.Counter()
         self.late_samples = 0
         """Samples tagged for a step this stage had already closed: computed, gradient discarded."""
@@ -87,11 +85,6 @@ class StepLedger:
         self.peers = view
 
     # ---- tagging ----
-
-    def offset(self, tag: int, open_step: int) -> int:
-        """Where a sample tagged `tag` accumulates: 0 the open step, 1 the next, < 0 a closed step
-        (late: its gradient is discarded). Callers hold tags beyond `open_step + 1`."""
-        return tag - open_step
 
     def capacity(self, open_step: int, open_samples: int, next_samples: int, max_batch: int) -> tuple[int, int]:
         """How many untagged samples this replica may tag now, and for which offset (0 or 1).
@@ -152,9 +145,8 @@ class StepLedger:
         """A sample of the open step arrived: restarts the abandonment clock."""
         self._open_since = time.monotonic()
 
-    def stepped(self, step: int, due: StepDue, local_samples: int) -> None:
+    def stepped(self, step: int, due: StepDue) -> None:
         self.step_sizes.append(due.stage_samples)
-        self.local_sizes.append(local_samples)
         self.reasons[due.reason] += 1
         self._open_since = time.monotonic()
         with self._abandoned_lock:
