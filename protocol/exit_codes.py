@@ -1,0 +1,35 @@
+"""The exit codes of every `agora-node` role, in one table: operators script against them, so a
+code never changes meaning. `--help` and the README show `EXIT_CODES` as it is here."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    FAILURE = 1
+    USAGE = 2
+    LEFT_STAGE = 3
+    ADMISSION_REJECTED = 4
+    REVOKED = 5
+    CREDENTIAL_EXPIRED = 6
+    INTERRUPTED = 130
+
+
+EXIT_CODES: dict[ExitCode, str] = {
+    ExitCode.OK: "clean exit (including a first Ctrl-C or SIGTERM, after draining)",
+    ExitCode.FAILURE: "unexpected failure (a bug: the log has the traceback)",
+    ExitCode.USAGE: "bad input or environment: flags, config, data, memory plan, port or identity in use, "
+                    "authorizer or initial peers unreachable; the message names the fix",
+    ExitCode.LEFT_STAGE: "a worker left its stage after failing 2 of its last 3 averaging rounds",
+    ExitCode.ADMISSION_REJECTED: "the authorizer turned the node away; the message says what to change",
+    ExitCode.REVOKED: "the node was banned or its credential revoked, or renewal was refused",
+    ExitCode.CREDENTIAL_EXPIRED: "the credential expired while every authorizer was unreachable",
+    ExitCode.INTERRUPTED: "a second Ctrl-C: stopped at once, without draining",
+}
+
+
+def exit_code_table() -> str:
+    """The table as plain text, one code a line (for --help and the README)."""
+    return "\n".join(f"  {int(code):>3}  {text}" for code, text in EXIT_CODES.items())
