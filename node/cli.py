@@ -1,5 +1,9 @@
-"""`agora-node`: parse flags, build settings, run the role or the demo. Bad input ends with one
-line naming the fix and exit code 2, never a traceback."""
+"""`agora-node`: parse flags, build settings, run the role, the authorizer or the demo.
+
+The flags are generated from the settings models (node/flags.py), grouped by role. Bad input
+ends with one line naming the fix and exit code 2, never a traceback; every exit code is in
+protocol/exit_codes.py and shown by `--help`.
+"""
 
 from __future__ import annotations
 
@@ -7,58 +11,59 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from node.flags import OneLineErrorParser, add_field_flag, add_model_flags
 from protocol.errors import AgoraError, ConfigError
+from protocol.exit_codes import ExitCode, exit_code_table
 
-EXIT_USAGE = 2
+SYNOPSIS = """
+  agora-node --role worker  --authorizer URL [--stage N] [--identity PATH] [--max-batch N] [...]
+  agora-node --role trainer --authorizer URL [--data synthetic|PATH] [--lanes N] [...]
+  agora-node --role authorizer --config tiny|1b|8b|PATH.yaml [--port 8000] [...]
+  agora-node --role worker --config 8b --stage N --dry-run [--gpu-memory 24GiB]
+  agora-node demo [--help]
+  agora-node --version"""
+
+_METAVARS = {"config": "NAME|PATH", "authorizer": "URL", "initial_peers": "MADDR", "host_maddrs": "MADDR",
+             "announce_maddrs": "MADDR", "identity": "PATH", "account_token": "TOKEN", "data": "synthetic|PATH",
+             "tokenizer": "PATH", "checkpoint_dir": "DIR", "gpu_memory": "SIZE"}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's default prints usage; we print one actionable line
-        raise ConfigError(f"{message} (see agora-node --help)")
+def _version() -> str:
+    from protocol.version import PROTOCOL_VERSION, client_version
+
+    return f"agora-node {client_version()} (protocol {PROTOCOL_VERSION})"
 
 
 def node_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="agora-node", description="Join a permissionless LLM pre-training run.",
-                epilog="Run 'agora-node demo --help' for the local demo swarm. Every flag can also be set as an "
-                       "AGORA_<FLAG> environment variable or in the config file's 'node:' section.")
-    p.add_argument("--role", choices=["worker", "trainer", "authorizer"],
-                   help="what this node does (authorizer: see agora-node --role authorizer --help)")
-    p.add_argument("--config", help="run config: tiny, 1b, 8b or a YAML path")
-    p.add_argument("--stage", type=int, help="pipeline stage served by a worker")
-    p.add_argument("--authorizer", metavar="URL", help="the run's authorizer; admits this node and signs its credential")
-    p.add_argument("--account-token", help="account token the run owner gave you, if any")
-    p.add_argument("--insecure-open-run", action="store_true", default=None,
-                   help="join a run without an authorizer, where any peer is trusted (local experiments only)")
-    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of nodes already in the run")
-    p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="listen addresses (default 127.0.0.1 only)")
-    p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses to advertise to peers")
-    p.add_argument("--identity", metavar="PATH", help="libp2p key file; created if missing; keeps the peer id")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="compute device of a worker")
-    p.add_argument("--max-batch", type=int, help="largest coalesced batch of a worker")
-    p.add_argument("--dry-run", action="store_true", default=None, help="print the memory plan and exit")
-    p.add_argument("--lanes", type=int, help="samples a trainer keeps in flight")
-    p.add_argument("--data", help="'synthetic' or a path to .txt/.jsonl files")
-    p.add_argument("--tokenizer", metavar="PATH", help="tokenizers JSON file (default: bytes)")
-    p.add_argument("--max-samples", type=int, help="trainer stops after this many samples")
-    p.add_argument("--shard-index", type=int, help="this trainer's data shard")
-    p.add_argument("--num-shards", type=int, help="number of trainers sharing the data")
-    p.add_argument("--bootstrap-timeout-s", type=float, help="seconds to try reaching the initial peers")
-    p.add_argument("--torch-threads", type=int, help="torch intra-op threads")
-    p.add_argument("--discovery-period-s", type=float, help="trainer: seconds between worker discovery refreshes")
-    p.add_argument("--announce-period-s", type=float, help="seconds between DHT re-announcements")
-    p.add_argument("--revocation-refresh-s", type=float, help="seconds between revocation list refreshes")
-    p.add_argument("--request-timeout-s", type=float, help="trainer: deadline of one request to a worker")
-    p.add_argument("--reducer", action="store_true", default=None,
-                   help="worker: reduce slices in averaging rounds (stable, well-connected nodes); otherwise only send")
-    p.add_argument("--state-source", choices=["auto", "peers", "checkpoint", "none"],
-                   help="worker joining a running stage: load its parameters from peers, a checkpoint, or not at all")
-    p.add_argument("--checkpoint-dir", metavar="DIR", help="worker: directory of stage checkpoints (read and written)")
-    p.add_argument("--checkpoint-period-s", type=float,
-                   help="worker: write a checkpoint to --checkpoint-dir at start and every this many seconds")
-    p.add_argument("--test-init-seed-offset", type=int, help="TESTS ONLY: start a worker from other initial weights")
-    p.add_argument("--test-averaging-stall-s", type=float,
-                   help="TESTS ONLY: stall mid-round in every all-reduce for this long (fault injection)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    from node.settings import COMMON_FIELDS, NodeSettings, ROLE_SECTIONS
+
+    p = OneLineErrorParser(
+        prog="agora-node", usage=SYNOPSIS, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Join a permissionless LLM pre-training run as a worker (holds one pipeline stage) or\n"
+                    "a trainer (drives samples through the stages), or run the run's authorizer.",
+        epilog="Every flag is also an AGORA_<FLAG> environment variable (AGORA_MAX_BATCH=4) and a key of\n"
+               "the config file's 'node:' section; flags override the environment, which overrides the file.\n"
+               "Authorizer flags: agora-node --role authorizer --help. Local demo swarm: agora-node demo --help.\n\n"
+               f"exit codes:\n{exit_code_table()}",
+    )
+    p.add_argument("--version", action="version", version=_version())
+    node = p.add_argument_group("every node")
+    node.add_argument("--role", choices=["worker", "trainer", "authorizer"], default=None,
+                      help="what this node does (authorizer: see agora-node --role authorizer --help)")
+    add_model_flags(node, NodeSettings, [n for n in NodeSettings.model_fields if n in COMMON_FIELDS and n != "role"],
+                    _METAVARS)
+    worker, trainer = ROLE_SECTIONS["worker"].model_fields, ROLE_SECTIONS["trainer"].model_fields
+    shared = [n for n in worker if n in trainer]
+    add_model_flags(p.add_argument_group("worker"), ROLE_SECTIONS["worker"],
+                    [n for n in worker if n not in shared], _METAVARS)
+    add_model_flags(p.add_argument_group("trainer"), ROLE_SECTIONS["trainer"],
+                    [n for n in trainer if n not in shared], _METAVARS)
+    both = p.add_argument_group("worker and trainer")
+    for name in shared:
+        w, t = ROLE_SECTIONS["worker"].model_fields[name], ROLE_SECTIONS["trainer"].model_fields[name]
+        help_text = None if w.default == t.default else (
+            f"{w.description} (default: worker {w.default}, trainer {t.default})")
+        add_field_flag(both, name, w, metavar=_METAVARS.get(name), help_text=help_text)
     return p
 
 
@@ -74,7 +79,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _run(argv)
     except ConfigError as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except AgoraError as exc:
         code = getattr(exc, "exit_code", None)
         if code is None:
@@ -82,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
         return code
     except KeyboardInterrupt:
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 def _role_of(argv: list[str]) -> Optional[str]:
@@ -91,7 +96,9 @@ def _role_of(argv: list[str]) -> Optional[str]:
             return argv[i + 1]
         if arg.startswith("--role="):
             return arg.split("=", 1)[1]
-    return None
+    import os
+
+    return os.environ.get("AGORA_ROLE") if "--role" not in argv else None
 
 
 def _run_authorizer(argv: list[str]) -> int:
@@ -100,7 +107,7 @@ def _run_authorizer(argv: list[str]) -> int:
 
     translated: list[str] = []
     skip = False
-    for i, arg in enumerate(argv):
+    for arg in argv:
         if skip:
             skip = False
             continue

@@ -1,59 +1,78 @@
-"""Node settings: flags override `AGORA_*` environment variables, which override the config
-file's optional `node:` section, which overrides the defaults below."""
+"""Node settings: one pydantic model, a section per role, and three sources merged in order.
+
+Flags override `AGORA_*` environment variables, which override the config file's optional
+`node:` section, which overrides the defaults written on the fields. The same model generates
+the command line (node/flags.py), so a setting is declared exactly once: common settings here,
+the worker's in `roles/worker/config.py`, the trainer's in `roles/trainer/config.py`, the
+authorizer's in `authorizer/config.py`. Roles receive their own section.
+"""
 
 from __future__ import annotations
 
 import os
+import typing
 from typing import Any, Literal, Optional
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from protocol.errors import ConfigError
+from roles.trainer.config import TrainerConfig
+from roles.worker.config import WorkerConfig
 
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
+ROLE_SECTIONS: dict[str, type[BaseModel]] = {"worker": WorkerConfig, "trainer": TrainerConfig}
+
+
+def parse_authorizer_url(text: str) -> str:
+    """An authorizer's base URL, checked enough that a typo fails at once instead of retrying a
+    connection that can never work."""
+    value = text.strip().rstrip("/")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https"):
+        hint = f"; did you mean http://{value}?" if "://" not in value else ""
+        raise ValueError(f"{text!r} is not an authorizer URL: it must start with http:// or https://{hint}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{text!r} has an invalid port; write e.g. http://host:8000") from None
+    if not parts.hostname:
+        raise ValueError(f"{text!r} names no host; write e.g. http://host:8000")
+    if parts.query or parts.fragment or port == 0:
+        raise ValueError(f"{text!r} is not a base URL; write e.g. http://host:8000")
+    return value
 
 
 class NodeSettings(BaseModel):
-    """Everything one `agora-node` process needs besides the run config itself."""
+    """Everything one worker or trainer process needs besides the run config itself."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Literal["worker", "trainer"] = Field(description="what this node does in the run")
-    config: Optional[str] = Field(default=None, description="run config: a preset name (tiny, 1b, 8b) or a YAML "
-                                  "path; with --authorizer the run's own config is used")
-    authorizer: Optional[str] = Field(default=None, description="URL of the run's authorizer, e.g. http://host:8000")
-    account_token: str = Field(default="", description="account token the run owner gave you, if any")
-    insecure_open_run: bool = Field(default=False, description="run without an authorizer: any peer is trusted")
-    revocation_refresh_s: float = Field(default=30.0, gt=0, description="how often revocations are re-read")
-    stage: Optional[int] = Field(default=None, ge=0, description="pipeline stage a worker serves")
+    config: Optional[str] = Field(default=None, description="run config: a preset (tiny, 1b, 8b) or a YAML path; "
+                                  "with --authorizer the run's own config is used")
+    authorizer: list[str] = Field(default_factory=list, description="URL(s) of the run's authorizer(s), e.g. "
+                                  "http://host:8000; several fail over to each other")
+    account_token: str = Field(default="", description="account token the run owner gave you, if the run needs one")
+    admission_timeout_s: float = Field(default=300.0, gt=0, description="give up joining when no authorizer "
+                                       "answered for this long")
+    insecure_open_run: bool = Field(default=False, description="run without an authorizer: any peer is trusted "
+                                    "(local experiments only)")
+    revocation_refresh_s: float = Field(default=30.0, gt=0, description="how often the revocation list is re-read")
     initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of peers already in the run")
     host_maddrs: list[str] = Field(default_factory=lambda: [LOOPBACK_MADDR], description="where to listen")
-    announce_maddrs: list[str] = Field(default_factory=list, description="addresses to advertise, if not host_maddrs")
-    identity: Optional[str] = Field(default=None, description="file holding the libp2p key; keeps the peer id")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_batch: int = Field(default=8, ge=1, le=4096, description="largest coalesced batch a worker runs")
-    dry_run: bool = Field(default=False, description="print the worker's memory plan and exit")
-    lanes: int = Field(default=4, ge=1, le=256, description="samples a trainer keeps in flight at once")
-    data: str = Field(default="synthetic", description="'synthetic' or a path to .txt/.jsonl files")
-    tokenizer: Optional[str] = Field(default=None, description="tokenizers JSON file; default is byte-level")
-    max_samples: Optional[int] = Field(default=None, ge=1, description="trainer stops after this many samples")
-    shard_index: int = Field(default=0, ge=0, description="this trainer's data shard")
-    num_shards: int = Field(default=1, ge=1, description="how many trainers share the data")
-    bootstrap_timeout_s: float = Field(default=30.0, gt=0, description="how long to try reaching initial peers")
+    announce_maddrs: list[str] = Field(default_factory=list, description="addresses to advertise, if not the "
+                                       "listen addresses (public address, port forwarding)")
+    identity: Optional[str] = Field(default=None, description="file holding the libp2p key, created if missing; "
+                                    "keeps the peer id across restarts")
+    bootstrap_timeout_s: float = Field(default=30.0, gt=0, description="how long to try reaching the initial peers")
     torch_threads: Optional[int] = Field(default=None, ge=1, description="intra-op threads for torch compute")
-    discovery_period_s: float = Field(default=5.0, gt=0, description="how often a trainer re-reads the DHT")
-    announce_period_s: float = Field(default=5.0, gt=0, description="how often a node re-announces itself")
-    request_timeout_s: float = Field(default=30.0, gt=0, description="deadline for one RPC to a worker")
-    reducer: bool = Field(default=False, description="worker: reduce slices in averaging rounds (stable nodes only)")
-    state_source: Literal["auto", "peers", "checkpoint", "none"] = Field(
-        default="auto", description="worker: where to load the stage's parameters when joining a running stage")
-    checkpoint_dir: Optional[str] = Field(default=None, description="worker: directory of stage checkpoints")
-    checkpoint_period_s: Optional[float] = Field(
-        default=None, gt=0, description="worker: write a checkpoint to --checkpoint-dir at start and this often")
-    test_init_seed_offset: int = Field(default=0, ge=0, description="TESTS ONLY: other initial weights")
-    test_averaging_stall_s: float = Field(default=0.0, ge=0, description="TESTS ONLY: stall mid-round this long")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log verbosity")
+    log_format: Literal["human", "json"] = Field(default="human", description="stderr log lines for people or "
+                                                 "one JSON object per line")
+    worker: WorkerConfig = Field(default_factory=WorkerConfig, description="the worker's section")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the trainer's section")
 
     @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
     @classmethod
@@ -69,20 +88,69 @@ class NodeSettings(BaseModel):
                 ) from exc
         return values
 
+    @field_validator("authorizer", mode="before")
+    @classmethod
+    def _authorizer_urls(cls, values: Any) -> list[str]:
+        if isinstance(values, str):
+            values = values.replace(",", " ").split()
+        return [parse_authorizer_url(v) for v in values or []]
 
-_LIST_FIELDS = {"initial_peers", "host_maddrs", "announce_maddrs"}
-_BOOL_FIELDS = {"dry_run", "insecure_open_run", "reducer"}
+    @property
+    def section(self) -> BaseModel:
+        """This node's role section: `worker` or `trainer`."""
+        return getattr(self, self.role)
+
+    def __getattr__(self, name: str) -> Any:
+        # Transitional: code not yet moved to `settings.worker.x` / `settings.trainer.x` reads the
+        # role's section through the top level.
+        if not name.startswith("_") and name in ROLE_SECTIONS[self.role].model_fields:
+            return getattr(self.section, name)
+        return super().__getattr__(name)
+
+
+COMMON_FIELDS = frozenset(n for n in NodeSettings.model_fields if n not in ROLE_SECTIONS)
+
+
+def is_hidden(field) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("hidden"))
+
+
+def setting_owners(name: str) -> list[str]:
+    """Where a setting lives: 'node' for common settings, else the roles whose section has it."""
+    if name in COMMON_FIELDS:
+        return ["node"]
+    return [role for role, model in ROLE_SECTIONS.items() if name in model.model_fields]
+
+
+def _field(name: str):
+    if name in COMMON_FIELDS:
+        return NodeSettings.model_fields[name]
+    for model in ROLE_SECTIONS.values():
+        if name in model.model_fields:
+            return model.model_fields[name]
+    return None
+
+
+def _is_list(annotation) -> bool:
+    return typing.get_origin(annotation) is list
+
+
+def _is_bool(annotation) -> bool:
+    return annotation is bool
 
 
 def _from_env(environ: dict[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    for name in NodeSettings.model_fields:
+    names = set(COMMON_FIELDS).union(*(m.model_fields for m in ROLE_SECTIONS.values()))
+    for name in names:
         raw = environ.get(f"AGORA_{name.upper()}")
         if raw is None or raw == "":
             continue
-        if name in _LIST_FIELDS:
+        annotation = _field(name).annotation
+        if _is_list(annotation):
             values[name] = [item for item in raw.replace(",", " ").split() if item]
-        elif name in _BOOL_FIELDS:
+        elif _is_bool(annotation):
             values[name] = raw.strip().lower() in ("1", "true", "yes", "on")
         else:
             values[name] = raw
@@ -100,25 +168,45 @@ def _from_config_file(config: Optional[str]) -> dict[str, Any]:
     section = document.get("node", {}) if isinstance(document, dict) else {}
     if not isinstance(section, dict):
         raise ConfigError(f"config {config}: the 'node' section must be a mapping of setting: value")
+    unknown = sorted(k for k in section if _field(str(k)) is None)
+    if unknown:
+        raise ConfigError(f"config {config}: unknown setting(s) in the 'node' section: {', '.join(map(str, unknown))}")
     return section
 
 
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
 def build_settings(flags: dict[str, Any], environ: Optional[dict[str, str]] = None) -> NodeSettings:
-    """Merge the three sources; the first validation error becomes a one-line ConfigError."""
+    """Merge the three sources into one NodeSettings; the first problem becomes a one-line
+    ConfigError naming the flag. A flag of another role's section is a mistake worth naming;
+    the same key in the environment or a shared config file is simply not used."""
     environ = dict(os.environ) if environ is None else environ
     env_values = _from_env(environ)
     flag_values = {k: v for k, v in flags.items() if v is not None and v != [] and v is not False}
     config = flag_values.get("config") or env_values.get("config")
     merged = {**_from_config_file(config), **env_values, **flag_values}
+    role = merged.get("role")
+    if role not in ROLE_SECTIONS:
+        raise ConfigError("--role is required: worker, trainer or authorizer" if role is None else
+                          f"--role {role!r} is not a role; choose worker, trainer or authorizer")
     if not merged.get("config") and not merged.get("authorizer"):
         raise ConfigError("--config is required (or --authorizer, which provides the run's config)")
+    for name in flag_values:
+        owners = setting_owners(name)
+        if owners and "node" not in owners and role not in owners:
+            raise ConfigError(f"{_flag(name)} is a {' and '.join(owners)} setting; this node is a {role}")
+    common = {k: v for k, v in merged.items() if k in COMMON_FIELDS}
+    section = {k: v for k, v in merged.items() if k in ROLE_SECTIONS[role].model_fields}
     try:
-        return NodeSettings.model_validate(merged)
+        return NodeSettings.model_validate({**common, role: section})
     except ValidationError as exc:
         error = exc.errors()[0]
-        field = ".".join(str(p) for p in error["loc"]) or "settings"
-        flag = f"--{field.split('.')[0].replace('_', '-')}"
+        loc = [str(p) for p in error["loc"] if str(p) not in ROLE_SECTIONS]
+        flag = _flag(loc[0]) if loc else "settings"
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "missing":
             raise ConfigError(f"{flag} is required") from None
-        raise ConfigError(f"{flag}: {message} (got {error.get('input')!r})") from None
+        got = "" if error["type"] == "value_error" else f" (got {error.get('input')!r})"
+        raise ConfigError(f"{flag}: {message}{got}") from None

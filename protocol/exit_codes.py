@@ -32,4 +32,7 @@ EXIT_CODES: dict[ExitCode, str] = {
 
 def exit_code_table() -> str:
     """The table as plain text, one code a line (for --help and the README)."""
-    return "\n".join(f"  {int(code):>3}  {text}" for code, text in EXIT_CODES.items())
+    import textwrap
+
+    return "\n".join(textwrap.fill(text, width=96, initial_indent=f"  {int(code):>3}  ", subsequent_indent=" " * 7)
+                     for code, text in EXIT_CODES.items())

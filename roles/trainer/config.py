@@ -1,4 +1,5 @@
-"""Settings of one trainer, derived by the node from flags, environment and config file."""
+"""The trainer's section of the node settings: every field is a flag (`--lanes`), an
+`AGORA_LANES` environment variable and a key of the config file's `node:` section."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ from pydantic import BaseModel, ConfigDict, Field
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    lanes: int = Field(ge=1, description="independent samples in flight at once [report 3.4.4]")
+    lanes: int = Field(default=4, ge=1, le=256, description="independent samples in flight at once")
     data: str = Field(default="synthetic", description="'synthetic' or a path to .txt/.jsonl files")
     tokenizer: Optional[str] = Field(default=None, description="tokenizers JSON file; default is byte-level")
     max_samples: Optional[int] = Field(default=None, ge=1, description="stop after this many samples end")
     shard_index: int = Field(default=0, ge=0, description="this trainer's shard of the data")
     num_shards: int = Field(default=1, ge=1, description="trainers sharing the data")
     discovery_period_s: float = Field(default=5.0, gt=0, description="how often workers are re-read from the DHT")
-    announce_period_s: float = Field(default=5.0, gt=0, description="how often progress is announced")
-    request_timeout_s: float = Field(default=30.0, gt=0, description="deadline for one RPC to a worker")
+    announce_period_s: float = Field(default=5.0, gt=0, description="how often the node re-announces itself in the DHT")
+    request_timeout_s: float = Field(default=30.0, gt=0, description="deadline for one request to a worker")
     max_attempts: int = Field(default=3, ge=1, description="workers tried per stage before a sample is dropped")
     ban_s: float = Field(default=15.0, gt=0, description="how long a failed worker is avoided")
-    drain_timeout_s: float = Field(default=15.0, ge=0, description="time in-flight samples get to finish on exit")
+    drain_timeout_s: float = Field(default=15.0, ge=0, description="time in-flight work gets to finish on exit")
     wait_log_period_s: float = Field(default=5.0, gt=0, description="how often waiting for workers is reported")
     progress_log_period_s: float = Field(default=10.0, gt=0, description="how often training progress is logged")

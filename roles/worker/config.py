@@ -1,22 +1,48 @@
-"""Settings of one worker, derived by the node from flags, environment and config file."""
+"""The worker's section of the node settings: every field is a flag (`--max-batch`), an
+`AGORA_MAX_BATCH` environment variable and a key of the config file's `node:` section; fields
+marked hidden (test hooks) are environment variables only."""
 
 from __future__ import annotations
 
+import re
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+HIDDEN = {"hidden": True}
+"""json_schema_extra of a setting that is not a flag: test hooks, set as AGORA_* variables only."""
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '24GiB', '24GB', '16000MiB' or a plain number of bytes."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(str(text))
+    unit = (match.group(2) or "").lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; write e.g. 24GiB, 24GB or 16000MiB")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 class WorkerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    stage: int = Field(ge=0, description="the pipeline stage this worker serves")
-    device: str = Field(description="torch device the stage computes on: cpu or cuda[:n]")
-    max_batch: int = Field(ge=1, description="largest coalesced batch")
+    stage: Optional[int] = Field(default=None, ge=0, description="pipeline stage to serve (with --authorizer: a "
+                                 "preference; the authorizer places the worker)")
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="compute device: auto, cpu, cuda or cuda:N")
+    max_batch: int = Field(default=8, ge=1, le=4096, description="largest coalesced batch")
+    dry_run: bool = Field(default=False, description="print the memory plan, exit 0 if it fits and 2 if not")
+    gpu_memory: Optional[int] = Field(default=None, gt=0, description="plan for a card of this much memory (e.g. "
+                                      "24GiB) instead of the one present; with --dry-run needs no GPU")
     max_pending: int = Field(default=1024, ge=1, description="queued requests beyond which new ones are refused")
-    announce_period_s: float = Field(default=5.0, gt=0, description="how often the worker re-announces itself")
+    announce_period_s: float = Field(default=5.0, gt=0, description="how often the node re-announces itself in the DHT")
     progress_period_s: float = Field(default=0.25, gt=0, description="how often stage progress is exchanged")
-    drain_timeout_s: float = Field(default=20.0, ge=0, description="time allowed to finish in-flight batches on exit")
+    drain_timeout_s: float = Field(default=20.0, ge=0, description="time in-flight work gets to finish on exit")
     reducer: bool = Field(
         default=False, description="reduce slices in averaging rounds (stable nodes); otherwise only send")
     state_source: Literal["auto", "peers", "checkpoint", "none"] = Field(
@@ -26,9 +52,16 @@ class WorkerConfig(BaseModel):
     checkpoint_period_s: Optional[float] = Field(
         default=None, gt=0, description="write a checkpoint to checkpoint_dir at start, then every this many seconds")
     test_init_seed_offset: int = Field(
-        default=0, ge=0, description="TESTS ONLY: start from other initial weights than the run's seed gives")
+        default=0, ge=0, json_schema_extra=HIDDEN,
+        description="TESTS ONLY: start from other initial weights than the run's seed gives")
     test_averaging_stall_s: float = Field(
-        default=0.0, ge=0, description="TESTS ONLY: stall mid-round in every all-reduce for this long (fault injection)")
+        default=0.0, ge=0, json_schema_extra=HIDDEN,
+        description="TESTS ONLY: stall mid-round in every all-reduce for this long (fault injection)")
+
+    @field_validator("gpu_memory", mode="before")
+    @classmethod
+    def _size(cls, value):
+        return None if value is None else parse_size(value)
 
     @model_validator(mode="after")
     def _check_checkpoints(self) -> WorkerConfig:

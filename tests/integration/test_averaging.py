@@ -102,8 +102,8 @@ def test_replicas_from_different_weights_agree_after_one_pass(make_swarm, run_co
     swarm = make_swarm(config, common_args=COMMON)
     dirs = [str(tmp_path / f"ckpt{i}") for i in range(3)]
     workers = [swarm.start("worker", stage=0, wait_ready=i == 0,
-                           args=["--reducer", "--test-init-seed-offset", str(i + 1), "--checkpoint-dir", dirs[i],
-                                 "--checkpoint-period-s", "3600"]) for i in range(3)]
+                           args=["--reducer", "--checkpoint-dir", dirs[i], "--checkpoint-period-s", "3600"],
+                           env={"AGORA_TEST_INIT_SEED_OFFSET": str(i + 1)}) for i in range(3)]
     for worker in workers[1:]:
         swarm.wait_ready(worker)
     initial = [flat(StageModel(run.model_copy(update={"seed": i + 1}), 0).state_dict()) for i in range(3)]
@@ -140,8 +140,8 @@ def _kill_mid_round(make_swarm, run_config_path, *, victim_reduces: bool):
     swarm = make_swarm(config, common_args=COMMON)
     survivors = [swarm.start("worker", stage=0, args=["--reducer"], wait_ready=i == 0) for i in range(2)]
     swarm.wait_ready(survivors[1])
-    victim_args = ["--test-averaging-stall-s", "60"] + (["--reducer"] if victim_reduces else [])
-    victim = swarm.start("worker", stage=0, args=victim_args)
+    victim = swarm.start("worker", stage=0, args=["--reducer"] if victim_reduces else [],
+                         env={"AGORA_TEST_AVERAGING_STALL_S": "60"})
     wait_for(lambda: log_has(victim, "test fault: stalling"), 60, "the victim to stall mid-round")
     with open(victim.log_path) as f:
         stalled = next(line for line in f if "test fault: stalling" in line)

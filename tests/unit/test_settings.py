@@ -1,13 +1,16 @@
-"""Node settings precedence: flags over AGORA_* environment over the config file's `node:` section."""
+"""Node settings: one model with a section per role, merged from flags over AGORA_* environment
+over the config file's `node:` section; every mistake is one ConfigError naming the flag."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from node.settings import build_settings
+from node.cli import node_parser
+from node.settings import COMMON_FIELDS, ROLE_SECTIONS, build_settings, parse_authorizer_url
 from protocol.errors import ConfigError
 from roles.model.config import dump_run_config, load_run_config
+from roles.worker.config import parse_size
 
 
 @pytest.fixture
@@ -21,12 +24,23 @@ def config_with_node_section(tmp_path):
 
 
 def test_file_then_environment_then_flags(config_with_node_section):
-    base = {"role": "trainer", "config": config_with_node_section}
-    assert build_settings(base, {}).max_batch == 4
-    assert build_settings(base, {}).lanes == 3
-    assert build_settings(base, {"AGORA_MAX_BATCH": "6"}).max_batch == 6
-    assert build_settings({**base, "max_batch": 9}, {"AGORA_MAX_BATCH": "6"}).max_batch == 9
+    worker = {"role": "worker", "config": config_with_node_section}
+    assert build_settings(worker, {}).worker.max_batch == 4
+    assert build_settings(worker, {"AGORA_MAX_BATCH": "6"}).worker.max_batch == 6
+    assert build_settings({**worker, "max_batch": 9}, {"AGORA_MAX_BATCH": "6"}).worker.max_batch == 9
+    assert build_settings({"role": "trainer", "config": config_with_node_section}, {}).trainer.lanes == 3
     assert load_run_config(config_with_node_section).run_id == "tiny"  # the run config ignores `node:`
+
+
+def test_a_role_receives_only_its_section():
+    settings = build_settings({"role": "trainer", "config": "tiny", "lanes": 7}, {"AGORA_MAX_BATCH": "3"})
+    assert settings.section is settings.trainer and settings.trainer.lanes == 7
+    assert settings.worker.max_batch == 8  # the worker's key in a shared environment is not used
+
+
+def test_a_flag_of_another_role_is_named():
+    with pytest.raises(ConfigError, match="--lanes is a trainer setting; this node is a worker"):
+        build_settings({"role": "worker", "config": "tiny", "lanes": 4}, {})
 
 
 def test_list_and_bool_variables_parse():
@@ -36,8 +50,58 @@ def test_list_and_bool_variables_parse():
     assert settings.insecure_open_run is True
 
 
+def test_test_hooks_are_environment_only():
+    settings = build_settings({"role": "worker", "config": "tiny"}, {"AGORA_TEST_INIT_SEED_OFFSET": "2"})
+    assert settings.worker.test_init_seed_offset == 2
+    with pytest.raises(ConfigError, match="unrecognized arguments"):
+        node_parser().parse_args(["--test-init-seed-offset", "2"])
+
+
+def test_every_setting_is_a_flag_except_test_hooks():
+    options = {a.dest for a in node_parser()._actions}
+    for name in COMMON_FIELDS:
+        assert name in options
+    for model in ROLE_SECTIONS.values():
+        for name in model.model_fields:
+            assert (name in options) != name.startswith("test_"), name
+
+
 def test_bad_node_section_is_a_config_error(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("node: [1, 2]\n")
     with pytest.raises(ConfigError, match="node"):
         build_settings({"role": "trainer", "config": str(path)}, {})
+
+
+def test_unknown_key_in_node_section_is_named(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("node: {max_btach: 4}\n")
+    with pytest.raises(ConfigError, match="max_btach"):
+        build_settings({"role": "worker", "config": str(path)}, {})
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("127.0.0.1:8000", "did you mean http://127.0.0.1:8000"),
+    ("ftp://host:21", "must start with http"),
+    ("http://:8000", "names no host"),
+    ("http://host:99999", "invalid port"),
+    ("http://host:8000?x=1", "not a base URL"),
+])
+def test_malformed_authorizer_urls(url, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        parse_authorizer_url(url)
+    with pytest.raises(ConfigError, match="--authorizer"):
+        build_settings({"role": "trainer", "authorizer": [url]}, {})
+
+
+def test_several_authorizers():
+    settings = build_settings({"role": "trainer"}, {"AGORA_AUTHORIZER": "http://a:8000/ https://b"})
+    assert settings.authorizer == ["http://a:8000", "https://b"]
+
+
+def test_sizes():
+    assert parse_size("24GiB") == 24 * 2**30 and parse_size("24GB") == 24 * 10**9
+    assert parse_size("16000MiB") == 16000 * 2**20 and parse_size("1.5 gib") == int(1.5 * 2**30)
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")
+    assert build_settings({"role": "worker", "config": "tiny", "gpu_memory": "24GiB"}, {}).worker.gpu_memory == 24 * 2**30

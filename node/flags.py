@@ -1,0 +1,81 @@
+"""The command line, generated from the settings models: one flag per field, grouped by the
+section it belongs to, with the field's description and default as its help. Nothing about a
+setting is written here; add a field to its model and it becomes a flag, an `AGORA_*` variable
+and a config-file key at once. Fields marked hidden (test hooks) get no flag."""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from typing import Any, Iterable, Literal
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _default_text(field: FieldInfo) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+    elif field.default is PydanticUndefined:
+        return ""
+    else:
+        value = field.default
+    if value is None or value is False or value == [] or value == "":
+        return ""
+    if isinstance(value, list):
+        value = " ".join(map(str, value))
+    return f" (default: {value})"
+
+
+def add_field_flag(group, name: str, field: FieldInfo, *, metavar: str | None = None,
+                   help_text: str | None = None) -> None:
+    """One argparse option for one model field; the default stays None so that only what the
+    user typed overrides the environment and the config file."""
+    annotation = _unwrap_optional(field.annotation)
+    flag = "--" + name.replace("_", "-")
+    if help_text is None:
+        help_text = (field.description or "") + _default_text(field)
+    help_text = help_text.replace("%", "%%")
+    kwargs: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
+    if annotation is bool:
+        group.add_argument(flag, action="store_true", **kwargs)
+        return
+    if typing.get_origin(annotation) is list:
+        kwargs["nargs"] = "+"
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) is Literal:
+        kwargs["choices"] = list(typing.get_args(annotation))
+    elif annotation in (int, float):
+        kwargs["type"] = annotation
+        kwargs["metavar"] = metavar or ("N" if annotation is int else "SECONDS" if name.endswith("_s") else "X")
+    else:
+        kwargs["metavar"] = metavar or name.split("_")[-1].upper()
+    group.add_argument(flag, **kwargs)
+
+
+def add_model_flags(group, model: type[BaseModel], names: Iterable[str], metavars: dict[str, str] | None = None):
+    for name in names:
+        field = model.model_fields[name]
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and extra.get("hidden"):
+            continue
+        add_field_flag(group, name, field, metavar=(metavars or {}).get(name))
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints the usage and exits 2 on a bad flag; we raise instead, so the CLI prints
+    one line naming the fix, like every other mistake."""
+
+    def error(self, message: str):
+        from protocol.errors import ConfigError
+
+        raise ConfigError(f"{message} (see {self.prog} --help)")
