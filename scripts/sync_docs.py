@@ -55,11 +55,11 @@ def _model_table(model, prefix: str = "") -> list[str]:
             rows.extend(_model_table(annotation, f"{prefix}{name}."))
             continue
         if field.default_factory is not None:
-            default = field.default_factory()
+            default = f"`{field.default_factory()!r}`"
         else:
-            default = "(required)" if field.default is PydanticUndefined else field.default
+            default = "from the run config" if field.default is PydanticUndefined else f"`{field.default!r}`"
         description = (field.description or "").replace("|", "\\|")
-        rows.append(f"| `{prefix}{name}` | {_type_name(annotation)} | `{default!r}` | {description} |")
+        rows.append(f"| `{prefix}{name}` | {_type_name(annotation)} | {default} | {description} |")
     return rows
 
 
