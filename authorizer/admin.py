@@ -1,6 +1,8 @@
 """Operator endpoints under `/v1/admin`, behind `Authorization: Bearer <admin token>`.
 
-The operator bans peers or whole accounts (identities) and changes the live policy: capacities,
+The operator issues and revokes account tokens (`/v1/admin/accounts`; the same operations as
+`agora-node --role authorizer accounts add|list|revoke`), bans peers or whole accounts
+(identities) and changes the live policy: capacities,
 join rate, hardware floors, accepted builds and which checks run [3.6.1.1]. A policy change is
 stored before it is answered and applies to the next request; lowering a capacity never evicts a
 node, it only stops admissions until the stage drains below it.
@@ -13,13 +15,14 @@ import logging
 import time
 from typing import Annotated, Optional
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from authorizer import admission
-from authorizer.errors import AdminAuthRequired, InvalidRequest
+from authorizer.errors import AdminAuthRequired, InvalidRequest, NotFound
 from authorizer.models import (
-    BanOut, BanRequest, ErrorBody, ParticipantOut, ParticipantsOut, PolicyUpdate, TicketStatus, UnbanOut,
+    ACCOUNT_ID_PATTERN, AccountCreate, AccountCreated, AccountOut, AccountRevokeOut, AccountsOut, BanOut, BanRequest,
+    ErrorBody, ParticipantOut, ParticipantsOut, PolicyUpdate, TicketStatus, UnbanOut,
 )
 from authorizer.policy import Policy, merge_policy
 from authorizer.service import Authorizer
@@ -118,3 +121,42 @@ async def participants(
         admitted_at=r.admitted_at, serial=r.serial, expires_at=r.expires_at,
     ) for r in rows]
     return ParticipantsOut(participants=out, next_after_id=rows[-1].id if len(rows) == limit else None)
+
+
+def account_out(row) -> AccountOut:
+    return AccountOut(id=row.id, label=row.label or "", created_at=row.created_at, revoked_at=row.revoked_at,
+                      banned=bool(row.banned))
+
+
+@admin_router.post("/accounts", response_model=AccountCreated)
+async def create_account(body: AccountCreate, request: Request) -> AccountCreated:
+    """Issue an account token. The answer is the only place the token appears: the authorizer
+    keeps its SHA-256 (the account id). Give the token to the contributor (--account-token)."""
+    authorizer = _authorizer(request)
+    token = admission.new_account_token()
+    row = await authorizer.stored(authorizer.store.create_account(admission.account_id(token), body.label, time.time()))
+    logger.warning("account %s created (%s)", row.id[:12], body.label or "no label")
+    return AccountCreated(**account_out(row).model_dump(), token=token)
+
+
+@admin_router.get("/accounts", response_model=AccountsOut)
+async def list_accounts(request: Request) -> AccountsOut:
+    """Issued accounts, oldest first (ids are token hashes; tokens are not kept)."""
+    authorizer = _authorizer(request)
+    return AccountsOut(accounts=[account_out(r) for r in await authorizer.read(authorizer.store.list_accounts)])
+
+
+@admin_router.post("/accounts/{account_id}/revoke", response_model=AccountRevokeOut,
+                   responses={404: {"model": ErrorBody, "description": "no such issued account"}})
+async def revoke_account(account_id: Annotated[str, Path(pattern=ACCOUNT_ID_PATTERN)],
+                         request: Request) -> AccountRevokeOut:
+    """Revoke an account token: its joins are refused (revoked_account), its nodes' tickets end
+    and their credentials are revoked, as with a ban."""
+    authorizer = _authorizer(request)
+    row = await authorizer.read(authorizer.store.account, account_id)
+    if row is None or not row.issued:
+        raise NotFound(f"no issued account {account_id}; GET /v1/admin/accounts lists them")
+    was_active, ended = await authorizer.stored(authorizer.store.revoke_account(account_id, time.time()))
+    logger.warning("account %s revoked: %d live ticket(s) ended", account_id[:12], ended)
+    authorizer.queue_wakeup.set()
+    return AccountRevokeOut(id=account_id, was_active=was_active, ended_tickets=ended)

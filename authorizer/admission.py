@@ -9,35 +9,16 @@ authorizer.reachability; capacity and bans are decided in the store's transactio
 
 from __future__ import annotations
 
-import enum
 import hashlib
+import secrets
 from dataclasses import dataclass
 from typing import Optional
 
 from authorizer.policy import HardwareFloor, Policy
+from protocol.authorizer_api import RejectReason  # noqa: F401 - the wire codes, re-exported
 from roles.model.config import RunConfig
 
 _GIB = float(1 << 30)
-
-
-class RejectReason(str, enum.Enum):
-    """Why a join was refused. Never rename a value; add new ones."""
-
-    ACCELERATOR_NOT_ALLOWED = "accelerator_not_allowed"  # device not on the run's allow-list
-    INSUFFICIENT_VRAM = "insufficient_vram"  # accelerator memory below every stage's floor
-    INSUFFICIENT_RAM = "insufficient_ram"  # host memory below the floor
-    INSUFFICIENT_BANDWIDTH = "insufficient_bandwidth"  # measured bandwidth below the floor
-    LATENCY_TOO_HIGH = "latency_too_high"  # measured latency above the ceiling
-    CLIENT_VERSION_NOT_ACCEPTED = "client_version_not_accepted"  # build the run does not accept
-    PACKAGE_DIGEST_NOT_ACCEPTED = "package_digest_not_accepted"  # modified or unknown package
-    UNREACHABLE = "unreachable"  # the authorizer could not dial any announced address
-    NO_DIALABLE_ADDRESS = "no_dialable_address"  # no announced address the authorizer may dial
-    ACCOUNT_REQUIRED = "account_required"  # no account token given
-    ACCOUNT_LIMIT = "account_limit"  # the account already runs its maximum of nodes
-    BANNED_ACCOUNT = "banned_account"  # the operator banned the account
-    BANNED_PEER = "banned_peer"  # the operator banned this peer id
-    RUN_FULL = "run_full"  # every stage this node may serve is at capacity
-    QUEUE_FULL = "queue_full"  # the admission queue is at its maximum length
 
 
 @dataclass(frozen=True)
@@ -60,6 +41,11 @@ class HardwareClaim:
 def account_id(token: str) -> str:
     """Accounts are stored under the SHA-256 of their token, never the token itself."""
     return hashlib.sha256(token.encode("utf-8")).hexdigest() if token else "anonymous"
+
+
+def new_account_token() -> str:
+    """A fresh account token: 32 random bytes, URL-safe (fits --account-token's printable ASCII)."""
+    return "agora-" + secrets.token_urlsafe(32)
 
 
 def _gib(n: int) -> str:
@@ -146,11 +132,45 @@ def check_integrity(policy: Policy, client_version: str, package_digest: str) ->
 
 
 def check_account_token(policy: Policy, token: str) -> Optional[Rejection]:
+    """The part of the account rules that needs no database: a token is there when required.
+
+    Accounts are required when the policy's `accountability` check is on. Then only tokens the
+    run's owner issued (`agora-node --role authorizer accounts add`) and has not revoked pass, and
+    each account runs at most `max_nodes_per_account` nodes (decided in the store's transaction).
+    When accounts are not required a token is not verified: any node meeting the other checks
+    joins, and an unknown token is accepted as is; but a token the owner revoked or banned is
+    still refused, because the owner said so explicitly.
+    """
     if policy.checks.accountability and not token:
         return Rejection(RejectReason.ACCOUNT_REQUIRED, (
-            "this run admits only nodes signed in to an account; pass your account token "
-            "(--account-token or AGORA_ACCOUNT_TOKEN) and rejoin"))
+            "this run admits only nodes with an account token from the run's owner; ask them for one "
+            "(they create it with `agora-node --role authorizer accounts add`), pass it with --account-token "
+            "and rejoin"))
     return None
+
+
+def accounts_line(policy: Policy) -> str:
+    """The one line an authorizer logs at start so its operator knows where accounts stand."""
+    if policy.checks.accountability:
+        return ("accounts: required; create tokens with `agora-node --role authorizer accounts add` "
+                f"(at most {policy.max_nodes_per_account} live nodes per account)")
+    return ("accounts: not required (any node meeting the checks may join); require them with "
+            "--checks ...,accountability")
+
+
+def unknown_account_rejection() -> Rejection:
+    return Rejection(RejectReason.UNKNOWN_ACCOUNT, (
+        "this account token was not issued by the run's owner; check --account-token for typos, or ask the "
+        "owner for a token (`agora-node --role authorizer accounts add`)"))
+
+
+def revoked_account_rejection() -> Rejection:
+    return Rejection(RejectReason.REVOKED_ACCOUNT, (
+        "the run's owner revoked this account token; ask them for a new one"))
+
+
+REPLACED_MESSAGE = ("this peer joined again (a restart with the same identity); the newer ticket replaced this "
+                    "one and its credentials were revoked")
 
 
 def banned_account_rejection() -> Rejection:

@@ -1,5 +1,12 @@
 """The authorizer's process settings: where it listens, stores, keeps its key, and how it starts.
 
+The authorizer keeps its address: it listens on port 8000 unless told otherwise, and it records
+the settings that make up its address and identity (host, bound port, database URL, run config)
+in `<data_dir>/authorizer.json`. Started again with the same command, it reads them back, so it
+serves the same URL with the same root key even if it was first started with `--port 0`; a flag
+given explicitly overrides the stored value (and is stored in its place). The data directory
+defaults to `$XDG_DATA_HOME/agora-node/authorizer` (`~/.local/share/agora-node/authorizer`).
+
 Policy-shaped settings (capacities, join rate, checks) are optional here: `None` means "keep what
 the database holds" (the operator may have changed it live through the admin API), while a value
 given on the command line or in the policy file overrides it at every start (authorizer.policy).
@@ -7,6 +14,7 @@ given on the command line or in the policy file overrides it at every start (aut
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Literal, Optional
 
@@ -14,8 +22,40 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from authorizer.policy import CHECK_NAMES
 from protocol.errors import ConfigError
+from protocol.files import atomic_write
 
-DEFAULT_DATA_DIR = "agora-authorizer"
+DEFAULT_PORT = 8000
+STORED_SETTINGS_FILE = "authorizer.json"
+STORED_FIELDS = ("host", "port", "db", "run_config")
+"""What `authorizer.json` keeps: the settings that make up the authorizer's address and identity."""
+
+
+def default_data_dir() -> str:
+    """`$XDG_DATA_HOME/agora-node/authorizer`, by default `~/.local/share/agora-node/authorizer`."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "agora-node", "authorizer")
+
+
+def load_stored_settings(data_dir: str) -> dict[str, Any]:
+    """The settings a previous start recorded in `data_dir`, or {} on a first start."""
+    path = os.path.join(data_dir, STORED_SETTINGS_FILE)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            stored = json.load(handle)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path} ({exc}); fix or delete it (it is rewritten at the next start)") from exc
+    if not isinstance(stored, dict):
+        raise ConfigError(f"{path} does not hold a JSON object; fix or delete it")
+    return {k: v for k, v in stored.items() if k in STORED_FIELDS and v is not None}
+
+
+def save_stored_settings(data_dir: str, values: dict[str, Any]) -> None:
+    """Record `values` in `data_dir/authorizer.json` atomically (a crash leaves the old file or the new)."""
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    data = json.dumps({k: values.get(k) for k in STORED_FIELDS}, indent=2) + "\n"
+    atomic_write(os.path.join(data_dir, STORED_SETTINGS_FILE), data.encode(), mode=0o600)
 DEFAULT_CREDENTIAL_TTL_S = 30 * 60
 """protocol.credentials.DEFAULT_CREDENTIAL_TTL_S, restated: importing that module loads hivemind
 and torch (seconds), and bad flags should fail at once (tests pin the two equal)."""
@@ -28,8 +68,10 @@ class AuthorizerConfig(BaseModel):
 
     run_config: str = Field(default="tiny", description="run config: a preset (tiny, 1b, 8b) or a YAML path")
     host: str = Field(default="127.0.0.1", max_length=255, description="HTTP listen address")
-    port: int = Field(default=0, ge=0, le=65535, description="HTTP port; 0 binds a free one (printed when ready)")
-    data_dir: str = Field(default=DEFAULT_DATA_DIR, description="holds the SQLite file, root key and admin token")
+    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535,
+                      description="HTTP port; 0 binds a free one (printed when ready, then kept for restarts)")
+    data_dir: str = Field(default_factory=default_data_dir,
+                          description="holds authorizer.json, the SQLite file, the root key and the admin token")
     db: Optional[str] = Field(
         default=None, description="sqlite:///path or postgresql://...; default sqlite under data_dir"
     )

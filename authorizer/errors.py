@@ -6,7 +6,8 @@
         ├── InvalidRequest       400 invalid_request     body or path failed validation
         ├── IdentityMismatch     400 identity_mismatch   peer id is not the hash of the public key
         ├── AdminAuthRequired    401 admin_unauthorized  missing or wrong admin bearer token
-        ├── ProofRejected        401 bad_proof           renew/leave signature or timestamp is wrong
+        ├── ProofRejected        401 bad_proof           join/renew/leave signature or timestamp is wrong
+        ├── ProofRequired        401 proof_required      a join that would replace a live ticket is unsigned
         ├── RenewalRefused       403 renewal_refused     peer is banned, has left or is not admitted
         ├── NotFound             404 not_found           no such route, ticket or peer
         ├── MethodNotAllowed     405 method_not_allowed
@@ -26,7 +27,7 @@ from protocol.errors import AgoraError, ConfigError
 
 __all__ = [
     "AuthorizerError", "ConfigError", "InvalidRequest", "IdentityMismatch", "AdminAuthRequired",
-    "ProofRejected", "RenewalRefused", "NotFound", "MethodNotAllowed", "PayloadTooLarge",
+    "ProofRejected", "ProofRequired", "RenewalRefused", "NotFound", "MethodNotAllowed", "PayloadTooLarge",
     "StoreUnavailable", "DialerUnavailable", "InternalError",
 ]
 
@@ -59,6 +60,10 @@ class AdminAuthRequired(AuthorizerError):
 
 class ProofRejected(AuthorizerError):
     status, code = 401, "bad_proof"
+
+
+class ProofRequired(AuthorizerError):
+    status, code = 401, "proof_required"
 
 
 class RenewalRefused(AuthorizerError):

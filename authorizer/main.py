@@ -2,11 +2,16 @@
 exit 0 on SIGTERM/SIGINT.
 
 `run_authorizer(config)` is what `agora-node --role authorizer` calls; `main()` is a small
-command line of its own (`python -m authorizer.main --run-config tiny --port 0 ...`) for tests and
-operators. With `--port 0` the OS picks a free port, read back from uvicorn's bound socket and
-printed in the readiness line, so nothing has to guess a free port:
+command line of its own (`python -m authorizer.main --run-config tiny ...`) for tests and
+operators, which also runs the accounts commands (`main(["accounts", "add", ...])`, see
+authorizer.accounts). The authorizer listens on port 8000 unless `--port` says otherwise; with
+`--port 0` the OS picks a free port, which is printed in the readiness line and kept in the data
+directory for the next start (authorizer.config), so nothing has to guess a free port:
 
     agora-node ready role=authorizer stage=- peer=- url=http://127.0.0.1:<port>
+
+The listening socket is bound here, before anything slow, so a port in use is one sentence and
+exit code 2 (protocol.exit_codes), never uvicorn's own bind error and its traceback.
 """
 
 from __future__ import annotations
@@ -14,22 +19,51 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import Optional, Sequence
 
 from pydantic import ValidationError
 
-from authorizer.config import AuthorizerConfig
+from authorizer.config import (
+    STORED_FIELDS, AuthorizerConfig, default_data_dir, load_stored_settings, save_stored_settings,
+)
 from authorizer.policy import Policy, default_policy, load_policy_file, merge_policy
 from protocol.errors import ConfigError
+from protocol.exit_codes import ExitCode
 
 logger = logging.getLogger("agora.authorizer")
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = ExitCode.OK, ExitCode.FAILURE, ExitCode.USAGE
+"""Kept importable for older callers; protocol.exit_codes.ExitCode is the table."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The authorizer's listening socket, bound (not yet listening); a ConfigError sentence if the
+    address cannot be had. SO_REUSEADDR only (never SO_REUSEPORT): a second authorizer on the same
+    port must fail, not share it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host} is not an address of this machine ({exc.strerror}); "
+                          f"pass e.g. --host 127.0.0.1, or --host 0.0.0.0 to listen on every interface") from exc
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{host}:{port} is already in use (another authorizer, or another program); stop "
+                              f"it, or pass --port N to serve on another port") from exc
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --host/--port") from exc
+    return sock
 
 
 def build_policy(config: AuthorizerConfig, run, stored: Optional[dict]) -> Policy:
@@ -84,6 +118,14 @@ async def _serve(config: AuthorizerConfig) -> int:
     if config.policy_file:
         load_policy_file(config.policy_file)
     db_url = config.db_url()
+    sock = bind_socket(config.host, config.port)
+    try:
+        return await _serve_on(config, run, db_url, sock, load_or_create_root_key)
+    finally:
+        sock.close()
+
+
+async def _serve_on(config: AuthorizerConfig, run, db_url: str, sock: socket.socket, load_or_create_root_key) -> int:
     key, created = load_or_create_root_key(config.resolved_key_path())
     if created:
         logger.warning("created a new root key at %s; back it up: peers trust credentials it signs",
@@ -92,6 +134,7 @@ async def _serve(config: AuthorizerConfig) -> int:
 
     import uvicorn
 
+    from authorizer.admission import accounts_line
     from authorizer.app import create_app
     from authorizer.issuer import CredentialIssuer
     from authorizer.reachability import Dialer
@@ -108,31 +151,36 @@ async def _serve(config: AuthorizerConfig) -> int:
             dialer=Dialer(config.reachability_timeout_s), bootstrap_peers=config.bootstrap_peers,
         )
         server = _uvicorn_server(uvicorn.Config(
-            create_app(authorizer, admin_token), host=config.host, port=config.port, log_config=None,
+            create_app(authorizer, admin_token), log_config=None,
             access_log=False, lifespan="on", timeout_graceful_shutdown=10, server_header=False,
         ))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.02)
         if not server.started:
-            await task  # re-raises uvicorn's startup failure (it exits on bind errors)
-            raise ConfigError(f"cannot serve on {config.host}:{config.port}; choose another --host/--port")
+            with contextlib.suppress(BaseException):
+                task.result()  # retrieved, so asyncio never prints it as "never retrieved"
+            raise ConfigError(f"the authorizer could not start serving on {config.host}:{config.port}; "
+                              f"see the lines above, then fix --host/--port or the data directory")
         # Start-up leaves a large heap (hivemind imports torch); a full garbage collection over it
         # stalled every request for ~250 ms. Frozen objects are never scanned again.
         if os.environ.get("AGORA_NO_GC_FREEZE") is None:
             gc.collect()
             gc.freeze()
-        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        host, port = sock.getsockname()[:2]
+        save_stored_settings(config.data_dir, {"host": config.host, "port": port, "db": config.db,
+                                               "run_config": config.run_config})
         shown = f"[{host}]" if ":" in host else host
         print(f"agora-node ready role=authorizer stage=- peer=- url=http://{shown}:{port}", flush=True)
-        logger.info("authorizer of run %s serving on http://%s:%d (db %s)", run.run_id, shown, port,
-                    db_url.split("@")[-1])
+        logger.info("authorizer of run %s serving on http://%s:%d (db %s; settings kept in %s)", run.run_id, shown,
+                    port, db_url.split("@")[-1], os.path.join(config.data_dir, "authorizer.json"))
+        logger.info("%s", accounts_line(policy))
         await task
         logger.info("stopped")
-        return EXIT_OK
+        return ExitCode.OK
     finally:
         await store.aclose()
 
@@ -152,17 +200,21 @@ def run_authorizer(config: AuthorizerConfig) -> int:
     with runner:
         try:
             return runner.run(_serve(config))
-        except SystemExit as exc:  # uvicorn exits on startup failures (bind errors)
+        except SystemExit as exc:  # uvicorn exits on other startup failures
             raise ConfigError(f"cannot serve on {config.host}:{config.port} (exit {exc.code}); "
-                              f"choose another --host/--port") from exc
+                              f"see the lines above and choose another --host/--port") from exc
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m authorizer.main", description="Run a training run's authorizer.")
-    p.add_argument("--run-config", default="tiny", help="preset (tiny, 1b, 8b) or YAML path")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed when ready)")
-    p.add_argument("--data-dir", default=None, help="SQLite file, root key and admin token go here")
+    p = _Parser(prog="agora-node --role authorizer", description="Run a training run's authorizer.",
+                epilog="Accounts: agora-node --role authorizer accounts add [--label TEXT] | list | revoke ACCOUNT_ID "
+                       "[--data-dir DIR] [--db URL]")
+    p.add_argument("--run-config", help="preset (tiny, 1b, 8b) or YAML path (default: as last time, else tiny)")
+    p.add_argument("--host", help="listen address (default: as last time, else 127.0.0.1)")
+    p.add_argument("--port", type=int, help="default: as last time, else 8000; 0 picks a free port (printed when "
+                                            "ready and kept for the next start)")
+    p.add_argument("--data-dir", default=None, help="authorizer.json, SQLite file, root key and admin token go here "
+                                                    "(default: $XDG_DATA_HOME/agora-node/authorizer)")
     p.add_argument("--db", help="sqlite:///path or postgresql://user@host:port/db")
     p.add_argument("--key-path", help="Ed25519 root key file (created 0600 if missing)")
     p.add_argument("--admin-token", help="admin bearer token (prefer --admin-token-file)")
@@ -183,7 +235,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> AuthorizerConfig:
+    """Flags over what the data directory's authorizer.json recorded at the last start, over defaults."""
     values = {k: v for k, v in vars(args).items() if v is not None}
+    values["data_dir"] = values.get("data_dir") or default_data_dir()
+    stored = load_stored_settings(values["data_dir"])
+    for name in STORED_FIELDS:
+        if name not in values and name in stored:
+            values[name] = stored[name]
     try:
         if "stage_capacity" in values:
             values["stage_capacity"] = [int(x) for x in values["stage_capacity"].split(",")]
@@ -199,23 +257,32 @@ def config_from_args(args: argparse.Namespace) -> AuthorizerConfig:
         raise ConfigError(f"{where}: {str(error.get('msg', 'invalid')).removeprefix('Value error, ')}") from exc
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("hivemind", "asyncio", "uvicorn.error"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, getattr(logging, level.upper())))
+def configure_logging(level: str, fmt: str = "human") -> None:
+    from node.logs import setup_logging
+
+    setup_logging(level, fmt, "authorizer")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one actionable line instead of argparse's usage dump
+        raise ConfigError(f"{message} (see --help)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if "accounts" in argv:
+            from authorizer.accounts import accounts_main
+
+            return accounts_main(argv)
         config = config_from_args(_parser().parse_args(argv))
         configure_logging(config.log_level)
         return run_authorizer(config)
     except ConfigError as exc:
         print(f"authorizer: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except KeyboardInterrupt:
-        return EXIT_OK
+        return ExitCode.OK
 
 
 def _exit_now(code: int) -> None:
@@ -228,4 +295,4 @@ def _exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit_now(main())
+    _exit_now(int(main()))

@@ -57,7 +57,10 @@ class Checks(BaseModel):
     integrity: bool = Field(default=True, description="client version and package digest accepted")
     reachability: bool = Field(default=True, description="the authorizer dials the announced address")
     accountability: bool = Field(
-        default=True, description="account token required, nodes per account capped (bans always apply)"
+        default=False,
+        description="accounts required: only tokens the owner issued (accounts add) and has not revoked pass, "
+                    "and nodes per account are capped; off, a token is not verified (revoked and banned ones "
+                    "are still refused)",
     )
 
 

@@ -108,20 +108,21 @@ class Dialer:
                 f"the authorizer has no address to check that peers can reach this node ({why}); "
                 f"pass --announce-maddrs /ip4/<your public IP>/tcp/<open port>"))
         from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
+
+        from protocol.hivemind_adapter import connect, disconnect
 
         p2p = await self._dialer()
         remote = PeerID.from_base58(peer_id)
         async with self._slots:
             try:
-                await asyncio.wait_for(p2p._client.connect(remote, [Multiaddr(a) for a in targets]), self.timeout_s)
+                await asyncio.wait_for(connect(p2p, remote, targets), self.timeout_s)
                 return None
             except Exception as exc:  # timeout, ControlFailure (refused, wrong peer id), OSError
                 logger.info("dial-back of %s at %s failed: %s", peer_id, targets, exc)
                 return self._unreachable(targets, exc)
             finally:
                 try:
-                    await asyncio.wait_for(p2p._client.disconnect(remote), 2.0)
+                    await asyncio.wait_for(disconnect(p2p, remote), 2.0)
                 except Exception:  # not connected, or the daemon is busy: nothing to clean up
                     pass
 

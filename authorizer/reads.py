@@ -79,3 +79,12 @@ class StoreReads:
             if status is not None:
                 query = query.where(participants.c.status == status)
             return conn.execute(query.order_by(participants.c.id).limit(limit)).all()
+
+    def list_accounts(self) -> list[Row]:
+        """Issued accounts, oldest first."""
+        with self.read_engine.connect() as conn:
+            return conn.execute(select(accounts).where(accounts.c.issued).order_by(accounts.c.created_at)).all()
+
+    def account(self, account_id: str) -> Optional[Row]:
+        with self.read_engine.connect() as conn:
+            return conn.execute(select(accounts).where(accounts.c.id == account_id)).first()

@@ -34,11 +34,14 @@ def _authorizer(request: Request) -> Authorizer:
     return request.app.state.authorizer
 
 
-@router.post("/join", response_model=TicketOut, responses=_ERRORS)
+@router.post("/join", response_model=TicketOut, responses={
+    **_ERRORS, 401: {"model": ErrorBody, "description": "join proof wrong, or missing where it replaces a ticket"}})
 async def join(body: JoinRequest, request: Request) -> TicketOut:
     """Ask to join the run. The answer is a ticket: queued (with the placed stage, so the node can
-    start fetching that stage's state), or rejected with a reason and what to do. Joining again
-    while a ticket is live returns that ticket."""
+    start fetching that stage's state), or rejected with a reason and what to do. A join signed
+    with the peer's key (signed_at, signature) replaces a live ticket of the same peer, which
+    then ends as `replaced` (a node restarted after a crash gets back in at once); the same
+    signed join sent again returns the same ticket."""
     return await _authorizer(request).join(body)
 
 

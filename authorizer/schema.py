@@ -34,8 +34,8 @@ metadata = MetaData()
 
 ID = BigInteger().with_variant(Integer, "sqlite")  # SQLite autoincrements only INTEGER PRIMARY KEY
 
-QUEUED, ADMITTED, REJECTED, LEFT, EXPIRED, BANNED, ABANDONED = (
-    "queued", "admitted", "rejected", "left", "expired", "banned", "abandoned",
+QUEUED, ADMITTED, REJECTED, LEFT, EXPIRED, BANNED, ABANDONED, REPLACED = (
+    "queued", "admitted", "rejected", "left", "expired", "banned", "abandoned", "replaced",
 )
 LIVE_STATUSES = (QUEUED, ADMITTED)
 LIVE_SQL = "status IN ('queued', 'admitted')"
@@ -48,11 +48,17 @@ meta = Table(
 
 accounts = Table(
     "accounts", metadata,
-    Column("id", String(64), primary_key=True, comment="sha256 hex of the account token"),
+    Column("id", String(64), primary_key=True, comment="sha256 hex of the account token; the token is never stored"),
     Column("banned", Boolean, nullable=False, server_default=text("false")),
     Column("created_at", Float, nullable=False),
     Column("reason", String(256)),
+    Column("issued", Boolean, nullable=False, server_default=text("false"),
+           comment="created by the run's owner (accounts add); only issued accounts pass when accounts are required"),
+    Column("label", String(128), nullable=False, server_default=text("''")),
+    Column("revoked_at", Float, comment="when the owner revoked the token; its nodes were ended then"),
 )
+ADDED_COLUMNS: dict[str, list[str]] = {"accounts": ["issued", "label", "revoked_at"]}
+"""Columns added after a table was first released: Store.open adds them to older databases."""
 
 banned_peers = Table(
     "banned_peers", metadata,
@@ -91,7 +97,8 @@ participants = Table(
     Column("serial", BigInteger, comment="serial of the current credential"),
     Column("credential", LargeBinary, comment="current SignedCredential, msgpack"),
     Column("expires_at", BigInteger, comment="expiry of the current credential, unix seconds"),
-    Column("last_proof_at", Float, comment="signed_at of the last accepted renew proof (replays refused)"),
+    Column("last_proof_at", Float,
+           comment="signed_at of the last accepted join, renew or leave proof (replays refused)"),
     Index(
         "participants_live_peer", "peer_id", unique=True,
         sqlite_where=text(LIVE_SQL), postgresql_where=text(LIVE_SQL),

@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from authorizer import admission
 from authorizer.admission import HardwareClaim
 from authorizer.errors import (
-    DialerUnavailable, IdentityMismatch, NotFound, ProofRejected, RenewalRefused, StoreUnavailable,
+    DialerUnavailable, IdentityMismatch, NotFound, ProofRejected, ProofRequired, RenewalRefused, StoreUnavailable,
 )
 from authorizer.issuer import CredentialIssuer
 from authorizer.models import (
@@ -34,6 +34,7 @@ from authorizer.policy import TRAINER_POOL, Policy
 from authorizer.reachability import Dialer, ReachabilityUnavailable
 from authorizer.schema import ADMITTED, QUEUED
 from authorizer.store import NewParticipant, Store
+from protocol.authorizer_api import LIVE_TICKET_STATUSES
 from protocol.credentials import MAX_CLOCK_SKEW_S, SignedCredential, proof_bytes, renew_at
 from protocol.identity import peer_id_from_public_key, verify_signature
 from roles.model.config import RunConfig
@@ -83,11 +84,14 @@ class Authorizer:
                 f"peer_id {request.peer_id} does not belong to public_key (whose peer id is {key_peer}); "
                 f"send the peer id and public key of the same libp2p identity")
         policy, now = self.policy, time.time()
+        if request.signature is not None:
+            self._check_join_proof(request, public_key, now)
         new = NewParticipant(
             ticket=secrets.token_urlsafe(16), peer_id=request.peer_id, public_key=public_key,
             account_id=admission.account_id(request.account_token), role=request.role,
             hardware=request.hardware.model_dump(), client_version=request.client_version,
             package_digest=request.package_digest, announce_maddrs=list(request.announce_maddrs),
+            proof_at=request.signed_at,
         )
         hw = HardwareClaim(**request.hardware.model_dump())
         eligible, rejection = admission.check_capability(self.run, policy, request.role, hw)
@@ -114,6 +118,13 @@ class Authorizer:
                 capacity=policy.capacity,
                 run_full=lambda: admission.run_full_rejection(request.role, eligible),
             ))
+        if row == "proof_required":
+            raise ProofRequired(
+                f"peer {request.peer_id} already holds a live ticket; a join that replaces it (a node restarted "
+                f"with the same identity) must prove the key: upgrade agora-node, or stop the other process "
+                f"with this identity and wait until its ticket expires")
+        if row == "replayed":
+            raise ProofRejected("this join proof is older than the one of the peer's live ticket; sign a fresh one")
         if row.status == QUEUED:
             self.queue_wakeup.set()
         return self._ticket_out(row, position=position, detailed=False)
@@ -135,24 +146,24 @@ class Authorizer:
     def _ticket_out(self, row: Row, *, position: Optional[int], detailed: bool,
                     bootstrap: Optional[list[str]] = None) -> TicketOut:
         status = TicketStatus(row.status)
-        stage = None if row.pool in (None, TRAINER_POOL) else row.pool
-        out = TicketOut(ticket=row.ticket, status=status, peer_id=row.peer_id, role=row.role,
-                        run_id=self.run.run_id, stage=stage)
+        fields: dict = {}
         if row.reason and status != TicketStatus.ADMITTED:
-            out.rejection = RejectionOut(reason=row.reason, message=row.message or "")
-        live = status in (TicketStatus.QUEUED, TicketStatus.ADMITTED)
+            fields["rejection"] = RejectionOut(reason=row.reason, message=row.message or "")
         if status == TicketStatus.QUEUED and position is not None:
-            out.queue_position = position
-            out.estimated_wait_s = round((position + 1) / self.policy.join_rate_per_s, 3)
-        if detailed and live:
-            out.run_config = self.run_config_json
+            # Releases are paced by the join rate; the estimate shrinks as the tickets ahead leave.
+            fields["queue_position"] = position
+            fields["estimated_wait_s"] = round((position + 1) / self.policy.join_rate_per_s, 3)
+        if detailed and status in LIVE_TICKET_STATUSES:
+            fields["run_config"] = self.run_config_json
         if detailed and status == TicketStatus.ADMITTED and row.credential is not None:
-            out.admission = AdmissionOut(
+            fields["admission"] = AdmissionOut(
                 **self._credential_fields(row.credential),
                 bootstrap_peers=bootstrap or [],
                 authorizer_public_key=self.public_key_b64,
             )
-        return out
+        return TicketOut(ticket=row.ticket, status=status, peer_id=row.peer_id, role=row.role,
+                         run_id=self.run.run_id, stage=None if row.pool in (None, TRAINER_POOL) else row.pool,
+                         **fields)
 
     def _credential_fields(self, blob: bytes) -> dict:
         signed = SignedCredential.from_bytes(blob)
@@ -172,6 +183,18 @@ class Authorizer:
         return outcomes
 
     # -- renew and leave -----------------------------------------------------------------------
+
+    def _check_join_proof(self, request: JoinRequest, public_key: bytes, now: float) -> None:
+        if abs(now - request.signed_at) > PROOF_WINDOW_S:
+            raise ProofRejected(
+                f"the join's signed_at is {request.signed_at - now:+.0f} s from the authorizer's clock; sign "
+                f"with the current time (check NTP) and retry")
+        data = proof_bytes("join", run_id=self.run.run_id, peer_id=request.peer_id, signed_at=request.signed_at)
+        if not verify_signature(public_key, data, request.signature):
+            raise ProofRejected(
+                f"the join signature does not verify with the key of {request.peer_id}; sign "
+                f"protocol.credentials.proof_bytes('join', run_id={self.run.run_id!r}, ...) with the node's "
+                f"identity key (GET /v1/run gives the run id)")
 
     async def _check_proof(self, action: str, proof: Proof) -> None:
         now = time.time()
@@ -222,7 +245,8 @@ class Authorizer:
             stages.append(StageInfo(
                 index=index, kind=kind, first_layer=layers.first_layer, last_layer=layers.last_layer,
                 admitted=count.admitted if count else 0, queued=count.queued if count else 0,
-                target=policy.target(index), capacity=policy.capacity(index), floor=policy.floor(kind),
+                target=policy.target(index), capacity=policy.capacity(index),
+                floor=policy.floor(kind).model_dump(),
             ))
         trainers = counts.get(TRAINER_POOL)
         return RunInfo(
@@ -230,7 +254,8 @@ class Authorizer:
             trainers=PoolInfo(admitted=trainers.admitted if trainers else 0,
                               queued=trainers.queued if trainers else 0, capacity=policy.trainer_capacity),
             authorizer_public_key=self.public_key_b64, client_versions=policy.client_versions,
-            join_rate_per_s=policy.join_rate_per_s, credential_ttl_s=self.issuer.ttl_s, checks=policy.checks,
+            join_rate_per_s=policy.join_rate_per_s, credential_ttl_s=self.issuer.ttl_s,
+            checks=policy.checks.model_dump(), accounts_required=policy.checks.accountability,
         )
 
     async def revocations(self):

@@ -28,6 +28,7 @@ _PARTICIPANT_VALUES = dict(
     hardware=bindparam("b_hardware"), client_version=bindparam("b_client_version"),
     package_digest=bindparam("b_package_digest"), announce_maddrs=bindparam("b_announce_maddrs"),
     created_at=bindparam("b_now"), updated_at=bindparam("b_now"), last_seen_at=bindparam("b_now"),
+    last_proof_at=bindparam("b_proof_at"),
 )
 
 
@@ -37,11 +38,11 @@ def build(dialect: str) -> SimpleNamespace:
     s = SimpleNamespace()
 
     # -- joins --
-    upsert = insert(accounts).values(id=bindparam("b_account"), banned=False, created_at=bindparam("b_now"))
-    s.account_upsert = upsert.on_conflict_do_update(
-        index_elements=[accounts.c.id], set_={"id": upsert.excluded.id},  # a no-op update: locks the row
-    ).returning(accounts.c.banned)
-    s.account_banned = select(accounts.c.banned).where(accounts.c.id == bindparam("b_account"))
+    s.account_state = select(accounts.c.banned, accounts.c.issued, accounts.c.revoked_at).where(
+        accounts.c.id == bindparam("b_account"))
+    # Locks the account row, so that two joins of one account (in two processes) count its live
+    # nodes one after the other. SQLite needs no lock: BEGIN IMMEDIATE serializes writers.
+    s.account_locked = s.account_state.with_for_update() if dialect != "sqlite" else s.account_state
     live_of_account = (select(func.count()).select_from(_P)
                        .where(_P.c.account_id == bindparam("b_account"), LIVE)
                        .scalar_subquery())

@@ -16,25 +16,28 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
-from sqlalchemy import Connection, Engine, create_engine, event, func, select, update
+from sqlalchemy import Connection, Engine, create_engine, event, func, inspect, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Row
 from sqlalchemy.exc import SQLAlchemyError
 
 from authorizer import statements
 from authorizer.admission import (
+    REPLACED_MESSAGE,
     Rejection,
     RejectReason,
     account_limit_rejection,
     banned_account_rejection,
     banned_peer_rejection,
+    revoked_account_rejection,
+    unknown_account_rejection,
 )
 from authorizer.placement import PoolCount
 from authorizer.policy import TRAINER_POOL
 from authorizer.reads import StoreReads
 from authorizer.schema import (
-    ADMITTED, LIVE_STATUSES, QUEUED, REJECTED, accounts, banned_peers, credentials, meta, metadata, participants,
-    pools,
+    ADDED_COLUMNS, ADMITTED, BANNED, LIVE_STATUSES, QUEUED, REJECTED, REPLACED, accounts, banned_peers, credentials,
+    meta, metadata, participants, pools,
 )
 from authorizer.writer import GroupCommitWriter, LoopWriter
 from protocol.errors import ConfigError
@@ -58,6 +61,8 @@ class NewParticipant:
     client_version: str
     package_digest: str
     announce_maddrs: list[str]
+    proof_at: Optional[float] = None
+    """signed_at of the join's proof of key possession; None for a client that sent none."""
 
 
 def _sqlite_engines(url: str, synchronous: str) -> tuple[Engine, Engine]:
@@ -120,9 +125,24 @@ class Store(StoreReads):
         try:
             metadata.create_all(self.write_engine)
             with self.write_engine.begin() as conn:
+                self._add_columns(conn)
                 self._open(conn, run_id, num_stages)
         except SQLAlchemyError as exc:
             raise ConfigError(f"cannot open database {self.url!r}: {exc.__class__.__name__}: {exc}; check --db") from exc
+
+    @staticmethod
+    def _add_columns(conn: Connection) -> None:
+        """Bring a database created by an older release up to the current tables."""
+        for table_name, names in ADDED_COLUMNS.items():
+            present = {c["name"] for c in inspect(conn).get_columns(table_name)}
+            table = metadata.tables[table_name]
+            for name in names:
+                if name not in present:
+                    column = table.c[name]
+                    ddl = f"ALTER TABLE {table_name} ADD COLUMN {name} {column.type.compile(conn.dialect)}"
+                    if column.server_default is not None:
+                        ddl += f" NOT NULL DEFAULT {column.server_default.arg.text}"
+                    conn.exec_driver_sql(ddl)
 
     def _open(self, conn: Connection, run_id: str, num_stages: int) -> None:
         owner = conn.execute(select(meta.c.value).where(meta.c.key == "run_id")).scalar()
@@ -172,25 +192,47 @@ class Store(StoreReads):
         self, new: NewParticipant, now: float, *, account_rules: bool, max_per_account: int,
         place: Callable[[dict[int, PoolCount]], Union[int, Rejection]], capacity: Callable[[int], int],
         run_full: Callable[[], Rejection],
-    ) -> tuple[Row, Optional[int]]:
-        """Record a join: queued in the pool `place` picks, or rejected with the reason. A peer
-        that already has a live ticket gets that ticket back (joins are idempotent per peer).
-        Returns the ticket and, if newly queued, how many tickets are ahead of it."""
+    ) -> tuple[Union[Row, str], Optional[int]]:
+        """Record a join: queued in the pool `place` picks, or rejected with the reason. Returns the
+        ticket and, if newly queued, how many tickets are ahead of it.
+
+        A peer that already holds a live ticket is a node restarted with its identity (after a
+        crash, its old ticket is stale) or the same join sent again. A join that proves the key
+        (`new.proof_at`) with a newer proof than the ticket's replaces it: the old ticket ends as
+        `replaced`, its slot is freed and its credentials are revoked; the same proof again gets the
+        same ticket back. Instead of a ticket the answer may be 'proof_required' (a live ticket and
+        no proof) or 'replayed' (a proof older than the ticket's)."""
         return await self.writer.run(lambda conn: self._create_ticket(
             conn, new, now, account_rules, max_per_account, place, capacity, run_full))
 
     def _create_ticket(self, conn, new, now, account_rules, max_per_account, place, capacity, run_full):
         sql, binds = self.sql, {"b_account": new.account_id, "b_peer": new.peer_id, "b_now": now}
+        anonymous = new.account_id == "anonymous"
+        account = None if anonymous else conn.execute(
+            sql.account_locked if account_rules else sql.account_state, binds).first()
+        if account is not None and account.banned:
+            return self._reject(conn, new, now, banned_account_rejection()), None
+        if account is not None and account.revoked_at is not None:
+            return self._reject(conn, new, now, revoked_account_rejection()), None
+        if account_rules and (account is None or not account.issued):
+            return self._reject(conn, new, now, unknown_account_rejection()), None
         if account_rules:
-            account_banned = conn.execute(sql.account_upsert, binds).scalar_one()  # and locks the account row
             peer_banned, live_count = conn.execute(sql.bans_and_live, binds).one()
         else:
-            account_banned = conn.execute(sql.account_banned, binds).scalar()
             peer_banned, live_count = conn.execute(sql.peer_banned, binds).scalar(), 0
-        if account_banned:
-            return self._reject(conn, new, now, banned_account_rejection()), None
         if peer_banned:
             return self._reject(conn, new, now, banned_peer_rejection(new.peer_id)), None
+        live = self._live_for_peer(conn, new.peer_id, lock=True)
+        if live is not None:
+            if new.proof_at is None:
+                return "proof_required", None
+            if live.last_proof_at is not None and new.proof_at == live.last_proof_at:
+                return live, None  # the same join again (its answer was lost): the same ticket
+            if live.last_proof_at is not None and new.proof_at < live.last_proof_at:
+                return "replayed", None
+            self._retire(conn, live, REPLACED, now, revoke=True, reason=RejectReason.REPLACED.value,
+                         message=REPLACED_MESSAGE)
+            live_count -= live.account_id == new.account_id
         if account_rules and live_count >= max_per_account:
             return self._reject(conn, new, now, account_limit_rejection(max_per_account)), None
         counts = {r.pool: PoolCount(r.pool, r.admitted, r.queued) for r in conn.execute(sql.pools)}
@@ -198,7 +240,7 @@ class Store(StoreReads):
         if isinstance(choice, Rejection):
             return self._reject(conn, new, now, choice), None
         row = conn.execute(sql.insert_live, self._binds(new, now, status=QUEUED, pool=choice)).first()
-        if row is None:  # the peer already has a live ticket: that is the answer
+        if row is None:  # another authorizer queued this peer since we looked: that is the answer
             return conn.execute(sql.live_for_peer, binds).first(), None
         taken = conn.execute(sql.take_queue_slot, {"b_pool": choice, "b_capacity": capacity(choice)})
         if taken.rowcount != 1:  # another process filled the pool since we counted
@@ -217,7 +259,7 @@ class Store(StoreReads):
             "b_reason": rejection.reason.value if rejection else None,
             "b_message": rejection.message if rejection else None, "b_hardware": new.hardware,
             "b_client_version": new.client_version, "b_package_digest": new.package_digest,
-            "b_announce_maddrs": new.announce_maddrs, "b_now": now,
+            "b_announce_maddrs": new.announce_maddrs, "b_now": now, "b_proof_at": new.proof_at,
         }
 
     def _live_for_peer(self, conn: Connection, peer_id: str, *, lock: bool = False) -> Optional[Row]:
@@ -365,3 +407,43 @@ class Store(StoreReads):
 
     async def touch(self, participant_id: int, now: float) -> None:
         await self.writer.run(lambda conn: conn.execute(self.sql.touch, {"b_id": participant_id, "b_now": now}))
+
+    # -- accounts ----------------------------------------------------------------------------
+    # Each operation is a function of a connection, so the admin API (through the writer) and the
+    # `accounts` command line (a transaction of its own, beside a running authorizer) share it.
+
+    async def create_account(self, account_id: str, label: str, now: float) -> Row:
+        return await self.writer.run(lambda conn: create_account(conn, self._insert, account_id, label, now))
+
+    async def revoke_account(self, account_id: str, now: float) -> tuple[bool, int]:
+        return await self.writer.run(lambda conn: self.revoke_account_now(conn, account_id, now))
+
+    def revoke_account_now(self, conn: Connection, account_id: str, now: float) -> tuple[bool, int]:
+        """Revoke an issued account: its joins are refused (revoked_account), its live tickets end
+        and their credentials are revoked, as a ban would. Returns (was active, tickets ended)."""
+        changed = conn.execute(update(accounts).where(
+            accounts.c.id == account_id, accounts.c.issued, accounts.c.revoked_at.is_(None),
+        ).values(revoked_at=now)).rowcount
+        message = revoked_account_rejection().message
+        rows = conn.execute(select(participants).where(
+            participants.c.account_id == account_id, participants.c.status.in_(LIVE_STATUSES))).all()
+        ended = sum(self._retire(conn, row, BANNED, now, revoke=True, reason=RejectReason.REVOKED_ACCOUNT.value,
+                                 message=message) for row in rows)
+        return changed == 1, ended
+
+    def open_for_accounts(self) -> None:
+        """Create or upgrade the tables without claiming the database for a run: the accounts
+        command line works on a database whether or not an authorizer has opened it yet."""
+        try:
+            metadata.create_all(self.write_engine)
+            with self.write_engine.begin() as conn:
+                self._add_columns(conn)
+        except SQLAlchemyError as exc:
+            raise ConfigError(f"cannot open database {self.url!r}: {exc.__class__.__name__}: {exc}; check --db") from exc
+
+
+def create_account(conn: Connection, insert, account_id: str, label: str, now: float) -> Row:
+    """Record an issued account under its token's hash (the token itself is never stored)."""
+    stmt = insert(accounts).values(id=account_id, banned=False, created_at=now, issued=True, label=label)
+    stmt = stmt.on_conflict_do_update(index_elements=[accounts.c.id], set_={"issued": True, "label": label})
+    return conn.execute(stmt.returning(*accounts.c)).one()

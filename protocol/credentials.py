@@ -291,7 +291,7 @@ def _peer_id_of(public_key: bytes) -> str:
     return peer_id_from_public_key(public_key).to_base58()
 
 
-ProofAction = Literal["renew", "leave"]
+ProofAction = Literal["join", "renew", "leave"]
 
 
 def proof_bytes(action: ProofAction, *, run_id: str, peer_id: str, signed_at: float) -> bytes:
