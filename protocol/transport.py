@@ -17,8 +17,8 @@ import logging
 from typing import Awaitable, Callable, Optional
 
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils.multiaddr import Multiaddr
 
+from protocol import hivemind_adapter
 from protocol.codec import pack, unpack
 from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES, FrameTooLarge, read_frame, write_frame
@@ -39,9 +39,9 @@ async def dial(p2p: P2P, peer_id: PeerID, maddrs: list[str], timeout_s: float = 
     """Open a libp2p connection to `peer_id` at its announced addresses, so a first call does
     not depend on the DHT having introduced the two peers. The daemon wants transport addresses
     without the trailing /p2p/<id> part."""
-    addresses = [Multiaddr(m.split("/p2p/")[0]) for m in maddrs if m]
+    addresses = [m.split("/p2p/")[0] for m in maddrs if m]
     if addresses:
-        await asyncio.wait_for(p2p._client.connect(peer_id, addresses), timeout_s)
+        await asyncio.wait_for(hivemind_adapter.connect(p2p, peer_id, addresses), timeout_s)
 
 
 class RpcServer:

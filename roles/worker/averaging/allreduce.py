@@ -17,38 +17,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.proto import averaging_pb2
+from protocol.hivemind_adapter import AdaptedRunner
 
 logger = logging.getLogger(__name__)
 
 
-class InstrumentedRunner(AllReduceRunner):
-    """An `AllReduceRunner` that keeps count of what failed, readable through `telemetry()`."""
+class InstrumentedRunner(AdaptedRunner):
+    """An all-reduce runner that keeps count of what failed, readable through `telemetry()`."""
 
     def __init__(self, *, stall_s: float = 0.0, label: str = "", **kwargs):
+        self.fell_back: dict[int, int] = {}
         super().__init__(**kwargs)
         self.started = time.monotonic()
         self.label = label
         self.stall_s = stall_s
         self._stall_logged = False
-        container = self.tensor_part_container
-        # Each peer's slice is the run of parts assigned to it, in group order (hivemind's
-        # TensorPartContainer splits the flat buffer in that order).
-        self.slice_sizes = [sum(int(part.numel()) for part, _ in parts) for parts in container._input_parts_by_peer]
-        self.fell_back: dict[int, int] = {}
-        original = container.register_failed_reducer
+        self.sizes = self.slice_sizes()
 
-        def register_failed_reducer(peer_index: int) -> None:
-            before = container.failed_size
-            original(peer_index)
-            self.fell_back[peer_index] = self.fell_back.get(peer_index, 0) + container.failed_size - before
-
-        container.register_failed_reducer = register_failed_reducer
+    def on_reducer_failed(self, peer_index: int, values: int) -> None:
+        self.fell_back[peer_index] = self.fell_back.get(peer_index, 0) + values
 
     async def _maybe_stall(self, where: str) -> None:
         if self.stall_s <= 0:
@@ -59,43 +49,22 @@ class InstrumentedRunner(AllReduceRunner):
                            self.label, where, self.stall_s)
         await asyncio.sleep(self.stall_s)
 
-    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        async for message in super()._generate_input_for_peer(peer_index):
-            yield message
-            await self._maybe_stall("sending")
+    async def after_part_sent(self) -> None:
+        await self._maybe_stall("sending")
 
-    async def _accumulate_parts_streaming(self, stream, sender_index: int):
-        async for message in super()._accumulate_parts_streaming(stream, sender_index):
-            yield message
-            await self._maybe_stall("reducing")
+    async def after_part_reduced(self) -> None:
+        await self._maybe_stall("reducing")
 
     def telemetry(self) -> dict[str, Any]:
         """What this peer saw of the round: plain data, so it can cross the process boundary."""
-        peers = [peer.to_base58() for peer in self.ordered_peer_ids]
-        me = self.ordered_peer_ids.index(self.peer_id)
+        peers = self.peers
         reducer_view: Optional[dict[str, Any]] = None
-        if self.slice_sizes[me] > 0:
-            reducer = self.tensor_part_reducer
-            part_sizes = [math.prod(shape) for shape in reducer.part_shapes]
-            cumulative = [0]
-            for size in part_sizes:
-                cumulative.append(cumulative[-1] + size)
-            received = {}
-            for index, sender in enumerate(self.sender_peer_ids):
-                failed_after = reducer.sender_failed_after[index]
-                parts = reducer.num_parts_received[index]
-                if failed_after != float("inf"):
-                    parts = min(parts, int(failed_after))
-                received[sender.to_base58()] = cumulative[min(parts, len(part_sizes))]
-            reducer_view = {
-                "slice": self.slice_sizes[me],
-                "received": received,
-                "banned": sorted(peer.to_base58() for peer in self.banned_senders),
-            }
+        if self.sizes[self.index] > 0:
+            reducer_view = {"slice": self.sizes[self.index], "received": self.values_received(), "banned": self.banned()}
         return {
             "peers": peers,
-            "modes": [AveragingMode(mode).name.lower() for mode in self.modes],
-            "slice_sizes": list(self.slice_sizes),
+            "modes": self.mode_names(),
+            "slice_sizes": list(self.sizes),
             "fell_back": {peers[index]: count for index, count in self.fell_back.items() if count},
             "reducer": reducer_view,
             "allreduce_s": time.monotonic() - self.started,

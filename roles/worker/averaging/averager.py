@@ -5,7 +5,8 @@ the stage averages one buffer of `ceil(numel / segments)` float32 values, which 
 from that round's index set. It runs in a forked process and must be started before the node
 starts threads of its own (DESIGN §10).
 
-`SpartaAverager` changes three things in the child process and nothing else:
+`SpartaAverager` changes three things in the child process and nothing else (the hooks it
+uses are protocol/hivemind_adapter.py's, the one place that touches hivemind's private API):
 - the all-reduce runs through `InstrumentedRunner`, and a step returns what it saw;
 - the group key's bits are set per round from the index-set digest, so replicas whose index sets
   differ never meet (hivemind's schema hash only checks shapes);
@@ -17,20 +18,15 @@ Reducers (`--reducer`) run in hivemind's node mode; contributors in client mode 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import signal
 from typing import Any, Iterator, Optional
 
 import torch
-from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import enter_asynchronously
 
+from protocol.hivemind_adapter import AdaptedAverager
 from roles.model.config import AveragingConfig
 from roles.worker.averaging.allreduce import InstrumentedRunner
 from roles.worker.errors import AveragingError
@@ -38,11 +34,12 @@ from roles.worker.errors import AveragingError
 logger = logging.getLogger(__name__)
 
 
-class SpartaAverager(DecentralizedAverager):
-    """DecentralizedAverager whose rounds report what they saw (see module docstring)."""
+class SpartaAverager(AdaptedAverager):
+    """The averager process: rounds run through `InstrumentedRunner` and report what they saw
+    (see module docstring)."""
 
     def __init__(self, buffer: torch.Tensor, dht, *, stall_s: float = 0.0, **kwargs):
-        self._stall_s = stall_s
+        self.stall_s = stall_s
         super().__init__([buffer], dht, start=False, **kwargs)
 
     def run(self) -> None:
@@ -54,58 +51,13 @@ class SpartaAverager(DecentralizedAverager):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         super().run()
 
-    async def _prepare_round(self, group_bits: str, size: Optional[int], future: MPFuture) -> None:
-        """Per round, in the averager process: the group key's bits, and the group size at which
-        a leader starts the all-reduce without waiting for the end of the window."""
-        try:
-            self._matchmaking.group_key_manager.group_bits = group_bits
-            self._matchmaking.target_group_size = size
-            self._matchmaking.potential_leaders.target_group_size = size
-            future.set_result(None)
-        except Exception as exc:  # noqa: BLE001 - reported to the host process
-            future.set_exception(exc)
+    def make_runner(self, gathered: dict[str, Any], **runner_kwargs) -> InstrumentedRunner:
+        own = gathered.get(self.peer_id.to_base58()) or {}
+        label = f"{own.get('kind', '?')} round {own.get('round', '?')}"
+        return InstrumentedRunner(stall_s=self.stall_s, label=label, **runner_kwargs)
 
-    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> Any:
-        """hivemind's version, but the runner is instrumented and its telemetry is returned."""
-        try:
-            bandwidths, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))
-            user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_gathered_bytes)))
-            modes = [AveragingMode(mode) for mode in mode_ids]
-            download_bandwidths = [thr if mode != AveragingMode.CLIENT else 0.0 for thr, mode in zip(bandwidths, modes)]
-            peer_fractions = await asyncio.get_event_loop().run_in_executor(
-                None, load_balance_peers, self.total_size, download_bandwidths, min_vector_size
-            )
-            own = user_gathered.get(self.peer_id) or {}
-            label = f"{own.get('kind', '?')} round {own.get('round', '?')}"
-            async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                runner = await self._run_instrumented(local_tensors, group_info, label, peer_fractions=peer_fractions,
-                                                      **kwargs)
-            return {
-                "gathered": {peer.to_base58(): data for peer, data in user_gathered.items()},
-                "telemetry": runner.telemetry(),
-            }
-        except BaseException as exc:
-            if isinstance(exc, Exception):
-                logger.debug("all-reduce failed", exc_info=True)
-            raise MatchmakingException(f"Unable to run All-Reduce: {exc}") from exc
-
-    async def _run_instrumented(self, tensors, group_info, label: str, **kwargs) -> InstrumentedRunner:
-        runner = InstrumentedRunner(
-            p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-            group_id=group_info.group_id, ordered_peer_ids=group_info.peer_ids,
-            stall_s=self._stall_s, label=label, **kwargs,
-        )
-        self._running_groups[group_info.group_id].set_result(runner)
-        async for tensor, update in _zip_updates(tensors, runner):
-            tensor.add_(update, alpha=self._averaging_alpha)
-        return runner
-
-
-async def _zip_updates(tensors, runner):
-    index = 0
-    async for update in runner:
-        yield tensors[index], update
-        index += 1
+    def round_result(self, gathered: dict[str, Any], runner: InstrumentedRunner) -> dict[str, Any]:
+        return {"gathered": gathered, "telemetry": runner.telemetry()}
 
 
 def averaging_prefix(run_id: str, stage: int) -> str:
@@ -171,10 +123,7 @@ class StageAverager:
         so a step sent after this runs with the new key; check the future after sending it."""
         if not all(bit in "01" for bit in group_bits):
             raise AveragingError(f"group bits must be 0s and 1s, got {group_bits!r}")
-        future = MPFuture()
-        self.process._outer_pipe.send(("_prepare_round", [], dict(group_bits=group_bits, size=target_group_size,
-                                                                   future=future)))
-        return future
+        return self.process.set_round_group(group_bits, target_group_size)
 
     def begin_step(self, weight: float, gather: dict[str, Any]):
         """Start matchmaking for one round and return its control; the all-reduce waits for
@@ -203,14 +152,11 @@ class StageAverager:
     def locked_buffer(self, timeout_s: float) -> Iterator[torch.Tensor]:
         """The round buffer, while the averager process cannot touch it (it holds the same lock
         for a whole all-reduce)."""
-        lock = self.process.lock_averaged_tensors
-        if not lock.acquire(timeout=timeout_s):
-            raise AveragingError(f"the averager held its buffer for more than {timeout_s:.0f}s; "
-                                 "a previous all-reduce is still running")
-        try:
+        with self.process.tensors_locked(timeout_s) as acquired:
+            if not acquired:
+                raise AveragingError(f"the averager held its buffer for more than {timeout_s:.0f}s; "
+                                     "a previous all-reduce is still running")
             yield self.buffer
-        finally:
-            lock.release()
 
     def shutdown(self) -> None:
         if self.process.is_alive():
