@@ -22,6 +22,7 @@ from protocol import version
 from protocol.codec import encode_tensor
 from protocol.errors import AgoraError, ErrorCode, NoWorkersError, PeerTimeout, PeerUnavailable, RemoteError
 from protocol.transport import RpcClient
+from roles.event_log import EventAggregator
 from roles.trainer.balancer import StageBalancer
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class SampleDropped(AgoraError):
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+        self.detail = detail
         self.step: Optional[int] = None
         """The step the tail tagged the sample with, if it got that far."""
         self.unreached: list[tuple[int, str]] = []
@@ -72,6 +74,8 @@ class PipelineDriver:
         self.timeout_s = timeout_s
         self.on_no_workers = on_no_workers
         self.stats = PipelineStats()
+        self.retries = EventAggregator(logger, "retried", "request", interval_s=10.0, level=logging.INFO)
+        """Calls retried on another worker, by cause; the role flushes it with its progress line."""
 
     @property
     def num_stages(self) -> int:
@@ -103,6 +107,7 @@ class PipelineDriver:
                     raise SampleDropped("rejected", f"stage {stage} worker {peer[-8:]}: {exc}") from exc
                 self.balancers[stage].report_failure(peer)
                 self.stats.forward_retries += 1
+                self.retries.count(_failure_reason(exc), f"stage {stage} worker {peer[-8:]}: {exc}")
                 last_error = str(exc)
                 logger.debug("stage %d worker %s failed (%s); retrying elsewhere", stage, peer[-8:], exc)
         raise SampleDropped("worker_failures", f"stage {stage}: {self.max_attempts} attempts failed; last: {last_error}")
@@ -183,7 +188,8 @@ class PipelineDriver:
             if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
                 raise SampleDropped("rejected", f"stage {stage} backward: {exc}") from exc
             self.balancers[stage].report_failure(peer)
-            logger.info("pinned backward worker %s of stage %d is gone (%s); falling back", peer[-8:], stage, exc)
+            self.retries.count(f"backward_fallback_{_failure_reason(exc)}",
+                               f"pinned backward worker {peer[-8:]} of stage {stage} is gone: {exc}")
         self.stats.backward_fallbacks += 1
         try:
             _, reply = await self._balanced(stage, version.BACKWARD, body)
@@ -191,3 +197,11 @@ class PipelineDriver:
             raise SampleDropped("backward_failed", str(exc)) from exc
         return reply, 1
 
+
+def _failure_reason(exc: Exception) -> str:
+    """A short cause for counting failed calls: timeout, unavailable, or the remote error code."""
+    if isinstance(exc, PeerTimeout):
+        return "timeout"
+    if isinstance(exc, RemoteError):
+        return exc.code.name.lower()
+    return "unavailable"

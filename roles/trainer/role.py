@@ -19,6 +19,7 @@ from protocol.dht import SwarmDHT
 from protocol.dht_schema import TrainerRecord, trainers_key
 from protocol.transport import RpcClient, dial
 from roles.announcer import Announcer
+from roles.event_log import EventAggregator
 from roles.model.config import RunConfig
 from roles.trainer.accounting import SampleAccounting
 from roles.trainer.balancer import StageBalancer
@@ -67,6 +68,8 @@ class TrainerRole:
             config.data, config.tokenizer, run.seq_len, config.shard_index, config.num_shards, run.seed, epochs=None,
         ))
         self.accounting = SampleAccounting()
+        self.drops = EventAggregator(logger, "dropped", "sample", interval_s=config.progress_log_period_s)
+        """Dropped samples, one line per reason per interval: a lost stage drops every sample."""
         self.announcer = Announcer(swarm, trainers_key(run.run_id), self._record, period_s=config.announce_period_s)
         self._connected: set[str] = set()
         self.live_trainers = 1
@@ -153,7 +156,7 @@ class TrainerRole:
             except SampleDropped as exc:
                 self.accounting.drop(exc.reason)
                 self._slot_freed.set()
-                logger.warning("lane %d dropped sample %s: %s", lane, sample.sample_id, exc)
+                self.drops.count(exc.reason, exc.detail, subject=sample.sample_id)
                 if exc.unreached:
                     await self.driver.abandon(sample.sample_id, exc)
                 if exc.reason == "no_workers":
@@ -196,6 +199,7 @@ class TrainerRole:
                 return
             except asyncio.TimeoutError:
                 pass
+            self._flush_events()
             a, now = self.accounting, time.monotonic()
             rate = (a.tokens - last_tokens) / max(now - last_time, 1e-9)
             last_tokens, last_time = a.tokens, now
@@ -230,7 +234,12 @@ class TrainerRole:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         self.finished_at = time.monotonic()
+        self._flush_events()
         await self.announcer.announce_now()
+
+    def _flush_events(self) -> None:
+        self.drops.flush()
+        self.driver.retries.flush()
 
     def summary(self) -> dict:
         wall = (self.finished_at or time.monotonic()) - (self.started_at or time.monotonic())
@@ -250,6 +259,7 @@ class TrainerRole:
         if self.state == TrainerState.STOPPED:
             return
         self.state = TrainerState.STOPPED
+        self._flush_events()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
