@@ -23,8 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from node.launcher import READY_PREFIX
+
 PG_BIN = os.environ.get("AGORA_PG_BIN", "/usr/lib/postgresql/15/bin")
-READY_PREFIX = "agora-node ready role=authorizer "
 
 
 def postgres_missing() -> Optional[str]:
@@ -146,8 +147,10 @@ class AuthorizerProcess:
         for line in self.proc.stdout:
             self.stdout_lines.append(line.rstrip("\n"))
             if line.startswith(READY_PREFIX) and not self._ready.is_set():
-                self.url = line.strip().rsplit("url=", 1)[1]
-                self._ready.set()
+                fields = dict(part.split("=", 1) for part in line[len(READY_PREFIX):].split() if "=" in part)
+                if fields.get("role") == "authorizer":
+                    self.url = fields.get("url")
+                    self._ready.set()
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -208,13 +211,19 @@ class NodeKey:
         return self.private_key.sign(data)  # type: ignore[attr-defined]
 
     def join_body(self, *, role: str = "worker", account_token: str = "account-0", client_version: str = "0.1.0",
-                  package_digest: str = "", announce_maddrs: Optional[list[str]] = None, **hardware) -> dict:
+                  package_digest: str = "", announce_maddrs: Optional[list[str]] = None, run_id: Optional[str] = "tiny",
+                  signed_at: Optional[float] = None, **hardware) -> dict:
+        """A join request, signed for `run_id` (the proof that lets it replace this peer's stale
+        ticket); `run_id=None` leaves the proof out, as clients before it did."""
         hw = dict(device_name="NVIDIA RTX 4090", vram_bytes=24 << 30, ram_bytes=64 << 30,
                   bandwidth_mbps=1000.0, latency_ms=20.0)
         hw.update(hardware)
-        return dict(peer_id=self.peer_id, public_key=base64.b64encode(self.public_key).decode(), role=role,
+        body = dict(peer_id=self.peer_id, public_key=base64.b64encode(self.public_key).decode(), role=role,
                     hardware=hw, client_version=client_version, package_digest=package_digest,
                     announce_maddrs=announce_maddrs or [], account_token=account_token)
+        if run_id is not None:
+            body.update(self.proof_body("join", run_id, signed_at))
+        return body
 
     def proof_body(self, action: str, run_id: str, signed_at: Optional[float] = None) -> dict:
         from protocol.credentials import proof_bytes

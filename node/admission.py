@@ -1,10 +1,15 @@
 """Joining a run through its authorizer and keeping the credential alive (report 3.6.1).
 
-The node asks to join with its peer id, key and hardware, waits in the queue (showing its
-position), and receives a short-lived credential, its stage, the run config and bootstrap peers.
-A keeper renews the credential at two thirds of its life, rides out an authorizer outage with
-retries until the credential expires, and stops the node with a documented exit code when
+The node asks to join with its peer id, key and hardware (signed, so that after a crash its
+restart replaces its own stale ticket), waits in the queue (showing its position), and receives a
+short-lived credential, its stage, the run config and bootstrap peers. A keeper renews the
+credential at two thirds of its life, rides out an authorizer outage with retries until the
+credential expires, and stops the node with a documented exit code (protocol.exit_codes) when
 renewal is refused or the credential lapses.
+
+A node may be given several authorizer URLs (authorizers sharing one PostgreSQL database). The
+client sticks to the one that answered last and moves on to the next on a connection error or a
+5xx answer, for every request: join, poll, renew, leave and revocations.
 """
 
 from __future__ import annotations
@@ -15,29 +20,43 @@ import logging
 import os
 import platform
 import time
+import urllib.parse
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, TypeVar, Union
 
 import httpx
 import psutil
+from pydantic import BaseModel, ValidationError
 
+from node.timefmt import duration, until
 from protocol import version
+from protocol.authorizer_api import (
+    LIVE_TICKET_STATUSES, ErrorBody, Hardware, JoinRequest, LeaveOut, Proof, RenewOut, RunInfo, TicketOut,
+    TicketStatus,
+)
 from protocol.credentials import RevocationList, SignedCredential, proof_bytes, renew_at
 from protocol.errors import AgoraError, ConfigError
+from protocol.exit_codes import ExitCode
 from protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
 
-EXIT_ADMISSION_REJECTED = 4
-"""The authorizer turned the node away; the message says what to change."""
-EXIT_RENEWAL_REFUSED = 5
-"""The authorizer refused to renew the credential (banned, or the run ended for this node)."""
-EXIT_CREDENTIAL_EXPIRED = 6
-"""The authorizer stayed unreachable until the credential expired."""
+M = TypeVar("M", bound=BaseModel)
+
+EXIT_ADMISSION_REJECTED = ExitCode.ADMISSION_REJECTED
+EXIT_RENEWAL_REFUSED = ExitCode.REVOKED
+EXIT_CREDENTIAL_EXPIRED = ExitCode.CREDENTIAL_EXPIRED
+"""Kept importable for older callers; protocol.exit_codes.ExitCode is the table."""
+
+DEFAULT_ADMISSION_TIMEOUT_S = 300.0
+LEAVE_TIMEOUT_S = 2.0
+"""How long a node that stops gives `leave`: a courtesy that frees its slot at once."""
 
 
 class AdmissionRejected(AgoraError):
-    exit_code = EXIT_ADMISSION_REJECTED
+    """The authorizer refused a request: a rejected ticket, or a 4xx answer with its error code."""
+
+    exit_code = ExitCode.ADMISSION_REJECTED
 
     def __init__(self, reason: str, message: str):
         super().__init__(f"the authorizer rejected this node ({reason}): {message}")
@@ -50,6 +69,41 @@ class CredentialLost(AgoraError):
         self.exit_code = exit_code
 
 
+class AuthorizerUnavailable(ConnectionError):
+    """No authorizer URL answered (connection failed, timed out, or answered 5xx)."""
+
+
+def parse_authorizer_url(text: str) -> str:
+    """`text` as a normalised authorizer URL (`http://host:port[/prefix]`), or a ConfigError with
+    one sentence saying what is wrong with it."""
+    value = str(text).strip()
+    if "://" not in value:
+        raise ConfigError(f"--authorizer {value!r} has no scheme; write it as a URL, e.g. http://{value or 'host:8000'}")
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme not in ("http", "https"):
+        raise ConfigError(f"--authorizer {value!r} uses {parts.scheme}://; the authorizer speaks http:// or https://")
+    if not parts.hostname:
+        raise ConfigError(f"--authorizer {value!r} names no host; e.g. http://203.0.113.7:8000")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"--authorizer {value!r} has a bad port; give a number 1-65535, e.g. "
+                          f"{parts.scheme}://{parts.hostname}:8000") from None
+    if port == 0:
+        raise ConfigError(f"--authorizer {value!r} has port 0; give the port the authorizer serves on (default 8000)")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"--authorizer {value!r} has a query or fragment; give only scheme, host, port and path")
+    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+
+
+def authorizer_urls(value: Union[str, Sequence[str], None]) -> list[str]:
+    """Settings' `authorizer` (one URL, or several) as a list of parsed URLs."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else list(value)
+    return list(dict.fromkeys(parse_authorizer_url(item) for item in items))
+
+
 @dataclass
 class Admission:
     credential: SignedCredential
@@ -59,7 +113,7 @@ class Admission:
     root_public_key: bytes
 
 
-def measured_hardware(device: str) -> dict:
+def measured_hardware(device: str) -> Hardware:
     """What the node tells the authorizer about itself. Bandwidth and latency to the run are not
     measured yet: the values are the operator's claims from AGORA_BANDWIDTH_MBPS/AGORA_LATENCY_MS."""
     vram, name = 0, platform.processor() or "cpu"
@@ -68,123 +122,206 @@ def measured_hardware(device: str) -> dict:
 
         props = torch.cuda.get_device_properties(torch.device(device))
         vram, name = int(props.total_memory), props.name
-    return {
-        "device_name": (name or "cpu")[:128],
-        "vram_bytes": vram,
-        "ram_bytes": int(psutil.virtual_memory().total),
-        "bandwidth_mbps": float(os.environ.get("AGORA_BANDWIDTH_MBPS", "1000")),
-        "latency_ms": float(os.environ.get("AGORA_LATENCY_MS", "1")),
-    }
+    return Hardware(
+        device_name=(name or "cpu")[:128], vram_bytes=vram, ram_bytes=int(psutil.virtual_memory().total),
+        bandwidth_mbps=float(os.environ.get("AGORA_BANDWIDTH_MBPS", "1000")),
+        latency_ms=float(os.environ.get("AGORA_LATENCY_MS", "1")),
+    )
+
+
+def _describe(exc: Exception, timeout_s: float) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer within {duration(timeout_s)}"
+    text = str(exc) or exc.__class__.__name__
+    if "refused" in text.lower():
+        return "connection refused"
+    return text.split("] ", 1)[-1][:200]
 
 
 class AuthorizerClient:
-    """The node's side of the authorizer's /v1 HTTP API."""
+    """The node's side of the authorizer's /v1 HTTP API, over one or more authorizer URLs."""
 
-    def __init__(self, url: str, *, timeout_s: float = 10.0):
-        self.url = url.rstrip("/")
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
+    def __init__(self, urls: Union[str, Sequence[str]], *, timeout_s: float = 10.0):
+        self.urls = authorizer_urls(urls)
+        if not self.urls:
+            raise ConfigError("no authorizer URL given; pass --authorizer URL")
+        self.timeout_s = timeout_s
+        self._current = 0
+        self._http = httpx.AsyncClient(timeout=timeout_s)
+        self._run_id: Optional[str] = None
+
+    @property
+    def url(self) -> str:
+        """The authorizer that answered last (the one requests go to first)."""
+        return self.urls[self._current]
 
     async def close(self) -> None:
-        await self.http.aclose()
+        await self._http.aclose()
 
-    async def _request(self, method: str, path: str, **kwargs) -> dict:
-        try:
-            response = await self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise ConnectionError(f"authorizer {self.url} unreachable: {exc}") from exc
-        try:
-            data = response.json()
-        except ValueError:
-            data = {}
-        if response.status_code >= 500:
-            raise ConnectionError(f"authorizer {self.url} failed ({response.status_code})")
-        if response.status_code >= 400:
-            error = data.get("error", {}) if isinstance(data, dict) else {}
-            raise AdmissionRejected(error.get("code", str(response.status_code)),
-                                    error.get("message", response.text[:300]))
-        return data
+    async def _request(self, method: str, path: str, reply: type[M], body: Optional[BaseModel] = None) -> M:
+        """Send to the current authorizer, failing over to the next ones on connection errors
+        and 5xx answers; 4xx answers are the authorizer's word and raise AdmissionRejected."""
+        content = body.model_dump_json(exclude_none=True) if body is not None else None
+        headers = {"content-type": "application/json"} if content is not None else None
+        problems = []
+        for step in range(len(self.urls)):
+            index = (self._current + step) % len(self.urls)
+            url = self.urls[index]
+            try:
+                response = await self._http.request(method, url + path, content=content, headers=headers)
+            except httpx.HTTPError as exc:
+                problems.append(f"authorizer {url} unreachable ({_describe(exc, self.timeout_s)})")
+                continue
+            if response.status_code >= 500:
+                problems.append(f"authorizer {url} failed ({response.status_code}: {_error_message(response)})")
+                continue
+            if index != self._current:
+                logger.warning("authorizer %s answered; using it from now on", url)
+                self._current = index
+            if response.status_code >= 400:
+                code, message = _error_of(response)
+                raise AdmissionRejected(code, message)
+            try:
+                return reply.model_validate_json(response.content)
+            except ValidationError as exc:
+                raise AdmissionRejected("bad_reply", f"{url}{path} answered something this node does not "
+                                                     f"understand ({exc.errors()[0]['msg']}); is it an agora "
+                                                     f"authorizer of a compatible version?") from exc
+        raise AuthorizerUnavailable("; ".join(problems))
 
-    def _proof(self, identity: Identity, action: str, run_id: str) -> dict:
+    def _proof(self, identity: Identity, action: str, run_id: str) -> Proof:
         peer_id = identity.peer_id.to_base58()
         signed_at = time.time()
         signature = identity.sign(proof_bytes(action, run_id=run_id, peer_id=peer_id, signed_at=signed_at))
-        return {"peer_id": peer_id, "signed_at": signed_at, "signature": base64.b64encode(signature).decode()}
+        return Proof(peer_id=peer_id, signed_at=signed_at, signature=signature)
 
-    async def join(self, identity: Identity, role: str, *, hardware: dict, announce_maddrs: list[str],
-                   account_token: str = "", stage: Optional[int] = None) -> dict:
-        body = {
-            "peer_id": identity.peer_id.to_base58(),
-            "public_key": base64.b64encode(identity.public_key).decode(),
-            "role": role, "hardware": hardware, "client_version": version.client_version(),
-            "announce_maddrs": announce_maddrs, "account_token": account_token,
-        }
-        return await self._request("POST", "/v1/join", json=body)
+    async def run_info(self) -> RunInfo:
+        info = await self._request("GET", "/v1/run", RunInfo)
+        self._run_id = info.run_id
+        return info
 
-    async def poll(self, ticket: str) -> dict:
-        return await self._request("GET", f"/v1/join/{ticket}")
+    async def join(self, identity: Identity, role: str, *, hardware: Hardware, announce_maddrs: list[str],
+                   account_token: str = "") -> TicketOut:
+        """Ask to join, signed with the node's key for the run (whose id GET /v1/run gives)."""
+        if self._run_id is None:
+            await self.run_info()
+        proof = self._proof(identity, "join", self._run_id)
+        request = JoinRequest(
+            peer_id=proof.peer_id, public_key=identity.public_key, role=role, hardware=hardware,  # type: ignore[arg-type]
+            client_version=version.client_version(), announce_maddrs=list(announce_maddrs),
+            account_token=account_token, signed_at=proof.signed_at, signature=proof.signature,
+        )
+        return await self._request("POST", "/v1/join", TicketOut, request)
 
-    async def renew(self, identity: Identity, run_id: str) -> dict:
-        return await self._request("POST", "/v1/renew", json=self._proof(identity, "renew", run_id))
+    async def poll(self, ticket: str) -> TicketOut:
+        return await self._request("GET", f"/v1/join/{ticket}", TicketOut)
 
-    async def leave(self, identity: Identity, run_id: str) -> dict:
-        return await self._request("POST", "/v1/leave", json=self._proof(identity, "leave", run_id))
+    async def renew(self, identity: Identity, run_id: str) -> RenewOut:
+        return await self._request("POST", "/v1/renew", RenewOut, self._proof(identity, "renew", run_id))
+
+    async def leave(self, identity: Identity, run_id: str) -> LeaveOut:
+        return await self._request("POST", "/v1/leave", LeaveOut, self._proof(identity, "leave", run_id))
 
     async def revocations(self) -> RevocationList:
         """The signed revocation list (verified by the caller against the root key)."""
-        try:
-            response = await self.http.get("/v1/revocations")
-            response.raise_for_status()
-        except httpx.HTTPError as exc:
-            raise ConnectionError(f"authorizer {self.url}: revocations unavailable: {exc}") from exc
-        return RevocationList.model_validate_json(response.content)
+        return await self._request("GET", "/v1/revocations", RevocationList)
 
 
-def _credential_from(payload: dict) -> SignedCredential:
-    return SignedCredential.from_bytes(base64.b64decode(payload["credential_msgpack"]))
+def _error_of(response: httpx.Response) -> tuple[str, str]:
+    try:
+        error = ErrorBody.model_validate_json(response.content).error
+        return error.code, error.message
+    except ValidationError:
+        return str(response.status_code), response.text[:300] or f"HTTP {response.status_code}"
 
 
-async def join_run(client: AuthorizerClient, identity: Identity, role: str, *, hardware: dict,
-                   announce_maddrs: list[str], account_token: str = "", timeout_s: float = 3600.0,
-                   on_wait: Callable[[dict], None] = lambda status: None) -> Admission:
-    """Join and wait in the queue until admitted; AdmissionRejected says why not."""
+def _error_message(response: httpx.Response) -> str:
+    return _error_of(response)[1][:200]
+
+
+async def leave_quietly(client: AuthorizerClient, identity: Identity, run_id: Optional[str],
+                        timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
+    """Tell the authorizer this node leaves (its queued or admitted slot is freed at once); a
+    courtesy bounded by `timeout_s`: a ticket nobody renews or polls lapses by itself."""
+    if run_id is None:
+        return False
+    try:
+        await asyncio.wait_for(client.leave(identity, run_id), timeout_s)
+        logger.info("left the run at the authorizer; its slot is free")
+        return True
+    except (Exception, asyncio.TimeoutError) as exc:  # not live any more, or unreachable
+        logger.debug("leave not acknowledged: %s", exc)
+        return False
+
+
+async def join_run(client: AuthorizerClient, identity: Identity, role: str, *,
+                   hardware: Union[Hardware, dict], announce_maddrs: list[str], account_token: str = "",
+                   timeout_s: float = DEFAULT_ADMISSION_TIMEOUT_S,
+                   on_wait: Callable[[TicketOut], None] = lambda ticket: None) -> Admission:
+    """Join and wait in the queue until admitted; AdmissionRejected says why not.
+
+    While no authorizer answers, retries with exponential backoff and a countdown line on stderr,
+    for at most `timeout_s` of continuous silence; then a ConfigError sentence (exit 2). Cancelled
+    (the node is stopping) after asking to join, it tells the authorizer `leave`, so a queued or
+    admitted slot is freed at once, and re-raises."""
+    hardware = hardware if isinstance(hardware, Hardware) else Hardware.model_validate(hardware)
+    asked = False
+    try:
+        ticket = await _retrying(client, lambda: client.join(
+            identity, role, hardware=hardware, announce_maddrs=announce_maddrs, account_token=account_token),
+            timeout_s)
+        asked = True
+        last_position: Optional[int] = None
+        while True:
+            if ticket.status == TicketStatus.ADMITTED and ticket.admission is not None:
+                admission = ticket.admission
+                return Admission(
+                    credential=admission.signed(), stage=ticket.stage, run_config=ticket.run_config or {},
+                    bootstrap_peers=list(admission.bootstrap_peers),
+                    root_public_key=base64.b64decode(admission.authorizer_public_key),
+                )
+            if ticket.status not in LIVE_TICKET_STATUSES:
+                rejection = ticket.rejection
+                raise AdmissionRejected(rejection.reason if rejection else ticket.status.value,
+                                        rejection.message if rejection else f"ticket ended as {ticket.status.value}; "
+                                                                            f"join again")
+            if ticket.status == TicketStatus.QUEUED:
+                if ticket.queue_position != last_position:
+                    last_position = ticket.queue_position
+                    on_wait(ticket)
+                await asyncio.sleep(min(2.0, max(0.2, (ticket.estimated_wait_s or 1.0) / 4)))
+            # an admitted join reply carries no credential (only polls do): poll for it at once
+            ticket = await _retrying(client, lambda: client.poll(ticket.ticket), timeout_s)
+    except asyncio.CancelledError:
+        if asked or client._run_id is not None:
+            await leave_quietly(client, identity, client._run_id)
+        raise
+
+
+async def _retrying(client: AuthorizerClient, call, timeout_s: float) -> TicketOut:
+    """`call()` until an authorizer answers; backoff 1, 2, 4 ... 30 s with a countdown line; a
+    ConfigError after `timeout_s` without an answer."""
     deadline = time.monotonic() + timeout_s
-    retry_s = 1.0
+    delay_s = 1.0
     while True:
         try:
-            ticket = await client.join(identity, role, hardware=hardware, announce_maddrs=announce_maddrs,
-                                       account_token=account_token)
-            break
-        except ConnectionError as exc:
-            if time.monotonic() > deadline:
-                raise ConfigError(f"{exc}; check --authorizer") from exc
-            logger.warning("%s; retrying in %.0fs", exc, retry_s)
-            await asyncio.sleep(retry_s)
-            retry_s = min(retry_s * 2, 30.0)
-    while True:
-        status = ticket.get("status")
-        if status == "admitted":
-            admission = ticket["admission"]
-            return Admission(
-                credential=_credential_from(admission), stage=ticket.get("stage"),
-                run_config=ticket.get("run_config") or {}, bootstrap_peers=admission.get("bootstrap_peers", []),
-                root_public_key=base64.b64decode(admission["authorizer_public_key"]),
-            )
-        if status != "queued":
-            rejection = ticket.get("rejection") or {}
-            raise AdmissionRejected(rejection.get("reason", status or "unknown"),
-                                    rejection.get("message", f"ticket ended as {status}; join again"))
-        on_wait(ticket)
-        if time.monotonic() > deadline:
-            raise AdmissionRejected("timeout", f"still queued after {timeout_s:.0f}s; try again later")
-        await asyncio.sleep(min(2.0, max(0.2, (ticket.get("estimated_wait_s") or 1.0) / 4)))
-        try:
-            ticket = await client.poll(ticket["ticket"])
-        except ConnectionError as exc:
-            logger.warning("%s; still waiting in the queue", exc)
+            return await call()
+        except AuthorizerUnavailable as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConfigError(
+                    f"{exc}; gave up after {duration(timeout_s)} (--admission-timeout-s): check --authorizer and "
+                    f"that the authorizer is running and reachable from here") from None
+            wait = min(delay_s, left)
+            logger.warning("%s; retrying in %s, giving up in %s", exc, duration(wait), duration(left))
+            await asyncio.sleep(wait)
+            delay_s = min(delay_s * 2, 30.0)
 
 
 class CredentialKeeper:
-    """Renews the credential at two thirds of its life; publishes each new one via `on_renewed`."""
+    """Renews the credential at two thirds of its life; publishes each new one via `on_renewed`.
+    A refusal (banned, revoked, or replaced by a newer process of this identity) or an expiry
+    during an outage ends the node: `failure` is set, logged once, and `stop` is set."""
 
     def __init__(self, client: AuthorizerClient, identity: Identity, run_id: str, credential: SignedCredential,
                  on_renewed: Callable[[SignedCredential], None], *, retry_s: float = 5.0):
@@ -196,6 +333,12 @@ class CredentialKeeper:
         self.retry_s = retry_s
         self.failure: Optional[CredentialLost] = None
 
+    def fail(self, failure: CredentialLost, stop: asyncio.Event) -> None:
+        if self.failure is None:
+            self.failure = failure
+            logger.error("%s; stopping (exit code %d)", failure, failure.exit_code)
+        stop.set()
+
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             wait = max(0.0, renew_at(self.credential.credential) - time.time())
@@ -206,7 +349,6 @@ class CredentialKeeper:
                 pass
             await self._renew(stop)
             if self.failure is not None:
-                stop.set()
                 return
 
     async def _renew(self, stop: asyncio.Event) -> None:
@@ -214,22 +356,27 @@ class CredentialKeeper:
             try:
                 renewed = await self.client.renew(self.identity, self.run_id)
             except AdmissionRejected as exc:
-                self.failure = CredentialLost(f"credential renewal refused: {exc}", EXIT_RENEWAL_REFUSED)
+                self.fail(CredentialLost(
+                    f"this node was banned or its credential revoked: the authorizer refused to renew it "
+                    f"({exc.reason}: {str(exc).split(': ', 1)[-1]})", ExitCode.REVOKED), stop)
                 return
-            except ConnectionError as exc:
-                left = self.credential.credential.expires_at - time.time()
+            except AuthorizerUnavailable as exc:
+                expires_at = self.credential.credential.expires_at
+                left = expires_at - time.time()
                 if left <= 0:
-                    self.failure = CredentialLost(
-                        f"credential expired while the authorizer was unreachable ({exc})", EXIT_CREDENTIAL_EXPIRED)
+                    self.fail(CredentialLost(
+                        f"the credential expired while every authorizer was unreachable ({exc})",
+                        ExitCode.CREDENTIAL_EXPIRED), stop)
                     return
-                logger.warning("%s; retrying renewal (credential valid for %.0fs more)", exc, left)
+                wait = min(self.retry_s, max(left, 0.1))
+                logger.warning("%s; retrying renewal in %s (credential valid %s)", exc, duration(wait),
+                               until(expires_at))
                 try:
-                    await asyncio.wait_for(stop.wait(), min(self.retry_s, max(left, 0.1)))
+                    await asyncio.wait_for(stop.wait(), wait)
                 except asyncio.TimeoutError:
                     pass
                 continue
-            self.credential = _credential_from(renewed)
+            self.credential = renewed.signed()
             self.on_renewed(self.credential)
-            logger.info("credential renewed until %s", time.strftime("%H:%M:%S", time.localtime(
-                self.credential.credential.expires_at)))
+            logger.info("credential renewed, valid %s", until(self.credential.credential.expires_at))
             return

@@ -77,7 +77,7 @@ def demo_main(argv: list[str]) -> int:
 
     swarm = LocalSwarm(os.path.join(workdir, "logs"), None, torch_threads=1, common_args=["--announce-period-s", "2"])
     authorizer = swarm.start_authorizer([
-        "--run-config", config_path, "--data-dir", os.path.join(workdir, "authorizer"), "--checks",
+        "--run-config", config_path, "--data-dir", os.path.join(workdir, "authorizer"), "--port", "0", "--checks",
         "capability,integrity,reachability", "--join-rate", "50"])
     identity = load_or_create_identity(None)
     trust = asyncio.run(establish_trust(

@@ -1,28 +1,42 @@
 """Who this node trusts, set up before it joins the swarm.
 
-With `--authorizer URL` the node proves it is reachable, is admitted, and receives its
-credential, stage, run config and bootstrap peers; it then authenticates every RPC and DHT
+With `--authorizer URL` (one or more) the node proves it is reachable, is admitted, and receives
+its credential, stage, run config and bootstrap peers; it then authenticates every RPC and DHT
 message with that credential (protocol/auth.py, protocol/dht_auth.py, protocol/records.py),
-renews it in the background and relays the run's signed revocation list. With
-`--insecure-open-run` there is no authorizer and every peer is trusted; the node says so loudly.
+renews it in the background and relays the run's signed revocation list. A node that finds itself
+on that list (banned, its account or credential revoked) says so in one line and stops with exit
+code 5 within one refresh. With `--insecure-open-run` there is no authorizer and every peer is
+trusted; the node says so loudly.
+
+On disk an authenticated node keeps one directory, `agora-trust-<pid>-*` in the system temp
+directory (its credential and the revocation list, shared with hivemind's DHT process); `close()`
+removes it, and the pid in its name lets a crash clean-up find the one a dead node left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
-from node.admission import Admission, AuthorizerClient, CredentialKeeper, join_run, measured_hardware
+from node.admission import (
+    DEFAULT_ADMISSION_TIMEOUT_S, Admission, AuthorizerClient, CredentialKeeper, CredentialLost, authorizer_urls,
+    join_run, leave_quietly, measured_hardware,
+)
 from node.settings import NodeSettings
+from node.timefmt import duration, until
+from protocol.authorizer_api import TicketOut
 from protocol.auth import PeerAuthenticator
 from protocol.auth_state import SharedAuthState
 from protocol.credentials import RevocationList
 from protocol.dht_auth import CredentialDHTAuthorizer
 from protocol.dht_schema import MAX_RECORD_TTL_S, control_key
 from protocol.errors import ConfigError
+from protocol.exit_codes import ExitCode
 from protocol.identity import Identity
 from protocol.records import REVOKED_SUBKEY
 from roles.model.config import RunConfig, load_run_config
@@ -31,6 +45,14 @@ logger = logging.getLogger(__name__)
 
 OPEN_RUN_WARNING = ("WARNING: --insecure-open-run: no authorizer; this node trusts every peer and any peer can "
                     "join, read and write this run. Use it only for local experiments.")
+
+
+TRUST_DIR_PREFIX = "agora-trust-"
+
+
+def trust_dir_prefix(pid: Optional[int] = None) -> str:
+    """`agora-trust-<pid>-`: the temp directory of the node with that pid starts so."""
+    return f"{TRUST_DIR_PREFIX}{os.getpid() if pid is None else pid}-"
 
 
 @dataclass
@@ -46,7 +68,12 @@ class Trust:
     client: Optional[AuthorizerClient] = None
     keeper: Optional[CredentialKeeper] = None
     revocation_refresh_s: float = 30.0
+    trust_dir: Optional[str] = None
+    failure: Optional[CredentialLost] = None
+    """Set when the node learns from the revocation list that it was banned or revoked."""
     _tasks: list[asyncio.Task] = field(default_factory=list)
+    _revocations_seen: Optional[tuple] = None
+    _closed: bool = False
 
     @property
     def authenticated(self) -> bool:
@@ -57,6 +84,32 @@ class Trust:
         if self.keeper is not None:
             self._tasks.append(asyncio.create_task(self.keeper.run(stop), name="credential-keeper"))
             self._tasks.append(asyncio.create_task(self._refresh_revocations(stop, swarm), name="revocations"))
+
+    def _apply(self, revocations: RevocationList) -> bool:
+        """Keep `revocations` if it is valid and newer; log it only when its content changed."""
+        if not self.auth_state.publish_revocations(revocations):
+            return False
+        content = (tuple(revocations.serials), tuple(revocations.peer_ids))
+        if content != self._revocations_seen:
+            self._revocations_seen = content
+            logger.info("revocation list applied: %d credential(s) and %d peer(s) revoked",
+                        len(revocations.serials), len(revocations.peer_ids))
+        return True
+
+    def _check_self(self, stop: asyncio.Event) -> bool:
+        """Stop the node (exit 5) if the list in force revokes its own peer id or credential."""
+        current = self.auth_state.revocations()
+        credential = self.keeper.credential.credential
+        if current is None or not current.is_revoked(credential):
+            return False
+        what = (f"peer {credential.peer_id} is banned" if credential.peer_id in current.peer_ids
+                else f"its credential (serial {credential.serial}) was revoked")
+        self.failure = CredentialLost(
+            f"this node was banned or revoked by the run's owner: {what} (or another process with this identity "
+            f"joined since); contact the run's operator", ExitCode.REVOKED)
+        logger.error("%s; stopping (exit code %d)", self.failure, self.failure.exit_code)
+        stop.set()
+        return True
 
     async def _refresh_revocations(self, stop: asyncio.Event, swarm) -> None:
         """Take the newest valid list from the authorizer or the DHT, apply it, and relay it: it is
@@ -78,34 +131,48 @@ class Trust:
                 logger.debug("revocations from the DHT unavailable: %s", exc)
             for revocations in sorted(candidates, key=lambda r: r.issued_at):
                 try:
-                    if self.auth_state.publish_revocations(revocations):
-                        logger.info("revocation list of %s applied: %d serials, %d peers revoked",
-                                    revocations.issued_at, len(revocations.serials), len(revocations.peer_ids))
+                    if self._apply(revocations):
                         await swarm.dht_store_raw(key, REVOKED_SUBKEY, revocations.model_dump(), MAX_RECORD_TTL_S)
                 except Exception as exc:
                     logger.debug("revocation list ignored: %s", exc)
             self.authenticator.revocations = self.auth_state.revocations()
+            if self._check_self(stop):
+                return
             try:
                 await asyncio.wait_for(stop.wait(), self.revocation_refresh_s)
             except asyncio.TimeoutError:
                 pass
 
     def failure_exit_code(self) -> Optional[int]:
+        """The exit code the node must end with because of its credential (5 banned or revoked,
+        6 expired), or None; the reason was logged when it happened."""
+        if self.failure is not None:
+            return int(self.failure.exit_code)
         if self.keeper is not None and self.keeper.failure is not None:
-            logger.error("%s", self.keeper.failure)
-            return self.keeper.failure.exit_code
+            return int(self.keeper.failure.exit_code)
         return None
 
     async def close(self) -> None:
+        """Stop the background tasks, leave the run (best effort, at most 2 s), close the client
+        and remove the trust directory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.client is not None:
-            try:
-                await asyncio.wait_for(self.client.leave(self.identity, self.run.run_id), 5)
-            except Exception as exc:  # the credential lapses by itself; leaving is a courtesy
-                logger.debug("leave not acknowledged: %s", exc)
-            await self.client.close()
+        try:
+            if self.client is not None:
+                if self.failure_exit_code() is None:
+                    await leave_quietly(self.client, self.identity, self.run.run_id)
+                await self.client.close()
+        finally:
+            remove_trust_dir(self.trust_dir)
+
+
+def remove_trust_dir(path: Optional[str]) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 async def _listen_for_probe(identity: Identity, settings: NodeSettings):
@@ -122,49 +189,57 @@ async def _listen_for_probe(identity: Identity, settings: NodeSettings):
 
 
 async def establish_trust(settings: NodeSettings, identity: Identity, device: str) -> Trust:
-    """Admission through the authorizer, or an open run when explicitly asked for."""
-    if settings.authorizer is None:
+    """Admission through the authorizer(s), or an open run when explicitly asked for.
+
+    Cancellation-safe: cancelled while waiting for admission (the node is stopping), it tells the
+    authorizer `leave` (join_run does), closes its client and listener, removes what it wrote, and
+    re-raises."""
+    urls = authorizer_urls(settings.authorizer)
+    if not urls:
         if not settings.insecure_open_run:
             raise ConfigError("no --authorizer given: pass --authorizer URL to join a run, or --insecure-open-run "
                               "for a local run in which every peer is trusted")
-        print(OPEN_RUN_WARNING, flush=True, file=__import__("sys").stderr)
+        logger.warning(OPEN_RUN_WARNING.removeprefix("WARNING: "))
         return Trust(run=load_run_config(settings.config), stage=settings.stage, identity=identity,
                      initial_peers=settings.initial_peers, host_maddrs=settings.host_maddrs)
-    client = AuthorizerClient(settings.authorizer)
+    client = AuthorizerClient(urls)
     probe = None
+    trust_dir = None
     try:
         probe, visible, host_maddrs = await _listen_for_probe(identity, settings)
 
-        def on_wait(ticket: dict) -> None:
-            logger.info("waiting for admission: queue position %s, about %.0fs (stage %s)",
-                        ticket.get("queue_position"), ticket.get("estimated_wait_s") or 0, ticket.get("stage"))
+        def on_wait(ticket: TicketOut) -> None:
+            logger.info("waiting for admission: queue position %s, about %s (stage %s)", ticket.queue_position,
+                        duration(ticket.estimated_wait_s or 0), "-" if ticket.stage is None else ticket.stage)
 
         admission: Admission = await join_run(
             client, identity, settings.role, hardware=measured_hardware(device), announce_maddrs=visible,
-            account_token=settings.account_token, on_wait=on_wait)
+            account_token=settings.account_token, on_wait=on_wait,
+            timeout_s=getattr(settings, "admission_timeout_s", DEFAULT_ADMISSION_TIMEOUT_S))
+        run = RunConfig.model_validate(admission.run_config)
+        if settings.stage is not None and admission.stage is not None and settings.stage != admission.stage:
+            logger.warning("the authorizer placed this worker on stage %d, not the requested %d", admission.stage,
+                           settings.stage)
+        trust_dir = tempfile.mkdtemp(prefix=trust_dir_prefix())
+        auth_state = SharedAuthState(trust_dir, run_id=run.run_id, root_public_key=admission.root_public_key)
+        auth_state.publish_credential(admission.credential)
     except BaseException:
+        remove_trust_dir(trust_dir)
         await client.close()
         raise
     finally:
         if probe is not None:
             await probe.shutdown()
-    run = RunConfig.model_validate(admission.run_config)
-    if settings.stage is not None and admission.stage is not None and settings.stage != admission.stage:
-        logger.warning("the authorizer placed this worker on stage %d, not the requested %d", admission.stage,
-                       settings.stage)
-    auth_state = SharedAuthState(tempfile.mkdtemp(prefix="agora-trust-"), run_id=run.run_id,
-                                 root_public_key=admission.root_public_key)
-    auth_state.publish_credential(admission.credential)
     keeper = CredentialKeeper(client, identity, run.run_id, admission.credential, auth_state.publish_credential)
     authenticator = PeerAuthenticator(identity=identity, run_id=run.run_id,
                                       root_public_key=admission.root_public_key, credential=lambda: keeper.credential)
-    logger.info("admitted to run %s as %s%s; credential valid until %d", run.run_id, settings.role,
-                f" of stage {admission.stage}" if admission.stage is not None else "",
-                admission.credential.credential.expires_at)
+    logger.info("admitted to run %s as %s%s by %s; credential valid %s", run.run_id, settings.role,
+                f" of stage {admission.stage}" if admission.stage is not None else "", client.url,
+                until(admission.credential.credential.expires_at))
     return Trust(
         run=run, stage=admission.stage, identity=identity, host_maddrs=host_maddrs,
         initial_peers=list(dict.fromkeys([*settings.initial_peers, *admission.bootstrap_peers])),
         auth_state=auth_state, authenticator=authenticator,
         dht_authorizer=CredentialDHTAuthorizer(identity, auth_state), client=client, keeper=keeper,
-        revocation_refresh_s=settings.revocation_refresh_s,
+        revocation_refresh_s=settings.revocation_refresh_s, trust_dir=trust_dir,
     )

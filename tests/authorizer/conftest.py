@@ -50,10 +50,13 @@ class Starter:
         self.started: list[AuthorizerProcess] = []
 
     def __call__(self, *args: str, db: str | None = None, data_dir: str | None = None, run_config: str = "tiny",
-                 timeout_s: float = 60) -> AuthorizerProcess:
+                 port: str | None = "0", timeout_s: float = 60) -> AuthorizerProcess:
+        """`port=None` passes no --port: the authorizer then uses the one its data directory recorded."""
         data_dir = data_dir or str(self.tmp_path / "data")
-        argv = ["--run-config", run_config, "--port", "0", "--data-dir", data_dir,
+        argv = ["--run-config", run_config, "--data-dir", data_dir,
                 "--admin-token", ADMIN_TOKEN, "--log-level", "info", *args]
+        if port is not None:
+            argv += ["--port", port]
         if db is not None:
             argv += ["--db", db]
         process = AuthorizerProcess(argv, log_path=str(self.tmp_path / f"authorizer-{len(self.started)}.log"))

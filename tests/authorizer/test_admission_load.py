@@ -21,8 +21,18 @@ ARGS = ["--stage-capacity", ",".join(map(str, CAPACITY)), "--join-rate", "200", 
 pytestmark = pytest.mark.timeout(150)
 
 
-def bodies(keys) -> list[dict]:
-    return [key.join_body(account_token=f"account-{i % 40}") for i, key in enumerate(keys)]
+ACCOUNTS = 40
+
+
+def issue_accounts(url: str, n: int = ACCOUNTS) -> list[str]:
+    """Account tokens issued through the admin API (accounts are required in these runs)."""
+    with httpx.Client(base_url=url, timeout=30) as http:
+        return [http.post("/v1/admin/accounts", json={"label": f"load-{i}"}, headers=ADMIN).json()["token"]
+                for i in range(n)]
+
+
+def bodies(keys, tokens: list[str]) -> list[dict]:
+    return [key.join_body(account_token=tokens[i % len(tokens)]) for i, key in enumerate(keys)]
 
 
 async def _burst(urls: list[str], bodies: list[dict], *, kill_after: int | None = None, kill=None,
@@ -83,8 +93,9 @@ def assert_exactly_full(http: httpx.Client) -> dict:
 
 def test_burst_admits_exactly_capacity(start_authorizer, db_url, node_keys):
     authorizer = start_authorizer(*ARGS, db=db_url)
+    tokens = issue_accounts(authorizer.url)
     keys = node_keys(JOINS)
-    results = burst([authorizer.url], bodies(keys))
+    results = burst([authorizer.url], bodies(keys, tokens))
     assert all(status == 200 for _, status, _ in results), [r for r in results if r[1] != 200][:3]
     statuses = collections.Counter(body["status"] for _, _, body in results)
     assert statuses["queued"] + statuses["admitted"] <= TOTAL + 1  # the queue never outgrows the free slots
@@ -108,8 +119,9 @@ def test_kill_9_mid_burst_loses_nothing(start_authorizer, db_url, node_keys, tmp
     with client(first) as http:
         root_key = http.get("/v1/run").json()["authorizer_public_key"]
     keys = node_keys(JOINS)
+    sent = bodies(keys, issue_accounts(first.url))
     # arrivals spread over a second, so that the kill surely lands while joins are in flight
-    results = burst([first.url], bodies(keys), kill_after=JOINS // 4, kill=first.kill, spread_s=1.0)
+    results = burst([first.url], sent, kill_after=JOINS // 4, kill=first.kill, spread_s=1.0)
     answered = [(i, body) for i, status, body in results if status == 200]
     assert JOINS // 4 <= len(answered) < JOINS, "the kill should land mid-burst"
     assert first.proc.poll() is not None
@@ -121,8 +133,9 @@ def test_kill_9_mid_burst_loses_nothing(start_authorizer, db_url, node_keys, tmp
             ticket = http.get(f"/v1/join/{body['ticket']}")
             assert ticket.status_code == 200, body
             assert ticket.json()["peer_id"] == body["peer_id"]
-        # nodes whose join got no answer retry; a retried live join returns the very same ticket
-        retried = burst([second.url], bodies(keys))
+        # nodes whose join got no answer retry; a retried live join (the same signed request)
+        # returns the very same ticket
+        retried = burst([second.url], sent)
         assert all(status == 200 for _, status, _ in retried)
         by_index = dict(answered)
         for index, _, body in retried:
@@ -139,7 +152,7 @@ def test_two_authorizers_racing_on_one_database(start_authorizer, db_url, node_k
     data_dir = str(tmp_path / "shared-data")
     one = start_authorizer(*ARGS, db=db_url, data_dir=data_dir)
     two = start_authorizer(*ARGS, db=db_url, data_dir=data_dir)
-    results = burst([one.url, two.url], bodies(node_keys(JOINS)))
+    results = burst([one.url, two.url], bodies(node_keys(JOINS), issue_accounts(one.url)))
     assert all(status == 200 for _, status, _ in results)
     with client(one) as http:
         assert_exactly_full(http)

@@ -21,7 +21,7 @@ from tests.authorizer.helpers import ADMIN, ADMIN_TOKEN, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 READY = re.compile(r"^agora-node ready role=authorizer stage=- peer=- url=http://127\.0\.0\.1:(\d+)$")
-CHECKS = ("--checks", "capability,integrity,accountability")
+CHECKS = ("--checks", "capability,integrity")
 
 
 def test_ready_line_and_clean_exit_on_signals(start_authorizer, tmp_path):

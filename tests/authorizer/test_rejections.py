@@ -21,7 +21,7 @@ GIB = 1 << 30
 
 @pytest.fixture(scope="module")
 def authorizer(module_starter):
-    return module_starter("--checks", "capability,integrity,reachability,accountability",
+    return module_starter("--checks", "capability,integrity,reachability",
                           "--join-rate", "1000", "--reachability-timeout-s", "3")
 
 
@@ -171,9 +171,10 @@ def test_reachability(http, tmp_path):
 
 def test_account_required_and_limit(http):
     no_reachability(http)
+    set_policy(http, checks={"accountability": True})
     rejected(join(http, account_token=""), "account_required", "account token")
     set_policy(http, max_nodes_per_account=2)
-    account = f"acct-{time.time_ns()}"
+    account = http.post("/v1/admin/accounts", json={"label": "limit"}, headers=ADMIN).json()["token"]
     assert all(join(http, account_token=account)["status"] in ("queued", "admitted") for _ in range(2))
     rejected(join(http, account_token=account), "account_limit", "2 node(s)", "stop one of them")
     set_policy(http, checks={"accountability": False})
