@@ -91,7 +91,7 @@ def _worker(s: dict, uptime_s: Optional[float]) -> list[str]:
     if s.get("phase"):
         facts.append(f"phase {s['phase']}")
     compute = _num(s, "compute_s")
-    if compute is not None:
+    if compute:
         facts.append(f"{format_seconds(compute)} computing")
     lines = [head + (": " + ", ".join(facts) if facts else "")]
 
