@@ -9,6 +9,7 @@ from typing import Callable
 
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import RecordModel
+from roles.periodic import every
 
 logger = logging.getLogger(__name__)
 
@@ -31,17 +32,11 @@ class Announcer:
         self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                if not await self.announce_now():
-                    logger.warning("announcing %s was not accepted by any DHT peer", self.key)
-            except Exception:
-                logger.exception("announcing %s failed", self.key)
-            self._wake.clear()
-            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
-            await asyncio.wait(waiters, timeout=self.period_s, return_when=asyncio.FIRST_COMPLETED)
-            for waiter in waiters:
-                waiter.cancel()
+        await every(self.period_s, self._announce, stop, name=f"announcing {self.key}", wake=self._wake)
+
+    async def _announce(self) -> None:
+        if not await self.announce_now():
+            logger.warning("announcing %s was not accepted by any DHT peer", self.key)
 
     async def withdraw(self) -> None:
         try:

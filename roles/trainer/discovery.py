@@ -11,6 +11,7 @@ import logging
 
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import Phase, WorkerRecord, workers_key
+from roles.periodic import every
 from roles.trainer.balancer import StageBalancer, WorkerView
 
 logger = logging.getLogger(__name__)
@@ -53,13 +54,4 @@ class WorkerDiscovery:
         return [len(b.usable()) for b in self.balancers]
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await self.refresh()
-            except Exception:
-                logger.exception("worker discovery failed")
-            self._wake.clear()
-            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
-            await asyncio.wait(waiters, timeout=self.period_s, return_when=asyncio.FIRST_COMPLETED)
-            for waiter in waiters:
-                waiter.cancel()
+        await every(self.period_s, self.refresh, stop, name="worker discovery", wake=self._wake)

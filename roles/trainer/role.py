@@ -21,6 +21,7 @@ from protocol.transport import RpcClient, dial
 from roles.announcer import Announcer
 from roles.event_log import EventAggregator
 from roles.model.config import RunConfig
+from roles.periodic import every, wait_any
 from roles.trainer.accounting import SampleAccounting
 from roles.trainer.balancer import StageBalancer
 from roles.trainer.config import TrainerConfig
@@ -136,10 +137,7 @@ class TrainerRole:
     async def _wait_for_slot(self, stop: asyncio.Event) -> bool:
         while self.accounting.in_flight >= self.in_flight_cap():
             self._slot_freed.clear()
-            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._slot_freed.wait())]
-            await asyncio.wait(waiters, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            for waiter in waiters:
-                waiter.cancel()
+            await wait_any(stop, self._slot_freed, timeout=1.0)
             if stop.is_set():
                 return False
         return True
@@ -179,26 +177,21 @@ class TrainerRole:
 
     async def _count_trainers(self, stop: asyncio.Event) -> None:
         """Keep `live_trainers` current: the in-flight cap is shared among the run's trainers."""
-        while not stop.is_set():
+        async def count() -> None:
             try:
                 records = await self.swarm.get(trainers_key(self.run_config.run_id), TrainerRecord)
                 self.live_trainers = max(1, len(records) + (self.swarm.peer_id not in records))
             except Exception:  # noqa: BLE001 - keep the last count; the next refresh may work
                 logger.debug("could not count trainers", exc_info=True)
-            try:
-                await asyncio.wait_for(stop.wait(), self.config.discovery_period_s)
-            except asyncio.TimeoutError:
-                pass
+
+        await every(self.config.discovery_period_s, count, stop, name="counting trainers")
 
     async def _report_progress(self, stop: asyncio.Event) -> None:
         """Log a progress line now and then, so an operator sees the trainer is doing its job."""
         last_tokens, last_time = 0, time.monotonic()
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), self.config.progress_log_period_s)
-                return
-            except asyncio.TimeoutError:
-                pass
+
+        def report() -> None:
+            nonlocal last_tokens, last_time
             self._flush_events()
             a, now = self.accounting, time.monotonic()
             rate = (a.tokens - last_tokens) / max(now - last_time, 1e-9)
@@ -206,6 +199,8 @@ class TrainerRole:
             loss = f"{a.recent_loss:.3f}" if a.recent_loss is not None else "-"
             logger.info("%d samples completed, %d dropped, %d in flight; loss %s; %.0f tokens/s; workers per stage %s",
                         a.completed, a.dropped, a.in_flight, loss, rate, self.discovery.workers_per_stage())
+
+        await every(self.config.progress_log_period_s, report, stop, name="progress log", delay_first=True)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Train until `stop` is set or `max_samples` samples have ended."""

@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from roles.periodic import every
 from roles.worker.layout import FlatLayout, ParameterStore
 from roles.worker.errors import CheckpointError
 
@@ -115,15 +116,13 @@ class StageCheckpoints:
     async def run(self, stop: asyncio.Event, period_s: float, step_fn, may_write=lambda: True) -> None:
         """Write now (a fresh writer publishes its state at once), then every `period_s`; skip a
         write while `may_write()` is false (a writer in a sync phase holds stale weights)."""
-        while not stop.is_set():
+        async def write() -> None:
             if may_write():
                 await self.save_logged(step_fn())
             else:
                 logger.info("checkpoint of stage %d skipped: this worker is still syncing", self.stage)
-            try:
-                await asyncio.wait_for(stop.wait(), period_s)
-            except asyncio.TimeoutError:
-                pass
+
+        await every(period_s, write, stop, name=f"checkpoint of stage {self.stage}")
 
     async def save_logged(self, step: int) -> Optional[Path]:
         try:

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import ProgressRecord, progress_key
+from roles.periodic import Signal, every
 from roles.worker.optimizer import StageOptimizer
 from roles.worker.step_ledger import PeerView, StepLedger
 
@@ -29,7 +30,7 @@ class StageProgress:
     def __init__(self, swarm: SwarmDHT, run_id: str, stage: int, optimizer: StageOptimizer, ledger: StepLedger,
                  *, period_s: float = 0.25, ttl_s: float = 30.0, min_interval_s: float = 0.02,
                  counts_towards_target: Callable[[], bool] = lambda: True,
-                 on_peers: Callable[[], None] = lambda: None):
+                 on_peers: Callable[[], None] = lambda: None, changed: Optional[Signal] = None):
         self.swarm = swarm
         self.key = progress_key(run_id, stage)
         self.optimizer = optimizer
@@ -39,10 +40,11 @@ class StageProgress:
         self.min_interval_s = min_interval_s
         self.counts_towards_target = counts_towards_target
         self.on_peers = on_peers
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._wake = asyncio.Event()
+        self.changed = changed
+        """Fired (by the compute thread) when this worker's counts changed: publish soon."""
         self._published: Optional[tuple] = None
         self._last_read = 0.0
+        self._last_forced = float("-inf")
 
     def _own_record(self) -> ProgressRecord:
         opt, ledger = self.optimizer, self.ledger
@@ -77,12 +79,6 @@ class StageProgress:
         self.ledger.update_peers(peer_view(peers.values()))
         self.on_peers()
 
-    def notify(self) -> None:
-        """Called from the compute thread after each backward batch and step: publish soon."""
-        loop = self._loop
-        if loop is not None:
-            loop.call_soon_threadsafe(self._wake.set)
-
     async def withdraw(self) -> None:
         """Tombstone our record on the way out, so our samples stop counting towards the stage's
         target at once instead of when the record expires."""
@@ -92,25 +88,18 @@ class StageProgress:
             logger.warning("could not withdraw %s", self.key, exc_info=True)
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._loop = asyncio.get_running_loop()
-        last_forced = 0.0
-        while not stop.is_set():
-            self._wake.clear()
-            started = time.monotonic()
-            force = started - last_forced >= max(self.period_s * 8, 2.0)
-            try:
-                await self.tick(force=force)
-                if force:
-                    last_forced = started
-            except Exception:
-                logger.exception("progress exchange failed")
-            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
-            await asyncio.wait(waiters, timeout=self.period_s, return_when=asyncio.FIRST_COMPLETED)
-            for waiter in waiters:
-                waiter.cancel()
-            rest = self.min_interval_s - (time.monotonic() - started)
-            if rest > 0 and not stop.is_set():
-                await asyncio.sleep(rest)
+        """Tick on every change of our counts (at most every `min_interval_s`) and at least once a
+        period; re-publish unchanged records now and then so they do not expire."""
+        wake = self.changed.listen() if self.changed is not None else None
+        await every(self.period_s, self._tick_now, stop, name="progress exchange", wake=wake,
+                    min_interval_s=self.min_interval_s)
+
+    async def _tick_now(self) -> None:
+        started = time.monotonic()
+        force = started - self._last_forced >= max(self.period_s * 8, 2.0)
+        await self.tick(force=force)
+        if force:
+            self._last_forced = started
 
 
 def peer_view(records) -> PeerView:

@@ -26,6 +26,7 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import InfoReply
 from protocol.transport import RpcClient, RpcServer
 from roles.announcer import Announcer
+from roles.periodic import every, wait_any
 from roles.model.config import RunConfig
 from roles.model.stage import StageModel
 from roles.worker.averaging.index_sets import SegmentIndexSets
@@ -36,7 +37,7 @@ from roles.worker.config import WorkerConfig
 from roles.worker.errors import CheckpointError, StateLoadError, WorkerLeftStage
 from roles.worker.handlers import WorkerHandlers
 from roles.worker.layout import FlatLayout
-from roles.worker.optimizer import StageOptimizer, StepReport
+from roles.worker.optimizer import StageOptimizer
 from roles.worker.progress import StageProgress
 from roles.worker.queues import TaskQueues
 from roles.worker.runtime import StageRuntime
@@ -86,7 +87,6 @@ class WorkerRole:
             device=self.device, ledger=self.ledger, autocast_dtype=autocast,
             max_delayed_per_step=run.staleness.max_delayed_per_step if self.model.kind == "head" else None,
             forward_gate_timeout_s=run.staleness.forward_gate_timeout_s,
-            on_backward=lambda: self.progress.notify(), on_step=self._on_step,
         )
         self.server = RpcServer(p2p, authenticator=authenticator)
         self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches)
@@ -96,7 +96,7 @@ class WorkerRole:
         self.progress = StageProgress(
             swarm, run.run_id, config.stage, self.optimizer, self.ledger,
             period_s=config.progress_period_s, counts_towards_target=self._counts_towards_target,
-            on_peers=self.runtime.wake,
+            on_peers=self.runtime.wake, changed=self.runtime.changed,
         )
         self.averaging = AveragingService(
             run.averaging, swarm=swarm, run_id=run.run_id, stage=config.stage, store=self.optimizer,
@@ -104,6 +104,7 @@ class WorkerRole:
             reducer=config.reducer, local_step=lambda: self.optimizer.local_step, phase=lambda: self.phase,
             samples_processed=lambda: self.runtime.counters["backward_requests"], on_round=self._on_round,
             announce_period_s=config.announce_period_s, stall_s=config.test_averaging_stall_s,
+            stepped=self.runtime.stepped,
         )
         self.state_server = StateServer(
             self.optimizer, self.layout, run_id=run.run_id, stage=config.stage,
@@ -116,7 +117,6 @@ class WorkerRole:
             self.checkpoints = StageCheckpoints(config.checkpoint_dir, run_id=run.run_id, stage=config.stage,
                                                 layout=self.layout, store=self.optimizer)
         self.joined: dict = {}
-        self.last_step: Optional[StepReport] = None
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -138,16 +138,10 @@ class WorkerRole:
             maddrs=self.maddrs, client_version=version.client_version(),
         )
 
-    def _on_step(self, report: StepReport) -> None:
-        """Called on the compute thread right after the stage's optimizer step."""
-        self.last_step = report
-        self.progress.notify()
-        logger.info("stage %d step %d: lr %.2e, grad norm %.3f%s, %d local samples",
-                    self.config.stage, report.step, report.lr, report.grad_norm,
-                    " (clipped)" if report.clipped else "", report.samples)
-
     def _on_round(self, outcome: RoundOutcome) -> None:
+        """Called on the event loop after each averaging round: a round can end weight sync."""
         self.sync.record_round(outcome.plan.segment, outcome.status, outcome.delta_sq, outcome.average_sq)
+        self._update_phase()
 
     def info(self) -> InfoReply:
         pending = self.runtime.queues.pending()
@@ -280,11 +274,13 @@ class WorkerRole:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, the compute thread dies or the worker must leave its stage."""
+        crashed, left = self.runtime.crashed.listen(), self.averaging.left.listen()
         self._tasks = [
             asyncio.create_task(self.announcer.run(stop), name="announce"),
             asyncio.create_task(self.progress.run(stop), name="progress"),
             asyncio.create_task(self.averaging.run(stop), name="averaging"),
-            asyncio.create_task(self._watch_phases(stop), name="sync-phases"),
+            asyncio.create_task(every(None, self._update_phase, stop, name="sync phases",
+                                      wake=self.runtime.stepped.listen()), name="sync-phases"),
         ]
         if self.checkpoints is not None and self.config.checkpoint_period_s:
             self._tasks.append(asyncio.create_task(
@@ -296,26 +292,20 @@ class WorkerRole:
                 raise RuntimeError(f"compute thread failed: {self.runtime.failure}") from self.runtime.failure
             if self.averaging.leave_reason:
                 raise WorkerLeftStage(f"worker left stage {self.config.stage}: {self.averaging.leave_reason}")
-            try:
-                await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
-                pass
+            await wait_any(stop, crashed, left)
 
-    async def _watch_phases(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            counters = self.runtime.counters
-            transition = self.sync.update(self.optimizer.local_step, counters["forward_requests"],
-                                          counters["backward_requests"])
-            if transition is not None:
-                logger.info("sync phase %s -> %s at step %d: %s (served so far: %d forward, %d backward requests)",
-                            transition.old.value, transition.new.value, self.optimizer.local_step, transition.reason,
-                            counters["forward_requests"], counters["backward_requests"])
-                self.announcer.poke()
-                self.averaging.announcer.poke()
-            try:
-                await asyncio.wait_for(stop.wait(), 0.2)
-            except asyncio.TimeoutError:
-                pass
+    def _update_phase(self) -> None:
+        """Advance the sync phase if it is done: called when the step moves and after each round,
+        the only two things a phase ends on."""
+        counters = self.runtime.counters
+        transition = self.sync.update(self.optimizer.local_step, counters["forward_requests"],
+                                      counters["backward_requests"])
+        if transition is not None:
+            logger.info("sync phase %s -> %s at step %d: %s (served so far: %d forward, %d backward requests)",
+                        transition.old.value, transition.new.value, self.optimizer.local_step, transition.reason,
+                        counters["forward_requests"], counters["backward_requests"])
+            self.announcer.poke()
+            self.averaging.announcer.poke()
 
     # ---- shutdown ----
 

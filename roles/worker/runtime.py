@@ -14,13 +14,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import BackwardRequest, ForwardRequest
 from roles.model.stage import StageModel
+from roles.periodic import Signal
 from roles.worker.optimizer import NonFiniteGradients, StageOptimizer, StepReport
 from roles.worker.step_ledger import StepLedger
 from roles.worker.queues import Task, TaskKind, TaskQueues, run_batch
@@ -146,8 +147,6 @@ class StageRuntime:
         max_delayed_per_step: Optional[int] = None,
         forward_gate_timeout_s: float = 5.0,
         autocast_dtype: Optional[torch.dtype] = None,
-        on_backward: Callable[[], None] = lambda: None,
-        on_step: Callable[[StepReport], None] = lambda report: None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -160,8 +159,14 @@ class StageRuntime:
         self.rank = model.subspace_rank
         self.device = device
         self.autocast_dtype = autocast_dtype
-        self.on_backward = on_backward
-        self.on_step = on_step
+        # What the compute thread tells the rest of the worker (roles/periodic.py): listeners on
+        # the event loop wake at once instead of polling these objects.
+        self.changed = Signal()
+        """This replica's sample counts changed (a backward batch ran, or a step was taken)."""
+        self.stepped = Signal()
+        """The optimizer's step moved (a step was taken, or the replica jumped to the stage's step)."""
+        self.crashed = Signal()
+        """The compute thread died; `failure` holds why."""
         self.counters: collections.Counter[str] = collections.Counter()
         self.compute_s = 0.0
         self.throughput = 0.0  # samples per second of compute, smoothed
@@ -271,6 +276,7 @@ class StageRuntime:
         except BaseException as exc:  # a dead compute thread must bring the node down, not hang it
             logger.exception("compute thread crashed")
             self.failure = exc
+            self.crashed.fire()
 
     def arrived(self) -> tuple[int, int]:
         """Samples of the open step and of the next that reached this replica: accumulated here, or
@@ -337,7 +343,10 @@ class StageRuntime:
                         due.stage_samples, self.ledger.target, why)
         if report is not None:
             self.last_step = report
-            self.on_step(report)
+            logger.info("stage %d step %d: lr %.2e, grad norm %.3f%s, %d local samples", self.stage, report.step,
+                        report.lr, report.grad_norm, " (clipped)" if report.clipped else "", report.samples)
+        self.stepped.fire()
+        self.changed.fire()
 
     def _jump_to(self, step: int) -> None:
         """Samples of a step two or more ahead arrived while this worker holds nothing: the run
@@ -349,6 +358,8 @@ class StageRuntime:
         self.ledger.skipped(skipped)
         logger.info("stage %d jumped from step %d to %d: samples of step %d arrived and this worker held none of "
                     "the steps in between", self.stage, step - skipped, step, step)
+        self.stepped.fire()
+        self.changed.fire()
 
     def stop(self, timeout_s: float = 30.0) -> list[Task]:
         """Stop taking work; return what was still queued so the caller can hand it back. Gradients
@@ -450,7 +461,7 @@ class StageRuntime:
         self.counters["backward_batches"] += 1
         if offset < 0:
             self.counters["late_samples"] += n
-        self.on_backward()
+        self.changed.fire()
         return [
             BackwardResult(grad_input=None if grads is None else grads[i], loss=loss_values[i], step=tag, version=used)
             for i in range(n)

@@ -80,6 +80,18 @@ def test_idle_stages_average_on_the_clock():
     assert schedule.due(1, now + 2.2) is None, "a step resets the idle timer"
 
 
+def test_the_service_wakes_for_the_next_clock_round_not_on_a_timer():
+    assert RoundSchedule(average_every=20).seconds_to_clock_round() is None, "without an idle period: steps only"
+    schedule = RoundSchedule(average_every=20, idle_period_s=1.0)
+    schedule.begin(0)
+    now = time.monotonic()
+    assert 0.9 < schedule.seconds_to_clock_round(now) <= 1.0, "idle for a period first"
+    schedule.last_clock_tick -= 1  # as if the current tick had not been averaged yet
+    assert schedule.seconds_to_clock_round(now + 2.0) == 0.0
+    assert schedule.due(0, now + 2.0)[0] == "clock"
+    assert schedule.seconds_to_clock_round(now + 2.0) > 0, "this tick is done: wait for the next"
+
+
 def test_rounds_are_skipped_with_a_reason():
     swarm = FakeSwarm()
     service, _ = _service(swarm, reducer=False)

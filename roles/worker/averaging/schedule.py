@@ -34,6 +34,17 @@ class RoundSchedule:
             self.last_clock_tick = int(time.time() // self.idle_period_s)
         self._seen_step, self._step_changed_at = step, time.monotonic()
 
+    def seconds_to_clock_round(self, now: Optional[float] = None) -> Optional[float]:
+        """How long until a clock round can fall due if the step does not move; None without an
+        idle period (then only a step can make a round due)."""
+        period = self.idle_period_s
+        if not period:
+            return None
+        now = time.monotonic() if now is None else now
+        wall = time.time()
+        next_tick = 0.0 if int(wall // period) > self.last_clock_tick else (self.last_clock_tick + 1) * period - wall
+        return max(0.0, period - (now - self._step_changed_at), next_tick)
+
     def due(self, step: int, now: Optional[float] = None) -> Optional[tuple[str, int]]:
         """("step", round) or ("clock", tick) if a round is due now, else None; each round once."""
         now = time.monotonic() if now is None else now

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, WorkerRecord, averaging_key, workers_key
 from roles.announcer import Announcer
+from roles.periodic import Signal, every
 from roles.model.config import AveragingConfig
 from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.health import RoundHealth, Verdict
@@ -91,7 +92,7 @@ class AveragingService:
                  store: ParameterStore, index_sets: SegmentIndexSets, reducer: bool,
                  local_step: Callable[[], int], phase: Callable[[], Phase], samples_processed: Callable[[], int],
                  on_round: Callable[[RoundOutcome], None] = lambda outcome: None,
-                 announce_period_s: float = 5.0, stall_s: float = 0.0):
+                 announce_period_s: float = 5.0, stall_s: float = 0.0, stepped: Optional[Signal] = None):
         self.config = config
         self.swarm = swarm
         self.run_id = run_id
@@ -109,6 +110,10 @@ class AveragingService:
         self.rounds: Optional[SegmentRound] = None
         self.health = RoundHealth()
         self.leave_reason: Optional[str] = None
+        self.left = Signal()
+        """Fired once `leave_reason` is set: the worker must leave its stage."""
+        self.stepped = stepped
+        """The runtime's step signal: a step round can only fall due when it fires."""
         self.counters: collections.Counter[str] = collections.Counter()
         self.recent: collections.deque[RoundOutcome] = collections.deque(maxlen=RECENT_ROUNDS)
         self.history: collections.deque[RoundOutcome] = collections.deque(maxlen=128)
@@ -146,13 +151,9 @@ class AveragingService:
         if self.state == AveragingState.DISABLED:
             return
         announcing = asyncio.create_task(self.announcer.run(stop), name="announce-averaging")
+        wake = self.stepped.listen() if self.stepped is not None else None
         try:
-            while not stop.is_set():
-                self._poll()
-                try:
-                    await asyncio.wait_for(stop.wait(), 0.1)
-                except asyncio.TimeoutError:
-                    pass
+            await every(self._next_check_s, self._poll, stop, name="averaging schedule", wake=wake)
         finally:
             announcing.cancel()
             await asyncio.gather(announcing, return_exceptions=True)
@@ -176,6 +177,16 @@ class AveragingService:
             self._thread.submit(self.index_sets.get, segment)
 
     # ---- scheduling ----
+
+    def _next_check_s(self) -> Optional[float]:
+        """When to look at the schedule again if the step does not move: at the next possible
+        clock round (idle stages), else only on the step signal."""
+        if self.stepped is None:
+            return 0.1  # nobody tells us about steps: look often
+        if self.state not in (AveragingState.READY, AveragingState.RUNNING) or self.leave_reason:
+            return None
+        seconds = self.schedule.seconds_to_clock_round()
+        return None if seconds is None else max(seconds, 0.01)
 
     def _poll(self) -> None:
         if self.state not in (AveragingState.READY, AveragingState.RUNNING) or self.leave_reason:
@@ -272,6 +283,7 @@ class AveragingService:
         self.leave_reason = self.health.should_leave()
         if self.leave_reason:
             logger.error("leaving stage %d: %s [report 3.3.1.6]", self.stage, self.leave_reason)
+            self.left.fire()
 
     async def _check_index_sets(self, outcome: RoundOutcome) -> None:
         """Peers announce the digest of the round they are in; one that announces this round with
