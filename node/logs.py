@@ -88,7 +88,7 @@ class HumanFormatter(logging.Formatter):
             text += "\n" + record.exc_text
         if record.stack_info:
             text += "\n" + record.stack_info
-        first, *rest = text.split("\n")
+        first, *rest = text.rstrip().split("\n")
         if self.colors:
             level_text = _styled(f"{level:<5}", _LEVEL_STYLES.get(record.levelno))
             if record.levelno >= logging.WARNING:
