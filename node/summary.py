@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from roles.event_log import format_seconds
+from node.timefmt import duration
 
 
 def human_summary(role: str, summary: dict, *, uptime_s: Optional[float] = None) -> str:
@@ -21,7 +21,7 @@ def human_summary(role: str, summary: dict, *, uptime_s: Optional[float] = None)
     elif role == "worker":
         lines = _worker(summary, uptime_s)
     else:
-        lines = [f"{role} done" + (f" after {format_seconds(uptime_s)}" if uptime_s is not None else "")]
+        lines = [f"{role} done" + (f" after {duration(uptime_s)}" if uptime_s is not None else "")]
     return "\n".join([lines[0], *("  " + line for line in lines[1:] if line)])
 
 
@@ -30,9 +30,9 @@ def _trainer(s: dict, uptime_s: Optional[float]) -> list[str]:
     head = "trainer done"
     wall = _num(s, "wall_s")
     if wall is not None and wall > 0:
-        head += f" after {format_seconds(wall)} of training"
+        head += f" after {duration(wall)} of training"
     elif uptime_s is not None:
-        head += f" after {format_seconds(uptime_s)}"
+        head += f" after {duration(uptime_s)}"
     facts = []
     if completed is not None:
         facts.append(f"{completed} samples completed" + (f" ({tokens} tokens)" if tokens else ""))
@@ -79,7 +79,7 @@ def _trainer(s: dict, uptime_s: Optional[float]) -> list[str]:
 def _worker(s: dict, uptime_s: Optional[float]) -> list[str]:
     head = "worker" + (f" of stage {s['stage']}" if s.get("stage") is not None else "") + " done"
     if uptime_s is not None:
-        head += f" after {format_seconds(uptime_s)}"
+        head += f" after {duration(uptime_s)}"
     steps = s.get("steps") if isinstance(s.get("steps"), dict) else {}
     facts = []
     local_step = _int(s, "local_step")
@@ -92,7 +92,7 @@ def _worker(s: dict, uptime_s: Optional[float]) -> list[str]:
         facts.append(f"phase {s['phase']}")
     compute = _num(s, "compute_s")
     if compute:
-        facts.append(f"{format_seconds(compute)} computing")
+        facts.append(f"{duration(compute)} computing")
     lines = [head + (": " + ", ".join(facts) if facts else "")]
 
     counters = s.get("counters") if isinstance(s.get("counters"), dict) else {}

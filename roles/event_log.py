@@ -90,7 +90,7 @@ class EventAggregator:
         n = sum(self._window.values())
         reasons = ", ".join(f"{count} {reason}" for reason, count in self._window.most_common())
         line = (f"{self.verb} {n} {self.noun if n == 1 else self.plural} in the last "
-                f"{format_seconds(now - self._last_line)}: {reasons}")
+                f"{_span(now - self._last_line)}: {reasons}")
         if self._last_detail:
             line += f" (last: {self._last_detail})"
         self._window.clear()
@@ -99,14 +99,7 @@ class EventAggregator:
         return line
 
 
-def format_seconds(seconds: float) -> str:
-    """A short duration for a log line: "800 ms", "4.2 s", "10 s", "2 min", "1.5 h"."""
-    if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 10:
-        return f"{seconds:.1f} s"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
+def _span(seconds: float) -> str:
+    """The window's length: a few to a few tens of seconds. (node/timefmt.py formats durations
+    for node/; roles/ may not import it.)"""
+    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from roles.event_log import EventAggregator, format_seconds
+from roles.event_log import EventAggregator
 
 
 class Clock:
@@ -70,7 +70,3 @@ def test_flush_at_shutdown_logs_what_is_pending(caplog):
     events.flush()
     assert _lines(caplog)[-1] == "dropped 1 sample in the last 2.5 s: 1 b"
 
-
-def test_format_seconds():
-    assert [format_seconds(s) for s in (0.25, 4.21, 10, 119, 1800, 9000)] == \
-        ["250 ms", "4.2 s", "10 s", "119 s", "30 min", "2.5 h"]

@@ -60,7 +60,7 @@ def test_trainer_summary_names_drops_by_reason_and_retries():
 def test_worker_summary_reads_as_a_few_lines():
     text = human_summary("worker", WORKER, uptime_s=73.2)
     assert text.splitlines() == [
-        "worker of stage 0 done after 73 s: 6 steps taken, phase active, 498 ms computing",
+        "worker of stage 0 done after 1 min 13 s: 6 steps taken, phase active, 0.5 s computing",
         "  45 forward samples in 40 batches, 45 backward samples in 44 batches, mean batch 1.07",
         "  16 samples per step; steps closed: 5 complete, 1 peer_ahead",
         "  averaging: no rounds",
