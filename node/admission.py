@@ -19,6 +19,7 @@ import base64
 import logging
 import os
 import platform
+import socket
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -130,12 +131,19 @@ def measured_hardware(device: str) -> Hardware:
 
 
 def _describe(exc: Exception, timeout_s: float) -> str:
+    """A few words on why a request got no answer: 'connection refused', 'no answer within 10 s'."""
     if isinstance(exc, httpx.TimeoutException):
         return f"no answer within {duration(timeout_s)}"
-    text = str(exc) or exc.__class__.__name__
-    if "refused" in text.lower():
-        return "connection refused"
-    return text.split("] ", 1)[-1][:200]
+    cause: Optional[BaseException] = exc
+    while cause is not None:  # httpx wraps the OS error ("All connection attempts failed")
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cause, socket.gaierror):
+            return "its host name does not resolve"
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror.lower()
+        cause = cause.__cause__ or cause.__context__
+    return (str(exc) or exc.__class__.__name__)[:200]
 
 
 class AuthorizerClient:

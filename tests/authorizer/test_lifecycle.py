@@ -125,3 +125,44 @@ def test_default_credential_lifetime_matches_the_protocol():
     from protocol import credentials
 
     assert DEFAULT_CREDENTIAL_TTL_S == credentials.DEFAULT_CREDENTIAL_TTL_S
+
+
+def test_restart_without_port_serves_the_same_url_and_root_key(start_authorizer, tmp_path):
+    """Given --port once, the authorizer records the bound port in its data directory; the same
+    command without --port serves the same URL, signing with the same root key."""
+    import json
+
+    data = str(tmp_path / "data")
+    first = start_authorizer(*CHECKS, data_dir=data)  # --port 0: the OS picks the port
+    root = httpx.get(f"{first.url}/v1/run").json()["authorizer_public_key"]
+    stored = json.loads((tmp_path / "data" / "authorizer.json").read_text())
+    assert f"http://{stored['host']}:{stored['port']}" == first.url and stored["run_config"] == "tiny"
+    assert stat.S_IMODE(os.stat(tmp_path / "data" / "authorizer.json").st_mode) == 0o600
+    assert first.stop() == 0
+    second = start_authorizer(*CHECKS, data_dir=data, port=None)
+    assert second.url == first.url
+    assert httpx.get(f"{second.url}/v1/run").json()["authorizer_public_key"] == root
+
+
+def test_port_in_use_is_one_line_and_exit_2(start_authorizer, tmp_path):
+    running = start_authorizer(*CHECKS)
+    port = running.url.rsplit(":", 1)[1]
+    done = subprocess.run([sys.executable, "-m", "authorizer.main", "--port", port, "--data-dir",
+                           str(tmp_path / "other"), "--admin-token", ADMIN_TOKEN], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert f"127.0.0.1:{port} is already in use" in lines[0] and "--port" in lines[0]
+    assert "Traceback" not in done.stderr and "Task exception" not in done.stderr
+
+
+def test_defaults_port_8000_and_data_dir_outside_the_working_directory(monkeypatch, tmp_path):
+    from authorizer.config import AuthorizerConfig
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    config = AuthorizerConfig()
+    assert config.port == 8000
+    assert config.data_dir == str(tmp_path / "xdg" / "agora-node" / "authorizer")
+    monkeypatch.delenv("XDG_DATA_HOME")
+    assert AuthorizerConfig().data_dir == os.path.expanduser("~/.local/share/agora-node/authorizer")
