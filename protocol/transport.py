@@ -1,7 +1,8 @@
 """Request/reply RPC over long-lived libp2p binary streams (hivemind's P2P wrapped behind our API).
 
-A server handler receives the verified remote peer id and a decoded body and returns a reply
-body. Each stream carries one request at a time; a client keeps a pool of idle streams per
+A server handler receives the verified remote peer id and a decoded body and returns its reply,
+a wire model (protocol/messages.py) or a plain map. A client sends a wire model with `request`
+and gets the reply validated into its model, or a plain map with `call`. Each stream carries one request at a time; a client keeps a pool of idle streams per
 (peer, handler), so concurrent callers (a trainer's lanes) use parallel streams and a stream is
 reused for the next request instead of paying a new libp2p stream per sample.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, TypeVar, Union
 
 from hivemind.p2p import P2P, PeerID
 
@@ -23,12 +24,22 @@ from protocol.codec import pack, unpack
 from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES, FrameTooLarge, read_frame, write_frame
 from protocol.auth import PeerAuthenticator, RequestRejected
-from protocol.messages import ErrorBody, ReplyEnvelope, make_envelope, open_body, parse_envelope, parse_model
+from protocol.messages import (
+    ErrorBody,
+    ReplyEnvelope,
+    WireModel,
+    make_envelope,
+    open_body,
+    parse_envelope,
+    parse_model,
+    to_body,
+)
 from protocol.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[PeerID, dict], Awaitable[dict]]
+Handler = Callable[[PeerID, dict], Awaitable[Union[dict, WireModel]]]
+M = TypeVar("M", bound=WireModel)
 
 
 def _error_reply(code: ErrorCode, message: str) -> bytes:
@@ -119,7 +130,7 @@ class RpcServer:
             self._count_rejection(ErrorCode.INTERNAL)
             return _error_reply(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         self.served[name] += 1
-        packed = pack(body)
+        packed = pack(to_body(body) if isinstance(body, WireModel) else body)
         reply = {"version": PROTOCOL_VERSION, "ok": True, "body": packed}
         if self.authenticator is not None:
             reply["signature"] = self.authenticator.sign_reply(name, peer_id.to_base58(), envelope.nonce, packed)
@@ -152,8 +163,16 @@ class RpcClient:
             collections.defaultdict(list)
         )
 
+    async def request(self, peer_id: PeerID, handler: str, request: WireModel, reply: type[M], *,
+                      timeout_s: Optional[float] = None) -> M:
+        """Send a typed request and return the reply validated as `reply`. Raises what `call`
+        raises, and ProtocolError for a reply that does not fit its model."""
+        body = await self.call(peer_id, handler, to_body(request), timeout_s=timeout_s)
+        return parse_model(reply, body, ErrorCode.INVALID_REQUEST)
+
     async def call(self, peer_id: PeerID, handler: str, body: dict, *, timeout_s: Optional[float] = None) -> dict:
-        """Send one request and return the reply body. Raises RemoteError (typed), PeerTimeout or PeerUnavailable."""
+        """Send one request body and return the reply body. Raises RemoteError (typed), PeerTimeout
+        or PeerUnavailable."""
         envelope = make_envelope(body)
         if self.authenticator is not None:
             envelope.update(self.authenticator.sign_request(handler, peer_id.to_base58(), envelope["body"]))

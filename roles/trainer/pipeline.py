@@ -5,6 +5,8 @@ pinned to the worker that ran its forward.
 Forward calls retry on another worker of the stage. A backward goes to another worker only if
 the pinned one is gone, and that fallback is counted: its gradient comes from other weights.
 A sample that cannot be completed raises SampleDropped with its reason; it is never lost silently.
+Requests and replies are the wire models the worker parses and answers with (protocol/messages.py);
+a reply that does not validate drops the sample as `bad_reply`.
 """
 
 from __future__ import annotations
@@ -13,19 +15,36 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, TypeVar
 
 import torch
 from hivemind.p2p import PeerID
 
 from protocol import version
-from protocol.codec import encode_tensor
-from protocol.errors import AgoraError, ErrorCode, NoWorkersError, PeerTimeout, PeerUnavailable, RemoteError
+from protocol.errors import (
+    AgoraError,
+    ErrorCode,
+    NoWorkersError,
+    PeerTimeout,
+    PeerUnavailable,
+    ProtocolError,
+    RemoteError,
+)
+from protocol.messages import (
+    AbandonReply,
+    AbandonRequest,
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    WireModel,
+)
 from protocol.transport import RpcClient
 from roles.event_log import EventAggregator
 from roles.trainer.balancer import StageBalancer
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R", bound=WireModel)
 
 # Remote errors that say "this worker could not take it now", as opposed to "your request is bad".
 _RETRYABLE_CODES = {ErrorCode.OVERLOADED, ErrorCode.NOT_READY, ErrorCode.INTERNAL, ErrorCode.WRONG_STAGE}
@@ -81,14 +100,20 @@ class PipelineDriver:
     def num_stages(self) -> int:
         return len(self.balancers)
 
-    async def _call(self, stage: int, peer: str, handler: str, body: dict) -> dict:
+    async def _call(self, stage: int, peer: str, handler: str, request: WireModel, reply: type[R]) -> R:
         await self.connect(peer)
         started = time.perf_counter()
-        reply = await self.client.call(PeerID.from_base58(peer), handler, body, timeout_s=self.timeout_s)
+        try:
+            answer = await self.client.request(PeerID.from_base58(peer), handler, request, reply,
+                                               timeout_s=self.timeout_s)
+        except ProtocolError as exc:
+            if isinstance(exc, RemoteError):
+                raise
+            raise SampleDropped("bad_reply", f"stage {stage} worker {peer[-8:]}: {exc}") from exc
         self.balancers[stage].report_success(peer, 1.0, time.perf_counter() - started)
-        return reply
+        return answer
 
-    async def _balanced(self, stage: int, handler: str, body: dict) -> tuple[str, dict]:
+    async def _balanced(self, stage: int, handler: str, request: WireModel, reply: type[R]) -> tuple[str, R]:
         """Call `handler` on the least-loaded worker of `stage`, retrying elsewhere on failure."""
         tried: list[str] = []
         last_error = "no attempt made"
@@ -101,7 +126,7 @@ class PipelineDriver:
                 raise SampleDropped("no_workers", f"stage {stage}: {exc}") from exc
             tried.append(peer)
             try:
-                return peer, await self._call(stage, peer, handler, body)
+                return peer, await self._call(stage, peer, handler, request, reply)
             except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
                 if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
                     raise SampleDropped("rejected", f"stage {stage} worker {peer[-8:]}: {exc}") from exc
@@ -115,44 +140,35 @@ class PipelineDriver:
     async def train_sample(self, sample_id: str, tokens: torch.Tensor) -> SampleResult:
         started = time.perf_counter()
         sample_id = f"{self.id_prefix}{sample_id}"
-        wire_tokens = encode_tensor(tokens)
-        inputs: list[Optional[dict]] = [None] * self.num_stages
+        inputs: list[Optional[torch.Tensor]] = [None] * self.num_stages
         route: list[str] = [""] * self.num_stages
-        coords: Optional[dict] = None
+        coords: Optional[torch.Tensor] = None
         for stage in range(self.num_stages - 1):
             inputs[stage] = coords
-            body = {"stage": stage, "sample_id": sample_id, "tokens": wire_tokens}
-            if coords is not None:
-                body["coords"] = coords
-            route[stage], reply = await self._balanced(stage, version.FORWARD, body)
-            coords = reply.get("coords")
+            request = ForwardRequest(stage=stage, sample_id=sample_id, tokens=tokens, coords=coords)
+            route[stage], forward = await self._balanced(stage, version.FORWARD, request, ForwardReply)
+            coords = forward.coords
         tail = self.num_stages - 1
-        route[tail], reply = await self._balanced(
-            tail, version.BACKWARD, {"stage": tail, "sample_id": sample_id, "tokens": wire_tokens, "coords": coords}
-        )
-        loss, grad, step = reply.get("loss"), reply.get("grad_input"), reply.get("step")
+        request = BackwardRequest(stage=tail, sample_id=sample_id, tokens=tokens, coords=coords)
+        route[tail], reply = await self._balanced(tail, version.BACKWARD, request, BackwardReply)
+        loss, grad, step = reply.loss, reply.grad_input, reply.step
         versions: list[Optional[int]] = [None] * self.num_stages
-        versions[tail] = reply.get("version")
-        if not isinstance(loss, float) or grad is None:
+        versions[tail] = reply.version
+        if loss is None or grad is None:
             raise SampleDropped("bad_reply", f"tail worker {route[tail][-8:]} sent no loss or gradient")
-        if step is not None and (not isinstance(step, int) or step < 0):
-            raise SampleDropped("bad_reply", f"tail worker {route[tail][-8:]} sent step {step!r}")
         fallbacks = 0
         for stage in range(self.num_stages - 2, -1, -1):
             # The tail's tag makes every stage accumulate this sample into the same global step.
-            body = {"stage": stage, "sample_id": sample_id, "tokens": wire_tokens, "grad_output": grad}
-            if step is not None:
-                body["step"] = step
-            if inputs[stage] is not None:
-                body["coords"] = inputs[stage]
+            request = BackwardRequest(stage=stage, sample_id=sample_id, tokens=tokens, coords=inputs[stage],
+                                      grad_output=grad, step=step)
             try:
-                reply, used_fallback = await self._pinned_backward(stage, route[stage], body)
+                reply, used_fallback = await self._pinned_backward(stage, route[stage], request)
             except SampleDropped as exc:
                 exc.step, exc.unreached = step, [(s, route[s]) for s in range(stage, -1, -1)]
                 raise
             fallbacks += used_fallback
-            grad = reply.get("grad_input")
-            versions[stage] = reply.get("version")
+            grad = reply.grad_input
+            versions[stage] = reply.version
             if stage > 0 and grad is None:
                 dropped = SampleDropped("bad_reply", f"stage {stage} worker sent no input gradient")
                 dropped.step, dropped.unreached = step, [(s, route[s]) for s in range(stage - 1, -1, -1)]
@@ -160,8 +176,7 @@ class PipelineDriver:
         for stage, peer in enumerate(route):
             self.stats.served[(stage, peer)] += 1
         return SampleResult(loss=loss, route=route, backward_fallbacks=fallbacks,
-                            elapsed_s=time.perf_counter() - started, step=step,
-                            versions=[v if isinstance(v, int) else None for v in versions])
+                            elapsed_s=time.perf_counter() - started, step=step, versions=versions)
 
     async def abandon(self, sample_id: str, dropped: SampleDropped, timeout_s: float = 5.0) -> int:
         """Tell the stages a tagged sample never reached that it will not come, so they close its
@@ -170,20 +185,21 @@ class PipelineDriver:
             return 0
         taken = 0
         for stage, peer in dropped.unreached:
-            body = {"stage": stage, "sample_id": f"{self.id_prefix}{sample_id}", "step": dropped.step}
+            request = AbandonRequest(stage=stage, sample_id=f"{self.id_prefix}{sample_id}", step=dropped.step)
             try:
                 await self.connect(peer)
-                reply = await self.client.call(PeerID.from_base58(peer), version.ABANDON, body, timeout_s=timeout_s)
-                taken += bool(reply.get("taken"))
-            except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
+                reply = await self.client.request(PeerID.from_base58(peer), version.ABANDON, request, AbandonReply,
+                                                  timeout_s=timeout_s)
+                taken += reply.taken
+            except (PeerUnavailable, PeerTimeout, ProtocolError) as exc:
                 logger.debug("stage %d worker %s did not take the abandon notice: %s", stage, peer[-8:], exc)
         return taken
 
-    async def _pinned_backward(self, stage: int, peer: str, body: dict) -> tuple[dict, int]:
+    async def _pinned_backward(self, stage: int, peer: str, request: BackwardRequest) -> tuple[BackwardReply, int]:
         """Backward must run on the forward's replica: replicas drift between averaging rounds,
         so another replica would recompute different activations [report 4.2.1]."""
         try:
-            return await self._call(stage, peer, version.BACKWARD, body), 0
+            return await self._call(stage, peer, version.BACKWARD, request, BackwardReply), 0
         except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
             if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
                 raise SampleDropped("rejected", f"stage {stage} backward: {exc}") from exc
@@ -192,7 +208,7 @@ class PipelineDriver:
                                f"pinned backward worker {peer[-8:]} of stage {stage} is gone: {exc}")
         self.stats.backward_fallbacks += 1
         try:
-            _, reply = await self._balanced(stage, version.BACKWARD, body)
+            _, reply = await self._balanced(stage, version.BACKWARD, request, BackwardReply)
         except SampleDropped as exc:
             raise SampleDropped("backward_failed", str(exc)) from exc
         return reply, 1

@@ -1,4 +1,5 @@
-"""The worker's `agora/v1/*` handlers: parse, validate, queue, await the compute thread, reply.
+"""The worker's `agora/v1/*` handlers: parse, validate, queue, await the compute thread, reply
+with the typed reply the trainer parses (protocol/messages.py).
 
 Every failure here becomes a typed error reply through the RPC server; nothing a remote peer
 sends can reach the compute thread without passing the runtime's checks first.
@@ -11,9 +12,17 @@ from typing import Callable
 
 from hivemind.p2p import PeerID
 
-from protocol.codec import encode_tensor
 from protocol.errors import AgoraError, ErrorCode, ProtocolError
-from protocol.messages import AbandonRequest, BackwardRequest, ForwardRequest, InfoReply, parse_model
+from protocol.messages import (
+    AbandonReply,
+    AbandonRequest,
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    InfoReply,
+    parse_model,
+)
 from roles.worker.queues import QueueClosed, QueueFull, TaskKind
 from roles.worker.runtime import BackwardResult, StageRuntime
 
@@ -60,33 +69,28 @@ class WorkerHandlers:
         except Exception as exc:
             raise ProtocolError(f"stage computation failed: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL) from exc
 
-    async def forward(self, peer_id: PeerID, body: dict) -> dict:
+    async def forward(self, peer_id: PeerID, body: dict) -> ForwardReply:
         request = parse_model(ForwardRequest, body)
         self.runtime.check_forward(request)
-        coords = await self._run(TaskKind.FORWARD, request)
-        return {"coords": encode_tensor(coords)}
+        return ForwardReply(coords=await self._run(TaskKind.FORWARD, request))
 
-    async def backward(self, peer_id: PeerID, body: dict) -> dict:
+    async def backward(self, peer_id: PeerID, body: dict) -> BackwardReply:
         request = parse_model(BackwardRequest, body)
         self.runtime.check_backward(request)
         result: BackwardResult = await self._run(TaskKind.BACKWARD, request)
-        reply: dict = {}
-        if result.grad_input is not None:
-            reply["grad_input"] = encode_tensor(result.grad_input)
-        if result.loss is not None:
-            reply["loss"] = float(result.loss)
-        if result.step is not None:
-            reply["step"] = int(result.step)
-        if result.version is not None:
-            reply["version"] = int(result.version)
-        return reply
+        return BackwardReply(
+            grad_input=result.grad_input,
+            loss=None if result.loss is None else float(result.loss),
+            step=None if result.step is None else int(result.step),
+            version=None if result.version is None else int(result.version),
+        )
 
-    async def abandon(self, peer_id: PeerID, body: dict) -> dict:
+    async def abandon(self, peer_id: PeerID, body: dict) -> AbandonReply:
         request = parse_model(AbandonRequest, body)
         if request.stage != self.runtime.stage:
             raise ProtocolError(f"this worker serves stage {self.runtime.stage}, not {request.stage}",
                                 ErrorCode.WRONG_STAGE)
-        return {"taken": self.runtime.abandon(request.step, request.sample_id)}
+        return AbandonReply(taken=self.runtime.abandon(request.step, request.sample_id))
 
-    async def info(self, peer_id: PeerID, body: dict) -> dict:
-        return self.info_fn().model_dump(mode="python")
+    async def info(self, peer_id: PeerID, body: dict) -> InfoReply:
+        return self.info_fn()

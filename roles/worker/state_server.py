@@ -38,7 +38,7 @@ class StateServer:
         with self.store.lock:
             return self.step(), self.layout.read(self.store.master_params, offset, count)
 
-    async def handle(self, peer_id: PeerID, body: dict) -> dict:
+    async def handle(self, peer_id: PeerID, body: dict) -> StateReply:
         request = parse_model(StateRequest, body)
         if request.stage != self.stage:
             raise ProtocolError(f"this worker serves stage {self.stage}, not {request.stage}", ErrorCode.WRONG_STAGE)
@@ -52,6 +52,5 @@ class StateServer:
         step, data = await asyncio.to_thread(self._read, request.offset, count)
         self.counters["state_chunks_served"] += 1
         self.counters["state_bytes_served"] += 4 * count
-        reply = StateReply(run_id=self.run_id, stage=self.stage, step=step, numel=self.layout.numel,
-                           layout=self.layout.digest, offset=request.offset, data=data if count else None)
-        return reply.model_dump(mode="python")
+        return StateReply(run_id=self.run_id, stage=self.stage, step=step, numel=self.layout.numel,
+                          layout=self.layout.digest, offset=request.offset, data=data if count else None)

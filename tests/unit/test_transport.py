@@ -6,12 +6,21 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from hivemind.p2p import P2P
 
-from protocol.codec import pack, unpack
-from protocol.errors import ErrorCode, PeerTimeout, RemoteError
+from protocol.codec import encode_tensor, pack, unpack
+from protocol.errors import ErrorCode, PeerTimeout, ProtocolError, RemoteError
 from protocol.framing import read_frame, write_frame
-from protocol.messages import make_envelope
+from protocol.messages import (
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    make_envelope,
+    parse_model,
+    to_body,
+)
 from protocol.transport import RpcClient, RpcServer
 
 
@@ -96,6 +105,43 @@ def test_concurrent_calls_use_parallel_streams():
                 *(client.call(server_p2p.peer_id, "agora/v1/echo", {"i": i, "sleep": 0.2}) for i in range(8))
             )
             assert [r["echo"]["i"] for r in replies] == list(range(8))
+            await client.close()
+        finally:
+            await client_p2p.shutdown()
+            await server_p2p.shutdown()
+
+    run(scenario())
+
+
+def test_both_sides_use_the_same_typed_models_and_the_bytes_stay_those_of_hand_built_bodies():
+    """The trainer sends the worker's own request models and parses its reply models; a body
+    leaves out None fields, as the hand-built dicts of older trainers and workers did."""
+    tokens, coords = torch.arange(6), torch.randn(6, 4)
+    forward = ForwardRequest(stage=0, sample_id="s", tokens=tokens)
+    assert pack(to_body(forward)) == pack({"stage": 0, "sample_id": "s", "tokens": encode_tensor(tokens)})
+    backward = BackwardRequest(stage=1, sample_id="s", tokens=tokens, coords=coords, grad_output=coords, step=3)
+    assert to_body(backward) == {"stage": 1, "sample_id": "s", "tokens": encode_tensor(tokens),
+                                 "coords": encode_tensor(coords), "grad_output": encode_tensor(coords), "step": 3}
+    assert to_body(BackwardReply(loss=1.5, step=2)) == {"loss": 1.5, "step": 2}
+
+    async def scenario():
+        server_p2p, client_p2p, server = await _pair()
+
+        async def forward_handler(peer_id, body):
+            request = parse_model(ForwardRequest, body)
+            if request.sample_id == "bad":
+                return {"coords": "not a tensor"}
+            return ForwardReply(coords=request.tokens.float().unsqueeze(1).repeat(1, 4))
+
+        await server.add_handler("agora/v1/forward", forward_handler)
+        client = RpcClient(client_p2p, timeout_s=5)
+        try:
+            reply = await client.request(server_p2p.peer_id, "agora/v1/forward", forward, ForwardReply)
+            assert isinstance(reply, ForwardReply) and torch.equal(reply.coords[:, 0], tokens.float())
+            bad = ForwardRequest(stage=0, sample_id="bad", tokens=tokens)
+            with pytest.raises(ProtocolError, match="tensor must be a map") as info:
+                await client.request(server_p2p.peer_id, "agora/v1/forward", bad, ForwardReply)
+            assert not isinstance(info.value, RemoteError), "a bad reply is ours to reject, not the peer's error"
             await client.close()
         finally:
             await client_p2p.shutdown()
