@@ -200,7 +200,7 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
             raise ConfigError("no --authorizer given: pass --authorizer URL to join a run, or --insecure-open-run "
                               "for a local run in which every peer is trusted")
         logger.warning(OPEN_RUN_WARNING.removeprefix("WARNING: "))
-        return Trust(run=load_run_config(settings.config), stage=settings.stage, identity=identity,
+        return Trust(run=load_run_config(settings.config), stage=getattr(settings, "stage", None), identity=identity,
                      initial_peers=settings.initial_peers, host_maddrs=settings.host_maddrs)
     client = AuthorizerClient(urls)
     probe = None
@@ -217,9 +217,10 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
             account_token=settings.account_token, on_wait=on_wait,
             timeout_s=getattr(settings, "admission_timeout_s", DEFAULT_ADMISSION_TIMEOUT_S))
         run = RunConfig.model_validate(admission.run_config)
-        if settings.stage is not None and admission.stage is not None and settings.stage != admission.stage:
+        requested = getattr(settings, "stage", None)  # only a worker's settings have a stage
+        if requested is not None and admission.stage is not None and requested != admission.stage:
             logger.warning("the authorizer placed this worker on stage %d, not the requested %d", admission.stage,
-                           settings.stage)
+                           requested)
         trust_dir = tempfile.mkdtemp(prefix=trust_dir_prefix())
         auth_state = SharedAuthState(trust_dir, run_id=run.run_id, root_public_key=admission.root_public_key)
         auth_state.publish_credential(admission.credential)
