@@ -123,7 +123,7 @@ class PipelineDriver:
             except NoWorkersError as exc:
                 if self.on_no_workers is not None:
                     self.on_no_workers()
-                raise SampleDropped("no_workers", f"stage {stage}: {exc}") from exc
+                raise SampleDropped("no_workers", str(exc)) from exc  # names its stage
             tried.append(peer)
             try:
                 return peer, await self._call(stage, peer, handler, request, reply)
