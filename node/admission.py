@@ -365,8 +365,8 @@ class CredentialKeeper:
                 renewed = await self.client.renew(self.identity, self.run_id)
             except AdmissionRejected as exc:
                 self.fail(CredentialLost(
-                    f"this node was banned or its credential revoked: the authorizer refused to renew it "
-                    f"({exc.reason}: {str(exc).split(': ', 1)[-1]})", ExitCode.REVOKED), stop)
+                    f"this node was banned or its credential revoked: renewal refused ({exc.reason}: "
+                    f"{str(exc).split(': ', 1)[-1]})", ExitCode.REVOKED), stop)
                 return
             except AuthorizerUnavailable as exc:
                 expires_at = self.credential.credential.expires_at

@@ -20,8 +20,11 @@ def duration(seconds: float) -> str:
     if whole < 60:
         return f"{whole} s"
     minutes, secs = divmod(whole, 60)
+    if minutes < 10:
+        return f"{minutes} min {secs} s" if secs else f"{minutes} min"
+    minutes = int(round(whole / 60))
     if minutes < 60:
-        return f"{minutes} min {secs} s" if secs and minutes < 10 else f"{minutes} min"
+        return f"{minutes} min"
     hours, minutes = divmod(minutes, 60)
     if hours < 24:
         return f"{hours} h {minutes} min" if minutes else f"{hours} h"

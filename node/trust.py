@@ -103,10 +103,11 @@ class Trust:
         if current is None or not current.is_revoked(credential):
             return False
         what = (f"peer {credential.peer_id} is banned" if credential.peer_id in current.peer_ids
-                else f"its credential (serial {credential.serial}) was revoked")
+                else f"its credential (serial {credential.serial}) was revoked (its account was revoked, or "
+                     f"another process with this identity joined since)")
         self.failure = CredentialLost(
-            f"this node was banned or revoked by the run's owner: {what} (or another process with this identity "
-            f"joined since); contact the run's operator", ExitCode.REVOKED)
+            f"this node was banned or revoked by the run's owner: {what}; contact the run's operator",
+            ExitCode.REVOKED)
         logger.error("%s; stopping (exit code %d)", self.failure, self.failure.exit_code)
         stop.set()
         return True
