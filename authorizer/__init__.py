@@ -2,12 +2,13 @@
 
 A single HTTP service (FastAPI on uvicorn) per run [3.6.1]. Modules, one concept each:
 
-    config       AuthorizerConfig: what one authorizer process needs
+    config       AuthorizerConfig: what one authorizer process needs; authorizer.json (kept address)
     main         run_authorizer(config) and a small CLI; the readiness line
+    accounts     the accounts command line: add, list, revoke account tokens
     app          the FastAPI app, body limit, typed JSON errors
     routes       public /v1 endpoints (join, poll, renew, leave, run, revocations)
-    admin        /v1/admin endpoints behind the admin bearer token (bans, live policy)
-    models       request/response bodies, bounded against hostile input
+    admin        /v1/admin endpoints behind the admin bearer token (accounts, bans, live policy)
+    models       server-side checks on the wire models (protocol.authorizer_api) and admin bodies
     service      Authorizer: the behaviour behind the routes
     policy       the live admission policy and its defaults
     admission    capability, integrity and account checks; RejectReason
