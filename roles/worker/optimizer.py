@@ -75,8 +75,12 @@ class StageOptimizer:
 
     `lock` (re-entrant) is held during `step`, so the averager and the state server, which take it
     too, always see consistent weights; the runtime holds it around each backward pass and its
-    `add_samples` so a step never lands in the middle of accumulation. Lock order: `lock` before
-    any lock of the task queues.
+    `add_samples` so a step never lands in the middle of accumulation; checkpoints and the state
+    loader take it to read or write the weights. The event loop never takes it (it goes through
+    `asyncio.to_thread`). Lock order: the averager's buffer lock, then `lock`, then the task
+    queues' condition, then leaf locks; never the other way round (the averager process holds
+    its buffer lock for a whole all-reduce). Who takes which lock and why: docs/architecture.md,
+    "Processes and threads".
     """
 
     def __init__(
