@@ -1,5 +1,11 @@
-"""One `agora-node` process from start to exit: load config, check the memory plan, join the
-swarm, print the readiness line, run the role until a signal, and leave cleanly."""
+"""One `agora-node` process from start to exit: load config, check everything that can be checked
+before joining (memory plan, trainer data, listen ports, identity), be admitted, join the swarm,
+print the readiness line, run the role until a signal, and leave cleanly.
+
+Every phase waits on the same stop signal (node/lifecycle.py): a first SIGINT/SIGTERM abandons
+admission, bootstrap or state loading at once and drains a running role; a second one kills the
+children and exits with ExitCode.INTERRUPTED.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +13,31 @@ import asyncio
 import json
 import logging
 import os
-import signal
-import sys
-from typing import Optional
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Optional, TypeVar
 
-from node.devices import pick_device
-from node.lifecycle import reap_children
+from node.devices import device_free_bytes, pick_device, planned_gpu_memory
+from node.lifecycle import ProcessLifecycle, StopRequested, begin_process, exit_now, reap_children
 from node.settings import NodeSettings
+from node.summary import human_summary, process_uptime_s
 from protocol.errors import ConfigError
+from protocol.exit_codes import ExitCode
 from protocol.identity import load_or_create_identity
 from roles.model.config import RunConfig, load_run_config
 from roles.model.memory_plan import plan_memory
 from roles.worker.errors import WorkerLeftStage
 
 logger = logging.getLogger("agora.node")
+T = TypeVar("T")
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-EXIT_LEFT_STAGE = 3
-"""A worker failed 2 of its last 3 averaging rounds and left its stage [report 3.3.1.6]."""
+EXIT_OK = ExitCode.OK
+EXIT_FAILURE = ExitCode.FAILURE
+EXIT_USAGE = ExitCode.USAGE
+EXIT_LEFT_STAGE = ExitCode.LEFT_STAGE
+
+SHUTDOWN_TIMEOUT_S = 60.0
+"""Longest a role gets to drain; a second signal cuts it short."""
 
 
 def _check_stage(settings: NodeSettings, run: RunConfig) -> int:
@@ -39,152 +50,230 @@ def _check_stage(settings: NodeSettings, run: RunConfig) -> int:
     return settings.stage
 
 
-def check_memory(settings: NodeSettings, run: RunConfig, stage: int, device: str) -> str:
-    """Compute the worker's memory plan before loading anything; refuse to start if it cannot fit."""
-    import psutil
+@dataclass
+class MemoryCheck:
+    report: str
+    """The plan and the free memory, several lines (what --dry-run prints)."""
+    problem: Optional[str]
+    """One sentence if the plan does not fit, naming the --max-batch that would."""
 
-    from node.devices import device_free_bytes
+
+def check_memory(settings: NodeSettings, run: RunConfig, stage: int, device: str) -> MemoryCheck:
+    """Compute the worker's memory plan before loading anything. With --gpu-memory the device's
+    free memory is the given size (planning for a card that is not here)."""
+    import psutil
 
     plan = plan_memory(run, stage, device, settings.max_batch)
     host_free = psutil.virtual_memory().available
-    device_free = device_free_bytes(device)
+    device_free = device_free_bytes(device, planned_gpu_memory(settings))
     fits = plan.fits(device_free, host_free)
-    lines = [plan.describe(), f"free: device {_gib(device_free)}, host {_gib(host_free)} -> "
-             f"{'fits' if fits else 'does NOT fit'}"]
-    report = "\n".join(lines)
-    if settings.dry_run:
-        return report
-    if not fits:
-        best = plan.max_batch_that_fits(device_free, host_free)
-        hint = (f"pass --max-batch {best}" if best >= 1 else
-                "this stage does not fit this device at any batch size; choose another --stage or --device")
-        free = (f"{_gib(device_free)} on {device} and {_gib(host_free)} host RAM are free" if device_free is not None
-                else f"{_gib(host_free)} host RAM is free (the CPU computes in host RAM)")
-        raise ConfigError(
-            f"stage {stage} at --max-batch {settings.max_batch} needs {_gib(plan.device_bytes)} on {device} "
-            f"and {_gib(plan.host_bytes)} host RAM, but {free}; {hint}"
-        )
-    return report
+    report = "\n".join([plan.describe(), f"free: device {_gib(device_free)}, host {_gib(host_free)} -> "
+                                         f"{'fits' if fits else 'does NOT fit'}"])
+    if fits:
+        return MemoryCheck(report, None)
+    best = plan.max_batch_that_fits(device_free, host_free)
+    hint = (f"pass --max-batch {best}" if best >= 1 else
+            "this stage does not fit this device at any batch size; choose another --stage or --device")
+    free = (f"{_gib(device_free)} on {device} and {_gib(host_free)} host RAM are free" if device_free is not None
+            else f"{_gib(host_free)} host RAM is free (the CPU computes in host RAM)")
+    return MemoryCheck(report, f"stage {stage} at --max-batch {settings.max_batch} needs {_gib(plan.device_bytes)} "
+                               f"on {device} and {_gib(plan.host_bytes)} host RAM, but {free}; {hint}")
+
+
+def _require_fit(settings: NodeSettings, run: RunConfig, stage: int, device: str) -> None:
+    check = check_memory(settings, run, stage, device)
+    if check.problem is not None:
+        raise ConfigError(check.problem)
+    logger.info("memory plan for stage %d on %s:\n%s", stage, device, check.report)
 
 
 def _gib(n: Optional[int]) -> str:
     return "unknown" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def _check_trainer_data(settings: NodeSettings, run: Optional[RunConfig]) -> None:
+    """Missing or empty data fails before anything is started; too little for this shard as soon
+    as the run's sequence length is known (before admission with --config, else right after)."""
+    from roles.trainer.data import validate_data
+
+    validate_data(settings.data, settings.tokenizer, run.seq_len if run is not None else None,
+                  settings.shard_index, settings.num_shards)
+
+
 def run_node(settings: NodeSettings) -> int:
-    """Run one node; returns the process exit code. ConfigError propagates to the CLI (exit 2)."""
-    device = pick_device(settings.device) if settings.role == "worker" else "cpu"
-    if settings.config is not None and (settings.authorizer is None or settings.dry_run):
+    """Run one node and end the process with its exit code once everything is closed (a dry run
+    returns its code instead). ConfigError propagates to the CLI (exit 2)."""
+    life = begin_process()
+    role = settings.role
+    dry_run = bool(getattr(settings, "dry_run", False))  # a worker setting
+    device = pick_device(settings.device, planning=planned_gpu_memory(settings) is not None,
+                         dry_run=dry_run) if role == "worker" else "cpu"
+    has_authorizer = bool(settings.authorizer)
+    run = None
+    if settings.config is not None and (not has_authorizer or dry_run):
         run = load_run_config(settings.config)
-        stage = _check_stage(settings, run) if settings.role == "worker" else None
-        if stage is not None:
-            report = check_memory(settings, run, stage, device)
-            if settings.dry_run:
-                print(report)
-                return EXIT_OK
-            logger.info("memory plan for stage %d on %s:\n%s", stage, device, report)
-    elif settings.dry_run:
+    if role == "worker" and run is not None:
+        stage = _check_stage(settings, run)
+        if dry_run:
+            check = check_memory(settings, run, stage, device)
+            print(check.report, flush=True)
+            if check.problem is not None:
+                raise ConfigError(check.problem)
+            return ExitCode.OK
+        _require_fit(settings, run, stage, device)
+    elif dry_run:
         raise ConfigError("--dry-run needs --config and --stage (the authorizer is not asked)")
+    if role == "trainer":
+        _check_trainer_data(settings, run)
+    from node.swarm import check_ports_free, claim_identity
+
+    check_ports_free(settings.host_maddrs)
     identity = load_or_create_identity(settings.identity)
     temporary_identity = settings.identity is None
+    if temporary_identity:
+        life.remove_on_exit(identity.path)
+    else:
+        claim_identity(identity.path, life)
     try:
-        return asyncio.run(_serve(settings, device, identity))
+        if life.stop.is_set():
+            raise StopRequested("before starting")
+        code = asyncio.run(_serve(settings, device, identity, life))
+    except StopRequested as exc:
+        logger.info("stopped %s, %.1fs after %s", exc, time.monotonic() - (life.signal_at or time.monotonic()),
+                    life.signal_name or "the signal")
+        code = ExitCode.OK
     finally:
         if temporary_identity and os.path.exists(identity.path):
             os.unlink(identity.path)
         reap_children()
+    exit_now(code)
 
 
-async def _serve(settings: NodeSettings, device: str, identity) -> int:
+async def until_stopped(awaitable: Awaitable[T], stop: asyncio.Event, phase: str,
+                        cancel_timeout_s: float = 1.5) -> T:
+    """Await `awaitable` unless `stop` is set first: then cancel it, give it `cancel_timeout_s` to
+    clean up (a queued admission tells the authorizer it leaves), and raise StopRequested."""
+    task = asyncio.ensure_future(awaitable)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        stopping.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=cancel_timeout_s)
+    if not done:
+        logger.warning("%s did not stop within %.1fs; leaving it", phase, cancel_timeout_s)
+    elif not task.cancelled() and task.exception() is None and hasattr(task.result(), "close"):
+        await task.result().close()  # it finished as we cancelled it: release what it holds
+    raise StopRequested(phase)
+
+
+async def _serve(settings: NodeSettings, device: str, identity, life: ProcessLifecycle) -> int:
     import torch
 
-    from node.swarm import join_swarm
+    from node.swarm import join_swarm_until_stopped
     from node.trust import establish_trust
-    from protocol.dht import SwarmDHT
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-    trust = await establish_trust(settings, identity, device)
-    run = trust.run
-    stage = None
+    unregister = life.on_stop(lambda: loop.call_soon_threadsafe(stop.set))
     try:
-        if settings.role == "worker":
-            stage = trust.stage if trust.authenticated else _check_stage(settings, run)
-            if trust.authenticated:
-                logger.info("memory plan for stage %d on %s:\n%s", stage, device,
-                            check_memory(settings, run, stage, device))
-        membership = await asyncio.to_thread(
-            join_swarm, identity=identity, run_id=run.run_id, num_stages=run.num_stages,
-            initial_peers=trust.initial_peers, host_maddrs=trust.host_maddrs,
-            announce_maddrs=settings.announce_maddrs, bootstrap_timeout_s=settings.bootstrap_timeout_s,
-            auth_state=trust.auth_state, authorizer=trust.dht_authorizer,
-        )
-    except BaseException:
-        await trust.close()
-        raise
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
+        trust = await until_stopped(establish_trust(settings, identity, device), stop, "while waiting for admission")
+        run = trust.run
+        stage = None
+        try:
+            if settings.role == "worker":
+                stage = trust.stage if trust.authenticated else _check_stage(settings, run)
+                if trust.authenticated:
+                    _require_fit(settings, run, stage, device)
+            elif trust.authenticated:
+                _check_trainer_data(settings, run)
+            membership = await join_swarm_until_stopped(
+                identity=identity, run_id=run.run_id, num_stages=run.num_stages,
+                initial_peers=trust.initial_peers, host_maddrs=trust.host_maddrs,
+                announce_maddrs=settings.announce_maddrs, bootstrap_timeout_s=settings.bootstrap_timeout_s,
+                stop=stop, auth_state=trust.auth_state, authorizer=trust.dht_authorizer,
+            )
+        except BaseException:
+            await trust.close()
+            raise
+        life.note_resources()
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        return await _run_role(settings, run, stage, device, identity, trust, membership, stop, life)
+    finally:
+        unregister()
+
+
+async def _run_role(settings, run, stage, device, identity, trust, membership, stop, life) -> int:
+    from node.swarm import check_identity_not_live
+    from protocol.dht import SwarmDHT
+
     role = None
-    code = EXIT_OK
+    code = ExitCode.OK
     try:
         p2p = await membership.dht.replicate_p2p()
+        life.note_resources()
         swarm = SwarmDHT(membership.dht, identity.peer_id.to_base58())
+        if settings.identity is not None:
+            await until_stopped(check_identity_not_live(swarm, run.run_id, run.num_stages, membership.maddrs),
+                                stop, "while checking the identity")
         role = _build_role(settings, run, stage, device, swarm, p2p, membership.maddrs, trust.authenticator)
         trust.start_background(stop, swarm)
         if hasattr(role, "start"):
-            await role.start()
+            await until_stopped(role.start(), stop, "while joining the stage")
+        life.note_resources()
         print(f"agora-node ready role={settings.role} stage={stage if stage is not None else '-'} "
               f"peer={swarm.peer_id} maddrs={','.join(membership.maddrs)}", flush=True)
         await role.run(stop)
+    except StopRequested as exc:
+        logger.info("stopped %s", exc)
+    except ConfigError:
+        raise
     except WorkerLeftStage as exc:
-        logger.error("%s; exiting with code %d", exc, EXIT_LEFT_STAGE)
-        code = EXIT_LEFT_STAGE
+        logger.error("%s; exiting with code %d", exc, ExitCode.LEFT_STAGE)
+        code = ExitCode.LEFT_STAGE
     except Exception:
         logger.exception("%s failed", settings.role)
-        code = EXIT_FAILURE
+        code = ExitCode.FAILURE
     finally:
         if role is not None:
+            began = time.monotonic()
             try:
-                await asyncio.wait_for(role.shutdown(), 60)
+                await asyncio.wait_for(role.shutdown(), SHUTDOWN_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.error("the %s did not drain within %.0fs; leaving anyway", settings.role, SHUTDOWN_TIMEOUT_S)
             except Exception:
                 logger.exception("shutdown of the %s was not clean", settings.role)
-            print(json.dumps({"summary": role.summary()}), flush=True)
+            logger.debug("%s drained in %.2fs", settings.role, time.monotonic() - began)
+            summary = role.summary()
+            print(json.dumps({"summary": summary}), flush=True)
+            logger.info("%s", human_summary(settings.role, summary, uptime_s=process_uptime_s()))
         await trust.close()
         await asyncio.to_thread(membership.shutdown)
+        if life.signal_at is not None:
+            logger.info("left %.1fs after %s", time.monotonic() - life.signal_at, life.signal_name)
     return trust.failure_exit_code() or code
 
 
 def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator):
+    """The role, given its own settings section with what the node resolved (stage, device)."""
     if settings.role == "worker":
-        from roles.worker.config import WorkerConfig
         from roles.worker.role import WorkerRole
 
-        config = WorkerConfig(stage=stage, device=device, max_batch=settings.max_batch,
-                              announce_period_s=settings.announce_period_s,
-                              reducer=settings.reducer, state_source=settings.state_source,
-                              checkpoint_dir=settings.checkpoint_dir, checkpoint_period_s=settings.checkpoint_period_s,
-                              test_init_seed_offset=settings.test_init_seed_offset,
-                              test_averaging_stall_s=settings.test_averaging_stall_s)
+        config = settings.worker.model_copy(update={"stage": stage, "device": device})
         return WorkerRole(config, run, swarm, p2p, maddrs, authenticator)
-    from roles.trainer.config import TrainerConfig
     from roles.trainer.role import TrainerRole
 
-    config = TrainerConfig(
-        lanes=settings.lanes, data=settings.data, tokenizer=settings.tokenizer, max_samples=settings.max_samples,
-        shard_index=settings.shard_index, num_shards=settings.num_shards,
-        discovery_period_s=settings.discovery_period_s, announce_period_s=settings.announce_period_s,
-        request_timeout_s=settings.request_timeout_s,
-    )
-    return TrainerRole(config, run, swarm, p2p, authenticator)
+    return TrainerRole(settings.trainer, run, swarm, p2p, authenticator)
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    for noisy in ("hivemind", "asyncio", "httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, getattr(logging, level.upper())))
+def configure_logging(level: str, fmt: str = "human", role: str = "node") -> None:
+    from node.logs import setup_logging
+
+    setup_logging(level, fmt, role)

@@ -7,22 +7,46 @@ from typing import Optional
 from protocol.errors import ConfigError
 
 
-def pick_device(requested: str) -> str:
-    """`auto` takes CUDA when present, else CPU; `cuda` on a machine without it is a config error."""
+def planned_gpu_memory(settings) -> Optional[int]:
+    """--gpu-memory in bytes (a card to plan for, present or not), or None."""
+    value = getattr(settings, "gpu_memory", None)
+    if value is None or isinstance(value, int):
+        return value
+    from roles.worker.config import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(f"--gpu-memory: {exc}") from None
+
+
+def pick_device(requested: str, *, planning: bool = False, dry_run: bool = False) -> str:
+    """`auto` takes CUDA when present (or when planning for a card with --gpu-memory), else CPU.
+    `cuda` on a machine without it is a config error, except for a --dry-run with --gpu-memory."""
     import torch
 
+    present = torch.cuda.is_available()
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was requested but no CUDA device is visible; use --device cpu or auto")
+        requested = "cuda" if present or planning else "cpu"
+    if requested.startswith("cuda") and not present:
+        if planning and dry_run:
+            return requested
+        if planning:
+            raise ConfigError("--gpu-memory plans for a card that is not in this machine; add --dry-run to see the "
+                              "plan, or run with --device cpu")
+        raise ConfigError("--device cuda was requested but no CUDA device is visible; use --device cpu or auto "
+                          "(or --gpu-memory SIZE --dry-run to plan for a card)")
     return requested
 
 
-def device_free_bytes(device: str) -> Optional[int]:
-    """Free accelerator memory, or None for the CPU (host RAM is then the only budget)."""
+def device_free_bytes(device: str, planned: Optional[int] = None) -> Optional[int]:
+    """Free accelerator memory (`planned` stands for the card when given), or None for the CPU
+    (host RAM is then the only budget)."""
+    if not device.startswith("cuda"):
+        return None
+    if planned is not None:
+        return planned
     import torch
 
-    if device.startswith("cuda"):
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
-    return None
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)

@@ -105,11 +105,14 @@ class LocalSwarm:
 
     def start_authorizer(self, args: Sequence[str] = (), *, name: str = "authorizer",
                          timeout_s: float = 60.0) -> NodeProcess:
-        """Start `python -m authorizer.main` and wait for its URL."""
-        return self._spawn(name, "authorizer", None, [sys.executable, "-m", "authorizer.main", *args], True, timeout_s)
+        """Start the authorizer as users do (`agora-node --role authorizer ...`) and wait for its
+        readiness line's URL."""
+        cmd = [sys.executable, "-m", "node.cli", "--role", "authorizer", *args]
+        return self._spawn(name, "authorizer", None, cmd, True, timeout_s)
 
     def start(self, role: str, *, stage: Optional[int] = None, args: Sequence[str] = (), name: Optional[str] = None,
-              wait_ready: bool = True, timeout_s: float = 60.0) -> NodeProcess:
+              wait_ready: bool = True, timeout_s: float = 60.0, env: Optional[dict[str, str]] = None) -> NodeProcess:
+        """Start one node; `env` adds environment variables for this node only (test hooks)."""
         name = name or (f"{role}{stage}" if stage is not None else f"{role}") + f"-{len(self.nodes)}"
         cmd = [sys.executable, "-m", "node.cli", "--role", role, "--torch-threads", str(self.torch_threads),
                *self.common_args]
@@ -123,14 +126,14 @@ class LocalSwarm:
         cmd += list(args)
         if "--authorizer" not in cmd:
             cmd.append("--insecure-open-run")  # an explicit choice, as users must make it too
-        return self._spawn(name, role, stage, cmd, wait_ready, timeout_s)
+        return self._spawn(name, role, stage, cmd, wait_ready, timeout_s, env)
 
     def _spawn(self, name: str, role: str, stage: Optional[int], cmd: list[str], wait_ready: bool,
-               timeout_s: float) -> NodeProcess:
+               timeout_s: float, env: Optional[dict[str, str]] = None) -> NodeProcess:
         log_path = os.path.join(self.workdir, f"{name}.log")
         log = open(log_path, "w")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
-                                env=self.env, start_new_session=True)
+                                env={**self.env, **(env or {})}, start_new_session=True)
         log.close()
         node = NodeProcess(name=name, role=role, stage=stage, proc=proc, log_path=log_path)
         threading.Thread(target=_pump_stdout, args=(node,), daemon=True).start()

@@ -1,23 +1,244 @@
-"""Process lifecycle: no child of ours outlives the node (hivemind's DHT process, p2pd), and no
-shared-memory file either.
+"""Process lifecycle: how a node stops, and what it leaves behind (nothing), however it ends.
 
-hivemind switches torch to the `file_system` sharing strategy, whose segments live as
-/dev/shm/torch_<pid>_* files until every user is gone; a process that dies hard leaves them
-behind, so whoever reaps a process also removes the segments it created.
+What a node creates outside its own memory, and who removes it:
+
+- child processes: hivemind's DHT process, p2pd (one per libp2p instance), the worker's averager
+  process, torch's shared-memory manager;
+- /dev/shm/torch_<pid>_* segments: hivemind switches torch to the `file_system` sharing strategy,
+  whose segments outlive a process that dies hard;
+- in the temp directory: p2pd's and its clients' unix sockets (`hivemind-*.sock`), a throwaway
+  identity key when no --identity is given, and the trust state `agora-trust-<pid>-*`.
+
+On an orderly exit the node reaps its children itself (`reap_children`). For every other end
+(SIGKILL, the OOM killer, a crash) a tiny watchdog process, started before anything else, holds the
+read end of a pipe whose write end only the node holds. It notes the node's descendants, their
+unix sockets and the paths the node registers; at end-of-file (the node is gone, by any means) it
+kills the descendants still alive, removes their segments, sockets and registered paths, and exits.
+Children the node forks from its main thread also get PR_SET_PDEATHSIG(SIGKILL), and the node is a
+child subreaper, so grandchildren orphaned by a dead child (p2pd of a killed DHT process) stay in
+its tree where both cleanups find them.
+
+Signals: the first SIGINT/SIGTERM sets `stop` (every phase waits on it); a second one kills every
+child at once and exits with ExitCode.INTERRUPTED.
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import logging
 import os
-from typing import Iterable
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable, Iterable, Optional
 
 import psutil
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+INTERRUPTED = 130
+"""ExitCode.INTERRUPTED; the watchdog must not import the protocol package."""
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_WATCH_PERIOD_S = 0.1
+_FRESH_TURNS = 30
+"""A new process's unix sockets are listed on each of its first this many periods..."""
+_SOCKETS_EVERY = 50
+"""...and everyone's every this many periods after that."""
+
+
+def trust_dirs(pid: int) -> list[str]:
+    """The trust state directories of node `pid` (node/trust.py names them `agora-trust-<pid>-*`)."""
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"agora-trust-{pid}-*"))
+
+
+class StopRequested(Exception):
+    """A stop signal arrived during a phase that was then abandoned; the node exits cleanly."""
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class ProcessLifecycle:
+    """The node process's signal handling and its watchdog; one per process (`lifecycle()`)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.signal_at: Optional[float] = None
+        """time.monotonic() of the first stop signal."""
+        self.signal_name = ""
+        self.watchdog: Optional[subprocess.Popen] = None
+        self._write_fd: Optional[int] = None
+        self._node_only_fds: list[int] = []
+        self._callbacks: list[Callable[[], None]] = []
+        self._previous: dict[int, object] = {}
+        self._installed_pid: Optional[int] = None
+        self._forking_from_main = False
+
+    @property
+    def installed(self) -> bool:
+        return self._installed_pid == os.getpid()
+
+    def install(self) -> "ProcessLifecycle":
+        """Take SIGINT/SIGTERM, become a subreaper, start the watchdog. Idempotent; call it first,
+        before anything slow and before any child exists."""
+        if self.installed:
+            return self
+        self._installed_pid = os.getpid()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        self._start_watchdog()
+        os.register_at_fork(before=self._before_fork, after_in_parent=self.note_resources,
+                            after_in_child=self._after_fork_in_child)
+        return self
+
+    # ---- signals ----
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self.stop.is_set():
+            self.abort(f"second {signal.Signals(signum).name}")
+        self.signal_at = time.monotonic()
+        self.signal_name = signal.Signals(signum).name
+        self.stop.set()
+        logger.warning("%s: stopping; send it again to stop at once", self.signal_name)
+        for callback in list(self._callbacks):
+            try:
+                callback()
+            except Exception:  # a closed loop: its phase is over, the flag is what counts now
+                pass
+
+    def on_stop(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` (from the main thread, in a signal handler) when a stop signal arrives;
+        at once if one already did. Returns the function that unregisters it."""
+        self._callbacks.append(callback)
+        if self.stop.is_set():
+            callback()
+        return lambda: self._callbacks.remove(callback) if callback in self._callbacks else None
+
+    def abort(self, why: str) -> None:
+        """Kill every child now and exit with INTERRUPTED; the watchdog removes what they left."""
+        logger.warning("%s: stopping at once", why)
+        kill_descendants(exclude=self.watchdog_pids())
+        os._exit(INTERRUPTED)
+
+    # ---- watchdog ----
+
+    def watchdog_pids(self) -> set[int]:
+        return {self.watchdog.pid} if self.watchdog is not None else set()
+
+    def _start_watchdog(self) -> None:
+        read_fd, write_fd = os.pipe()
+        try:
+            self.watchdog = subprocess.Popen(
+                [sys.executable, "-m", "node.lifecycle", str(os.getpid())], stdin=read_fd,
+                stdout=subprocess.DEVNULL, close_fds=True, start_new_session=False)
+        except OSError as exc:
+            os.close(write_fd)
+            logger.warning("no watchdog (%s): children may outlive this node if it is killed", exc)
+            return
+        finally:
+            os.close(read_fd)
+        self._write_fd = write_fd
+
+    def remove_on_exit(self, path: str) -> None:
+        """Have the watchdog remove `path` (a file or directory) once this process is gone."""
+        if self._write_fd is None or not self.installed:
+            return
+        try:
+            os.write(self._write_fd, os.fsencode(path) + b"\n")
+        except OSError:
+            pass
+
+    def keep_from_children(self, fd: int) -> None:
+        """Close `fd` in every child this process forks (a lock only the node may hold)."""
+        self._node_only_fds.append(fd)
+
+    # ---- fork ----
+
+    def note_resources(self) -> None:
+        """Have the watchdog note our children and their sockets now, not at its next period:
+        called after each fork and after each phase that starts or binds something."""
+        if self._write_fd is not None and self.installed:
+            try:
+                os.write(self._write_fd, b"\n")
+            except OSError:
+                pass
+
+    def _before_fork(self) -> None:
+        self._forking_from_main = threading.current_thread() is threading.main_thread()
+
+    def _after_fork_in_child(self) -> None:
+        if self._installed_pid is None:
+            return
+        parent = self._installed_pid
+        self._installed_pid = None
+        if self._write_fd is not None:  # only the node holds the write end, or the watchdog never sees EOF
+            try:
+                os.close(self._write_fd)
+            except OSError:
+                pass
+            self._write_fd = None
+        for fd in self._node_only_fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._node_only_fds = []
+        for sig, handler in self._previous.items():
+            try:
+                signal.signal(sig, handler)
+            except (TypeError, ValueError):
+                pass
+        self._callbacks = []
+        # PDEATHSIG fires when the forking *thread* exits, so only forks from the main thread get it.
+        if self._forking_from_main and _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) and os.getppid() != parent:
+            os._exit(1)
+
+
+_LIFECYCLE = ProcessLifecycle()
+
+
+def lifecycle() -> ProcessLifecycle:
+    return _LIFECYCLE
+
+
+def begin_process() -> ProcessLifecycle:
+    """The first call of a node process: signals, subreaper, watchdog."""
+    return _LIFECYCLE.install()
+
+
+def exit_now(code: int) -> None:
+    """End the process once the node has closed everything: skip the interpreter's teardown
+    (torch's takes about a second on two busy cores, and a stop must take under two). The
+    watchdog then removes our own shared-memory segments, which that teardown would have freed.
+    torch's shared-memory manager, spared by `reap_children` for that teardown, goes now too."""
+    for pid in descendant_pids():
+        if pid not in _LIFECYCLE.watchdog_pids():
+            kill_tree(pid)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(int(code))
+
+
+# ---- reaping ----
 
 
 def descendant_pids(pid: int | None = None) -> list[int]:
@@ -27,12 +248,68 @@ def descendant_pids(pid: int | None = None) -> list[int]:
         return []
 
 
-def reap_children(timeout_s: float = 5.0) -> None:
-    """Terminate, then kill, every descendant process still alive, wait for them, and remove the
-    shared-memory segments they created. Our own segments are freed by torch when we exit;
-    unlinking them under it would make it abort."""
+def kill_descendants(exclude: Iterable[int] = ()) -> list[int]:
+    """SIGKILL every descendant of this process (but `exclude`); returns their pids."""
+    excluded = set(exclude)
     try:
-        children = [c for c in psutil.Process().children(recursive=True) if not _is_shm_manager(c)]
+        children = [c for c in psutil.Process().children(recursive=True) if c.pid not in excluded]
+    except psutil.Error:
+        return []
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    return [c.pid for c in children]
+
+
+def kill_tree(pid: int, timeout_s: float = 3.0) -> None:
+    """Kill process `pid` and its descendants at once (a half-started child has nothing worth
+    saving) and remove the unix sockets and segments they leave."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    sockets: set[str] = set()
+    for process in tree:
+        sockets |= _unix_sockets(process)
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    _wait_gone(tree, timeout_s)
+    remove_shared_memory(p.pid for p in tree)
+    for path in sockets:
+        _remove_path(path)
+
+
+def _wait_gone(processes: list[psutil.Process], timeout_s: float) -> None:
+    """Wait until each process is gone or a zombie: an orphan's zombie lasts until whoever
+    inherited it reaps it, which is not ours to wait for."""
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        while time.monotonic() < deadline:
+            try:
+                if process.status() == psutil.STATUS_ZOMBIE:
+                    break
+                process.wait(0.02)
+                break
+            except psutil.TimeoutExpired:
+                continue
+            except psutil.Error:
+                break
+
+
+def reap_children(timeout_s: float = 5.0) -> None:
+    """Terminate, then kill, every descendant process still alive (but the watchdog), wait for
+    them, and remove the shared-memory segments they created. Our own segments are freed by torch
+    when we exit; unlinking them under it would make it abort."""
+    watchdog = _LIFECYCLE.watchdog_pids() if _LIFECYCLE.installed else set()
+    try:
+        children = [c for c in psutil.Process().children(recursive=True)
+                    if c.pid not in watchdog and not _is_shm_manager(c)]
     except psutil.Error:
         children = []
     pids = [c.pid for c in children]
@@ -76,3 +353,109 @@ def remove_shared_memory(pids: Iterable[int]) -> None:
             os.unlink(path)
         except OSError:
             pass
+
+
+# ---- the watchdog process ----
+
+
+def _unix_sockets(process: psutil.Process) -> set[str]:
+    temp = tempfile.gettempdir()
+    try:
+        connections = process.net_connections(kind="unix")
+    except (psutil.Error, AttributeError, OSError):
+        return set()
+    return {c.laddr for c in connections if isinstance(c.laddr, str) and c.laddr.startswith(temp)}
+
+
+def _remove_path(path: str) -> None:
+    import shutil
+
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+    parent = os.path.dirname(path)
+    if os.path.basename(parent).startswith("torch-shm-dir-"):  # torch_shm_manager's private socket dir
+        try:
+            os.rmdir(parent)
+        except OSError:
+            pass
+
+
+def watch(node_pid: int, fd: int = 0) -> None:
+    """The watchdog's loop: note the node's descendants until the pipe closes, then clean up.
+    A process's sockets are bound soon after it starts, so each new one is looked at closely for
+    its first seconds and rarely after that; the node wakes the loop whenever it forks."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C goes to the whole group
+    me = os.getpid()
+    try:
+        node = psutil.Process(node_pid)
+    except psutil.Error:
+        node = None
+    known: dict[int, float] = {}
+    processes: dict[int, psutil.Process] = {}
+    fresh: dict[int, int] = {}
+    sockets: set[str] = set()
+    paths: list[str] = []
+    pending = b""
+    turn = 0
+    while node is not None:
+        ready, _, _ = select.select([fd], [], [], _WATCH_PERIOD_S)
+        rescan = False
+        if ready:
+            data = os.read(fd, 65536)
+            if not data:
+                break
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            paths.extend(os.fsdecode(line) for line in lines if line)
+            rescan = any(not line for line in lines)  # an empty line: the node forked or bound something
+        try:
+            family = [node, *node.children(recursive=True)]
+        except psutil.Error:
+            break
+        for process in family:
+            if process.pid == me or process.pid in known:
+                continue
+            try:
+                known[process.pid] = process.create_time()
+            except psutil.Error:
+                continue
+            processes[process.pid] = process
+            fresh[process.pid] = _FRESH_TURNS
+        for pid in list(fresh):
+            sockets |= _unix_sockets(processes[pid])
+            fresh[pid] -= 1
+            if fresh[pid] <= 0:
+                del fresh[pid]
+        turn += 1
+        if rescan or turn % _SOCKETS_EVERY == 0:
+            for process in processes.values():
+                sockets |= _unix_sockets(process)
+    _clean_up(node_pid, known, sockets, paths)
+
+
+def _clean_up(node_pid: int, known: dict[int, float], sockets: set[str], paths: list[str]) -> None:
+    victims = []
+    for pid, created in known.items():
+        if pid == node_pid:
+            continue
+        try:
+            process = psutil.Process(pid)
+            if abs(process.create_time() - created) > 0.01:
+                continue  # the pid was reused by someone else
+            process.kill()
+            victims.append(process)
+        except psutil.Error:
+            continue
+    _wait_gone(victims, 3.0)
+    remove_shared_memory([node_pid, *known])
+    for path in [*sockets, *paths, *trust_dirs(node_pid)]:
+        _remove_path(path)
+
+
+if __name__ == "__main__":
+    watch(int(sys.argv[1]))

@@ -1,28 +1,40 @@
 """Joining the swarm: start hivemind's DHT with our record validators, reach the initial peers,
-and get a P2P handle on the same libp2p daemon for our own streams.
+and get a P2P handle on the same libp2p daemon for our own streams; and the two checks that a
+second live process with our identity is not already out there (its port, its peer id).
 
-hivemind forks its DHT process, so this runs before the node starts any thread of its own
-(forking a multi-threaded process can deadlock, DESIGN §10).
+hivemind forks its DHT process. The fork happens on the event loop's thread, the process's main
+thread, so the child's parent-death signal is tied to a thread that lives as long as the node
+(node/lifecycle.py); only the wait for the bootstrap runs beside it, and a stop signal ends that
+wait at once by killing the half-started DHT.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
 import multiprocessing as mp
 import os
+import socket
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import hivemind
 from hivemind.utils.auth import AuthorizerBase
 
+from node.lifecycle import StopRequested, kill_tree
 from protocol.auth_state import SharedAuthState
-from protocol.dht_schema import schema_for_run
+from protocol.dht_schema import WorkerRecord, schema_for_run, workers_key
 from protocol.errors import ConfigError
 from protocol.identity import Identity
 from protocol.records import SignedRecordValidator
 
 logger = logging.getLogger(__name__)
+
+LIVE_PROBE_TIMEOUT_S = 3.0
+"""How long to try dialing an address our own peer id was announced at: a live process answers
+in milliseconds, a dead one never."""
 
 
 @dataclass
@@ -39,40 +51,190 @@ class SwarmMembership:
             self.dht.kill()
 
 
+def _new_dht(*, identity: Identity, run_id: str, num_stages: int, initial_peers: list[str], host_maddrs: list[str],
+             announce_maddrs: list[str], bootstrap_timeout_s: float, client_mode: bool,
+             auth_state: Optional[SharedAuthState], authorizer: Optional[AuthorizerBase], start: bool
+             ) -> tuple[hivemind.DHT, SignedRecordValidator]:
+    if mp.get_start_method(allow_none=True) != "fork":
+        mp.set_start_method("fork", force=True)  # hivemind requires fork
+    validator = SignedRecordValidator(identity, schema_for_run(run_id, num_stages), run_id=run_id, auth=auth_state)
+    dht = hivemind.DHT(
+        initial_peers=initial_peers or None,
+        start=start,
+        record_validators=[validator],
+        identity_path=identity.path,
+        # hivemind's duplicate-identity probe only understands RSA keys; ours are Ed25519
+        check_if_identity_free=False,
+        host_maddrs=host_maddrs,
+        announce_maddrs=announce_maddrs or None,
+        client_mode=client_mode,
+        authorizer=authorizer,
+        bootstrap_timeout=bootstrap_timeout_s,
+        startup_timeout=bootstrap_timeout_s,
+        daemon=True,
+    )
+    return dht, validator
+
+
+def _bootstrap_failed(error: BaseException, initial_peers: list[str], host_maddrs: list[str],
+                      bootstrap_timeout_s: float) -> ConfigError:
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if initial_peers:
+        return ConfigError(
+            f"could not reach any initial peer within {bootstrap_timeout_s:.0f}s ({message}); "
+            "check the --initial-peers multiaddrs (they must include /p2p/<peer id>) and that those nodes are up")
+    return ConfigError(f"could not start the libp2p node on {host_maddrs}: {message}; check --host-maddrs")
+
+
+def _membership(dht: hivemind.DHT, validator: SignedRecordValidator) -> SwarmMembership:
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    logger.info("joined the swarm as %s (pid %d)", dht.peer_id, os.getpid())
+    return SwarmMembership(dht=dht, validator=validator, maddrs=maddrs)
+
+
 def join_swarm(*, identity: Identity, run_id: str, num_stages: int, initial_peers: list[str],
                host_maddrs: list[str], announce_maddrs: list[str], bootstrap_timeout_s: float,
                client_mode: bool = False, auth_state: Optional[SharedAuthState] = None,
                authorizer: Optional[AuthorizerBase] = None) -> SwarmMembership:
-    """Start the DHT and bootstrap. Raises ConfigError (exit 2) if no initial peer answers.
-    With `auth_state`, records must carry credentials; `authorizer` checks every DHT RPC."""
-    if mp.get_start_method(allow_none=True) != "fork":
-        mp.set_start_method("fork", force=True)  # hivemind requires fork (DESIGN §3)
-    validator = SignedRecordValidator(identity, schema_for_run(run_id, num_stages), run_id=run_id, auth=auth_state)
+    """Start the DHT and bootstrap, blocking (for tools such as the demo; a node uses
+    `join_swarm_until_stopped`). Raises ConfigError (exit 2) if no initial peer answers."""
     try:
-        dht = hivemind.DHT(
-            initial_peers=initial_peers or None,
-            start=True,
-            record_validators=[validator],
-            identity_path=identity.path,
-            # hivemind's duplicate-identity probe only understands RSA keys; ours are Ed25519
-            check_if_identity_free=False,
-            host_maddrs=host_maddrs,
-            announce_maddrs=announce_maddrs or None,
-            client_mode=client_mode,
-            authorizer=authorizer,
-            bootstrap_timeout=bootstrap_timeout_s,
-            startup_timeout=bootstrap_timeout_s,
-            daemon=True,
-        )
+        dht, validator = _new_dht(identity=identity, run_id=run_id, num_stages=num_stages,
+                                  initial_peers=initial_peers, host_maddrs=host_maddrs,
+                                  announce_maddrs=announce_maddrs, bootstrap_timeout_s=bootstrap_timeout_s,
+                                  client_mode=client_mode, auth_state=auth_state, authorizer=authorizer, start=True)
     except Exception as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if initial_peers:
-            raise ConfigError(
-                f"could not reach any initial peer within {bootstrap_timeout_s:.0f}s ({message}); "
-                "check the --initial-peers multiaddrs (they must include /p2p/<peer id>) and that those nodes are up"
-            ) from exc
-        raise ConfigError(f"could not start the libp2p node on {host_maddrs}: {message}; "
-                          "check --host-maddrs") from exc
-    maddrs = [str(m) for m in dht.get_visible_maddrs()]
-    logger.info("joined the swarm as %s (pid %d)", dht.peer_id, os.getpid())
-    return SwarmMembership(dht=dht, validator=validator, maddrs=maddrs)
+        raise _bootstrap_failed(exc, initial_peers, host_maddrs, bootstrap_timeout_s) from exc
+    return _membership(dht, validator)
+
+
+async def join_swarm_until_stopped(*, identity: Identity, run_id: str, num_stages: int, initial_peers: list[str],
+                                   host_maddrs: list[str], announce_maddrs: list[str], bootstrap_timeout_s: float,
+                                   stop: asyncio.Event, client_mode: bool = False,
+                                   auth_state: Optional[SharedAuthState] = None,
+                                   authorizer: Optional[AuthorizerBase] = None) -> SwarmMembership:
+    """Start the DHT and bootstrap. Raises ConfigError (exit 2) if no initial peer answers and
+    StopRequested if `stop` is set first (the half-started DHT is killed with its p2pd)."""
+    dht, validator = _new_dht(identity=identity, run_id=run_id, num_stages=num_stages, initial_peers=initial_peers,
+                              host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
+                              bootstrap_timeout_s=bootstrap_timeout_s, client_mode=client_mode,
+                              auth_state=auth_state, authorizer=authorizer, start=False)
+    dht.start()
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future = loop.create_future()
+
+    def settle(error: Optional[BaseException]) -> None:
+        if not ready.done():
+            ready.set_result(error)
+
+    def wait_until_ready() -> None:  # a daemon thread: it may block forever on a killed DHT
+        try:
+            dht.wait_until_ready()
+            error = None
+        except BaseException as exc:
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, error)
+        except RuntimeError:  # the loop is gone: the node stopped meanwhile
+            pass
+
+    threading.Thread(target=wait_until_ready, name="dht-bootstrap", daemon=True).start()
+    loop.add_reader(dht.sentinel, settle, RuntimeError("the DHT process died during bootstrap"))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        loop.remove_reader(dht.sentinel)
+    if not ready.done() or stop.is_set():
+        await asyncio.to_thread(kill_tree, dht.pid)
+        dht.join(1)
+        raise StopRequested("while joining the swarm")
+    error = ready.result()
+    if error is not None:
+        await asyncio.to_thread(kill_tree, dht.pid)
+        raise _bootstrap_failed(error, initial_peers, host_maddrs, bootstrap_timeout_s) from error
+    return _membership(dht, validator)
+
+
+# ---- duplicate identity ----
+
+
+def claim_identity(path: str, life) -> None:
+    """Hold an exclusive lock on the identity file for as long as this process lives: a second
+    live process with the same key on this machine is refused at once, while the kernel drops
+    the lock of a dead one (SIGKILL included), so a restart is never mistaken for a duplicate."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"duplicate identity: {path} is in use by another live agora-node on this machine; "
+                          "stop it or start this one with another --identity") from None
+    life.keep_from_children(fd)  # held until exit; children must not keep it past the node
+
+
+def _fixed_ports(maddrs: list[str]) -> list[tuple[str, str, int]]:
+    """(transport, ip, port) of every listen address with a fixed port."""
+    found = []
+    for maddr in maddrs:
+        parts = maddr.strip("/").split("/")
+        for i in range(len(parts) - 3):
+            family, ip, transport, port = parts[i:i + 4]
+            if family in ("ip4", "ip6") and transport in ("tcp", "udp") and port.isdigit() and int(port) > 0:
+                found.append((transport, ip, int(port)))
+    return found
+
+
+def check_ports_free(host_maddrs: list[str]) -> None:
+    """Refuse a listen port another process holds. libp2p binds with SO_REUSEPORT, so a second node
+    on a live node's port would silently share it (and its connections); a bind without it fails
+    while any listener is there, and succeeds over the remains of a dead one."""
+    for transport, ip, port in _fixed_ports(host_maddrs):
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        kind = socket.SOCK_STREAM if transport == "tcp" else socket.SOCK_DGRAM
+        with socket.socket(family, kind) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT of a dead node is no owner
+            try:
+                sock.bind((ip, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ConfigError(
+                        f"duplicate node: {transport} port {port} on {ip} is already in use by another process "
+                        f"(another agora-node with this --host-maddrs?); stop it or choose another port") from None
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise ConfigError(f"--host-maddrs: {ip} is not an address of this machine") from None
+                raise ConfigError(f"--host-maddrs: cannot listen on {transport} {ip}:{port}: {exc.strerror}") from None
+
+
+async def check_identity_not_live(swarm, run_id: str, num_stages: int, own_maddrs: list[str]) -> None:
+    """Refuse to serve if another live process holds our key: a worker record under our own peer
+    id whose addresses answer a dial, made from a throwaway libp2p identity (one cannot dial
+    oneself). A dead process's record does not answer, and our new records supersede it."""
+    from hivemind.p2p import P2P, PeerID
+
+    from protocol.transport import dial
+
+    me = swarm.peer_id
+    records = await asyncio.gather(*(swarm.get(workers_key(run_id, s), WorkerRecord) for s in range(num_stages)),
+                                   return_exceptions=True)
+    own = {m.split("/p2p/")[0] for m in own_maddrs}
+    addresses: list[str] = []
+    for found in records:
+        if isinstance(found, dict) and me in found:
+            addresses += [m for m in found[me].maddrs if m.split("/p2p/")[0] not in own]
+    if not addresses:
+        return
+    probe = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        await dial(probe, PeerID.from_base58(me), addresses, LIVE_PROBE_TIMEOUT_S)
+    except Exception as exc:  # no answer: the remains of a dead process, superseded by our records
+        logger.info("an earlier process with this identity announced %s and does not answer (%s); replacing "
+                    "its records", addresses, type(exc).__name__)
+        return
+    finally:
+        await probe.shutdown()
+    raise ConfigError(f"duplicate identity: peer {me} is already live in the run at {', '.join(addresses)}; "
+                      "stop that node or start this one with another --identity")

@@ -31,6 +31,7 @@ __all__ = [
     "TextFiles",
     "TextSource",
     "make_sample_stream",
+    "validate_data",
 ]
 
 log = logging.getLogger(__name__)
@@ -308,3 +309,37 @@ def make_sample_stream(
     return SampleStream(
         source, tokenizer, seq_len, shard_index=shard_index, num_shards=num_shards, seed=seed, epochs=epochs
     )
+
+
+def validate_data(
+    data: str, tokenizer_path: str | None, seq_len: int | None, shard_index: int, num_shards: int
+) -> None:
+    """Check a trainer's `--data` before it joins anything; raise ConfigError with one sentence.
+
+    Missing paths and empty data are found without the run config; with `seq_len`, the source is
+    also read until this shard's first sample, so data too small for the shard fails here and not
+    after admission (that reads the whole source only when it is too small).
+    """
+    if num_shards < 1 or not 0 <= shard_index < num_shards:
+        raise ConfigError(f"--shard-index must be in 0..{num_shards - 1} for --num-shards {num_shards}, "
+                          f"got {shard_index}")
+    if data == "synthetic":
+        return
+    source = TextFiles(data)
+    empty = [path for path in source.files if path.stat().st_size == 0]
+    if len(empty) == len(source.files):
+        raise ConfigError(f"data {data} is empty ({len(empty)} empty file(s)); pass a .txt/.jsonl file with text, "
+                          "or 'synthetic'")
+    if seq_len is None:
+        return
+    stream = SampleStream(source, load_tokenizer(tokenizer_path), seq_len, shard_index=shard_index,
+                          num_shards=num_shards, seed=0, shuffle_buffer=0, epochs=1)
+    try:
+        next(iter(stream), None)
+    except ConfigError:
+        tokens = sum(len(stream.tokenizer.encode(text)) + 1 for text in source.iter_text())
+        needed = (shard_index + 1) * seq_len
+        raise ConfigError(
+            f"data {data} holds {tokens} tokens: too few for shard {shard_index} of {num_shards}, which needs at "
+            f"least {needed} ({shard_index + 1} samples of {seq_len}); add data or use fewer --num-shards"
+        ) from None

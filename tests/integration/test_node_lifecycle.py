@@ -1,0 +1,229 @@
+"""Every phase of a node can be stopped, and nothing outlives it: real agora-node processes get a
+signal in each phase (bootstrap, admission retry, admission queue, active, draining) and must be
+gone within 2 s with every child, socket, segment and temp file; a worker killed with SIGKILL
+leaves no process behind within 5 s and is serving again with the same command and identity.
+Plus the checks that run before joining: duplicate identity, trainer data, the memory plan."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+
+from tests.support.polling import poll_until
+
+pytestmark = pytest.mark.integration
+
+NODE = [sys.executable, "-m", "node.cli"]
+UNREACHABLE_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWCunTGJkLV1GNMN5XCGpwkoiLJZ7vxKnuDpsCffWu6Xr3"
+SIGNAL_TO_EXIT_S = 2.0
+measured: dict[str, float] = {}
+"""Signal-to-exit times and the like, printed at the end of the module (run with -s to see them)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    if measured:
+        print("\nlifecycle timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in measured.items()))
+
+
+class Tree:
+    """A node's process tree and what it holds outside its memory, noted while it runs."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.processes: dict[int, float] = {}
+        self.sockets: set[str] = set()
+        self.note()
+
+    def note(self) -> "Tree":
+        try:
+            root = psutil.Process(self.pid)
+            family = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return self
+        for process in family:
+            try:
+                self.processes.setdefault(process.pid, process.create_time())
+                self.sockets |= {c.laddr for c in process.net_connections(kind="unix")
+                                 if isinstance(c.laddr, str) and c.laddr.startswith(tempfile.gettempdir())}
+            except psutil.Error:
+                continue
+        return self
+
+    def names(self) -> list[str]:
+        names = []
+        for pid in self.processes:
+            try:
+                names.append(psutil.Process(pid).name())
+            except psutil.Error:
+                pass
+        return names
+
+    def alive(self) -> list[int]:
+        alive = []
+        for pid, created in self.processes.items():
+            try:
+                process = psutil.Process(pid)
+                if abs(process.create_time() - created) < 0.01 and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.Error:
+                continue
+        return alive
+
+    def leftovers(self) -> list[str]:
+        left = [f"pid {pid}" for pid in self.alive()]
+        left += [path for path in self.sockets if os.path.exists(path)]
+        for pid in self.processes:
+            left += glob.glob(f"/dev/shm/torch_{pid}_*")
+        left += glob.glob(os.path.join(tempfile.gettempdir(), f"agora-trust-{self.pid}-*"))
+        return left
+
+    def wait_clean(self, timeout_s: float, what: str) -> float:
+        started = time.monotonic()
+        poll_until(lambda: not self.leftovers(), timeout_s, f"{what} to leave nothing behind "
+                   f"(left: {self.leftovers()})")
+        return time.monotonic() - started
+
+
+def _log_has(node, text: str) -> bool:
+    return text in node.log_tail(400)
+
+
+def _wait_for_process(pid: int, name: str, timeout_s: float = 30.0) -> None:
+    def present():
+        try:
+            return any(p.name() == name for p in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            return False
+
+    poll_until(present, timeout_s, f"a {name} process under {pid}")
+
+
+def _check_signal_exit(node, phase: str, sig=signal.SIGTERM, expected_code: int = 0) -> None:
+    tree = Tree(node.pid)
+    started = time.monotonic()
+    node.proc.send_signal(sig)
+    try:
+        code = node.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{phase}: still running 10 s after {sig.name}:\n{node.log_tail()}") from None
+    took = time.monotonic() - started
+    measured[phase] = took
+    assert code == expected_code, f"{phase}: exit {code}\n{node.log_tail()}"
+    assert took <= SIGNAL_TO_EXIT_S, f"{phase}: exited {took:.2f}s after {sig.name}\n{node.log_tail()}"
+    tree.wait_clean(5, phase)
+    assert "Traceback" not in node.log_tail(400), node.log_tail(400)
+
+
+@pytest.mark.timeout(120)
+def test_signal_while_bootstrapping_and_retrying_admission(make_swarm, run_config_path):
+    swarm = make_swarm(run_config_path())
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts connections, never completes a handshake
+    peer = UNREACHABLE_PEER.replace("/tcp/9/", f"/tcp/{silent.getsockname()[1]}/")
+    booting = swarm.start("worker", stage=0, wait_ready=False,
+                          args=["--initial-peers", peer, "--bootstrap-timeout-s", "60"])
+    retrying = swarm.start("trainer", wait_ready=False, args=["--authorizer", "http://127.0.0.1:9"])
+    _wait_for_process(booting.pid, "p2pd")
+    poll_until(lambda: _log_has(retrying, "retrying"), 60, "the trainer to retry the dead authorizer")
+    _check_signal_exit(booting, "bootstrap")
+    _check_signal_exit(retrying, "admission retry", signal.SIGINT)
+    silent.close()
+
+
+@pytest.mark.timeout(150)
+def test_signal_while_active_and_while_draining(make_swarm, run_config_path):
+    swarm = make_swarm(run_config_path())
+    first = swarm.start("worker", stage=0)
+    second = swarm.start("worker", stage=1)
+    _check_signal_exit(second, "active")
+    # A second signal while the first worker drains: killed at once, exit 130.
+    tree = Tree(first.pid)
+    started = time.monotonic()
+    first.proc.send_signal(signal.SIGTERM)
+    poll_until(lambda: _log_has(first, "stopping"), 5, "the worker to start draining")
+    first.proc.send_signal(signal.SIGTERM)
+    code = first.proc.wait(10)
+    measured["draining, second signal"] = time.monotonic() - started
+    assert code == 130, first.log_tail()
+    assert measured["draining, second signal"] <= SIGNAL_TO_EXIT_S
+    tree.wait_clean(5, "draining")
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_leaves_nothing_and_the_same_command_serves_again(make_swarm, run_config_path, tmp_path):
+    swarm = make_swarm(run_config_path())
+    swarm.start("worker", stage=0)
+    key = str(tmp_path / "victim.key")
+    victim = swarm.start("worker", stage=1, args=["--identity", key], name="victim")
+    tree = Tree(victim.pid)
+    poll_until(lambda: "p2pd" in tree.note().names() and len(tree.note().sockets) >= 2, 20,
+               "the victim's children and sockets")
+    os.kill(victim.pid, signal.SIGKILL)  # the node only, as the OOM killer would
+    victim.proc.wait(5)
+    measured["SIGKILL cleanup"] = tree.wait_clean(5, "a SIGKILLed worker")
+
+    started = time.monotonic()
+    again = swarm.start("worker", stage=1, args=["--identity", key], name="victim-again", timeout_s=30)
+    measured["restart to serving"] = time.monotonic() - started
+    assert again.peer_id == victim.peer_id
+    assert measured["restart to serving"] <= 30
+
+    # Duplicates of the live one: its port, its key file, its key under another file name.
+    port = again.maddrs[0].split("/tcp/")[1].split("/")[0]
+    copy = str(tmp_path / "copy.key")
+    shutil.copy(key, copy)
+    cases = [
+        (["--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"], f"tcp port {port}"),
+        (["--identity", key], "duplicate identity"),
+        (["--identity", copy], "already live in the run"),
+    ]
+    for args, fragment in cases:
+        duplicate = swarm.start("worker", stage=1, args=args, wait_ready=False, name=f"duplicate-{len(swarm.nodes)}")
+        code = swarm.wait(duplicate, 60)
+        errors = [line for line in duplicate.log_tail(400).splitlines() if line.startswith("agora-node: error:")]
+        assert code == 2 and len(errors) == 1 and fragment in errors[0], duplicate.log_tail()
+        assert "Traceback" not in duplicate.log_tail(400)
+    assert again.proc.poll() is None, "a refused duplicate must not disturb the live node"
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (None, "does not exist"),
+    ("", "is empty"),
+    ("a few words", "too few for shard 1 of 2"),
+])
+def test_trainer_data_is_checked_before_joining(tmp_path, content, fragment):
+    path = tmp_path / "data.txt"
+    if content is not None:
+        path.write_text(content)
+    # An unreachable initial peer: reaching the bootstrap at all would mean the check came too late.
+    result = subprocess.run(NODE + ["--role", "trainer", "--config", "tiny", "--insecure-open-run", "--data", str(path),
+                                    "--shard-index", "1", "--num-shards", "2", "--initial-peers", UNREACHABLE_PEER],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("agora-node: error:")]
+    assert len(errors) == 1 and fragment in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_dry_run_exit_code_says_whether_it_fits_on_a_card_that_is_not_here():
+    base = NODE + ["--role", "worker", "--config", "8b", "--stage", "3", "--dry-run", "--device", "cuda",
+                   "--gpu-memory", "24GiB"]
+    fits = subprocess.run(base + ["--max-batch", "1"], capture_output=True, text=True, timeout=60)
+    assert fits.returncode == 0, fits.stderr
+    assert "24.00 GiB" in fits.stdout and "fits" in fits.stdout
+    too_big = subprocess.run(base + ["--max-batch", "64"], capture_output=True, text=True, timeout=60)
+    assert too_big.returncode == 2, too_big.stderr
+    errors = [line for line in too_big.stderr.splitlines() if line.startswith("agora-node: error:")]
+    assert len(errors) == 1 and "--max-batch 2" in errors[0], too_big.stderr
+    assert "Traceback" not in too_big.stderr
