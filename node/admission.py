@@ -30,6 +30,7 @@ import psutil
 from pydantic import BaseModel, ValidationError
 
 from node.timefmt import duration, until
+from node.settings import parse_authorizer_url as settings_parse_authorizer_url
 from protocol import version
 from protocol.authorizer_api import (
     LIVE_TICKET_STATUSES, ErrorBody, Hardware, JoinRequest, LeaveOut, Proof, RenewOut, RunInfo, TicketOut,
@@ -75,26 +76,11 @@ class AuthorizerUnavailable(ConnectionError):
 
 
 def parse_authorizer_url(text: str) -> str:
-    """`text` as a normalised authorizer URL (`http://host:port[/prefix]`), or a ConfigError with
-    one sentence saying what is wrong with it."""
-    value = str(text).strip()
-    if "://" not in value:
-        raise ConfigError(f"--authorizer {value!r} has no scheme; write it as a URL, e.g. http://{value or 'host:8000'}")
-    parts = urllib.parse.urlsplit(value)
-    if parts.scheme not in ("http", "https"):
-        raise ConfigError(f"--authorizer {value!r} uses {parts.scheme}://; the authorizer speaks http:// or https://")
-    if not parts.hostname:
-        raise ConfigError(f"--authorizer {value!r} names no host; e.g. http://203.0.113.7:8000")
+    """node.settings.parse_authorizer_url, failing as a one-sentence ConfigError."""
     try:
-        port = parts.port
-    except ValueError:
-        raise ConfigError(f"--authorizer {value!r} has a bad port; give a number 1-65535, e.g. "
-                          f"{parts.scheme}://{parts.hostname}:8000") from None
-    if port == 0:
-        raise ConfigError(f"--authorizer {value!r} has port 0; give the port the authorizer serves on (default 8000)")
-    if parts.query or parts.fragment:
-        raise ConfigError(f"--authorizer {value!r} has a query or fragment; give only scheme, host, port and path")
-    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        return settings_parse_authorizer_url(text)
+    except ValueError as exc:
+        raise ConfigError(f"--authorizer {exc}") from None
 
 
 def authorizer_urls(value: Union[str, Sequence[str], None]) -> list[str]:

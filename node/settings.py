@@ -26,22 +26,27 @@ ROLE_SECTIONS: dict[str, type[BaseModel]] = {"worker": WorkerConfig, "trainer": 
 
 
 def parse_authorizer_url(text: str) -> str:
-    """An authorizer's base URL, checked enough that a typo fails at once instead of retrying a
-    connection that can never work."""
-    value = text.strip().rstrip("/")
+    """`text` as a normalised authorizer base URL (`http://host:port[/prefix]`), or a ValueError
+    with one sentence saying what is wrong: a typo fails at once instead of retrying a connection
+    that can never work."""
+    value = str(text).strip()
+    if "://" not in value:
+        raise ValueError(f"{value!r} has no scheme; write it as a URL, e.g. http://{value or 'host:8000'}")
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https"):
-        hint = f"; did you mean http://{value}?" if "://" not in value else ""
-        raise ValueError(f"{text!r} is not an authorizer URL: it must start with http:// or https://{hint}")
+        raise ValueError(f"{value!r} uses {parts.scheme}://; the authorizer speaks http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"{value!r} names no host; e.g. http://203.0.113.7:8000")
     try:
         port = parts.port
     except ValueError:
-        raise ValueError(f"{text!r} has an invalid port; write e.g. http://host:8000") from None
-    if not parts.hostname:
-        raise ValueError(f"{text!r} names no host; write e.g. http://host:8000")
-    if parts.query or parts.fragment or port == 0:
-        raise ValueError(f"{text!r} is not a base URL; write e.g. http://host:8000")
-    return value
+        raise ValueError(f"{value!r} has a bad port; give a number 1-65535, e.g. "
+                         f"{parts.scheme}://{parts.hostname}:8000") from None
+    if port == 0:
+        raise ValueError(f"{value!r} has port 0; give the port the authorizer serves on (default 8000)")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{value!r} has a query or fragment; give only scheme, host, port and path")
+    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
 
 
 class NodeSettings(BaseModel):
@@ -93,7 +98,7 @@ class NodeSettings(BaseModel):
     def _authorizer_urls(cls, values: Any) -> list[str]:
         if isinstance(values, str):
             values = values.replace(",", " ").split()
-        return [parse_authorizer_url(v) for v in values or []]
+        return list(dict.fromkeys(parse_authorizer_url(v) for v in values or []))
 
     @property
     def section(self) -> BaseModel:

@@ -81,11 +81,11 @@ def test_unknown_key_in_node_section_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("url, fragment", [
-    ("127.0.0.1:8000", "did you mean http://127.0.0.1:8000"),
-    ("ftp://host:21", "must start with http"),
+    ("127.0.0.1:8000", "has no scheme; write it as a URL, e.g. http://127.0.0.1:8000"),
+    ("ftp://host:21", "uses ftp://"),
     ("http://:8000", "names no host"),
-    ("http://host:99999", "invalid port"),
-    ("http://host:8000?x=1", "not a base URL"),
+    ("http://host:99999", "bad port"),
+    ("http://host:8000?x=1", "query or fragment"),
 ])
 def test_malformed_authorizer_urls(url, fragment):
     with pytest.raises(ValueError, match=fragment):
