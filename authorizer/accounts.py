@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="the authorizer's data directory (default: $XDG_DATA_HOME/agora-node/authorizer)")
     p.add_argument("--db", help="the authorizer's database, if not the one recorded in the data directory")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--run-config", help=argparse.SUPPRESS)  # accepted: `--config` is forwarded as it
+    p.add_argument("--config", "--run-config", dest="run_config", help=argparse.SUPPRESS)  # not needed, accepted
     return p
 
 

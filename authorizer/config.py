@@ -66,41 +66,70 @@ class AuthorizerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    run_config: str = Field(default="tiny", description="run config: a preset (tiny, 1b, 8b) or a YAML path")
-    host: str = Field(default="127.0.0.1", max_length=255, description="HTTP listen address")
+    run_config: str = Field(default="tiny", json_schema_extra={"flag": "config", "aliases": ["--run-config"], "metavar": "NAME|PATH",
+                                                               "default_text": "as last time, else tiny"},
+                            description="run config: a preset (tiny, 1b, 8b) or a YAML path")
+    host: str = Field(default="127.0.0.1", max_length=255, json_schema_extra={"default_text": "as last time, else "
+                                                                                "127.0.0.1"},
+                      description="HTTP listen address (0.0.0.0: every interface)")
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535,
+                      json_schema_extra={"default_text": f"as last time, else {DEFAULT_PORT}"},
                       description="HTTP port; 0 binds a free one (printed when ready, then kept for restarts)")
-    data_dir: str = Field(default_factory=default_data_dir,
-                          description="holds authorizer.json, the SQLite file, the root key and the admin token")
+    data_dir: str = Field(default_factory=default_data_dir, json_schema_extra={
+        "metavar": "DIR", "default_text": "$XDG_DATA_HOME/agora-node/authorizer"},
+        description="holds authorizer.json, the SQLite file, the root key and the admin token")
     db: Optional[str] = Field(
-        default=None, description="sqlite:///path or postgresql://...; default sqlite under data_dir"
+        default=None, json_schema_extra={"metavar": "URL"},
+        description="sqlite:///path or postgresql://user@host/db; default: SQLite in the data directory"
     )
-    key_path: Optional[str] = Field(default=None, description="Ed25519 root key file (0600); default in data_dir")
-    admin_token: Optional[SecretStr] = Field(default=None, description="bearer token of the admin API")
+    key_path: Optional[str] = Field(default=None, json_schema_extra={"metavar": "PATH"},
+                                    description="Ed25519 root key file (0600); default: root.key in the data directory")
+    admin_token: Optional[SecretStr] = Field(default=None, json_schema_extra={"metavar": "TOKEN"},
+                                             description="bearer token of the admin API (prefer --admin-token-file)")
     admin_token_file: Optional[str] = Field(
-        default=None, description="file holding the admin token; created (0600) with a random one if missing"
+        default=None, json_schema_extra={"metavar": "PATH"},
+        description="file holding the admin token; created (0600) with a random one if missing; default: "
+                    "admin.token in the data directory"
     )
-    policy_file: Optional[str] = Field(default=None, description="YAML with any subset of the policy fields")
+    policy_file: Optional[str] = Field(default=None, json_schema_extra={"metavar": "PATH"},
+                                       description="YAML with any subset of the policy fields (docs/operations.md)")
     credential_ttl_s: int = Field(
         default=DEFAULT_CREDENTIAL_TTL_S, ge=10, le=7 * 86400, description="lifetime of an issued credential"
     )
-    join_rate_per_s: Optional[float] = Field(default=None, ge=0.001, le=1e6, description="queue releases per second")
-    join_burst: Optional[int] = Field(default=None, ge=1, le=1_000_000, description="releases back to back")
+    join_rate_per_s: Optional[float] = Field(default=None, ge=0.001, le=1e6, json_schema_extra={"flag": "join-rate", "metavar": "RATE"},
+                                             description="queue releases per second (policy; default 5)")
+    join_burst: Optional[int] = Field(default=None, ge=1, le=1_000_000,
+                                      description="releases back to back (policy; default 10)")
     stage_capacity: Optional[list[int]] = Field(
-        default=None, description="workers per stage: one value for every stage, or one per stage"
+        default=None, json_schema_extra={"comma_list": True, "metavar": "N[,N...]"},
+        description="workers per stage: one value for every stage, or one per stage (policy)"
     )
-    trainer_capacity: Optional[int] = Field(default=None, ge=0, description="trainers admitted at most")
+    trainer_capacity: Optional[int] = Field(default=None, ge=0, description="trainers admitted at most (policy)")
     checks: Optional[list[str]] = Field(
-        default=None, description=f"enabled admission checks, a subset of {', '.join(CHECK_NAMES)}"
+        default=None, json_schema_extra={"comma_list": True, "metavar": "CHECK[,CHECK...]"},
+        description=f"enabled admission checks: a subset of {','.join(CHECK_NAMES)}, or none (policy)"
     )
     bootstrap_peers: list[str] = Field(
-        default_factory=list, max_length=64, description="multiaddrs handed to admitted nodes as initial peers"
+        default_factory=list, max_length=64, json_schema_extra={"metavar": "MADDR"},
+        description="multiaddrs handed to admitted nodes as initial peers"
     )
     reachability_timeout_s: float = Field(default=5.0, gt=0, le=60, description="deadline of one dial-back")
     sqlite_synchronous: Literal["full", "normal"] = Field(
         default="full", description="full: a commit survives power loss; normal: survives a process crash"
     )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log verbosity")
+    log_format: Literal["human", "json"] = Field(default="human", description="stderr log lines for people or one "
+                                                 "JSON object per line")
+
+    @field_validator("stage_capacity", "checks", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        """Flags give these as one comma-separated word ("8,4,8"; "none" for no checks)."""
+        if isinstance(value, str):
+            if value.strip() == "none":
+                return []
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
 
     @field_validator("checks")
     @classmethod

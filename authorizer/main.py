@@ -1,10 +1,8 @@
 """Run the authorizer: open the store and root key, serve HTTP, print one readiness line, and
 exit 0 on SIGTERM/SIGINT.
 
-`run_authorizer(config)` is what `agora-node --role authorizer` calls; `main()` is a small
-command line of its own (`python -m authorizer.main --run-config tiny ...`) for tests and
-operators, which also runs the accounts commands (`main(["accounts", "add", ...])`, see
-authorizer.accounts). The authorizer listens on port 8000 unless `--port` says otherwise; with
+`run_authorizer(config)` is what `agora-node --role authorizer` calls (node/authorizer_cli.py
+builds the config from flags and the data directory). The authorizer listens on port 8000 unless `--port` says otherwise; with
 `--port 0` the OS picks a free port, which is printed in the readiness line and kept in the data
 directory for the next start (authorizer.config), so nothing has to guess a free port:
 
@@ -16,7 +14,6 @@ exit code 2 (protocol.exit_codes), never uvicorn's own bind error and its traceb
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import errno
@@ -30,12 +27,11 @@ from typing import Optional, Sequence
 
 from pydantic import ValidationError
 
-from authorizer.config import (
-    STORED_FIELDS, AuthorizerConfig, default_data_dir, load_stored_settings, save_stored_settings,
-)
+from authorizer.config import AuthorizerConfig, save_stored_settings
 from authorizer.policy import Policy, default_policy, load_policy_file, merge_policy
 from protocol.errors import ConfigError
 from protocol.exit_codes import ExitCode
+from protocol.readiness import ready_line
 
 logger = logging.getLogger("agora.authorizer")
 
@@ -174,7 +170,7 @@ async def _serve_on(config: AuthorizerConfig, run, db_url: str, sock: socket.soc
         save_stored_settings(config.data_dir, {"host": config.host, "port": port, "db": config.db,
                                                "run_config": config.run_config})
         shown = f"[{host}]" if ":" in host else host
-        print(f"agora-node ready role=authorizer stage=- peer=- url=http://{shown}:{port}", flush=True)
+        print(ready_line("authorizer", url=f"http://{shown}:{port}"), flush=True)
         logger.info("authorizer of run %s serving on http://%s:%d (db %s; settings kept in %s)", run.run_id, shown,
                     port, db_url.split("@")[-1], os.path.join(config.data_dir, "authorizer.json"))
         logger.info("%s", accounts_line(policy))
@@ -203,96 +199,3 @@ def run_authorizer(config: AuthorizerConfig) -> int:
         except SystemExit as exc:  # uvicorn exits on other startup failures
             raise ConfigError(f"cannot serve on {config.host}:{config.port} (exit {exc.code}); "
                               f"see the lines above and choose another --host/--port") from exc
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="agora-node --role authorizer", description="Run a training run's authorizer.",
-                epilog="Accounts: agora-node --role authorizer accounts add [--label TEXT] | list | revoke ACCOUNT_ID "
-                       "[--data-dir DIR] [--db URL]")
-    p.add_argument("--run-config", help="preset (tiny, 1b, 8b) or YAML path (default: as last time, else tiny)")
-    p.add_argument("--host", help="listen address (default: as last time, else 127.0.0.1)")
-    p.add_argument("--port", type=int, help="default: as last time, else 8000; 0 picks a free port (printed when "
-                                            "ready and kept for the next start)")
-    p.add_argument("--data-dir", default=None, help="authorizer.json, SQLite file, root key and admin token go here "
-                                                    "(default: $XDG_DATA_HOME/agora-node/authorizer)")
-    p.add_argument("--db", help="sqlite:///path or postgresql://user@host:port/db")
-    p.add_argument("--key-path", help="Ed25519 root key file (created 0600 if missing)")
-    p.add_argument("--admin-token", help="admin bearer token (prefer --admin-token-file)")
-    p.add_argument("--admin-token-file", help="file with the admin token; created if missing")
-    p.add_argument("--policy-file", help="YAML with policy fields")
-    p.add_argument("--credential-ttl-s", type=int)
-    p.add_argument("--join-rate", type=float, dest="join_rate_per_s", help="queue releases per second")
-    p.add_argument("--join-burst", type=int)
-    p.add_argument("--stage-capacity", help="workers per stage: N, or N0,N1,... one per stage")
-    p.add_argument("--trainer-capacity", type=int)
-    p.add_argument("--checks", help="enabled checks, comma-separated (capability,integrity,reachability,"
-                                    "accountability), or 'none'")
-    p.add_argument("--bootstrap-peers", nargs="*", default=None, metavar="MADDR")
-    p.add_argument("--reachability-timeout-s", type=float)
-    p.add_argument("--sqlite-synchronous", choices=["full", "normal"])
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> AuthorizerConfig:
-    """Flags over what the data directory's authorizer.json recorded at the last start, over defaults."""
-    values = {k: v for k, v in vars(args).items() if v is not None}
-    values["data_dir"] = values.get("data_dir") or default_data_dir()
-    stored = load_stored_settings(values["data_dir"])
-    for name in STORED_FIELDS:
-        if name not in values and name in stored:
-            values[name] = stored[name]
-    try:
-        if "stage_capacity" in values:
-            values["stage_capacity"] = [int(x) for x in values["stage_capacity"].split(",")]
-        if "checks" in values:
-            values["checks"] = [] if values["checks"] == "none" else [c for c in values["checks"].split(",") if c]
-    except ValueError as exc:
-        raise ConfigError("--stage-capacity takes integers separated by commas, e.g. 8 or 8,4,8") from exc
-    try:
-        return AuthorizerConfig(**values)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = "--" + ".".join(str(p) for p in error.get("loc", ())).replace("_", "-")
-        raise ConfigError(f"{where}: {str(error.get('msg', 'invalid')).removeprefix('Value error, ')}") from exc
-
-
-def configure_logging(level: str, fmt: str = "human") -> None:
-    from node.logs import setup_logging
-
-    setup_logging(level, fmt, "authorizer")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one actionable line instead of argparse's usage dump
-        raise ConfigError(f"{message} (see --help)")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        if "accounts" in argv:
-            from authorizer.accounts import accounts_main
-
-            return accounts_main(argv)
-        config = config_from_args(_parser().parse_args(argv))
-        configure_logging(config.log_level)
-        return run_authorizer(config)
-    except ConfigError as exc:
-        print(f"authorizer: error: {exc}", file=sys.stderr, flush=True)
-        return ExitCode.USAGE
-    except KeyboardInterrupt:
-        return ExitCode.OK
-
-
-def _exit_now(code: int) -> None:
-    """Exit without the interpreter's teardown: everything of ours is closed and flushed by now,
-    and tearing down the torch that hivemind imports takes seconds for nothing."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    _exit_now(int(main()))

@@ -2,7 +2,7 @@
 and node identities that can join, renew and leave.
 
 Shared by tests/authorizer and scripts/bench_authorizer.py so both exercise the real thing: the
-authorizer is started as `python -m authorizer.main ... --port 0` and its URL read from its
+authorizer is started as `agora-node --role authorizer ... --port 0` and its URL read from its
 readiness line; PostgreSQL is initdb'd in a temporary directory, listens on 127.0.0.1 with its
 unix socket inside that directory, and is stopped with `pg_ctl stop -m fast`. PostgreSQL cannot
 report a port it picked, so it alone gets a port found by binding port 0 (retried if taken).
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from node.launcher import READY_PREFIX
+from protocol.readiness import parse_ready_line
 
 PG_BIN = os.environ.get("AGORA_PG_BIN", "/usr/lib/postgresql/15/bin")
 
@@ -115,7 +115,7 @@ class PostgresServer:
 
 
 class AuthorizerProcess:
-    """`python -m authorizer.main` in its own process group, with its URL from the readiness line."""
+    """`agora-node --role authorizer` in its own process group, with its URL from the readiness line."""
 
     def __init__(self, args: list[str], *, log_path: str, env: Optional[dict] = None):
         self.args = list(args)
@@ -131,7 +131,7 @@ class AuthorizerProcess:
         env.setdefault("OMP_NUM_THREADS", "1")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "authorizer.main", *self.args], stdout=subprocess.PIPE, stderr=log,
+                [sys.executable, "-m", "node.cli", "--role", "authorizer", *self.args], stdout=subprocess.PIPE, stderr=log,
                 text=True, env=env, start_new_session=True,
             )
         threading.Thread(target=self._read_stdout, daemon=True).start()
@@ -146,8 +146,8 @@ class AuthorizerProcess:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             self.stdout_lines.append(line.rstrip("\n"))
-            if line.startswith(READY_PREFIX) and not self._ready.is_set():
-                fields = dict(part.split("=", 1) for part in line[len(READY_PREFIX):].split() if "=" in part)
+            fields = parse_ready_line(line)
+            if fields is not None and not self._ready.is_set():
                 if fields.get("role") == "authorizer":
                     self.url = fields.get("url")
                     self._ready.set()

@@ -102,36 +102,44 @@ def _role_of(argv: list[str]) -> Optional[str]:
 
 
 def _run_authorizer(argv: list[str]) -> int:
-    """`agora-node --role authorizer ...` is the authorizer service; `--config` names its run config."""
-    from authorizer.main import main as authorizer_main
+    """`agora-node --role authorizer ...`: the authorizer service or its accounts commands."""
+    from node.authorizer_cli import authorizer_main
 
-    translated: list[str] = []
-    skip = False
+    rest, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-            continue
-        if arg == "--role":
+        elif arg == "--role":
             skip = True
-        elif arg.startswith("--role="):
-            continue
-        elif arg == "--config":
-            translated.append("--run-config")
-        elif arg.startswith("--config="):
-            translated.append("--run-config=" + arg.split("=", 1)[1])
-        else:
-            translated.append(arg)
-    return authorizer_main(translated)
+        elif not arg.startswith("--role="):
+            rest.append(arg)
+    code = authorizer_main(rest)
+    _exit_now(code)  # the authorizer imported torch through hivemind; tearing it down takes seconds
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown: everything of ours is closed and flushed by now."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
 
 
 def _run(argv: list[str]) -> int:
+    from node.lifecycle import begin_process
+
+    begin_process()  # signals and the watchdog first, before anything slow (node/lifecycle.py)
     args = vars(node_parser().parse_args(argv))  # before the heavy imports: bad flags fail fast
     from node.settings import build_settings
 
     settings = build_settings(args)
     from node.daemon import configure_logging, run_node
 
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format, settings.role)
     return run_node(settings)
 
 

@@ -39,17 +39,25 @@ def _default_text(field: FieldInfo) -> str:
 def add_field_flag(group, name: str, field: FieldInfo, *, metavar: str | None = None,
                    help_text: str | None = None) -> None:
     """One argparse option for one model field; the default stays None so that only what the
-    user typed overrides the environment and the config file."""
+    user typed overrides the environment and the config file. A field's json_schema_extra may
+    rename its flag ("flag", "aliases"), name its value ("metavar"), describe a computed default
+    ("default_text") or take a comma-separated word for a list ("comma_list")."""
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     annotation = _unwrap_optional(field.annotation)
-    flag = "--" + name.replace("_", "-")
+    flags = ["--" + str(extra.get("flag", name)).replace("_", "-"), *extra.get("aliases", [])]
+    metavar = metavar or extra.get("metavar")
     if help_text is None:
-        help_text = (field.description or "") + _default_text(field)
+        default = f" (default: {extra['default_text']})" if "default_text" in extra else _default_text(field)
+        help_text = (field.description or "") + default
     help_text = help_text.replace("%", "%%")
     kwargs: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
     if annotation is bool:
-        group.add_argument(flag, action="store_true", **kwargs)
+        group.add_argument(*flags, action="store_true", **kwargs)
         return
     if typing.get_origin(annotation) is list:
+        if extra.get("comma_list"):
+            group.add_argument(*flags, metavar=metavar or "A,B,...", **kwargs)
+            return
         kwargs["nargs"] = "+"
         annotation = typing.get_args(annotation)[0]
     if typing.get_origin(annotation) is Literal:
@@ -59,7 +67,7 @@ def add_field_flag(group, name: str, field: FieldInfo, *, metavar: str | None = 
         kwargs["metavar"] = metavar or ("N" if annotation is int else "SECONDS" if name.endswith("_s") else "X")
     else:
         kwargs["metavar"] = metavar or name.split("_")[-1].upper()
-    group.add_argument(flag, **kwargs)
+    group.add_argument(*flags, **kwargs)
 
 
 def add_model_flags(group, model: type[BaseModel], names: Iterable[str], metavars: dict[str, str] | None = None):

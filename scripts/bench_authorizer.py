@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark the authorizer's join path: joins/s and latency percentiles, SQLite and PostgreSQL.
 
-Starts a real authorizer process (`python -m authorizer.main`) per backend, and for PostgreSQL a
+Starts a real authorizer process (`agora-node --role authorizer`) per backend, and for PostgreSQL a
 private PostgreSQL 15 with its default durability (fsync on), as authorizer.testing does for the
 tests. Capacity is set high enough that every join is queued and admitted. Joins go over real
 HTTP on 127.0.0.1 from a minimal keep-alive HTTP/1.1 client (httpx costs more CPU per request

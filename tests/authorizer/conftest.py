@@ -1,6 +1,6 @@
 """Real authorizer processes on 127.0.0.1 and a real PostgreSQL 15, reaped however a test ends.
 
-`start_authorizer(*args)` starts `python -m authorizer.main --port 0 ...` and returns it once its
+`start_authorizer(*args)` starts `agora-node --role authorizer --port 0 ...` and returns it once its
 readiness line gave the URL; every process it started is stopped (or killed) at teardown. The
 `db_url` fixture is parametrized over SQLite and PostgreSQL; the PostgreSQL server is started
 once per session (initdb in a temporary directory, run as the postgres user) and each test gets

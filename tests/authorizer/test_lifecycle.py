@@ -67,7 +67,7 @@ def test_restart_keeps_root_key_policy_and_records(start_authorizer, tmp_path):
 
 
 def _run_main(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "authorizer.main", "--port", "0", "--admin-token", ADMIN_TOKEN,
+    return subprocess.run([sys.executable, "-m", "node.cli", "--role", "authorizer", "--port", "0", "--admin-token", ADMIN_TOKEN,
                            *args], capture_output=True, text=True, timeout=60)
 
 
@@ -147,7 +147,7 @@ def test_restart_without_port_serves_the_same_url_and_root_key(start_authorizer,
 def test_port_in_use_is_one_line_and_exit_2(start_authorizer, tmp_path):
     running = start_authorizer(*CHECKS)
     port = running.url.rsplit(":", 1)[1]
-    done = subprocess.run([sys.executable, "-m", "authorizer.main", "--port", port, "--data-dir",
+    done = subprocess.run([sys.executable, "-m", "node.cli", "--role", "authorizer", "--port", port, "--data-dir",
                            str(tmp_path / "other"), "--admin-token", ADMIN_TOKEN], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2, done.stderr
