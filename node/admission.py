@@ -21,7 +21,6 @@ import os
 import platform
 import socket
 import time
-import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, TypeVar, Union
 
