@@ -227,3 +227,28 @@ def test_dry_run_exit_code_says_whether_it_fits_on_a_card_that_is_not_here():
     errors = [line for line in too_big.stderr.splitlines() if line.startswith("agora-node: error:")]
     assert len(errors) == 1 and "--max-batch 2" in errors[0], too_big.stderr
     assert "Traceback" not in too_big.stderr
+
+
+@pytest.mark.timeout(120)
+def test_signal_while_queued_frees_the_slot(make_swarm, run_config_path, tmp_path):
+    import httpx
+
+    admin = "lifecycle-admin-token-0123456789"
+    swarm = make_swarm(None)
+    authorizer = swarm.start_authorizer([
+        "--run-config", run_config_path(), "--data-dir", str(tmp_path / "authorizer"), "--port", "0",
+        "--admin-token", admin, "--trainer-capacity", "4", "--join-rate", "0.001", "--join-burst", "1", "--checks", "capability,integrity"])
+    # The one token of the bucket admits the first trainer; the second waits in the queue.
+    swarm.start("trainer", args=["--authorizer", authorizer.url, "--account-token", "first"])
+    queued = swarm.start("trainer", wait_ready=False, args=["--authorizer", authorizer.url, "--account-token", "q"])
+    poll_until(lambda: _log_has(queued, "queue position"), 60, "the trainer to wait in the queue")
+
+    def statuses() -> list[str]:
+        reply = httpx.get(f"{authorizer.url}/v1/admin/participants", headers={"Authorization": f"Bearer {admin}"},
+                          timeout=10)
+        reply.raise_for_status()
+        return [p["status"] for p in reply.json()["participants"]]
+
+    assert sorted(statuses()) == ["admitted", "queued"]
+    _check_signal_exit(queued, "admission queue")
+    poll_until(lambda: "queued" not in statuses(), 5, "the authorizer to free the queued slot")
