@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from node.timefmt import duration, until
 from node.settings import parse_authorizer_url as settings_parse_authorizer_url
 from protocol import version
+from roles.periodic import wait_any
 from protocol.authorizer_api import (
     LIVE_TICKET_STATUSES, ErrorBody, Hardware, JoinRequest, LeaveOut, Proof, RenewOut, RunInfo, TicketOut,
     TicketStatus,
@@ -334,12 +335,8 @@ class CredentialKeeper:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            wait = max(0.0, renew_at(self.credential.credential) - time.time())
-            try:
-                await asyncio.wait_for(stop.wait(), wait)
+            if await wait_any(stop, timeout=max(0.0, renew_at(self.credential.credential) - time.time())):
                 return
-            except asyncio.TimeoutError:
-                pass
             await self._renew(stop)
             if self.failure is not None:
                 return
@@ -364,10 +361,7 @@ class CredentialKeeper:
                 wait = min(self.retry_s, max(left, 0.1))
                 logger.warning("%s; retrying renewal in %s (credential valid %s)", exc, duration(wait),
                                until(expires_at))
-                try:
-                    await asyncio.wait_for(stop.wait(), wait)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_any(stop, timeout=wait)
                 continue
             self.credential = renewed.signed()
             self.on_renewed(self.credential)

@@ -31,6 +31,7 @@ from node.settings import NodeSettings
 from node.timefmt import duration, until
 from protocol.authorizer_api import TicketOut
 from protocol.auth import PeerAuthenticator
+from roles.periodic import every
 from protocol.auth_state import SharedAuthState
 from protocol.credentials import RevocationList
 from protocol.dht_auth import CredentialDHTAuthorizer
@@ -116,7 +117,8 @@ class Trust:
         """Take the newest valid list from the authorizer or the DHT, apply it, and relay it: it is
         signed by the root key, so any node may store it for the others."""
         key = control_key(self.run.run_id)
-        while not stop.is_set():
+
+        async def refresh_once() -> None:
             candidates: list[RevocationList] = []
             try:
                 candidates.append(await self.client.revocations())
@@ -137,12 +139,9 @@ class Trust:
                 except Exception as exc:
                     logger.debug("revocation list ignored: %s", exc)
             self.authenticator.revocations = self.auth_state.revocations()
-            if self._check_self(stop):
-                return
-            try:
-                await asyncio.wait_for(stop.wait(), self.revocation_refresh_s)
-            except asyncio.TimeoutError:
-                pass
+            self._check_self(stop)  # a banned node sets `stop`, which ends the loop
+
+        await every(self.revocation_refresh_s, refresh_once, stop, name="revocation refresh")
 
     def failure_exit_code(self) -> Optional[int]:
         """The exit code the node must end with because of its credential (5 banned or revoked,

@@ -116,10 +116,7 @@ class TrainerRole:
                 missing = [s for s, c in enumerate(counts) if c == 0]
                 logger.info("waiting for workers: stage(s) %s have none yet (workers per stage: %s)", missing, counts)
                 last_log = time.monotonic()
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
+            await wait_any(stop, timeout=1.0)
         return False
 
     def in_flight_cap(self) -> int:
@@ -158,7 +155,7 @@ class TrainerRole:
                 if exc.unreached:
                     await self.driver.abandon(sample.sample_id, exc)
                 if exc.reason == "no_workers":
-                    await asyncio.sleep(1.0)
+                    await wait_any(stop, timeout=1.0)
                 continue
             except asyncio.CancelledError:
                 self.accounting.drop("shutdown")
