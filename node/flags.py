@@ -41,7 +41,8 @@ def add_field_flag(group, name: str, field: FieldInfo, *, metavar: str | None = 
     """One argparse option for one model field; the default stays None so that only what the
     user typed overrides the environment and the config file. A field's json_schema_extra may
     rename its flag ("flag", "aliases"), name its value ("metavar"), describe a computed default
-    ("default_text") or take a comma-separated word for a list ("comma_list")."""
+    ("default_text"), take a comma-separated word for a list ("comma_list") or take text that the
+    model's validator parses ("text", e.g. sizes like 24GiB)."""
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     annotation = _unwrap_optional(field.annotation)
     flags = ["--" + str(extra.get("flag", name)).replace("_", "-"), *extra.get("aliases", [])]
@@ -62,7 +63,7 @@ def add_field_flag(group, name: str, field: FieldInfo, *, metavar: str | None = 
         annotation = typing.get_args(annotation)[0]
     if typing.get_origin(annotation) is Literal:
         kwargs["choices"] = list(typing.get_args(annotation))
-    elif annotation in (int, float):
+    elif annotation in (int, float) and not extra.get("text"):
         kwargs["type"] = annotation
         kwargs["metavar"] = metavar or ("N" if annotation is int else "SECONDS" if name.endswith("_s") else "X")
     else:

@@ -37,7 +37,8 @@ class WorkerConfig(BaseModel):
                         description="compute device: auto, cpu, cuda or cuda:N")
     max_batch: int = Field(default=8, ge=1, le=4096, description="largest coalesced batch")
     dry_run: bool = Field(default=False, description="print the memory plan, exit 0 if it fits and 2 if not")
-    gpu_memory: Optional[int] = Field(default=None, gt=0, description="plan for a card of this much memory (e.g. "
+    gpu_memory: Optional[int] = Field(default=None, gt=0, json_schema_extra={"metavar": "SIZE", "text": True},
+                                      description="plan for a card of this much memory (e.g. "
                                       "24GiB) instead of the one present; with --dry-run needs no GPU")
     max_pending: int = Field(default=1024, ge=1, description="queued requests beyond which new ones are refused")
     announce_period_s: float = Field(default=5.0, gt=0, description="how often the node re-announces itself in the DHT")

@@ -48,8 +48,9 @@ def test_bad_yaml_config_is_a_one_line_error(tmp_path):
 
 
 def test_dry_run_answers_will_it_fit_without_loading():
-    result = subprocess.run(NODE + ["--role", "worker", "--config", "8b", "--stage", "3", "--dry-run",
-                                    "--max-batch", "1"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(NODE + ["--role", "worker", "--config", "8b", "--stage", "3", "--dry-run", "--device",
+                                    "cuda", "--gpu-memory", "48GiB", "--max-batch", "1"],
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "stage 3" in result.stdout and "GiB" in result.stdout and "fit" in result.stdout
 
