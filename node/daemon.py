@@ -24,6 +24,7 @@ from node.summary import human_summary, process_uptime_s
 from protocol.errors import ConfigError
 from protocol.exit_codes import ExitCode
 from protocol.identity import load_or_create_identity
+from protocol.readiness import ready_line
 from roles.model.config import RunConfig, load_run_config
 from roles.model.memory_plan import plan_memory
 from roles.worker.errors import WorkerLeftStage
@@ -228,8 +229,7 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         if hasattr(role, "start"):
             await until_stopped(role.start(), stop, "while joining the stage")
         life.note_resources()
-        print(f"agora-node ready role={settings.role} stage={stage if stage is not None else '-'} "
-              f"peer={swarm.peer_id} maddrs={','.join(membership.maddrs)}", flush=True)
+        print(ready_line(settings.role, stage=stage, peer=swarm.peer_id, maddrs=membership.maddrs), flush=True)
         await role.run(stop)
     except StopRequested as exc:
         logger.info("stopped %s", exc)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from node.lifecycle import descendant_pids, remove_shared_memory, shared_memory_files
+from protocol.readiness import parse_ready_line
 
-READY_PREFIX = "agora-node ready "
 
 
 class NodeStartError(RuntimeError):
@@ -68,8 +68,8 @@ def _pump_stdout(node: NodeProcess) -> None:
     for raw in node.proc.stdout:
         line = raw.rstrip("\n")
         node.stdout_lines.append(line)
-        if line.startswith(READY_PREFIX) and not node.ready.is_set():
-            fields = dict(part.split("=", 1) for part in line[len(READY_PREFIX):].split() if "=" in part)
+        fields = parse_ready_line(line)
+        if fields is not None and not node.ready.is_set():
             node.peer_id = fields.get("peer", "")
             if fields.get("stage", "-").isdigit():
                 node.stage = int(fields["stage"])  # an authorizer may have chosen it
