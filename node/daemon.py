@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Optional, TypeVar
 
-from node.devices import device_free_bytes, pick_device, planned_gpu_memory
+from node.devices import device_free_bytes, pick_device
 from node.lifecycle import ProcessLifecycle, StopRequested, begin_process, exit_now, reap_children
 from node.settings import NodeSettings
 from node.summary import human_summary, process_uptime_s
@@ -42,13 +42,13 @@ SHUTDOWN_TIMEOUT_S = 60.0
 
 
 def _check_stage(settings: NodeSettings, run: RunConfig) -> int:
-    if settings.stage is None:
+    if settings.worker.stage is None:
         raise ConfigError(f"a worker needs --stage N with N in 0..{run.num_stages - 1}")
-    if not 0 <= settings.stage < run.num_stages:
+    if not 0 <= settings.worker.stage < run.num_stages:
         raise ConfigError(
-            f"--stage {settings.stage} is out of range: run {run.run_id} has stages 0..{run.num_stages - 1}"
+            f"--stage {settings.worker.stage} is out of range: run {run.run_id} has stages 0..{run.num_stages - 1}"
         )
-    return settings.stage
+    return settings.worker.stage
 
 
 @dataclass
@@ -64,9 +64,9 @@ def check_memory(settings: NodeSettings, run: RunConfig, stage: int, device: str
     free memory is the given size (planning for a card that is not here)."""
     import psutil
 
-    plan = plan_memory(run, stage, device, settings.max_batch)
+    plan = plan_memory(run, stage, device, settings.worker.max_batch)
     host_free = psutil.virtual_memory().available
-    device_free = device_free_bytes(device, planned_gpu_memory(settings))
+    device_free = device_free_bytes(device, settings.worker.gpu_memory)
     fits = plan.fits(device_free, host_free)
     report = "\n".join([plan.describe(), f"free: device {_gib(device_free)}, host {_gib(host_free)} -> "
                                          f"{'fits' if fits else 'does NOT fit'}"])
@@ -77,7 +77,7 @@ def check_memory(settings: NodeSettings, run: RunConfig, stage: int, device: str
             "this stage does not fit this device at any batch size; choose another --stage or --device")
     free = (f"{_gib(device_free)} on {device} and {_gib(host_free)} host RAM are free" if device_free is not None
             else f"{_gib(host_free)} host RAM is free (the CPU computes in host RAM)")
-    return MemoryCheck(report, f"stage {stage} at --max-batch {settings.max_batch} needs {_gib(plan.device_bytes)} "
+    return MemoryCheck(report, f"stage {stage} at --max-batch {settings.worker.max_batch} needs {_gib(plan.device_bytes)} "
                                f"on {device} and {_gib(plan.host_bytes)} host RAM, but {free}; {hint}")
 
 
@@ -97,8 +97,8 @@ def _check_trainer_data(settings: NodeSettings, run: Optional[RunConfig]) -> Non
     as the run's sequence length is known (before admission with --config, else right after)."""
     from roles.trainer.data import validate_data
 
-    validate_data(settings.data, settings.tokenizer, run.seq_len if run is not None else None,
-                  settings.shard_index, settings.num_shards)
+    validate_data(settings.trainer.data, settings.trainer.tokenizer, run.seq_len if run is not None else None,
+                  settings.trainer.shard_index, settings.trainer.num_shards)
 
 
 def run_node(settings: NodeSettings) -> int:
@@ -106,8 +106,8 @@ def run_node(settings: NodeSettings) -> int:
     returns its code instead). ConfigError propagates to the CLI (exit 2)."""
     life = begin_process()
     role = settings.role
-    dry_run = bool(getattr(settings, "dry_run", False))  # a worker setting
-    device = pick_device(settings.device, planning=planned_gpu_memory(settings) is not None,
+    dry_run = role == "worker" and settings.worker.dry_run
+    device = pick_device(settings.worker.device, planning=settings.worker.gpu_memory is not None,
                          dry_run=dry_run) if role == "worker" else "cpu"
     has_authorizer = bool(settings.authorizer)
     run = None

@@ -7,19 +7,6 @@ from typing import Optional
 from protocol.errors import ConfigError
 
 
-def planned_gpu_memory(settings) -> Optional[int]:
-    """--gpu-memory in bytes (a card to plan for, present or not), or None."""
-    value = getattr(settings, "gpu_memory", None)
-    if value is None or isinstance(value, int):
-        return value
-    from roles.worker.config import parse_size
-
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise ConfigError(f"--gpu-memory: {exc}") from None
-
-
 def pick_device(requested: str, *, planning: bool = False, dry_run: bool = False) -> str:
     """`auto` takes CUDA when present (or when planning for a card with --gpu-memory), else CPU.
     `cuda` on a machine without it is a config error, except for a --dry-run with --gpu-memory."""

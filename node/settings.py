@@ -105,13 +105,6 @@ class NodeSettings(BaseModel):
         """This node's role section: `worker` or `trainer`."""
         return getattr(self, self.role)
 
-    def __getattr__(self, name: str) -> Any:
-        # Transitional: code not yet moved to `settings.worker.x` / `settings.trainer.x` reads the
-        # role's section through the top level.
-        if not name.startswith("_") and name in ROLE_SECTIONS[self.role].model_fields:
-            return getattr(self.section, name)
-        return super().__getattr__(name)
-
 
 COMMON_FIELDS = frozenset(n for n in NodeSettings.model_fields if n not in ROLE_SECTIONS)
 

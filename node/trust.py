@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from node.admission import (
-    DEFAULT_ADMISSION_TIMEOUT_S, Admission, AuthorizerClient, CredentialKeeper, CredentialLost, authorizer_urls,
+    Admission, AuthorizerClient, CredentialKeeper, CredentialLost, authorizer_urls,
     join_run, leave_quietly, measured_hardware,
 )
 from node.settings import NodeSettings
@@ -188,6 +188,10 @@ async def _listen_for_probe(identity: Identity, settings: NodeSettings):
     return p2p, visible, host
 
 
+def _requested_stage(settings: NodeSettings) -> Optional[int]:
+    return settings.worker.stage if settings.role == "worker" else None
+
+
 async def establish_trust(settings: NodeSettings, identity: Identity, device: str) -> Trust:
     """Admission through the authorizer(s), or an open run when explicitly asked for.
 
@@ -200,7 +204,7 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
             raise ConfigError("no --authorizer given: pass --authorizer URL to join a run, or --insecure-open-run "
                               "for a local run in which every peer is trusted")
         logger.warning(OPEN_RUN_WARNING.removeprefix("WARNING: "))
-        return Trust(run=load_run_config(settings.config), stage=getattr(settings, "stage", None), identity=identity,
+        return Trust(run=load_run_config(settings.config), stage=_requested_stage(settings), identity=identity,
                      initial_peers=settings.initial_peers, host_maddrs=settings.host_maddrs)
     client = AuthorizerClient(urls)
     probe = None
@@ -215,9 +219,9 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
         admission: Admission = await join_run(
             client, identity, settings.role, hardware=measured_hardware(device), announce_maddrs=visible,
             account_token=settings.account_token, on_wait=on_wait,
-            timeout_s=getattr(settings, "admission_timeout_s", DEFAULT_ADMISSION_TIMEOUT_S))
+            timeout_s=settings.admission_timeout_s)
         run = RunConfig.model_validate(admission.run_config)
-        requested = getattr(settings, "stage", None)  # only a worker's settings have a stage
+        requested = _requested_stage(settings)
         if requested is not None and admission.stage is not None and requested != admission.stage:
             logger.warning("the authorizer placed this worker on stage %d, not the requested %d", admission.stage,
                            requested)
