@@ -66,10 +66,13 @@ class StoreReads:
                 participants.c.status == "banned", participants.c.expires_at > int(now)).limit(limit)).scalars()
         return serials, sorted(set(peers))[:limit]
 
-    def recent_addresses(self, limit: int) -> list[str]:
-        """Announced addresses of recently seen admitted nodes: bootstrap peers for newcomers."""
+    def recent_addresses(self, limit: int, admitted_before: float) -> list[str]:
+        """Announced addresses of recently seen nodes admitted before `admitted_before`: bootstrap
+        peers for a newcomer. Only earlier ones, so that of nodes admitted together the first
+        starts the DHT and the others join it, instead of each waiting for another."""
         with self.read_engine.connect() as conn:
-            rows = conn.execute(select(participants.c.announce_maddrs).where(participants.c.status == ADMITTED)
+            rows = conn.execute(select(participants.c.announce_maddrs).where(
+                participants.c.status == ADMITTED, participants.c.admitted_at < admitted_before)
                                 .order_by(participants.c.last_seen_at.desc()).limit(limit)).scalars()
             return [addr for maddrs in rows for addr in (maddrs or [])[:2]]
 

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,6 +30,7 @@ from protocol.dht_schema import WorkerRecord, schema_for_run, workers_key
 from protocol.errors import ConfigError
 from protocol.identity import Identity
 from protocol.records import SignedRecordValidator
+from roles.periodic import wait_any
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ def _new_dht(*, identity: Identity, run_id: str, num_stages: int, initial_peers:
 
 def _bootstrap_failed(error: BaseException, initial_peers: list[str], host_maddrs: list[str],
                       bootstrap_timeout_s: float) -> ConfigError:
-    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    message = _first_line(error)
     if initial_peers:
         return ConfigError(
             f"could not reach any initial peer within {bootstrap_timeout_s:.0f}s ({message}); "
@@ -113,8 +115,44 @@ async def join_swarm_until_stopped(*, identity: Identity, run_id: str, num_stage
                                    stop: asyncio.Event, client_mode: bool = False,
                                    auth_state: Optional[SharedAuthState] = None,
                                    authorizer: Optional[AuthorizerBase] = None) -> SwarmMembership:
-    """Start the DHT and bootstrap. Raises ConfigError (exit 2) if no initial peer answers and
-    StopRequested if `stop` is set first (the half-started DHT is killed with its p2pd)."""
+    """Start the DHT and bootstrap. Raises ConfigError (exit 2) if no initial peer answers within
+    `bootstrap_timeout_s` and StopRequested if `stop` is set first (the half-started DHT is killed
+    with its p2pd). Peers that refuse connections are retried until the deadline: nodes admitted
+    together are handed each other as bootstrap peers and may still be starting."""
+    deadline = time.monotonic() + bootstrap_timeout_s
+    delay_s = 1.0
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return await _join_once(
+                identity=identity, run_id=run_id, num_stages=num_stages, initial_peers=initial_peers,
+                host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, bootstrap_timeout_s=max(left, 1.0),
+                stop=stop, client_mode=client_mode, auth_state=auth_state, authorizer=authorizer)
+        except _BootstrapFailed as failed:
+            left = deadline - time.monotonic()
+            if not initial_peers or left <= delay_s:
+                raise _bootstrap_failed(failed.error, initial_peers, host_maddrs, bootstrap_timeout_s) from failed.error
+            logger.warning("initial peers not reachable yet (%s); retrying in %.0f s, giving up in %.0f s",
+                           _first_line(failed.error), delay_s, left)
+            if await wait_any(stop, timeout=delay_s):
+                raise StopRequested("while joining the swarm") from None
+            delay_s = min(delay_s * 2, 8.0)
+
+
+class _BootstrapFailed(Exception):
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+async def _join_once(*, identity: Identity, run_id: str, num_stages: int, initial_peers: list[str],
+                     host_maddrs: list[str], announce_maddrs: list[str], bootstrap_timeout_s: float,
+                     stop: asyncio.Event, client_mode: bool, auth_state: Optional[SharedAuthState],
+                     authorizer: Optional[AuthorizerBase]) -> SwarmMembership:
     dht, validator = _new_dht(identity=identity, run_id=run_id, num_stages=num_stages, initial_peers=initial_peers,
                               host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
                               bootstrap_timeout_s=bootstrap_timeout_s, client_mode=client_mode,
@@ -153,7 +191,8 @@ async def join_swarm_until_stopped(*, identity: Identity, run_id: str, num_stage
     error = ready.result()
     if error is not None:
         await asyncio.to_thread(kill_tree, dht.pid)
-        raise _bootstrap_failed(error, initial_peers, host_maddrs, bootstrap_timeout_s) from error
+        dht.join(1)
+        raise _BootstrapFailed(error)
     return _membership(dht, validator)
 
 
