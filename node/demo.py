@@ -20,14 +20,14 @@ import tempfile
 import time
 from typing import Optional
 
-from node.cli import _Parser
+from node.flags import OneLineErrorParser
 from node.launcher import LocalSwarm, NodeStartError
 from node.lifecycle import reap_children
 from protocol.errors import ConfigError
 
 
 def demo_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="agora-node demo", description="Train the tiny model with a local swarm on 127.0.0.1.")
+    p = OneLineErrorParser(prog="agora-node demo", description="Train the tiny model with a local swarm on 127.0.0.1.")
     p.add_argument("--stages", type=int, default=3, help="pipeline stages (default 3)")
     p.add_argument("--workers-per-stage", type=int, default=1, help="replicas of each stage (default 1)")
     p.add_argument("--trainers", type=int, default=2, help="trainer processes (default 2)")
