@@ -1,6 +1,6 @@
 """The run's authorizer: admits nodes, places them on stages, issues short-lived credentials.
 
-A single HTTP service (FastAPI on uvicorn) per run [3.6.1]. Modules, one concept each:
+A single HTTP service (FastAPI on uvicorn) per run [report 3.6.1]. Modules, one concept each:
 
     config       AuthorizerConfig: what one authorizer process needs; authorizer.json (kept address)
     main         run_authorizer(config) and a small CLI; the readiness line

@@ -3,7 +3,7 @@
 The operator issues and revokes account tokens (`/v1/admin/accounts`; the same operations as
 `agora-node --role authorizer accounts add|list|revoke`), bans peers or whole accounts
 (identities) and changes the live policy: capacities,
-join rate, hardware floors, accepted builds and which checks run [3.6.1.1]. A policy change is
+join rate, hardware floors, accepted builds and which checks run [report 3.6.1.1]. A policy change is
 stored before it is answered and applies to the next request; lowering a capacity never evicts a
 node, it only stops admissions until the stage drains below it.
 """

@@ -1,7 +1,7 @@
 """The admission checks that need no network: capability, integrity and the account rules.
 
 Screening happens at the door rather than after a node has joined, so that a node that would
-degrade or endanger the run never disturbs it [3.6.1.2]. Each check is switched on or off in the
+degrade or endanger the run never disturbs it [report 3.6.1.2]. Each check is switched on or off in the
 policy. A failed check is not an error but a `Rejection`: a machine-readable `RejectReason` and a
 sentence telling the user what to do. Reachability (dialing the node back) lives in
 authorizer.reachability; capacity and bans are decided in the store's transaction.

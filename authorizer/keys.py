@@ -1,7 +1,7 @@
 """The run's root signing key and the admin token, kept in files only their owner can read.
 
 The root key is the run's root of trust: every peer holds its public half and checks credentials
-against it [3.6.1.5], so losing or replacing it strands every admitted node. It is therefore
+against it [report 3.6.1.5], so losing or replacing it strands every admitted node. It is therefore
 created once, atomically (a temporary file linked into place, so two starting authorizers can never
 each write a different key, and a crash never leaves half a key) with mode 0600, and refused if
 anyone else can read it.

@@ -1,4 +1,4 @@
-"""Stage placement: the authorizer, not the node, decides which stage a worker serves [3.6.1.4].
+"""Stage placement: the authorizer, not the node, decides which stage a worker serves [report 3.6.1.4].
 
 The run is only as fast as its least-provisioned stage, so each worker goes to the stage furthest
 below its target, counting the workers already admitted and those placed in the queue. The caller
@@ -7,7 +7,7 @@ stages (head with the embedding, tail with the LM head) get only nodes meeting t
 Ties go to the most demanding stage the node can serve: a weaker node could not take it later.
 
 Placement happens at join time, before admission, so the node learns its stage at once and can
-download that stage's state while it waits in the queue [3.6.1.3].
+download that stage's state while it waits in the queue [report 3.6.1.3].
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """The live admission policy: capacities, join rate, hardware floors, accepted builds, checks.
 
 The report keeps these operator-tunable values in Redis so a run's admission rules can change
-while it is in progress [3.6.1.1]; we keep them in the authorizer's own database (one JSON row),
+while it is in progress [report 3.6.1.1]; we keep them in the authorizer's own database (one JSON row),
 so a restart keeps what the operator last set, and read them from memory on every request.
 At start-up the policy is: what the database holds (or defaults derived from the run config),
 with the explicit settings of the policy file and the command line applied on top.
 
 Default hardware floors come from the memory plan of each stage at a coalescing cap of one, so a
 node is never admitted to a stage it cannot even hold; the tail (LM head) and head (embedding)
-floors come out higher than the bodies', which is what steers strong nodes to them [3.6.1.4].
+floors come out higher than the bodies', which is what steers strong nodes to them [report 3.6.1.4].
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class HardwareFloor(BaseModel):
 
 
 class Checks(BaseModel):
-    """Which admission checks run [3.6.1.2]; each can be switched off on its own."""
+    """Which admission checks run [report 3.6.1.2]; each can be switched off on its own."""
 
     model_config = _MODEL
 

@@ -1,7 +1,7 @@
 """The admission queue's release loop: at most `join_rate_per_s` nodes a second, in join order.
 
 Each admission makes the DHT reorganize; many at once could destabilize a run that is otherwise
-progressing, so the authorizer holds joiners in a queue and releases them gradually [3.6.1.3].
+progressing, so the authorizer holds joiners in a queue and releases them gradually [report 3.6.1.3].
 The queue itself is the participants table (status 'queued', ordered by id), so it survives a
 restart; this loop is a token bucket (rate `join_rate_per_s`, up to `join_burst` saved up) that
 spends one token per released ticket. It also sweeps out admitted nodes that stopped renewing and

@@ -1,4 +1,4 @@
-"""The reachability check: the authorizer dials a joining node back over libp2p [3.6.1.2].
+"""The reachability check: the authorizer dials a joining node back over libp2p [report 3.6.1.2].
 
 A node that others cannot reach contributes nothing to a network built on direct exchange, and
 the commonest cause is a closed port, which the node's owner can fix in a minute if told which

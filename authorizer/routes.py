@@ -1,7 +1,7 @@
 """The public `/v1` endpoints nodes call: join, poll, renew, leave, run info, revocations.
 
 Nodes talk to the authorizer only to join, to poll the queue, and to renew their credential
-[3.6.1.1]; nothing on the training path comes here. Each route only parses and delegates to
+[report 3.6.1.1]; nothing on the training path comes here. Each route only parses and delegates to
 `authorizer.service.Authorizer`.
 """
 

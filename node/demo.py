@@ -82,7 +82,7 @@ def demo_main(argv: list[str]) -> int:
     identity = load_or_create_identity(None)
     trust = asyncio.run(establish_trust(
         NodeSettings(role="trainer", authorizer=authorizer.url, account_token="demo-observer"), identity, "cpu"))
-    # Forked before the demo starts threads of its own besides the launcher's pipe readers (DESIGN §10).
+    # Forked before the demo starts threads of its own besides the launcher's pipe readers (docs/architecture.md, 'Processes and threads').
     membership = join_swarm(identity=identity, run_id=run.run_id, num_stages=run.num_stages, initial_peers=[],
                             host_maddrs=trust.host_maddrs, announce_maddrs=[], bootstrap_timeout_s=30,
                             auth_state=trust.auth_state, authorizer=trust.dht_authorizer)

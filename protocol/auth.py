@@ -1,4 +1,4 @@
-"""Peers check each other on every message (DESIGN §6, report 3.6.1.5), with no call to the
+"""Peers check each other on every message [report 3.6.1.5], with no call to the
 authorizer on the training path.
 
 A request envelope carries the sender's signed credential and the sender's Ed25519 signature over

@@ -1,7 +1,7 @@
 """Credentials the authorizer signs and every peer checks, and the signed revocation list.
 
 A credential binds a peer id and its libp2p public key to a run, a role and a stage for a short
-time (DESIGN §6, report 3.6.1.5). The authorizer signs it with the run's Ed25519 root key; a peer
+time [report 3.6.1.5]. The authorizer signs it with the run's Ed25519 root key; a peer
 holding the root public key verifies it locally, with no call to the authorizer, and must then
 check that the libp2p connection's remote peer id equals `credential.peer_id`.
 

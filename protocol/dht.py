@@ -1,4 +1,4 @@
-"""Typed access to the run's DHT records (DESIGN §4) on top of a hivemind DHT.
+"""Typed access to the run's DHT records (docs/architecture.md, 'DHT schema') on top of a hivemind DHT.
 
 Roles store and read pydantic records through this class and never touch raw DHT values:
 values are dumped from the record model on the way in and validated again on the way out, so
@@ -53,7 +53,7 @@ class SwarmDHT:
             return False
 
     async def withdraw(self, key: str, ttl_s: float = 60.0) -> bool:
-        """Overwrite our subkey with a tombstone: hivemind has no delete (DESIGN §3)."""
+        """Overwrite our subkey with a tombstone: hivemind has no delete."""
         return await self.store(key, Tombstone(), ttl_s)
 
     async def get(self, key: str, model: type[R], *, latest: bool = True) -> dict[str, R]:

@@ -1,4 +1,4 @@
-"""The DHT key schema (DESIGN §4) and the records stored under each key.
+"""The DHT key schema (docs/architecture.md, 'DHT schema') and the records stored under each key.
 
 Every key is prefixed by the run id; records are dictionaries with one subkey per peer (its
 base58 peer id) and a short expiry, re-announced by live nodes and left to lapse by dead ones.
@@ -77,7 +77,7 @@ class FailedSliceRecord(RecordModel):
 
 
 class RoundSummaryRecord(RecordModel):
-    """One averaging round as one peer saw it: the report's reduce and averaging success [5.7.1.1],
+    """One averaging round as one peer saw it: the report's reduce and averaging success [report 5.7.1.1],
     group size against the stage's workers, duration and why it was not complete."""
 
     version: int = 1

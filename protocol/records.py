@@ -5,7 +5,7 @@ Installed into hivemind's DHT as a record validator. A stored value is wrapped a
 ``{record, signature[, credential]}``; the subkey is the writer's base58 peer id, whose embedded
 Ed25519 key must verify the signature over key, subkey, record and expiry, so neither the record
 nor its lifetime can be altered or replayed under another key or peer id. hivemind with no
-validator lets any peer overwrite another's subkey and accepts absurd expiries (DESIGN §3).
+validator lets any peer overwrite another's subkey and accepts absurd expiries.
 
 In an authenticated run the wrapper also carries the writer's credential: it must be signed by
 the run's root key, current, unrevoked, issued to the subkey's peer id, and carry the role and

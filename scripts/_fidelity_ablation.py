@@ -1,7 +1,7 @@
 """`bench_fidelity.py --ablation`: where the subspace model family loses against a plain Llama of
 the same shape, one difference at a time, each trained in one process at equal tokens.
 
-The subspace model differs from a plain Llama in three ways [4.1]: its blocks (all but the
+The subspace model differs from a plain Llama in three ways [report 4.1]: its blocks (all but the
 tail's) write into span(U_k) only (rank), its token embedding is a fixed random table T_fixed of
 row norm ~1 plus a learned part confined to span(U_k) (fixed embedding), and both start at other
 scales (init: T_fixed is ~6x the plain embedding's 0.02, and Z U_k^T has std out_std*sqrt(k/d)).

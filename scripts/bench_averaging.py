@@ -60,7 +60,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-mp.set_start_method("fork", force=True)  # hivemind needs fork (DESIGN §3)
+mp.set_start_method("fork", force=True)  # hivemind needs fork
 
 import psutil  # noqa: E402
 import torch  # noqa: E402

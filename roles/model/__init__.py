@@ -1,5 +1,5 @@
 """The stage model: run configuration, the subspace-reparameterized decoder cut into stages, and
-the memory plan a worker sizes itself with [4.1].
+the memory plan a worker sizes itself with [report 4.1].
 
 Config and memory planning import without torch, so the authorizer and CLI stay light; the torch
 parts (`StageModel`, `FullModel`, the subspace helpers) load on first use.

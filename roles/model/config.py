@@ -35,7 +35,7 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class ModelConfig(BaseModel):
-    """Shape of the Llama-style decoder that the stages of a run split between them [4.1]."""
+    """Shape of the Llama-style decoder that the stages of a run split between them [report 4.1]."""
 
     model_config = _FROZEN
 
@@ -167,10 +167,10 @@ class StalenessConfig(BaseModel):
 
 
 class AveragingConfig(BaseModel):
-    """AsyncSPARTA: how the replicas of a stage average a rotating slice of their weights [4.2].
+    """AsyncSPARTA: how the replicas of a stage average a rotating slice of their weights [report 4.2].
 
     Every node of a run must agree on `average_every` and `segments` (they fix which index set a
-    round averages); the timeouts bound one round's matchmaking and all-reduce [3.3.1.8].
+    round averages); the timeouts bound one round's matchmaking and all-reduce [report 3.3.1.8].
     """
 
     model_config = _FROZEN
@@ -221,7 +221,7 @@ class AveragingConfig(BaseModel):
 
 
 class SyncConfig(BaseModel):
-    """How a joining worker loads state and catches up with its stage [3.3.1.1, 5.6]."""
+    """How a joining worker loads state and catches up with its stage [report 3.3.1.1, 5.6]."""
 
     model_config = _FROZEN
 
@@ -362,7 +362,7 @@ class RunConfig(BaseModel):
 
     def clip_threshold(self, index: int) -> float:
         """Stage-wise gradient-norm clip: 1/sqrt(S) splits a unit global budget; the tail,
-        whose gradients run consistently larger, gets twice that [4.3]."""
+        whose gradients run consistently larger, gets twice that [report 4.3]."""
         base = 1.0 / math.sqrt(self.num_stages)
         return 2.0 * base if self.stage_kind(index) == "tail" else base
 

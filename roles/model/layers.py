@@ -1,4 +1,4 @@
-"""Llama-style decoder block whose residual writes are confined to span(U_k) [4.1].
+"""Llama-style decoder block whose residual writes are confined to span(U_k) [report 4.1].
 
 The attention output and MLP down projections are reparameterized as W = Z U_k^T (eq. 3): only Z
 is trained, U_k is a fixed buffer, so every block adds a vector of span(U_k) to the residual

@@ -1,11 +1,11 @@
 """How much device and host memory one stage replica needs, worked out from shapes alone.
 
-A worker must decide its `max_batch` (the coalescing cap [3.3.1.3]) and whether it can serve a
+A worker must decide its `max_batch` (the coalescing cap [report 3.3.1.3]) and whether it can serve a
 stage at all before it allocates anything; an 8B stage cannot be built just to measure it. So the
 plan counts parameters exactly as `StageModel` creates them and estimates the autograd activations
-of the recomputed forward that backward runs (stage-level checkpointing [3.3.1.4]: the no-grad
+of the recomputed forward that backward runs (stage-level checkpointing [report 3.3.1.4]: the no-grad
 forward keeps nothing, the backward pass holds every block's saved tensors at once). The AdamW
-master weights and moments live in host RAM, float32 [3.3.1].
+master weights and moments live in host RAM, float32 [report 3.3.1].
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class MemoryPlan:
     grad_bytes: int  # the open step's gradients, plus the next step's on head and body stages
     previous_weights_bytes: int  # the weights before the last step, kept for pinned backward recomputes
     fixed_buffer_bytes: int  # U_k (the stage's and each block's copy) and the fixed embedding
-    optimizer_host_bytes: int  # AdamW master weights + 2 moments, float32, in host RAM [3.3.1]
+    optimizer_host_bytes: int  # AdamW master weights + 2 moments, float32, in host RAM [report 3.3.1]
     activation_bytes_per_sample: int  # recomputed forward + backward for one sample at seq_len
     device_bytes: int  # params + grads + buffers + activations*max_batch, plus 10% headroom
     host_bytes: int  # optimizer state, host gradient copy, and the fixed table built at start

@@ -71,7 +71,7 @@ ONE_B: dict[str, Any] = {
     "dtype": "bfloat16",
 }
 
-# Pluralis-8B [5.2]: 32 blocks over head, five bodies and a 6-block tail; rank ~51 at d=5120.
+# Pluralis-8B [report 5.2]: 32 blocks over head, five bodies and a 6-block tail; rank ~51 at d=5120.
 # About 500B tokens over ~60k steps at 4096 tokens a sample is ~2k samples per step.
 EIGHT_B: dict[str, Any] = {
     "run_id": "pluralis-8b",

@@ -2,7 +2,7 @@
 
 A stage maps boundary coordinates to boundary coordinates: it reconstructs the residual stream
 from the k coordinates and the token ids (the head embeds the tokens instead), runs its blocks and
-compresses the result back to k coordinates; the tail ends in the loss [4.1]. Token ids travel
+compresses the result back to k coordinates; the tail ends in the loss [report 4.1]. Token ids travel
 beside the coordinates because the fixed embedding they select is what the coordinates omit.
 
 Dtypes: parameters and block compute use `run.dtype`; the residual stream, U_k and the boundary

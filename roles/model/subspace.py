@@ -1,5 +1,5 @@
 """The shared subspace that makes stage boundaries lossless: U_k, the fixed token embedding, and
-the compress/reconstruct pair of eq. (2) in [4.1].
+the compress/reconstruct pair of eq. (2) in [report 4.1].
 
 Every stage of a run must derive the same U_k and fixed embedding from `subspace_seed` alone, on
 whatever device it computes, so both are drawn from a CPU `torch.Generator` in float64 and only

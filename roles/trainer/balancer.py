@@ -1,4 +1,4 @@
-"""Per-stage load balancer: which worker of a stage runs the trainer's next forward [3.3.2.3].
+"""Per-stage load balancer: which worker of a stage runs the trainer's next forward [report 3.3.2.3].
 
 Each worker carries a virtual runtime, a cumulative, speed-weighted account of the work it has been
 given. A dispatch goes to the usable worker with the least runtime and charges it up front
@@ -8,10 +8,10 @@ throughput the worker announced and, once a call completes, follows what this tr
 (dispatch to result, network included [3.3.2, fig. 39b]), since announcements cannot be checked.
 
 Placement rules that keep a fresh or recovering worker from being flooded:
-- a newly discovered worker enters level with the most-loaded worker already present [3.3.2.3];
+- a newly discovered worker enters level with the most-loaded worker already present [report 3.3.2.3];
 - a worker whose ban expires keeps its runtime but never falls below the current minimum.
 
-Which workers exist is decided elsewhere (discovery drops workers in a sync phase [3.3.2.2]); this
+Which workers exist is decided elsewhere (discovery drops workers in a sync phase [report 3.3.2.2]); this
 module does no I/O and takes an injectable clock so tests can drive time.
 """
 

@@ -1,4 +1,4 @@
-"""The trainer's data: text sources, and their packing into fixed-length samples of one shard [3.3.2.1].
+"""The trainer's data: text sources, and their packing into fixed-length samples of one shard [report 3.3.2.1].
 
 A source yields documents (strings). `SampleStream` tokenizes them, joins them with the tokenizer's
 separator into one token stream, cuts it into back-to-back samples of `seq_len` tokens, and keeps

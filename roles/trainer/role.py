@@ -1,5 +1,5 @@
 """The trainer role: a CPU process that holds a data shard and no weights, and drives samples
-through the swarm on several independent lanes [report 3.3.2, 3.4.4, DESIGN §8]."""
+through the swarm on several independent lanes [report 3.3.2, 3.4.4]."""
 
 from __future__ import annotations
 

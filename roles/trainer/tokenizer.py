@@ -1,4 +1,4 @@
-"""Tokenizers the trainer turns text into token ids with [3.3.2.1].
+"""Tokenizers the trainer turns text into token ids with [report 3.3.2.1].
 
 The byte tokenizer needs nothing and covers every text, so the demo and tests run without
 downloads; a real run loads a `tokenizers` JSON file (an optional dependency). The trainer checks

@@ -1,11 +1,11 @@
-"""A stage replica's gradient accumulation, stage-wise clipping and CPU-offloaded AdamW [3.3.1, 4.3].
+"""A stage replica's gradient accumulation, stage-wise clipping and CPU-offloaded AdamW [report 3.3.1, 4.3].
 
 A worker accumulates the gradients of every backward batch it serves and only steps when the
 stage as a whole has seen `target_batch_size` samples, so the step must turn a sum over however
 many samples this replica happened to get into a mean. Clipping is per stage, with no cross-stage
-barrier [4.3]; `stage_clip_threshold` gives the report's budget.
+barrier [report 4.3]; `stage_clip_threshold` gives the report's budget.
 
-The float32 master weights and the AdamW moments live in CPU RAM [3.3.1]: that frees device
+The float32 master weights and the AdamW moments live in CPU RAM [report 3.3.1]: that frees device
 memory for activations and batch coalescing, and lets the background averager edit the weights
 without interrupting GPU compute. On a CPU-only worker with float32 parameters the master copy is
 the parameters themselves.
@@ -31,7 +31,7 @@ STATE_VERSION = 2
 class NonFiniteGradients(AgoraError):
     """The accumulated gradients hold NaN or Inf; they were discarded and the weights left as they were.
 
-    The worker's monitor treats this as a reason to terminate [3.3.1.6].
+    The worker's monitor treats this as a reason to terminate [report 3.3.1.6].
     """
 
 
@@ -51,7 +51,7 @@ def stage_clip_threshold(num_stages: int, *, is_tail: bool) -> float:
 
     The squared global norm is the sum of the stages' squared norms, hence 1/sqrt(S); the tail,
     which computes the loss over the whole vocabulary, has consistently larger gradients and gets
-    twice that [4.3].
+    twice that [report 4.3].
     """
     if num_stages < 1:
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
@@ -153,7 +153,7 @@ class StageOptimizer:
     def for_stage(cls, run: RunConfig, stage: int, params: Iterable[torch.nn.Parameter],
                   device: torch.device | str, **kwargs: Any) -> "StageOptimizer":
         """The optimizer a worker of `stage` builds from the run config: the run's AdamW settings,
-        schedule by samples, and the stage-wise clip threshold [4.3]."""
+        schedule by samples, and the stage-wise clip threshold [report 4.3]."""
         opt = run.optimizer
         # The tail runs forward and backward in one pass: its samples never see two versions.
         kwargs.setdefault("keep_previous", run.staleness.pin_forward_weights and run.stage_kind(stage) != "tail")

@@ -1,9 +1,9 @@
 """The worker role: one replica of one pipeline stage, serving forward and backward requests,
 stepping with its stage, averaging with its replicas, and announcing itself in the DHT
-[report 3.3.1, DESIGN §7].
+[report 3.3.1].
 
 Start order matters: hivemind's averager is a forked process, so it is created before the
-compute thread (or any other thread of ours) exists (DESIGN §10); then the worker joins its stage
+compute thread (or any other thread of ours) exists (docs/architecture.md, 'Processes and threads'); then the worker joins its stage
 (loads state if the stage has moved on, picks its sync phase), and only then serves.
 """
 
@@ -110,7 +110,7 @@ class WorkerRole:
             self.optimizer, self.layout, run_id=run.run_id, stage=config.stage,
             step=lambda: self.optimizer.local_step,
             serving=lambda: self.state == WorkerState.ONLINE and self.phase in SERVING_PHASES,
-            max_chunk_elements=run.sync.state_chunk_elements,
+            max_chunk_elements=run.sync.state_chunk_elements, chunk_delay_s=config.test_state_chunk_delay_s,
         )
         self.checkpoints: Optional[StageCheckpoints] = None
         if config.checkpoint_dir:
@@ -203,7 +203,7 @@ class WorkerRole:
     # ---- start ----
 
     async def start(self) -> None:
-        # Fork hivemind's averager before any thread of ours exists (DESIGN §10).
+        # Fork hivemind's averager before any thread of ours exists (docs/architecture.md, 'Processes and threads').
         self.averaging.start_averager(self.swarm.dht)
         # In authenticated runs only stage peers may pull state, and only trainers route samples.
         await self.server.add_handler(version.STATE, self.state_server.handle, roles=frozenset({"worker"}))

@@ -2,8 +2,8 @@
 
 hivemind finishes a round even when peers fail: a reducer that stops answering has its slice
 filled with zeros (the peer keeps its local values there), a sender that misses its timeout is
-banned and averaged without, and the caller learns none of it (DESIGN §3). `InstrumentedRunner`
-records, inside the averager process, exactly what the report measures [5.7.1.1]:
+banned and averaged without, and the caller learns none of it. `InstrumentedRunner`
+records, inside the averager process, exactly what the report measures [report 5.7.1.1]:
 
 - averaging success: which reducers' slices came back, and how many values fell back;
 - reduce success: for this peer's own slice, how much of it each sender delivered before it

@@ -1,9 +1,9 @@
 """The averager process over a fixed-size round buffer, and the worker's handle on it.
 
-hivemind's `DecentralizedAverager` (DESIGN §3) fixes its tensors' shapes when it is built, so
+hivemind's `DecentralizedAverager` fixes its tensors' shapes when it is built, so
 the stage averages one buffer of `ceil(numel / segments)` float32 values, which each round fills
 from that round's index set. It runs in a forked process and must be started before the node
-starts threads of its own (DESIGN §10).
+starts threads of its own (docs/architecture.md, 'Processes and threads').
 
 `SpartaAverager` changes three things in the child process and nothing else (the hooks it
 uses are protocol/hivemind_adapter.py's, the one place that touches hivemind's private API):

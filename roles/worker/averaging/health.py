@@ -34,7 +34,7 @@ class RoundHealth:
         """Failed rounds whose verdict waits for the other workers' reports."""
 
     def record_success(self) -> None:
-        self.recent.clear()  # "successful rounds reset the failure count" [3.3.1.6]
+        self.recent.clear()  # "successful rounds reset the failure count" [report 3.3.1.6]
         self.recent.append(Verdict.SUCCESS)
 
     def record_failure(self, kind: str, round_id: int) -> None:

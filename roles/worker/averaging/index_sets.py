@@ -1,8 +1,8 @@
 """The index sets AsyncSPARTA averages: `segments` disjoint random subsets that tile the flat
 parameter vector, one per round in a fixed rotation [report 4.2, 5.7].
 
-Every replica must average the same coordinates, and nothing in hivemind checks that they do
-(DESIGN §3). The sets are therefore a pure function of the run seed, the stage, the parameter
+Every replica must average the same coordinates, and nothing in hivemind checks that they do.
+The sets are therefore a pure function of the run seed, the stage, the parameter
 layout and the segment number: a keyed Feistel permutation of `[0, numel)` (integer arithmetic
 only, so every process and platform computes the same bits), cut into `segments` contiguous runs
 of permuted positions. Segment `s` is the image of positions `[s*n//S, (s+1)*n//S)`, so the

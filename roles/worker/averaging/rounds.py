@@ -10,7 +10,7 @@ The optimizer's lock is held only to take the snapshot and to apply the delta, n
 network part. A reducer slice that failed comes back as a zero delta (hivemind keeps local values
 there), so the replica keeps its own, advanced weights for it.
 
-The outcome records what the report measures per round and per peer [5.7.1.1] (reduce and
+The outcome records what the report measures per round and per peer [report 5.7.1.1] (reduce and
 averaging success, group size against the stage's workers, duration, why it was not complete).
 """
 

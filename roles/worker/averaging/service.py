@@ -4,7 +4,7 @@ When a round is due (schedule.py), the service reads the stage from the DHT: its
 expected group size), who reduces, who is active. A replica alone in its stage, or in a stage
 without a reducer, skips the round and says why. A replica's weight is the number of samples it
 processed since its last round, at least 1 while it is active (so an idle stage still averages),
-and 0 in a sync phase [3.3.1.1]. Each round's outcome goes to the log, to the
+and 0 in a sync phase [report 3.3.1.1]. Each round's outcome goes to the log, to the
 `{run}/stage/{s}/averaging` record (with the last rounds and counters) and to the
 self-protection rule (health.py).
 """
@@ -127,7 +127,7 @@ class AveragingService:
     # ---- lifecycle ----
 
     def start_averager(self, dht) -> None:
-        """Fork the averager process. Call before the node starts threads of its own (DESIGN §10)."""
+        """Fork the averager process. Call before the node starts threads of its own (docs/architecture.md, 'Processes and threads')."""
         if self.state == AveragingState.DISABLED:
             return
         self.averager = StageAverager(dht, self.index_sets.buffer_size, run_id=self.run_id, stage=self.stage,
