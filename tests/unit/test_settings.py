@@ -105,3 +105,13 @@ def test_sizes():
     with pytest.raises(ValueError, match="not a size"):
         parse_size("lots")
     assert build_settings({"role": "worker", "config": "tiny", "gpu_memory": "24GiB"}, {}).worker.gpu_memory == 24 * 2**30
+
+
+def test_version_and_help_groups(capsys):
+    parser = node_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--version"])
+    assert capsys.readouterr().out.startswith("agora-node ")
+    groups = [group.title for group in parser._action_groups]
+    assert {"every node", "worker", "trainer", "worker and trainer"} <= set(groups)
+    assert "exit codes:" in parser.format_help() and "130" in parser.format_help()
