@@ -175,7 +175,7 @@ async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
     import torch
     from hivemind.p2p import P2P
 
-    from protocol import version
+    from protocol import hivemind_adapter, version
     from protocol.codec import encode_tensor, pack, unpack
     from protocol.framing import read_frame, write_frame
     from protocol.messages import ForwardRequest, make_envelope, parse_model
@@ -221,7 +221,7 @@ async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
     rpc = RpcClient(client, timeout_s=10.0)
     writer = None
     try:
-        await client._client.connect(server.peer_id, dialable_maddrs(await server.get_visible_maddrs()))
+        await hivemind_adapter.connect(client, server.peer_id, dialable_maddrs(await server.get_visible_maddrs()))
         rpc_server = RpcServer(server)
         await rpc_server.add_handler(version.FORWARD, forward_without_compute)
         await server.add_binary_stream_handler("bench/echo", echo)
@@ -450,11 +450,11 @@ class SwarmProbe:
         """One worker's InfoReply (as a dict), with the local time the reply came back."""
         from hivemind.p2p import PeerID
 
-        from protocol import version
+        from protocol import hivemind_adapter, version
 
         peer = PeerID.from_base58(node.peer_id)
         if node.peer_id not in self._connected:
-            await asyncio.wait_for(self.p2p._client.connect(peer, dialable_maddrs(node.maddrs)), 10.0)
+            await asyncio.wait_for(hivemind_adapter.connect(self.p2p, peer, dialable_maddrs(node.maddrs)), 10.0)
             self._connected.add(node.peer_id)
         sent = time.monotonic()
         reply = await self.client.call(peer, version.INFO, {}, timeout_s=10.0)

@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from node.launcher import LocalSwarm
+from tests.support.polling import poll_until
 
 mp.set_start_method("fork", force=True)  # hivemind needs fork (DESIGN §3, §10)
 
@@ -30,7 +31,10 @@ def make_swarm(tmp_path):
     yield factory
     for swarm in created:
         swarm.stop_all(timeout_s=20)
-        assert swarm.survivors() == [], "a node left processes behind"
+        # stop_all ends with a SIGKILL to each node's process group, which the kernel completes
+        # asynchronously: wait for the groups to empty instead of sampling them once
+        poll_until(lambda: not swarm.survivors(), 5, "every process of the swarm's nodes to exit "
+                   "(a node left processes behind)")
         assert swarm.leaked_shared_memory() == [], "a node left /dev/shm segments behind"
 
 

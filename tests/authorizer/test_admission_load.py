@@ -10,7 +10,8 @@ import collections
 import httpx
 import pytest
 
-from tests.authorizer.helpers import ADMIN, client, wait_until
+from tests.authorizer.helpers import ADMIN, client
+from tests.support.polling import poll_until
 
 CAPACITY = [7, 7, 6]  # 20 workers in all over tiny's three stages
 TOTAL = sum(CAPACITY)
@@ -47,7 +48,7 @@ async def _burst(urls: list[str], bodies: list[dict], *, kill_after: int | None 
     async def one(index: int, body: dict):
         nonlocal answered
         http = clients[index % len(clients)]
-        await asyncio.sleep(spread_s * index / len(bodies))
+        await asyncio.sleep(spread_s * index / len(bodies))  # the load's shape (start times spread), not a wait
         try:
             response = await http.post("/v1/join", json=body)
         except httpx.HTTPError:
@@ -74,7 +75,7 @@ def drained(http: httpx.Client) -> dict | None:
 
 
 def assert_exactly_full(http: httpx.Client) -> dict:
-    run = wait_until(lambda: drained(http), 30, message="the admission queue to drain")
+    run = poll_until(lambda: drained(http), 30, "the admission queue to drain")
     assert [stage["admitted"] for stage in run["stages"]] == CAPACITY
     admitted = []
     after = 0

@@ -10,14 +10,14 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from authorizer.testing import NodeKey
 from protocol.credentials import SignedCredential, verify_credential
-from tests.authorizer.helpers import ADMIN, ADMIN_TOKEN, wait_until
+from tests.authorizer.helpers import ADMIN, ADMIN_TOKEN
+from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.timeout(120)
 READY = re.compile(r"^agora-node ready role=authorizer stage=- peer=- url=http://127\.0\.0\.1:(\d+)$")
@@ -43,8 +43,8 @@ def test_restart_keeps_root_key_policy_and_records(start_authorizer, tmp_path):
     with httpx.Client(base_url=first.url, timeout=30) as http:
         root = http.get("/v1/run").json()["authorizer_public_key"]
         ticket = http.post("/v1/join", json=node.join_body()).json()
-        done = wait_until(lambda: (t := http.get(f"/v1/join/{ticket['ticket']}").json())["status"] == "admitted" and t,
-                          10, message="admission")
+        done = poll_until(lambda: (t := http.get(f"/v1/join/{ticket['ticket']}").json())["status"] == "admitted" and t,
+                          10, "admission")
         assert http.patch("/v1/admin/policy", json={"trainer_capacity": 3}, headers=ADMIN).status_code == 200
     assert first.stop() == 0
 
@@ -113,9 +113,9 @@ def test_queued_ticket_nobody_polls_is_swept(start_authorizer, tmp_path):
         queued = [t for t in tickets if t["status"] == "queued"]
         assert queued
         stage = queued[-1]["stage"]
-        time.sleep(1.5)
-        wait_until(lambda: http.get("/v1/run").json()["stages"][stage]["queued"] == 0, 15, interval_s=0.5,
-                   message="the sweeper")
+        # /v1/run does not touch the ticket, so polling it lets the ticket go idle and be swept
+        poll_until(lambda: http.get("/v1/run").json()["stages"][stage]["queued"] == 0, 16.5, "the sweeper",
+                   period_s=0.5)
         swept = http.get(f"/v1/join/{queued[-1]['ticket']}").json()
         assert swept["status"] == "abandoned"
 

@@ -14,6 +14,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from authorizer.testing import AuthorizerProcess
+from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -124,12 +125,14 @@ async def _attacks(worker, authorizer_url: str, tmp_path, *, ban) -> dict:
         await raw("tampered", pack(tampered))
 
         await asyncio.to_thread(ban, me.peer_id.to_base58())
-        deadline = time.monotonic() + 30  # the worker refreshes revocations every 2 s in this test
-        while time.monotonic() < deadline:
-            await attempt("revoked", auth_with(legit))
-            if reasons["revoked"] != "accepted":
-                break
-            await asyncio.sleep(0.5)
+        loop = asyncio.get_running_loop()
+
+        def refused() -> bool:  # runs in poll_until's thread; each attempt runs on this loop
+            asyncio.run_coroutine_threadsafe(attempt("revoked", auth_with(legit)), loop).result()
+            return reasons["revoked"] != "accepted"
+
+        # the worker refreshes revocations every 2 s in this test
+        await asyncio.to_thread(poll_until, refused, 30, "the worker to refuse the revoked credential", period_s=0.5)
         return reasons
     finally:
         await p2p.shutdown()
@@ -210,16 +213,19 @@ def test_dht_refuses_stock_nodes_and_forged_announcements(make_swarm, authorizer
         key = workers_key(run_id, worker.stage)
         forged = WorkerRecord(stage=worker.stage, max_batch=4096, throughput=1e9, maddrs=["/ip4/203.0.113.1/tcp/1"])
 
-        async def forge_and_read():
-            dht = SwarmDHT(membership.dht, identity.peer_id.to_base58())
+        dht = SwarmDHT(membership.dht, identity.peer_id.to_base58())
+
+        async def forge():
             # 1: a record under the victim's peer id (our validator will not sign it; peers refuse it unsigned)
             await dht.dht_store_raw(key, worker.peer_id, forged.model_dump(mode="json"), 60)
             # 2: a record under our own id, signed by us, but our credential is a trainer's
             await dht.store(key, forged, 60)
-            await asyncio.sleep(1.0)
-            return await dht.get(key, WorkerRecord)
 
-        records = asyncio.run(forge_and_read())
+        # each store returns once the peers storing the key answered it, so a read now sees whatever
+        # they accepted; read until the worker's own record is among it
+        asyncio.run(forge())
+        records = poll_until(lambda: (found := asyncio.run(dht.get(key, WorkerRecord))) and worker.peer_id in found
+                             and found, 30, "the worker's record in the DHT", period_s=0.5)
         assert set(records) == {worker.peer_id}, records
         assert records[worker.peer_id].max_batch != 4096
     finally:

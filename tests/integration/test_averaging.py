@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from typing import Callable
 
 import hivemind
 import pytest
@@ -26,6 +24,7 @@ from protocol.dht_schema import AveragingRecord, RoundStatus, WorkerRecord, aver
 from protocol.records import SignedRecordValidator
 from roles.model.config import load_run_config
 from roles.model.stage import StageModel
+from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -60,16 +59,6 @@ class DhtProbe:
 
     def close(self):
         self.dht.shutdown()
-
-
-def wait_for(condition: Callable[[], object], timeout_s: float, what: str, period_s: float = 0.3):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(period_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def log_has(node, text: str) -> bool:
@@ -121,7 +110,7 @@ def test_replicas_from_different_weights_agree_after_one_pass(make_swarm, run_co
                 done.append(segments == set(range(4)))
             return all(done)
 
-        wait_for(full_pass_done, 90, "a complete round of all three replicas on every segment")
+        poll_until(full_pass_done, 90, "a complete round of all three replicas on every segment", period_s=0.3)
     finally:
         probe.close()
     for worker in workers:
@@ -142,7 +131,7 @@ def _kill_mid_round(make_swarm, run_config_path, *, victim_reduces: bool):
     swarm.wait_ready(survivors[1])
     victim = swarm.start("worker", stage=0, args=["--reducer"] if victim_reduces else [],
                          env={"AGORA_TEST_AVERAGING_STALL_S": "60"})
-    wait_for(lambda: log_has(victim, "test fault: stalling"), 60, "the victim to stall mid-round")
+    poll_until(lambda: log_has(victim, "test fault: stalling"), 60, "the victim to stall mid-round", period_s=0.3)
     with open(victim.log_path) as f:
         stalled = next(line for line in f if "test fault: stalling" in line)
     stalled_round = int(stalled.split(" round ")[1].split()[0])
@@ -157,7 +146,8 @@ def _kill_mid_round(make_swarm, run_config_path, *, victim_reduces: bool):
                         found[peer] = summary
             return found if set(found) >= {s.peer_id for s in survivors} else None
 
-        killed = wait_for(lambda: outcome_of(stalled_round), 40, "the survivors' report of the stalled round")
+        killed = poll_until(lambda: outcome_of(stalled_round), 40, "the survivors' report of the stalled round",
+                            period_s=0.3)
 
         def later_complete():
             for record in rounds_of(probe, run.run_id, 0).values():
@@ -166,7 +156,7 @@ def _kill_mid_round(make_swarm, run_config_path, *, victim_reduces: bool):
                         return summary
             return None
 
-        recovered = wait_for(later_complete, 40, "a complete round after the kill")
+        recovered = poll_until(later_complete, 40, "a complete round after the kill", period_s=0.3)
     finally:
         probe.close()
     for survivor in survivors:
@@ -225,10 +215,10 @@ def test_a_joiner_passes_weight_sync_then_optimizer_sync_then_becomes_active(mak
     probe = DhtProbe(first.maddrs, run.run_id, run.num_stages)
     seen: list[str] = []
     try:
-        wait_for(lambda: log_has(tail, "stage 1 step 6"), 90, "the stage to train past max_stale_steps")
+        poll_until(lambda: log_has(tail, "stage 1 step 6"), 90, "the stage to train past max_stale_steps", period_s=0.3)
         joiner = swarm.start("worker", stage=0, wait_ready=False,
                              args=["--state-source", "checkpoint", "--checkpoint-dir", checkpoints])
-        wait_for(joiner.ready.is_set, 90, "the joiner to start", period_s=0.05)
+        poll_until(joiner.ready.is_set, 90, "the joiner to start")
 
         def phases():
             record = probe.records(workers_key(run.run_id, 0), WorkerRecord).get(joiner.peer_id)
@@ -236,7 +226,7 @@ def test_a_joiner_passes_weight_sync_then_optimizer_sync_then_becomes_active(mak
                 seen.append(record.phase.value)
             return seen and seen[-1] == "active"
 
-        wait_for(phases, 120, "the joiner to become active", period_s=0.1)
+        poll_until(phases, 120, "the joiner to become active", period_s=0.1)
     finally:
         probe.close()
     assert seen == ["weight_sync", "optimizer_sync", "active"], seen
@@ -317,9 +307,9 @@ def test_a_worker_with_another_index_set_is_reported_and_leaves_its_stage(make_s
     probe = DhtProbe(good[0].maddrs, run.run_id, run.num_stages)
     try:
         assert outsider.peer_id not in probe.records(workers_key(run.run_id, 0), WorkerRecord), "records withdrawn"
-        reported = wait_for(lambda: [s for r in rounds_of(probe, run.run_id, 0).values() for s in r.recent
-                                     if outsider.peer_id in s.mismatched_peers], 20,
-                            "a round that names the outsider's index set", period_s=0.5)
+        reported = poll_until(lambda: [s for r in rounds_of(probe, run.run_id, 0).values() for s in r.recent
+                                       if outsider.peer_id in s.mismatched_peers], 20,
+                              "a round that names the outsider's index set", period_s=0.5)
     finally:
         probe.close()
     assert reported[0].status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL)

@@ -4,13 +4,13 @@ outage by retrying, and the node stops with its documented exit code when renewa
 from __future__ import annotations
 
 import signal
-import time
 import uuid
 
 import httpx
 import pytest
 
 from node.admission import EXIT_RENEWAL_REFUSED
+from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -18,14 +18,18 @@ ADMIN = "lifecycle-admin-token-0123456789"
 
 
 def _wait_for_log(node, text: str, count: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """Wait until `node` logged `text` `count` times; fail at once if it exits first."""
+    def logged() -> bool:
         with open(node.log_path, errors="replace") as f:
             if f.read().count(text) >= count:
-                return
-        assert node.proc.poll() is None, node.log_tail()
-        time.sleep(0.25)
-    raise AssertionError(f"{node.name} did not log {text!r} {count}x in {timeout_s}s:\n{node.log_tail()}")
+                return True
+        assert node.proc.poll() is None, f"{node.name} exited (code {node.proc.returncode})"
+        return False
+
+    try:
+        poll_until(logged, timeout_s, f"{node.name} to log {text!r} {count}x", period_s=0.25)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{node.log_tail()}") from None
 
 
 @pytest.mark.timeout(240)

@@ -3,13 +3,27 @@ stage 0 and one trainer with 2 lanes."""
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
 
+from tests.support.polling import poll_until
+
 pytestmark = pytest.mark.integration
 
 TWO_STAGES = [{"first_layer": 0, "last_layer": 2}, {"first_layer": 2, "last_layer": 3}]
+
+
+def _log_has(node, text: str) -> bool:
+    with open(node.log_path, errors="replace") as f:
+        return text in f.read()
+
+
+def _completed_samples_logged(trainer) -> bool:
+    """The trainer's progress line ("N samples completed, ...") reports at least one sample."""
+    with open(trainer.log_path, errors="replace") as f:
+        return any(int(m.group(1)) > 0 for m in re.finditer(r"(\d+) samples completed", f.read()))
 
 
 def _worker_summaries(swarm):
@@ -49,7 +63,7 @@ def test_two_stage_swarm_trains_and_accounts_for_every_sample(make_swarm, run_co
     stage0_backward = sum(w["counters"]["backward_requests"] for w in workers.values() if w["stage"] == 0)
     assert stage0_backward == summary["samples_completed"]
     assert 240 // 16 <= workers[tail.name]["local_step"] <= 240 // 8  # steps overshoot the target by < 2x
-    assert swarm.survivors() == []
+    poll_until(lambda: swarm.survivors() == [], 5, "every process of the swarm's nodes to exit")  # see conftest
 
 
 @pytest.mark.timeout(240)
@@ -64,11 +78,7 @@ def test_training_survives_a_killed_worker(make_swarm, run_config_path):
     swarm.wait_ready(tail)
     trainer = swarm.start("trainer", args=["--lanes", "4", "--max-samples", "300", "--discovery-period-s", "1",
                                            "--request-timeout-s", "5"])
-    import time
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any("step 3" in line for line in open(tail.log_path)):
-        time.sleep(0.2)
+    poll_until(lambda: _log_has(tail, "step 3"), 60, "the tail stage to reach step 3", period_s=0.2)
     swarm.stop(victim, signal.SIGKILL)
     assert swarm.wait(trainer, 180) == 0, trainer.log_tail()
     summary = trainer.summary()
@@ -84,13 +94,9 @@ def test_sigterm_drains_a_trainer_and_its_counts_add_up(make_swarm, run_config_p
     swarm = make_swarm(config)
     swarm.start("worker", stage=0)
     swarm.start("worker", stage=1)
-    trainer = swarm.start("trainer", args=["--lanes", "4", "--discovery-period-s", "1"])
-    import time
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any("training starts" in line for line in open(trainer.log_path)):
-        time.sleep(0.2)
-    time.sleep(2)
+    trainer = swarm.start("trainer", args=["--lanes", "4", "--discovery-period-s", "1",
+                                           "--progress-log-period-s", "0.5"])
+    poll_until(lambda: _completed_samples_logged(trainer), 60, "the trainer to complete samples", period_s=0.2)
     assert swarm.stop(trainer, signal.SIGTERM) == 0, trainer.log_tail()
     summary = trainer.summary()
     assert summary["samples_completed"] > 0

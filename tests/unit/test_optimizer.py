@@ -248,7 +248,7 @@ def test_step_waits_for_a_holder_of_the_lock():
     with opt.lock:
         worker = threading.Thread(target=lambda: (opt.step(), stepped.set()))
         worker.start()
-        assert not stepped.wait(0.05)
+        assert not stepped.wait(0.05)  # a window in which the step must not run: the assertion itself
     assert stepped.wait(5)
     worker.join(timeout=5)
 

@@ -19,8 +19,15 @@ from roles.worker.queues import (
     TaskQueues,
     run_batch,
 )
+from tests.support.polling import poll_until
 
 F, B = TaskKind.FORWARD, TaskKind.BACKWARD
+
+
+def wait_until_parked(q: TaskQueues) -> None:
+    """Wait until a consumer is blocked inside `q.next_batch` (a waiter on its condition), so
+    what the test does next has to wake it. `_waiters` is CPython's threading.Condition's own."""
+    poll_until(lambda: q._cond._waiters, 5, "a consumer blocked in next_batch", period_s=0.005)
 
 
 class Recorder:
@@ -158,7 +165,7 @@ def test_close_wakes_a_blocked_consumer():
     out = []
     consumer = threading.Thread(target=lambda: out.append(q.next_batch()))
     consumer.start()
-    time.sleep(0.05)
+    wait_until_parked(q)
     q.close()
     consumer.join(timeout=5)
     assert not consumer.is_alive() and out == [[]]
@@ -183,8 +190,10 @@ def test_next_batch_times_out_when_idle():
 
 def test_consumer_wakes_on_submit():
     rec, q = Recorder(), TaskQueues(max_batch=4)
-    threading.Timer(0.05, lambda: q.submit(rec.task(F, "x"))).start()
+    producer = threading.Thread(target=lambda: (wait_until_parked(q), q.submit(rec.task(F, "x"))))
+    producer.start()
     assert payloads(q.next_batch(timeout=5)) == ["x"]
+    producer.join(timeout=5)
 
 
 def test_concurrent_producers_every_task_answered_once():

@@ -18,6 +18,7 @@ from roles.worker.optimizer import StageOptimizer
 from roles.worker.queues import TaskKind, TaskQueues
 from roles.worker.runtime import StageRuntime
 from roles.worker.step_ledger import PeerView, StepLedger
+from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,16 +61,6 @@ class Replies:
         return [self.results[i] for i in ids]
 
 
-def poll_until(condition, timeout_s: float = 10.0) -> None:
-    """The compute thread steps right after the batch that completed a step; wait for it."""
-    event = threading.Event()
-    for _ in range(int(timeout_s / 0.02)):
-        if condition():
-            return
-        event.wait(0.02)
-    assert condition()
-
-
 def tokens(i: int, run) -> torch.Tensor:
     return torch.randint(0, run.model.vocab_size, (run.seq_len,), generator=torch.Generator().manual_seed(i))
 
@@ -97,7 +88,7 @@ def test_tail_tags_exact_batches_even_when_more_samples_are_queued():
     try:
         results = replies.wait([f"s{i}" for i in range(6)])
         assert [r.step for r in results] == [0, 0, 0, 0, 1, 1]
-        poll_until(lambda: runtime.optimizer.local_step == 1)
+        poll_until(lambda: runtime.optimizer.local_step == 1, 10, "the compute thread to take step 1")
         assert runtime.optimizer.samples_accumulated == 2, "the two extra samples wait for step 1"
         assert runtime.ledger.step_sizes == [4]
     finally:
@@ -121,7 +112,7 @@ def test_tagged_samples_accumulate_into_their_own_step():
         replies.wait(["s6"])
         # step 0 closed on exactly its 4 samples; step 2's sample was held until step 1 opened
         replies.wait(["s5"])
-        poll_until(lambda: opt.local_step == 1)
+        poll_until(lambda: opt.local_step == 1, 10, "the compute thread to take step 1")
         assert runtime.ledger.step_sizes == [4]
         assert (opt.samples_accumulated, opt.next_accumulated) == (2, 1)
         runtime.submit(TaskKind.BACKWARD, body_backward(7, run, 0), replies.callback("s7"))
@@ -145,7 +136,7 @@ def test_a_sample_two_steps_ahead_closes_the_open_step():
         assert runtime.optimizer.local_step == 0
         runtime.submit(TaskKind.BACKWARD, body_backward(0, run, 2), replies.callback("s0"))
         replies.wait(["s0"])
-        poll_until(lambda: runtime.optimizer.local_step == 2)
+        poll_until(lambda: runtime.optimizer.local_step == 2, 10, "the compute thread to take step 2")
         assert runtime.ledger.step_sizes == [1, 2] and runtime.ledger.reasons["overtaken"] == 1
         assert runtime.optimizer.samples_accumulated == 1, "step 2's sample waited for step 2"
     finally:
@@ -160,7 +151,7 @@ def test_abandoned_step_closes_short_after_the_timeout():
         for i, step in enumerate([0, 0, 1]):
             runtime.submit(TaskKind.BACKWARD, body_backward(i, run, step), replies.callback(f"s{i}"))
         replies.wait(["s0", "s1", "s2"])
-        poll_until(lambda: runtime.optimizer.local_step == 1)
+        poll_until(lambda: runtime.optimizer.local_step == 1, 10, "the compute thread to take step 1")
         assert runtime.ledger.step_sizes == [2] and runtime.ledger.reasons["timeout"] == 1
         assert runtime.ledger.summary()["short_steps"] == 1
     finally:
@@ -191,7 +182,7 @@ def test_abandoned_sample_completes_its_step_at_once():
         replies.wait(["s0", "s1", "s2"])
         assert runtime.optimizer.local_step == 0
         assert runtime.abandon(0), "a trainer dropped the fourth sample below this stage"
-        poll_until(lambda: runtime.optimizer.local_step == 1)
+        poll_until(lambda: runtime.optimizer.local_step == 1, 10, "the compute thread to take step 1")
         assert runtime.ledger.step_sizes == [4]
         assert runtime.last_step.samples == 3, "the gradient is the mean over the samples that came"
         assert not runtime.abandon(0), "a closed step takes no more notices"
@@ -237,7 +228,7 @@ def test_pinned_backward_recomputes_on_the_forwards_weights():
         for i in (8, 9):
             runtime.submit(TaskKind.BACKWARD, body_backward(i, run, 0), replies.callback(f"s{i}"))
         replies.wait(["s8", "s9"])
-        poll_until(lambda: runtime.optimizer.local_step == 1)
+        poll_until(lambda: runtime.optimizer.local_step == 1, 10, "the compute thread to take step 1")
         assert runtime.optimizer.previous_version == 0
         changed = any(not torch.equal(a, b) for a, b in zip(v0.parameters(), runtime.model.parameters()))
         assert changed, "step 0 moved the weights"
@@ -267,7 +258,7 @@ def test_without_pinning_the_gap_is_measured():
     try:
         runtime.submit(TaskKind.BACKWARD, body_backward(9, run, 0), replies.callback("s9"))
         replies.wait(["s9"])
-        poll_until(lambda: runtime.optimizer.local_step == 1)
+        poll_until(lambda: runtime.optimizer.local_step == 1, 10, "the compute thread to take step 1")
         runtime.submit(TaskKind.BACKWARD, body_backward(0, run, 1), replies.callback("s0"))
         replies.wait(["s0"])
     finally:

@@ -50,7 +50,7 @@ async def _serve(value: float, *, layout: FlatLayout = LAYOUT, stall_after: int 
     async def handler(peer_id, body):
         nonlocal served
         if stall_after is not None and served >= stall_after:
-            await asyncio.sleep(60)  # a chunk that stalls
+            await asyncio.sleep(60)  # a chunk that stalls: the fault under test, not a wait
         served += 1
         return await server.handle(peer_id, body)
 

@@ -36,7 +36,7 @@ async def _pair():
     async def echo(peer_id, body):
         if body.get("boom"):
             raise ValueError("handler bug")
-        if body.get("sleep"):
+        if body.get("sleep"):  # a slow handler on request (timeouts, concurrent calls): behaviour, not a wait
             await asyncio.sleep(body["sleep"])
         return {"echo": body}
 
