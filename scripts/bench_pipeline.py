@@ -369,7 +369,7 @@ def measure_centralized(run, steps: int, warmup_steps: int, threads: int = 2, bu
             loss = model(tokens).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            for index, stage in enumerate(stages):  # the swarm clips per stage [4.3]; so do we
+            for index, stage in enumerate(stages):  # the swarm clips per stage [report 4.3]; so do we
                 torch.nn.utils.clip_grad_norm_(stage.trainable_parameters(), run.clip_threshold(index))
             optimizer.step()
             losses.append(float(loss.detach()))
@@ -842,7 +842,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                       "d_model": run.model.d_model, "subspace_rank": run.model.subspace_rank,
                                       "worker_max_batch": WORKER_MAX_BATCH, "node_torch_threads": 1}}
     errors: list[str] = []
-    # The seed DHT forks hivemind's DHT process: start it before this process has any thread (DESIGN §10).
+    # The seed DHT forks hivemind's DHT process: start it before this process has any thread (docs/architecture.md, 'Processes and threads').
     identity = load_or_create_identity(None)
     membership = join_swarm(identity=identity, run_id=run.run_id, num_stages=run.num_stages, initial_peers=[],
                             host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], bootstrap_timeout_s=30)

@@ -12,7 +12,7 @@ import pytest
 from node.launcher import LocalSwarm
 from tests.support.polling import poll_until
 
-mp.set_start_method("fork", force=True)  # hivemind needs fork (DESIGN §3, §10)
+mp.set_start_method("fork", force=True)  # hivemind needs fork (docs/architecture.md, 'Processes and threads')
 
 _swarms: list[LocalSwarm] = []
 

@@ -1,4 +1,4 @@
-"""StageOptimizer against torch's own clip + AdamW, and the learning-rate schedule [3.3.1, 4.3]."""
+"""StageOptimizer against torch's own clip + AdamW, and the learning-rate schedule [report 3.3.1, 4.3]."""
 
 from __future__ import annotations
 

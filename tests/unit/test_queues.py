@@ -1,4 +1,4 @@
-"""Batch coalescing: queue choice, batch limits, grouping, delivery and shutdown [3.3.1.3]."""
+"""Batch coalescing: queue choice, batch limits, grouping, delivery and shutdown [report 3.3.1.3]."""
 
 from __future__ import annotations
 
