@@ -16,7 +16,7 @@ from typing import Optional
 
 from authorizer.policy import HardwareFloor, Policy
 from protocol.authorizer_api import RejectReason  # noqa: F401 - the wire codes, re-exported
-from roles.model.config import RunConfig
+from protocol.run_config import RunConfig
 
 _GIB = float(1 << 30)
 

@@ -107,7 +107,7 @@ async def _serve(config: AuthorizerConfig) -> int:
     # Everything a bad flag or file can break is checked before the heavy imports (hivemind
     # pulls in torch: seconds), so a mistake is reported at once.
     from authorizer.keys import load_or_create_root_key
-    from roles.model.config import load_run_config
+    from protocol.run_config import load_run_config
 
     run = load_run_config(config.run_config)
     config.policy_overrides(run.num_stages)

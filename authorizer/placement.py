@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 from authorizer.admission import Rejection, queue_full_rejection, run_full_rejection
 from authorizer.policy import TRAINER_POOL, Policy
-from roles.model.config import RunConfig
+from protocol.run_config import RunConfig
 
 
 @dataclass(frozen=True)

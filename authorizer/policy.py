@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from protocol.errors import ConfigError
 from protocol.version import client_version
-from roles.model.config import RunConfig
+from protocol.run_config import RunConfig
 from roles.model.memory_plan import plan_memory
 
 StageClass = Literal["head", "body", "tail", "trainer"]

@@ -37,7 +37,7 @@ from authorizer.store import NewParticipant, Store
 from protocol.authorizer_api import LIVE_TICKET_STATUSES
 from protocol.credentials import MAX_CLOCK_SKEW_S, SignedCredential, proof_bytes, renew_at
 from protocol.identity import peer_id_from_public_key, verify_signature
-from roles.model.config import RunConfig
+from protocol.run_config import RunConfig
 
 logger = logging.getLogger("agora.authorizer")
 

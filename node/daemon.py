@@ -25,7 +25,7 @@ from protocol.errors import ConfigError
 from protocol.exit_codes import ExitCode
 from protocol.identity import load_or_create_identity
 from protocol.readiness import ready_line
-from roles.model.config import RunConfig, load_run_config
+from protocol.run_config import RunConfig, load_run_config
 from roles.model.memory_plan import plan_memory
 from roles.worker.errors import WorkerLeftStage
 

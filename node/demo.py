@@ -40,7 +40,7 @@ def demo_parser() -> argparse.ArgumentParser:
 
 def demo_run_config(stages: int, steps: int) -> dict:
     """Overrides that cut the tiny preset into `stages` stages of one or more blocks each."""
-    from roles.model.config import load_run_config
+    from protocol.run_config import load_run_config
 
     base = load_run_config("tiny")
     layers = max(base.model.n_layers, stages)
@@ -67,7 +67,7 @@ def demo_main(argv: list[str]) -> int:
     from node.swarm import join_swarm
     from node.trust import establish_trust
     from protocol.identity import load_or_create_identity
-    from roles.model.config import dump_run_config, load_run_config
+    from protocol.run_config import dump_run_config, load_run_config
 
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     workdir = tempfile.mkdtemp(prefix="agora-demo-")

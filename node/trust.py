@@ -40,7 +40,7 @@ from protocol.errors import ConfigError
 from protocol.exit_codes import ExitCode
 from protocol.identity import Identity
 from protocol.records import REVOKED_SUBKEY
-from roles.model.config import RunConfig, load_run_config
+from protocol.run_config import RunConfig, load_run_config
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ async def _measure(workdir: str, *, seq_len: int, rank: int, compute: bool, bloc
                                   initial_peers=await server_p2p.get_visible_maddrs())
     model = None
     if compute:
-        from roles.model.config import load_run_config
+        from protocol.run_config import load_run_config
         from roles.model.stage import StageModel
 
         model = StageModel(load_run_config("tiny"), 0)

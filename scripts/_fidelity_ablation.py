@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from _fidelity_reference import OneProcessTrainer, SampleBank, build_stages, evaluate, held_out_tokens, loss_figures
-from roles.model.config import RunConfig
+from protocol.run_config import RunConfig
 from roles.model.plain import INIT_STD, PlainModel, plain_init_seed
 from roles.model.stage import StageModel
 from roles.model.subspace import fixed_token_embedding

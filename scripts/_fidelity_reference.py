@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from roles.model.config import RunConfig
+from protocol.run_config import RunConfig
 from roles.model.stage import FullModel, StageModel
 from roles.trainer.data import SampleStream, SyntheticCorpus
 from roles.trainer.tokenizer import load_tokenizer

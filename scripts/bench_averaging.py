@@ -83,7 +83,7 @@ class Store:
 
 
 def _config():
-    from roles.model.config import AveragingConfig
+    from protocol.run_config import AveragingConfig
 
     return AveragingConfig(matchmaking_time_s=MATCHMAKING_S, request_timeout_s=1.0, sender_timeout_s=60.0,
                            allreduce_timeout_s=600.0)

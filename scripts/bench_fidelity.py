@@ -108,7 +108,7 @@ SETTINGS = {
 def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.Namespace):
     """The tiny preset at the setting's batch, its schedule spanning the run (never shorter than
     the warmup), averaging off."""
-    from roles.model.config import load_run_config
+    from protocol.run_config import load_run_config
 
     warmup = load_run_config("tiny").optimizer.warmup_steps
     overrides: dict[str, Any] = {
@@ -385,7 +385,7 @@ def bench_setting(name: str, args: argparse.Namespace) -> dict:
 
 def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     from _fidelity_reference import OneProcessTrainer, SampleBank, StepRecord, evaluate, held_out_tokens, loss_figures
-    from roles.model.config import dump_run_config
+    from protocol.run_config import dump_run_config
     from roles.model.plain import PlainModel
 
     setting = SETTINGS[name]
@@ -523,7 +523,7 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
 
 def bench_ablation(args: argparse.Namespace) -> dict:
     from _fidelity_ablation import VARIANTS, run_ablation
-    from roles.model.config import load_run_config
+    from protocol.run_config import load_run_config
 
     steps = 40 if args.quick else SETTINGS["demo"].steps
     seeds = [0] if args.quick else [0, 1, 2]

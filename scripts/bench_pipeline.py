@@ -143,7 +143,7 @@ QUICK = Windows(swarm_window_s=5.0, lanes_window_s=4.0, warmup_samples=16, warmu
 
 def bench_run_config():
     """The tiny preset (3 stages of one block), under a run id of its own."""
-    from roles.model.config import load_run_config
+    from protocol.run_config import load_run_config
 
     return load_run_config("tiny", {"run_id": f"bench-{os.getpid()}"})
 
@@ -830,7 +830,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from node.launcher import LocalSwarm
     from node.swarm import join_swarm
     from protocol.identity import load_or_create_identity
-    from roles.model.config import dump_run_config
+    from protocol.run_config import dump_run_config
 
     run = bench_run_config()
     workdir = tempfile.mkdtemp(prefix="agora-bench-")

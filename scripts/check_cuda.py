@@ -17,7 +17,7 @@ import time
 import torch
 
 from protocol.messages import BackwardRequest, ForwardRequest
-from roles.model.config import load_run_config
+from protocol.run_config import load_run_config
 from roles.model.memory_plan import plan_memory
 from roles.model.stage import StageModel
 from roles.worker.optimizer import StageOptimizer

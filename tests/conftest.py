@@ -41,7 +41,7 @@ def make_swarm(tmp_path):
 @pytest.fixture
 def run_config_path(tmp_path):
     """Write a tiny run config with a unique run id and the given overrides; return its path."""
-    from roles.model.config import dump_run_config, load_run_config
+    from protocol.run_config import dump_run_config, load_run_config
 
     def write(**overrides) -> str:
         overrides.setdefault("run_id", f"test-{uuid.uuid4().hex[:8]}")

@@ -1,5 +1,6 @@
-"""The stage model: run configuration, the subspace-reparameterized decoder cut into stages, and
-the memory plan a worker sizes itself with [report 4.1].
+"""The stage model: the subspace-reparameterized decoder cut into stages, and the memory plan a
+worker sizes itself with [report 4.1]. The run config it is built from is a wire contract and
+lives in protocol/run_config.py; it is re-exported here for convenience.
 
 Config and memory planning import without torch, so the authorizer and CLI stay light; the torch
 parts (`StageModel`, `FullModel`, the subspace helpers) load on first use.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from roles.model.config import (
+from protocol.run_config import (
     ModelConfig,
     OptimizerConfig,
     RunConfig,
@@ -19,7 +20,7 @@ from roles.model.config import (
     load_run_config,
 )
 from roles.model.memory_plan import MemoryPlan, plan_memory
-from roles.model.presets import PRESETS
+from protocol.run_presets import PRESETS
 
 _LAZY = {
     "StageModel": "roles.model.stage",

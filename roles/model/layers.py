@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from roles.model.config import ModelConfig
+from protocol.run_config import ModelConfig
 from roles.model.subspace import without_autocast
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from roles.model.config import RunConfig
+from protocol.run_config import RunConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _WIDE = 4  # bytes of the float32 residual stream, U_k, boundary coordinates and loss logits

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from roles.model.config import RunConfig
+from protocol.run_config import RunConfig
 from roles.model.layers import Block, DenseLinear, RMSNorm
 from roles.model.stage import torch_dtype
 

@@ -20,7 +20,7 @@ from protocol.dht_schema import TrainerRecord, trainers_key
 from protocol.transport import RpcClient, dial
 from roles.announcer import Announcer
 from roles.event_log import EventAggregator
-from roles.model.config import RunConfig
+from protocol.run_config import RunConfig
 from roles.periodic import every, wait_any
 from roles.trainer.accounting import SampleAccounting
 from roles.trainer.balancer import StageBalancer

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from protocol.errors import AgoraError
-from roles.model.config import OptimizerConfig, RunConfig
+from protocol.run_config import OptimizerConfig, RunConfig
 
 STATE_VERSION = 2
 

@@ -27,7 +27,7 @@ from protocol.messages import InfoReply
 from protocol.transport import RpcClient, RpcServer
 from roles.announcer import Announcer
 from roles.periodic import every, wait_any
-from roles.model.config import RunConfig
+from protocol.run_config import RunConfig
 from roles.model.stage import StageModel
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome

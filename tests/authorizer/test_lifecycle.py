@@ -94,7 +94,7 @@ def test_bad_configuration_exits_2_with_one_line(tmp_path):
 
 
 def test_database_of_another_run_is_refused(start_authorizer, tmp_path):
-    from roles.model.config import dump_run_config, load_run_config
+    from protocol.run_config import dump_run_config, load_run_config
 
     db = f"sqlite:///{tmp_path}/shared.db"
     start_authorizer(*CHECKS, db=db).stop()

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from protocol.dht_schema import AveragingRecord, RoundStatus, WorkerRecord, averaging_key, schema_for_run, workers_key
 from protocol.records import SignedRecordValidator
-from roles.model.config import load_run_config
+from protocol.run_config import load_run_config
 from roles.model.stage import StageModel
 from tests.support.polling import poll_until
 

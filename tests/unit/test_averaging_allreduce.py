@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from protocol.dht_schema import RoundStatus
-from roles.model.config import AveragingConfig
+from protocol.run_config import AveragingConfig
 from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundPlan, SegmentRound

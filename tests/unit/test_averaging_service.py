@@ -10,7 +10,7 @@ import time
 import torch
 
 from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, RoundSummaryRecord, WorkerRecord
-from roles.model.config import AveragingConfig
+from protocol.run_config import AveragingConfig
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome, RoundPlan
 from roles.worker.averaging.schedule import RoundSchedule

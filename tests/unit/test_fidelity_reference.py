@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from roles.model.config import RunConfig, load_run_config
+from protocol.run_config import RunConfig, load_run_config
 from roles.model.plain import PlainModel
 from roles.model.stage import FullModel, StageModel
 from roles.worker.layout import FlatLayout

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from roles.model.config import load_run_config
+from protocol.run_config import load_run_config
 from roles.model.memory_plan import MemoryPlan, plan_memory, stage_parameter_count
 from roles.model.stage import StageModel
 

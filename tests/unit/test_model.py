@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roles.model.config import RunConfig, load_run_config
+from protocol.run_config import RunConfig, load_run_config
 from roles.model.layers import DenseLinear, SubspaceLinear
 from roles.model.stage import FullModel, StageModel
 from roles.model.subspace import (

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from protocol.errors import AgoraError
-from roles.model.config import OptimizerConfig
+from protocol.run_config import OptimizerConfig
 from roles.worker.optimizer import NonFiniteGradients, StageOptimizer, stage_clip_threshold
 
 # eps is large on purpose: with a tiny eps AdamW is almost blind to the gradient's scale, and these

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from protocol.errors import ConfigError
-from roles.model.config import RunConfig, dump_run_config, load_run_config
-from roles.model.presets import PRESETS
+from protocol.run_config import RunConfig, dump_run_config, load_run_config
+from protocol.run_presets import PRESETS
 
 
 def assert_one_line(error: pytest.ExceptionInfo, *fragments: str) -> None:

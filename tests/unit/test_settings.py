@@ -9,7 +9,7 @@ import yaml
 from node.cli import node_parser
 from node.settings import COMMON_FIELDS, ROLE_SECTIONS, build_settings, parse_authorizer_url
 from protocol.errors import ConfigError
-from roles.model.config import dump_run_config, load_run_config
+from protocol.run_config import dump_run_config, load_run_config
 from roles.worker.config import parse_size
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from protocol.messages import BackwardRequest, ForwardRequest
-from roles.model.config import load_run_config
+from protocol.run_config import load_run_config
 from roles.model.stage import StageModel
 from roles.worker.optimizer import StageOptimizer
 from roles.worker.queues import TaskKind, TaskQueues

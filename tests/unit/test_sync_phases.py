@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from protocol.dht_schema import Phase, ProgressRecord, RoundStatus
-from roles.model.config import SyncConfig
+from protocol.run_config import SyncConfig
 from roles.worker.optimizer import StageOptimizer
 from roles.worker.progress import StageProgress
 from roles.worker.step_ledger import StepLedger

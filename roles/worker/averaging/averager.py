@@ -27,7 +27,7 @@ import torch
 from hivemind.utils import MPFuture
 
 from protocol.hivemind_adapter import AdaptedAverager
-from roles.model.config import AveragingConfig
+from protocol.run_config import AveragingConfig
 from roles.worker.averaging.allreduce import InstrumentedRunner
 from roles.worker.errors import AveragingError
 

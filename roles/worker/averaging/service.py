@@ -25,7 +25,7 @@ from protocol.dht import SwarmDHT
 from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, WorkerRecord, averaging_key, workers_key
 from roles.announcer import Announcer
 from roles.periodic import Signal, every
-from roles.model.config import AveragingConfig
+from protocol.run_config import AveragingConfig
 from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.health import RoundHealth, Verdict
 from roles.worker.averaging.index_sets import SegmentIndexSets

@@ -398,7 +398,7 @@ def _describe_error(error: dict[str, Any]) -> str:
 
 
 def _read_source(source: str) -> dict[str, Any]:
-    from roles.model.presets import PRESETS
+    from protocol.run_presets import PRESETS
 
     if source in PRESETS:
         return copy.deepcopy(PRESETS[source])
