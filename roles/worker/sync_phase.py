@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from protocol.dht_schema import Phase, RoundStatus
-from roles.model.config import SyncConfig
+from protocol.run_config import SyncConfig
 
 logger = logging.getLogger(__name__)
 
