@@ -76,18 +76,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return demo_main(argv[1:])
         if _role_of(argv) == "authorizer":
             return _run_authorizer(argv)
-        return _run(argv)
+        code = _run(argv)
     except ConfigError as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
-        return ExitCode.USAGE
+        code = ExitCode.USAGE
     except AgoraError as exc:
         code = getattr(exc, "exit_code", None)
         if code is None:
+            _end_node(ExitCode.FAILURE, bug=True)
             raise
         print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
-        return code
     except KeyboardInterrupt:
-        return ExitCode.INTERRUPTED
+        code = ExitCode.INTERRUPTED
+    except SystemExit as exc:  # argparse: --help, --version, a bad flag
+        if exc.code is None or isinstance(exc.code, int):
+            _end_node(exc.code or ExitCode.OK)
+        raise
+    except BaseException:
+        _end_node(ExitCode.FAILURE, bug=True)
+        raise
+    _end_node(code)
+    return code
+
+
+def _end_node(code: int, *, bug: bool = False) -> None:
+    """A worker or trainer ends with the lifecycle's `exit_now`, whatever way out it took (a bug:
+    after printing its traceback as the interpreter would). The interpreter's own teardown, a
+    second or more with torch loaded, first restores the default signal actions: a signal arriving
+    then would kill the node instead of being handled."""
+    from node.lifecycle import exit_now, lifecycle
+
+    if lifecycle().installed:
+        if bug:
+            sys.excepthook(*sys.exc_info())
+        exit_now(code)
 
 
 def _role_of(argv: list[str]) -> Optional[str]:

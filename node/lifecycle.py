@@ -7,9 +7,15 @@ What a node creates outside its own memory, and who removes it:
 - /dev/shm/torch_<pid>_* segments: hivemind switches torch to the `file_system` sharing strategy,
   whose segments outlive a process that dies hard;
 - in the temp directory: p2pd's and its clients' unix sockets (`hivemind-*.sock`), a throwaway
-  identity key when no --identity is given, and the trust state `agora-trust-<pid>-*`.
+  identity key when no --identity is given, the trust state `agora-trust-<pid>-*`, and
+  multiprocessing's `pymp-*` directory with its listener sockets (one for the whole tree: it is
+  created before the first fork, so every child uses the node's).
 
-On an orderly exit the node reaps its children itself (`reap_children`). For every other end
+On an orderly exit the node reaps its children itself (`reap_children`) and removes its own
+sockets and `pymp-*` directory (`exit_now`): it leaves with `os._exit`, so neither hivemind's
+finalizers nor multiprocessing's run. The node learns its own sockets as it binds them (an audit
+hook on `socket.bind`): hivemind binds its client socket when the first handler is added, at no
+moment the watchdog would look, and closes it without removing the file. For every other end
 (SIGKILL, the OOM killer, a crash) a tiny watchdog process, started before anything else, holds the
 read end of a pipe whose write end only the node holds. It notes the node's descendants, their
 unix sockets and the paths the node registers; at end-of-file (the node is gone, by any means) it
@@ -27,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import logging
+import multiprocessing.util
 import os
 import select
 import signal
@@ -86,6 +93,9 @@ class ProcessLifecycle:
         self._previous: dict[int, object] = {}
         self._installed_pid: Optional[int] = None
         self._forking_from_main = False
+        self._temp_prefix = ""
+        self.own_sockets: set[str] = set()
+        """Unix sockets this process bound in the temp directory (removed by `exit_now`)."""
 
     @property
     def installed(self) -> bool:
@@ -102,6 +112,9 @@ class ProcessLifecycle:
             signal.signal(sig, self._on_signal)
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
         self._start_watchdog()
+        self.remove_on_exit(multiprocessing.util.get_temp_dir())
+        self._temp_prefix = os.path.join(tempfile.gettempdir(), "")
+        sys.addaudithook(self._on_audit)
         os.register_at_fork(before=self._before_fork, after_in_parent=self.note_resources,
                             after_in_child=self._after_fork_in_child)
         return self
@@ -167,6 +180,21 @@ class ProcessLifecycle:
         """Close `fd` in every child this process forks (a lock only the node may hold)."""
         self._node_only_fds.append(fd)
 
+    def _on_audit(self, event: str, args: tuple) -> None:
+        """Note each unix socket this process binds in the temp directory, for the watchdog and
+        for `exit_now`. Runs on every audited event of the process: the first test is all most pay."""
+        if event != "socket.bind" or not self.installed:
+            return
+        try:
+            address = args[1]
+            if isinstance(address, (str, bytes)) and address and address[:1] not in ("\0", b"\0"):
+                path = os.fsdecode(address)
+                if path.startswith(self._temp_prefix) and path not in self.own_sockets:
+                    self.own_sockets.add(path)
+                    self.remove_on_exit(path)
+        except Exception:  # an exception here would fail the bind itself
+            pass
+
     # ---- fork ----
 
     def note_resources(self) -> None:
@@ -229,6 +257,7 @@ def exit_now(code: int) -> None:
     for pid in descendant_pids():
         if pid not in _LIFECYCLE.watchdog_pids():
             kill_tree(pid)
+    remove_own_files()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -236,6 +265,21 @@ def exit_now(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(int(code))
+
+
+def remove_own_files() -> None:
+    """Remove this process's unix sockets in the temp directory (hivemind's P2P client socket, bound
+    when the first handler is added, is closed only by a finalizer) and multiprocessing's `pymp-*`
+    directory: both outlive a process that leaves with `os._exit`. The watchdog would remove them
+    too, but only those it noticed, and only after the node is gone."""
+    try:
+        sockets = _unix_sockets(psutil.Process())
+    except psutil.Error:
+        sockets = set()
+    for path in sockets | _LIFECYCLE.own_sockets:
+        _remove_path(path)
+    if _LIFECYCLE.installed:  # its pymp directory was created at install (a child has its parent's)
+        _remove_path(multiprocessing.util.get_temp_dir())
 
 
 # ---- reaping ----
@@ -313,6 +357,9 @@ def reap_children(timeout_s: float = 5.0) -> None:
     except psutil.Error:
         children = []
     pids = [c.pid for c in children]
+    sockets: set[str] = set()
+    for child in children:
+        sockets |= _unix_sockets(child)
     for child in children:
         try:
             child.terminate()
@@ -328,6 +375,8 @@ def reap_children(timeout_s: float = 5.0) -> None:
     if alive:
         logger.warning("killed %d child process(es) that ignored SIGTERM", len(alive))
     remove_shared_memory(pids)
+    for path in sockets:  # a child terminated mid-way does not remove its own
+        _remove_path(path)
 
 
 def _is_shm_manager(process: psutil.Process) -> bool:
@@ -378,7 +427,8 @@ def _remove_path(path: str) -> None:
     except OSError:
         pass
     parent = os.path.dirname(path)
-    if os.path.basename(parent).startswith("torch-shm-dir-"):  # torch_shm_manager's private socket dir
+    # torch_shm_manager's private socket directory; multiprocessing's, of a listener socket
+    if os.path.basename(parent).startswith(("torch-shm-dir-", "pymp-")):
         try:
             os.rmdir(parent)
         except OSError:

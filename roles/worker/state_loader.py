@@ -7,7 +7,9 @@ layout differs is dropped at once; one that fails twice is dropped too. Chunks a
 the master weights as they arrive (a staging copy would double the stage's memory); if no peer
 can finish, the caller falls back to a checkpoint or to weight sync from where this got.
 
-A rich progress bar on stderr shows bytes and rate; every resume is logged.
+Progress goes to stderr: a rich bar with bytes and rate on a terminal, otherwise a log line after
+the first chunk and then every `PROGRESS_LOG_PERIOD_S` (a bar that is redrawn in place means nothing
+in a log file). Every resume is logged.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -25,14 +28,16 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from protocol import version
-from protocol.errors import AgoraError, ErrorCode
-from protocol.messages import parse_model
-from protocol.state_messages import StateReply
+from protocol.errors import AgoraError
+from protocol.state_messages import StateReply, StateRequest
 from protocol.transport import RpcClient, dial
 from roles.worker.errors import StateLoadError
 from roles.worker.layout import FlatLayout, ParameterStore
 
 logger = logging.getLogger(__name__)
+
+PROGRESS_LOG_PERIOD_S = 5.0
+"""Without a terminal: how often the download's progress is logged after its first chunk."""
 
 
 @dataclass
@@ -79,6 +84,7 @@ class StateLoader:
         offset, turn = 0, 0
         progress = self._progress()
         task = progress.add_task(f"stage {self.stage} state", total=4 * self.layout.numel) if progress else None
+        logged_at: Optional[float] = None
         try:
             while offset < self.layout.numel:
                 if not peers:
@@ -112,6 +118,11 @@ class StateLoader:
                     result.peers.append(peer)
                 if progress is not None:
                     progress.update(task, completed=4 * offset)
+                elif self.show_progress and (logged_at is None
+                                             or time.monotonic() - logged_at >= PROGRESS_LOG_PERIOD_S):
+                    logged_at = time.monotonic()
+                    logger.info("loading stage %d state: %d of %d parameters (%.0f%%) after %.1fs", self.stage,
+                                offset, self.layout.numel, 100 * offset / self.layout.numel, logged_at - started)
             await asyncio.to_thread(self.store.push_master_to_device)
         finally:
             if progress is not None:
@@ -121,7 +132,8 @@ class StateLoader:
         return result
 
     def _progress(self) -> Optional[Progress]:
-        if not self.show_progress:
+        """The bar, on a terminal only; elsewhere `load` logs its progress instead."""
+        if not self.show_progress or not sys.stderr.isatty():
             return None
         progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                             TimeRemainingColumn(), console=Console(stderr=True), transient=False)
@@ -133,10 +145,9 @@ class StateLoader:
         if peer not in self._dialed and maddrs:
             await dial(self.p2p, peer_id, maddrs, self.chunk_timeout_s)
             self._dialed.add(peer)
-        body = await self.client.call(peer_id, version.STATE,
-                                      {"stage": self.stage, "offset": offset, "count": self.chunk_elements},
-                                      timeout_s=self.chunk_timeout_s)
-        reply: StateReply = parse_model(StateReply, body, ErrorCode.INVALID_REQUEST)
+        reply = await self.client.request(peer_id, version.STATE,
+                                          StateRequest(stage=self.stage, offset=offset, count=self.chunk_elements),
+                                          StateReply, timeout_s=self.chunk_timeout_s)
         if reply.run_id != self.run_id or reply.stage != self.stage:
             raise _BadPeer(f"it serves run {reply.run_id} stage {reply.stage}")
         if reply.layout != self.layout.digest or reply.numel != self.layout.numel:

@@ -1,8 +1,9 @@
 """Every phase of a node can be stopped, and nothing outlives it: real agora-node processes get a
-signal in each phase (bootstrap, admission retry, admission queue, active, draining) and must be
-gone within 2 s with every child, socket, segment and temp file; a worker killed with SIGKILL
-leaves no process behind within 5 s and is serving again with the same command and identity.
-Plus the checks that run before joining: duplicate identity, trainer data, the memory plan."""
+signal in each phase (bootstrap, admission retry, admission queue, state download, weight sync,
+active, draining) and must be gone within 2 s with every child, socket, segment and temp file; a
+worker killed with SIGKILL leaves no process behind within 5 s and is serving again with the same
+command and identity. Plus the checks that run before joining (duplicate identity, whose error
+exit leaves nothing behind either; trainer data; the memory plan)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.integration
 NODE = [sys.executable, "-m", "node.cli"]
 UNREACHABLE_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWCunTGJkLV1GNMN5XCGpwkoiLJZ7vxKnuDpsCffWu6Xr3"
 SIGNAL_TO_EXIT_S = 2.0
+TWO_STAGES = [{"first_layer": 0, "last_layer": 2}, {"first_layer": 2, "last_layer": 3}]
 measured: dict[str, float] = {}
 """Signal-to-exit times and the like, printed at the end of the module (run with -s to see them)."""
 
@@ -43,7 +45,8 @@ class Tree:
     def __init__(self, pid: int):
         self.pid = pid
         self.processes: dict[int, float] = {}
-        self.sockets: set[str] = set()
+        self.sockets: dict[str, str] = {}
+        """Unix socket path -> the process that had it open, for the failure message."""
         self.note()
 
     def note(self) -> "Tree":
@@ -55,8 +58,9 @@ class Tree:
         for process in family:
             try:
                 self.processes.setdefault(process.pid, process.create_time())
-                self.sockets |= {c.laddr for c in process.net_connections(kind="unix")
-                                 if isinstance(c.laddr, str) and c.laddr.startswith(tempfile.gettempdir())}
+                for c in process.net_connections(kind="unix"):
+                    if isinstance(c.laddr, str) and c.laddr.startswith(tempfile.gettempdir()):
+                        self.sockets.setdefault(c.laddr, f"of pid {process.pid} ({process.name()})")
             except psutil.Error:
                 continue
         return self
@@ -70,20 +74,28 @@ class Tree:
                 pass
         return names
 
-    def alive(self) -> list[int]:
+    def alive(self) -> list[psutil.Process]:
         alive = []
         for pid, created in self.processes.items():
             try:
                 process = psutil.Process(pid)
                 if abs(process.create_time() - created) < 0.01 and process.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
+                    alive.append(process)
             except psutil.Error:
                 continue
         return alive
 
     def leftovers(self) -> list[str]:
-        left = [f"pid {pid}" for pid in self.alive()]
-        left += [path for path in self.sockets if os.path.exists(path)]
+        left = []
+        for process in self.alive():
+            try:
+                left.append(f"pid {process.pid} ({process.name()}, child of {process.ppid()})")
+            except psutil.Error:
+                continue
+        left += [f"{path} {owner}" for path, owner in self.sockets.items() if os.path.exists(path)]
+        # the private directories some sockets live in: multiprocessing's pymp-*, torch_shm_manager's
+        left += sorted({os.path.dirname(path) for path in self.sockets
+                        if os.path.dirname(path) != tempfile.gettempdir() and os.path.isdir(os.path.dirname(path))})
         for pid in self.processes:
             left += glob.glob(f"/dev/shm/torch_{pid}_*")
         left += glob.glob(os.path.join(tempfile.gettempdir(), f"agora-trust-{self.pid}-*"))
@@ -91,8 +103,10 @@ class Tree:
 
     def wait_clean(self, timeout_s: float, what: str) -> float:
         started = time.monotonic()
-        poll_until(lambda: not self.leftovers(), timeout_s, f"{what} to leave nothing behind "
-                   f"(left: {self.leftovers()})")
+        try:
+            poll_until(lambda: not self.leftovers(), timeout_s, f"{what} to leave nothing behind")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; left: {self.leftovers()}") from None
         return time.monotonic() - started
 
 
@@ -160,6 +174,35 @@ def test_signal_while_active_and_while_draining(make_swarm, run_config_path):
     tree.wait_clean(5, "draining")
 
 
+@pytest.mark.timeout(150)
+def test_signal_while_downloading_state_and_while_in_weight_sync(make_swarm, run_config_path):
+    # A joiner loads state and syncs only once its stage has stepped: two stages and a trainer.
+    # Stage 0's 80,512 parameters go in 20 chunks, and its first replica pauses 1 s before each,
+    # so a download lasts 20 s; a joiner without state lags by more than max_stale_steps and
+    # stays in weight sync for the whole test.
+    config = run_config_path(stages=TWO_STAGES, target_batch_size=4,
+                             sync={"max_stale_steps": 1, "weight_sync_steps": 10_000, "state_chunk_elements": 4096})
+    swarm = make_swarm(config)
+    first = swarm.start("worker", stage=0, env={"AGORA_TEST_STATE_CHUNK_DELAY_S": "1"})
+    tail = swarm.start("worker", stage=1, wait_ready=False)
+    trainer = swarm.start("trainer", wait_ready=False, args=["--lanes", "2", "--discovery-period-s", "1"])
+    swarm.wait_ready(tail)
+    swarm.wait_ready(trainer)
+    poll_until(lambda: _log_has(first, "stage 0 step 2:"), 90, "stage 0 to step past max_stale_steps")
+    assert swarm.stop(trainer) == 0  # the stage keeps its step; the joiners get the two cores
+
+    downloading = swarm.start("worker", stage=0, wait_ready=False, name="downloading")
+    syncing = swarm.start("worker", stage=0, wait_ready=False, args=["--state-source", "none"], name="syncing")
+    poll_until(lambda: _log_has(downloading, "loading stage 0 state:"), 60, "the joiner's download to be under way")
+    _check_signal_exit(downloading, "state download")
+    assert not _log_has(downloading, "joined stage"), downloading.log_tail()
+
+    swarm.wait_ready(syncing)
+    assert _log_has(syncing, "joined stage 0 in weight_sync"), syncing.log_tail()
+    _check_signal_exit(syncing, "weight sync", signal.SIGINT)
+    assert not _log_has(syncing, "sync phase weight_sync ->"), syncing.log_tail()
+
+
 @pytest.mark.timeout(180)
 def test_sigkill_leaves_nothing_and_the_same_command_serves_again(make_swarm, run_config_path, tmp_path):
     swarm = make_swarm(run_config_path())
@@ -190,10 +233,13 @@ def test_sigkill_leaves_nothing_and_the_same_command_serves_again(make_swarm, ru
     ]
     for args, fragment in cases:
         duplicate = swarm.start("worker", stage=1, args=args, wait_ready=False, name=f"duplicate-{len(swarm.nodes)}")
-        code = swarm.wait(duplicate, 60)
+        tree = Tree(duplicate.pid)  # noted until it exits: an error exit leaves nothing behind either
+        poll_until(lambda: tree.note() and duplicate.proc.poll() is not None, 60, f"{duplicate.name} to exit")
+        code = duplicate.proc.returncode
         errors = [line for line in duplicate.log_tail(400).splitlines() if line.startswith("agora-node: error:")]
         assert code == 2 and len(errors) == 1 and fragment in errors[0], duplicate.log_tail()
         assert "Traceback" not in duplicate.log_tail(400)
+        tree.wait_clean(5, duplicate.name)
     assert again.proc.poll() is None, "a refused duplicate must not disturb the live node"
 
 
