@@ -4,7 +4,7 @@
 A worker whose loaded state is more than `max_stale_steps` behind its stage would drag the
 stage's average backwards if it contributed at once. In weight sync it is hidden from trainers
 and averages with weight 0, absorbing the average without pulling it back; the default 400 steps
-is one full pass of SPARTA (20 rounds x 20 steps) [5.6.0.1]. In optimizer sync it serves batches
+is one full pass of SPARTA (20 rounds x 20 steps) [report 5.6.0.1]. In optimizer sync it serves batches
 and steps its own optimizer on them, warming AdamW's moments (100 steps decay a beta2=0.95
 initialisation to 0.6%), but its samples count nothing towards the stage's target and it still
 averages with weight 0. Then it is active.
