@@ -76,7 +76,13 @@ class RpcServer:
     async def add_handler(self, name: str, handler: Handler, *, roles: Optional[frozenset[str]] = None) -> None:
         """Serve `name`; `roles` limits which credential roles may call it (authenticated runs)."""
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._serve_stream(name, handler, roles, info.peer_id, reader, writer)
+            try:
+                await self._serve_stream(name, handler, roles, info.peer_id, reader, writer)
+            except asyncio.CancelledError:
+                # The stream's own task, cancelled as the node shuts down: end it quietly. Python
+                # 3.11's StreamReaderProtocol asks a cancelled task for its exception and logs the
+                # CancelledError as an unhandled error (fixed in 3.12).
+                writer.close()
 
         await self.p2p.add_binary_stream_handler(name, on_stream)
         self._names.append(name)
