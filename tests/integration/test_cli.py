@@ -30,6 +30,9 @@ SOME_PEER = "/ip4/127.0.0.1/tcp/9/p2p/QmWihdSgzh9sCzbtjdDf4TqjjArhWeqKoiPTMdcvjp
       "--insecure-open-run"], "initial peer"),
     (["--role", "trainer", "--config", "tiny"], "--authorizer"),
     (["--role", "trainer", "--authorizer", "http://127.0.0.1:9", "--dry-run"], "--dry-run"),
+    (["--role", "trainer", "--authorizer", "127.0.0.1:8000"], "has no scheme; write it as a URL"),
+    (["--role", "worker", "--authorizer", "http://127.0.0.1:9", "--lanes", "2"], "--lanes is a trainer setting"),
+    (["--role", "trainer", "--authorizer", "http://127.0.0.1:9", "--admission-timeout-s", "2"], "gave up after"),
 ])
 def test_bad_input_exits_2_with_one_line(args, fragment):
     result = subprocess.run(NODE + args, capture_output=True, text=True, timeout=60)
