@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from node.launcher import LocalSwarm
+from node.lifecycle import _is_shm_manager
 from tests.support.polling import poll_until
 
 mp.set_start_method("fork", force=True)  # hivemind needs fork (docs/architecture.md, 'Processes and threads')
@@ -55,7 +56,10 @@ def run_config_path(tmp_path):
 def pytest_sessionfinish(session, exitstatus):
     for swarm in _swarms:
         swarm.stop_all(timeout_s=10)
-    leftovers = [p for p in psutil.Process(os.getpid()).children(recursive=True) if p.is_running()]
+    # torch's shared-memory manager must outlive pytest's own shared tensors: killing it makes
+    # torch abort at exit ("Broken pipe", status 134); it leaves by itself.
+    leftovers = [p for p in psutil.Process(os.getpid()).children(recursive=True)
+                 if p.is_running() and not _is_shm_manager(p)]
     for proc in leftovers:
         try:
             proc.kill()
