@@ -101,7 +101,7 @@ def test_wrong_run_and_newer_version():
 @pytest.mark.parametrize("field,value", [
     ("serial", 43), ("stage", 2), ("role", "trainer"), ("expires_at", NOW + 10 * DEFAULT_CREDENTIAL_TTL_S),
     ("run_id", "run-b"), ("peer_id", OTHER.peer_id.to_base58()), ("public_key", OTHER.public_key),
-])
+], ids=["serial", "stage", "role", "expires_at", "run_id", "peer_id", "public_key"])
 def test_tampered_field_is_rejected(field, value):
     tampered = SignedCredential(credential=SIGNED.credential.model_copy(update={field: value}),
                                 signature=SIGNED.signature)
