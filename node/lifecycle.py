@@ -280,6 +280,11 @@ def remove_own_files() -> None:
         _remove_path(path)
     if _LIFECYCLE.installed:  # its pymp directory was created at install (a child has its parent's)
         _remove_path(multiprocessing.util.get_temp_dir())
+    for cache in glob.glob(os.path.join(tempfile.gettempdir(), "torchinductor_*")):
+        try:
+            os.rmdir(cache)  # the empty cache directory importing torch creates; never one in use
+        except OSError:
+            pass
 
 
 # ---- reaping ----
