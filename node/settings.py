@@ -109,11 +109,6 @@ class NodeSettings(BaseModel):
 COMMON_FIELDS = frozenset(n for n in NodeSettings.model_fields if n not in ROLE_SECTIONS)
 
 
-def is_hidden(field) -> bool:
-    extra = field.json_schema_extra
-    return isinstance(extra, dict) and bool(extra.get("hidden"))
-
-
 def setting_owners(name: str) -> list[str]:
     """Where a setting lives: 'node' for common settings, else the roles whose section has it."""
     if name in COMMON_FIELDS:
