@@ -149,6 +149,11 @@ class AuthorizerClient:
         """The authorizer that answered last (the one requests go to first)."""
         return self.urls[self._current]
 
+    @property
+    def run_id(self) -> Optional[str]:
+        """The run the authorizers serve, once one of them has said (before that, None)."""
+        return self._run_id
+
     async def close(self) -> None:
         await self._http.aclose()
 
@@ -287,8 +292,8 @@ async def join_run(client: AuthorizerClient, identity: Identity, role: str, *,
             # an admitted join reply carries no credential (only polls do): poll for it at once
             ticket = await _retrying(client, lambda: client.poll(ticket.ticket), timeout_s)
     except asyncio.CancelledError:
-        if asked or client._run_id is not None:
-            await leave_quietly(client, identity, client._run_id)
+        if asked or client.run_id is not None:
+            await leave_quietly(client, identity, client.run_id)
         raise
 
 

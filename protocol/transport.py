@@ -2,9 +2,10 @@
 
 A server handler receives the verified remote peer id and a decoded body and returns its reply,
 a wire model (protocol/messages.py) or a plain map. A client sends a wire model with `request`
-and gets the reply validated into its model, or a plain map with `call`. Each stream carries one request at a time; a client keeps a pool of idle streams per
-(peer, handler), so concurrent callers (a trainer's lanes) use parallel streams and a stream is
-reused for the next request instead of paying a new libp2p stream per sample.
+and gets the reply validated into its model, or a plain map with `call`. Each stream carries one
+request at a time; a client keeps a pool of idle streams per (peer, handler), so concurrent
+callers (a trainer's lanes) use parallel streams and a stream is reused for the next request
+instead of paying a new libp2p stream per sample.
 
 Hostile input never escapes a handler: it is answered with a typed error reply, counted by
 code, and the stream keeps serving unless its framing is broken beyond repair.
