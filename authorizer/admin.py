@@ -2,8 +2,9 @@
 
 The operator issues and revokes account tokens (`/v1/admin/accounts`; the same operations as
 `agora-node --role authorizer accounts add|list|revoke`), bans peers or whole accounts
-(identities) and changes the live policy: capacities,
-join rate, hardware floors, accepted builds and which checks run [report 3.6.1.1]. A policy change is
+(identities), changes the live policy (capacities,
+join rate, hardware floors, accepted builds and which checks run [report 3.6.1.1]) and reads the
+rejected joins that were counted rather than stored (`/v1/admin/rejections`). A policy change is
 stored before it is answered and applies to the next request; lowering a capacity never evicts a
 node, it only stops admissions until the stage drains below it.
 """
@@ -22,7 +23,8 @@ from authorizer import admission
 from authorizer.errors import AdminAuthRequired, InvalidRequest, NotFound
 from authorizer.models import (
     ACCOUNT_ID_PATTERN, AccountCreate, AccountCreated, AccountOut, AccountRevokeOut, AccountsOut, BanOut, BanRequest,
-    ErrorBody, ParticipantOut, ParticipantsOut, PolicyUpdate, TicketStatus, UnbanOut,
+    ErrorBody, ParticipantOut, ParticipantsOut, PolicyUpdate, RejectionCountOut, RejectionCountsOut, TicketStatus,
+    UnbanOut,
 )
 from authorizer.policy import Policy, merge_policy
 from authorizer.service import Authorizer
@@ -121,6 +123,22 @@ async def participants(
         admitted_at=r.admitted_at, serial=r.serial, expires_at=r.expires_at,
     ) for r in rows]
     return ParticipantsOut(participants=out, next_after_id=rows[-1].id if len(rows) == limit else None)
+
+
+@admin_router.get("/rejections", response_model=RejectionCountsOut)
+async def rejections(
+    request: Request,
+    since: Annotated[float, Query(ge=0, le=1e11, description="unix seconds; minutes starting before are left out")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> RejectionCountsOut:
+    """Rejected joins that were counted instead of stored as tickets (a source past its detailed
+    rejections, or joins answered 429 as rate_limited), per source, reason and minute: newest
+    minute first. Rejections stored as tickets are in /v1/admin/participants?status=rejected."""
+    authorizer = _authorizer(request)
+    await authorizer.flush_rejections()
+    rows = await authorizer.read(authorizer.store.list_rejection_counts, since, limit)
+    return RejectionCountsOut(rejections=[
+        RejectionCountOut(source=r.source, reason=r.reason, minute=r.minute, refused=r.refused) for r in rows])
 
 
 def account_out(row) -> AccountOut:

@@ -4,6 +4,11 @@ Every input is hostile, so nothing a client sends can produce a 500: bodies over
 refused before they are read, validation failures become 400 `invalid_request` naming the field,
 unknown routes 404 and wrong methods 405, all in the one shape
 `{"error": {"code": "...", "message": "<what to do>"}}`. A 500 `internal` means a bug of ours.
+
+Joins, polls, renewals and leaves pass the rate limits first (RateLimit, below; the decisions are
+authorizer.ratelimit's): a request over its limit is answered 429 `rate_limited` with `Retry-After`
+before its body is validated and before any database work, so a flood costs a dictionary lookup
+a request. The body limit wraps the rate limit, so the renewal bodies it reads are bounded.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from authorizer.errors import AuthorizerError, InternalError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge
 from authorizer.queue import AdmissionQueue
+from authorizer.ratelimit import Limiter, source_of
 from authorizer.service import Authorizer
 from protocol.version import client_version
 
@@ -29,7 +35,7 @@ MAX_BODY_BYTES = 64 * 1024
 
 
 def _error(exc: AuthorizerError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers() or None)
 
 
 def _describe_validation(exc: RequestValidationError) -> str:
@@ -70,17 +76,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             if not message.get("more_body"):
                 break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
+        return await self.app(scope, _replay(b"".join(chunks), receive), send)
 
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"request body exceeds {self.limit} bytes; send a smaller request")
@@ -90,9 +86,67 @@ async def _send(send, exc: AuthorizerError) -> None:
     import json
 
     body = json.dumps(exc.body()).encode()
-    await send({"type": "http.response.start", "status": exc.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(name.lower().encode(), value.encode()) for name, value in exc.headers().items()]
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+_JOIN, _POLL_PREFIX, _PROOF_PATHS = "/v1/join", "/v1/join/", {"/v1/renew": "renew", "/v1/leave": "leave"}
+
+
+class RateLimit:
+    """Pure ASGI middleware spending a token of the limiter for each join, poll, renewal and
+    leave, and answering 429 itself when there is none. Renewals and leaves are read here (their
+    proof says whose bucket pays) and handed on as read; nothing else is read."""
+
+    def __init__(self, app, limiter: Limiter):
+        self.app, self.limiter = app, limiter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, method = scope["path"], scope["method"]
+        client = scope.get("client")
+        if method == "POST" and path == _JOIN:
+            refusal = self.limiter.check_join(source_of(client[0] if client else None))
+        elif method == "GET" and path.startswith(_POLL_PREFIX):
+            refusal = self.limiter.check_poll(source_of(client[0] if client else None), path[len(_POLL_PREFIX):])
+        elif method == "POST" and path in _PROOF_PATHS:
+            body = await _read_body(receive)
+            if body is None:  # the client went away
+                return None
+            refusal = self.limiter.check_proof(source_of(client[0] if client else None), _PROOF_PATHS[path], body)
+            receive = _replay(body, receive)
+        else:
+            return await self.app(scope, receive, send)
+        if refusal is not None:
+            return await _send(send, refusal)
+        return await self.app(scope, receive, send)
+
+
+async def _read_body(receive) -> bytes | None:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def create_app(authorizer: Authorizer, admin_token: str) -> FastAPI:
@@ -150,5 +204,6 @@ def create_app(authorizer: Authorizer, admin_token: str) -> FastAPI:
         logger.exception("unhandled error")
         return _error(InternalError("the authorizer failed; retry, and report it to the operator if it persists"))
 
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(RateLimit, limiter=authorizer.limiter)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)  # added last: the outer one
     return app

@@ -10,6 +10,12 @@ defaults to `$XDG_DATA_HOME/agora-node/authorizer` (`~/.local/share/agora-node/a
 Policy-shaped settings (capacities, join rate, checks) are optional here: `None` means "keep what
 the database holds" (the operator may have changed it live through the admin API), while a value
 given on the command line or in the policy file overrides it at every start (authorizer.policy).
+
+The rate limits (authorizer.ratelimit) and how many rejected joins a source may leave as tickets
+(authorizer.rejections) are process settings: each authorizer of a run limits what reaches it.
+Their defaults let a fleet of a few hundred nodes behind one NAT address start together and let a
+queued node poll as often as agora-node does (at most 5 a second), while a flood from one address
+is answered 429 after its burst (docs/operations.md, "Rate limits").
 """
 
 from __future__ import annotations
@@ -114,6 +120,34 @@ class AuthorizerConfig(BaseModel):
         description="multiaddrs handed to admitted nodes as initial peers"
     )
     reachability_timeout_s: float = Field(default=5.0, gt=0, le=60, description="deadline of one dial-back")
+    source_join_rate_per_s: float = Field(
+        default=10.0, gt=0, le=1e6, json_schema_extra={"flag": "source-join-rate", "metavar": "RATE"},
+        description="joins a second one source address (IPv6: a /64) may send once its burst is spent; more "
+                    "are answered 429 with Retry-After")
+    source_join_burst: int = Field(default=300, ge=1, le=1_000_000,
+                                   description="joins one source address may send at once")
+    source_request_rate_per_s: float = Field(
+        default=20.0, gt=0, le=1e6, json_schema_extra={"flag": "source-request-rate", "metavar": "RATE"},
+        description="polls, renewals and leaves a second from one source address that prove no node this "
+                    "authorizer knows live (an unknown ticket, a bad signature)")
+    source_request_burst: int = Field(default=300, ge=1, le=1_000_000,
+                                      description="such requests one source address may send at once")
+    node_request_rate_per_s: float = Field(
+        default=10.0, gt=0, le=1e6, json_schema_extra={"flag": "node-request-rate", "metavar": "RATE"},
+        description="polls, renewals and leaves a second of one live node that proves its key or ticket, "
+                    "whatever its address")
+    node_request_burst: int = Field(default=50, ge=1, le=1_000_000,
+                                    description="such requests one node may send at once")
+    rejection_detail_rate_per_s: float = Field(
+        default=0.2, gt=0, le=1e6, json_schema_extra={"flag": "rejection-detail-rate", "metavar": "RATE"},
+        description="rejected joins a second one source address may leave as tickets once its burst is "
+                    "spent; the others are counted per source, reason and minute")
+    rejection_detail_burst: int = Field(default=200, ge=1, le=1_000_000,
+                                        description="rejected joins one source address may leave as tickets at once")
+    rate_limit_sources: int = Field(
+        default=50_000, ge=1, le=10_000_000,
+        description="source addresses, and nodes, the rate limits keep track of at once (the least recently "
+                    "seen are forgotten)")
     sqlite_synchronous: Literal["full", "normal"] = Field(
         default="full", description="full: a commit survives power loss; normal: survives a process crash"
     )

@@ -12,6 +12,7 @@
         ├── NotFound             404 not_found           no such route, ticket or peer
         ├── MethodNotAllowed     405 method_not_allowed
         ├── PayloadTooLarge      413 payload_too_large
+        ├── RateLimited          429 rate_limited        too many requests from this source; wait Retry-After
         ├── StoreUnavailable     503 store_unavailable   the database did not answer; retry later
         ├── DialerUnavailable    503 reachability_unavailable  the libp2p dialer could not start
         └── InternalError        500 internal            a bug of ours, never the caller's input
@@ -23,12 +24,14 @@ Every message here is a sentence telling the caller what to do next.
 
 from __future__ import annotations
 
+import math
+
 from protocol.errors import AgoraError, ConfigError
 
 __all__ = [
     "AuthorizerError", "ConfigError", "InvalidRequest", "IdentityMismatch", "AdminAuthRequired",
     "ProofRejected", "ProofRequired", "RenewalRefused", "NotFound", "MethodNotAllowed", "PayloadTooLarge",
-    "StoreUnavailable", "DialerUnavailable", "InternalError",
+    "RateLimited", "StoreUnavailable", "DialerUnavailable", "InternalError",
 ]
 
 
@@ -44,6 +47,10 @@ class AuthorizerError(AgoraError):
 
     def body(self) -> dict:
         return {"error": {"code": self.code, "message": self.message}}
+
+    def headers(self) -> dict[str, str]:
+        """Headers the answer carries besides Content-Type."""
+        return {}
 
 
 class InvalidRequest(AuthorizerError):
@@ -80,6 +87,25 @@ class MethodNotAllowed(AuthorizerError):
 
 class PayloadTooLarge(AuthorizerError):
     status, code = 413, "payload_too_large"
+
+
+class RateLimited(AuthorizerError):
+    """A source or a node sent more requests than its token bucket allows (authorizer.ratelimit).
+    The answer carries `Retry-After` (whole seconds, at least 1): when a token will be there."""
+
+    status, code = 429, "rate_limited"  # protocol.authorizer_api.RATE_LIMITED (a test pins them equal)
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(retry_after_header(self.retry_after_s))}
+
+
+def retry_after_header(seconds: float) -> int:
+    """Retry-After is whole seconds; never 0, which clients read as "at once" and would spin on."""
+    return max(1, math.ceil(seconds))
 
 
 class StoreUnavailable(AuthorizerError):

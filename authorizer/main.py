@@ -76,6 +76,18 @@ def build_policy(config: AuthorizerConfig, run, stored: Optional[dict]) -> Polic
     return policy.for_run(run)
 
 
+def rate_limits(config: AuthorizerConfig):
+    """The config's rate limits as authorizer.ratelimit takes them."""
+    from authorizer.ratelimit import RateLimits
+
+    return RateLimits(
+        join_rate_per_s=config.source_join_rate_per_s, join_burst=config.source_join_burst,
+        request_rate_per_s=config.source_request_rate_per_s, request_burst=config.source_request_burst,
+        node_rate_per_s=config.node_request_rate_per_s, node_burst=config.node_request_burst,
+        max_sources=config.rate_limit_sources,
+    )
+
+
 def _admin_token(config: AuthorizerConfig) -> str:
     from authorizer.keys import load_or_create_admin_token
 
@@ -133,8 +145,10 @@ async def _serve_on(config: AuthorizerConfig, run, db_url: str, sock: socket.soc
     from authorizer.admission import accounts_line
     from authorizer.app import create_app
     from authorizer.issuer import CredentialIssuer
+    from authorizer.ratelimit import Limiter
     from authorizer.reachability import Dialer
-    from authorizer.service import Authorizer
+    from authorizer.rejections import RejectionLedger
+    from authorizer.service import PROOF_WINDOW_S, Authorizer
     from authorizer.store import Store
 
     store = Store(db_url, sqlite_synchronous=config.sqlite_synchronous)
@@ -145,6 +159,10 @@ async def _serve_on(config: AuthorizerConfig, run, db_url: str, sock: socket.soc
         authorizer = Authorizer(
             run=run, store=store, issuer=CredentialIssuer(key, run.run_id, config.credential_ttl_s), policy=policy,
             dialer=Dialer(config.reachability_timeout_s), bootstrap_peers=config.bootstrap_peers,
+            limiter=Limiter(rate_limits(config), run_id=run.run_id, proof_window_s=PROOF_WINDOW_S),
+            rejections=RejectionLedger(detail_rate_per_s=config.rejection_detail_rate_per_s,
+                                       detail_burst=config.rejection_detail_burst,
+                                       max_sources=config.rate_limit_sources),
         )
         server = _uvicorn_server(uvicorn.Config(
             create_app(authorizer, admin_token), log_config=None,

@@ -129,6 +129,17 @@ class ParticipantsOut(BaseModel):
     next_after_id: Optional[int] = Field(description="pass as after_id for the next page; null at the end")
 
 
+class RejectionCountOut(BaseModel):
+    source: str = Field(description="the address the joins came from (IPv6: its /64); 'other' pools overflow")
+    reason: str = Field(description="a RejectReason value, or rate_limited for joins answered 429")
+    minute: int = Field(description="unix seconds the minute starts")
+    refused: int = Field(description="joins refused in that minute and not stored as tickets")
+
+
+class RejectionCountsOut(BaseModel):
+    rejections: list[RejectionCountOut]
+
+
 
 class AccountCreate(BaseModel):
     """A new account; the answer carries its token, once."""

@@ -5,7 +5,8 @@ progressing, so the authorizer holds joiners in a queue and releases them gradua
 The queue itself is the participants table (status 'queued', ordered by id), so it survives a
 restart; this loop is a token bucket (rate `join_rate_per_s`, up to `join_burst` saved up) that
 spends one token per released ticket. It also sweeps out admitted nodes that stopped renewing and
-queued ones that stopped polling, freeing their slots.
+queued ones that stopped polling, freeing their slots, and stores the rejections counted in memory
+(authorizer.rejections), once more when it stops.
 
 The policy is re-read on every tick, so an operator's change to the join rate applies at once.
 """
@@ -76,6 +77,8 @@ class AdmissionQueue:
             if released is None or released >= limit:
                 continue  # a failed round (already paused), or there may be more waiting
             await _wait(wakeup, stop, timeout_s=max(0.001, next_sweep - time.monotonic()))
+        await self._guarded(self.authorizer.flush_rejections)
+        self.authorizer.limiter.refused.flush()
 
     async def _release(self, limit: int) -> int:
         outcomes = await self.authorizer.admit_next(limit)
@@ -87,6 +90,8 @@ class AdmissionQueue:
         ended = await self.authorizer.sweep()
         if ended:
             logger.info("swept %d lapsed or abandoned ticket(s)", ended)
+        await self.authorizer.flush_rejections()
+        self.authorizer.limiter.refused.flush_due()
         return ended
 
     async def _guarded(self, fn, *args):

@@ -1,4 +1,4 @@
-"""The authorizer's reads: polls, run counts, bans, revocations, the admin listing.
+"""The authorizer's reads: polls, run counts, bans, revocations, the admin listings.
 
 Each runs on its own short-lived connection from the read engine, outside the writer: SQLite in
 WAL mode lets readers proceed beside the one writer, and PostgreSQL readers never block writers.
@@ -15,7 +15,9 @@ from sqlalchemy.engine import Row
 
 from authorizer.admission import Rejection, banned_account_rejection, banned_peer_rejection
 from authorizer.placement import PoolCount
-from authorizer.schema import ADMITTED, QUEUED, accounts, banned_peers, credentials, meta, participants
+from authorizer.schema import (
+    ADMITTED, QUEUED, accounts, banned_peers, credentials, meta, participants, rejection_counts,
+)
 
 
 class StoreReads:
@@ -82,6 +84,15 @@ class StoreReads:
             if status is not None:
                 query = query.where(participants.c.status == status)
             return conn.execute(query.order_by(participants.c.id).limit(limit)).all()
+
+    def list_rejection_counts(self, since: float, limit: int) -> list[Row]:
+        """Counted (unstored) rejections of minutes starting at or after `since`: newest minute
+        first, the largest counts first within it."""
+        with self.read_engine.connect() as conn:
+            return conn.execute(select(rejection_counts).where(rejection_counts.c.minute >= int(since // 60) * 60)
+                                .order_by(rejection_counts.c.minute.desc(), rejection_counts.c.refused.desc(),
+                                          rejection_counts.c.source, rejection_counts.c.reason)
+                                .limit(limit)).all()
 
     def list_accounts(self) -> list[Row]:
         """Issued accounts, oldest first."""

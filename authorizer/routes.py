@@ -2,7 +2,8 @@
 
 Nodes talk to the authorizer only to join, to poll the queue, and to renew their credential
 [report 3.6.1.1]; nothing on the training path comes here. Each route only parses and delegates to
-`authorizer.service.Authorizer`.
+`authorizer.service.Authorizer`. Join, poll, renew and leave are rate limited before they get here
+(authorizer.app RateLimit): 429 `rate_limited` with `Retry-After`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request
 
 from authorizer.models import TICKET_PATTERN, ErrorBody, JoinRequest, LeaveOut, Proof, RenewOut, RunInfo, TicketOut
+from authorizer.ratelimit import source_of
 from authorizer.service import Authorizer
 from protocol.credentials import RevocationList
 
@@ -22,8 +24,13 @@ _ERRORS = {
     413: {"model": ErrorBody, "description": "body too large"},
     503: {"model": ErrorBody, "description": "database or reachability dialer unavailable; retry"},
 }
-_PROOF_ERRORS = {
+_LIMITED = {
     **_ERRORS,
+    429: {"model": ErrorBody, "description": "rate limited: retry after the Retry-After header's seconds",
+          "headers": {"Retry-After": {"description": "whole seconds to wait", "schema": {"type": "integer"}}}},
+}
+_PROOF_ERRORS = {
+    **_LIMITED,
     401: {"model": ErrorBody, "description": "proof signature or time is wrong"},
     403: {"model": ErrorBody, "description": "not admitted, banned, or left"},
     404: {"model": ErrorBody, "description": "no live ticket for this peer"},
@@ -35,18 +42,18 @@ def _authorizer(request: Request) -> Authorizer:
 
 
 @router.post("/join", response_model=TicketOut, responses={
-    **_ERRORS, 401: {"model": ErrorBody, "description": "join proof wrong, or missing where it replaces a ticket"}})
+    **_LIMITED, 401: {"model": ErrorBody, "description": "join proof wrong, or missing where it replaces a ticket"}})
 async def join(body: JoinRequest, request: Request) -> TicketOut:
     """Ask to join the run. The answer is a ticket: queued (with the placed stage, so the node can
     start fetching that stage's state), or rejected with a reason and what to do. A join signed
     with the peer's key (signed_at, signature) replaces a live ticket of the same peer, which
     then ends as `replaced` (a node restarted after a crash gets back in at once); the same
     signed join sent again returns the same ticket."""
-    return await _authorizer(request).join(body)
+    return await _authorizer(request).join(body, source_of(request.client.host if request.client else None))
 
 
 @router.get("/join/{ticket}", response_model=TicketOut,
-            responses={**_ERRORS, 404: {"model": ErrorBody, "description": "unknown ticket"}})
+            responses={**_LIMITED, 404: {"model": ErrorBody, "description": "unknown ticket"}})
 async def poll(ticket: Annotated[str, Path(pattern=TICKET_PATTERN)], request: Request) -> TicketOut:
     """Queue position and estimated wait; once admitted, the credential, stage, run config,
     bootstrap peers and the authorizer's public key. Poll at least every minute while queued."""

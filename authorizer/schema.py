@@ -118,4 +118,14 @@ credentials = Table(
     Index("credentials_revoked", "revoked_at", "expires_at"),
 )
 
+rejection_counts = Table(
+    "rejection_counts", metadata,
+    Column("source", String(64), primary_key=True, comment="address the joins came from (IPv6: its /64)"),
+    Column("reason", String(32), primary_key=True, comment="RejectReason, or rate_limited for joins answered 429"),
+    Column("minute", BigInteger, primary_key=True, autoincrement=False, comment="unix seconds the minute starts"),
+    Column("refused", BigInteger, nullable=False, comment="joins refused and not stored as a ticket"),
+    Index("rejection_counts_minute", "minute"),
+)
+"""Rejected joins beyond what a source may leave as tickets (authorizer.rejections), counted."""
+
 LIVE_PEER_INDEX_WHERE = text(LIVE_SQL)

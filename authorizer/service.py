@@ -1,10 +1,14 @@
 """The authorizer's behaviour behind the HTTP routes: join, poll, renew, leave, run info, admin.
 
-Routes stay thin; this is where a join passes the checks in order of cost: request shape and
-identity (400 if wrong), then capability and integrity (pure), then bans (one read), then the
-dial-back (network), then the store's transaction (account rules, capacity, placement). Every
-refused join is recorded as a rejected ticket, so an answered join is never lost and the user can
-poll it. Database failures become StoreUnavailable (503) here, at the boundary.
+Routes stay thin; this is where a join passes the checks in order of cost: its source's rate
+limit (authorizer.ratelimit, before the body is even parsed), request shape and identity (400 if
+wrong), then capability and integrity (pure), then bans (one read), then the dial-back (network),
+then the store's transaction (account rules, capacity, placement). A refused join is recorded as a
+rejected ticket the user can poll, as long as its source has not used up its detailed rejections;
+past that it is answered in full and counted per source, reason and minute (authorizer.rejections),
+so a flood cannot grow the database a row per request. Database failures become StoreUnavailable
+(503) here, at the boundary. Whatever shows a node live tells the rate limiter, so the node's own
+polls and renewals are limited per node rather than per address.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from authorizer.models import (
 )
 from authorizer.placement import choose_pool
 from authorizer.policy import TRAINER_POOL, Policy
+from authorizer.ratelimit import RATE_LIMITED_REASON, Limiter
 from authorizer.reachability import Dialer, ReachabilityUnavailable
+from authorizer.rejections import RejectionLedger
 from authorizer.schema import ADMITTED, QUEUED
-from authorizer.store import NewParticipant, Store
+from authorizer.store import NewParticipant, Store, UnrecordedRejection
 from protocol.authorizer_api import LIVE_TICKET_STATUSES
 from protocol.credentials import MAX_CLOCK_SKEW_S, SignedCredential, proof_bytes, renew_at
 from protocol.identity import peer_id_from_public_key, verify_signature
@@ -50,7 +56,7 @@ class Authorizer:
     """One run's admission authority: policy in memory, records in the store, the root key."""
 
     def __init__(self, *, run: RunConfig, store: Store, issuer: CredentialIssuer, policy: Policy,
-                 dialer: Dialer, bootstrap_peers: list[str]):
+                 dialer: Dialer, bootstrap_peers: list[str], limiter: Limiter, rejections: RejectionLedger):
         self.run = run
         self.store = store
         self.issuer = issuer
@@ -60,6 +66,9 @@ class Authorizer:
         self.public_key_b64 = base64.b64encode(issuer.public_key).decode()
         self.run_config_json = run.model_dump(mode="json")
         self.queue_wakeup = asyncio.Event()
+        self.limiter = limiter
+        self.rejections = rejections
+        limiter.on_join_refused = lambda source: rejections.count(source, RATE_LIMITED_REASON, time.time())
 
     async def stored(self, coro):
         try:
@@ -73,7 +82,8 @@ class Authorizer:
 
     # -- join and poll -----------------------------------------------------------------------
 
-    async def join(self, request: JoinRequest) -> TicketOut:
+    async def join(self, request: JoinRequest, source: str = "unknown") -> TicketOut:
+        """`source` is whom the join counts against (authorizer.ratelimit.source_of)."""
         public_key = raw_ed25519_public_key(request.public_key)
         if public_key is None:
             raise IdentityMismatch("public_key must be the node's Ed25519 public key (32 raw bytes, or the libp2p "
@@ -109,7 +119,10 @@ class Authorizer:
                                             "dialer did not start); retry in a minute") from exc
         position = None
         if rejection is not None:
-            row = await self.stored(self.store.record_rejection(new, now, rejection))
+            if self.rejections.keep(source):
+                row = await self.stored(self.store.record_rejection(new, now, rejection))
+            else:  # answered in full, counted; a live ticket of this peer is not looked up
+                row = UnrecordedRejection.of(new, rejection)
         else:
             row, position = await self.stored(self.store.create_ticket(
                 new, now, account_rules=policy.checks.accountability,
@@ -117,6 +130,7 @@ class Authorizer:
                 place=lambda counts: choose_pool(self.run, policy, request.role, eligible, counts),
                 capacity=policy.capacity,
                 run_full=lambda: admission.run_full_rejection(request.role, eligible),
+                keep_rejected=lambda: self.rejections.keep(source),
             ))
         if row == "proof_required":
             raise ProofRequired(
@@ -125,6 +139,10 @@ class Authorizer:
                 f"with this identity and wait until its ticket expires")
         if row == "replayed":
             raise ProofRejected("this join proof is older than the one of the peer's live ticket; sign a fresh one")
+        if isinstance(row, UnrecordedRejection):
+            self.rejections.count(source, row.reason, now)
+        elif row.status in (QUEUED, ADMITTED):
+            self.limiter.know(row.peer_id, row.public_key, ticket=row.ticket, signed_at=row.last_proof_at)
         if row.status == QUEUED:
             self.queue_wakeup.set()
         return self._ticket_out(row, position=position, detailed=False)
@@ -135,6 +153,8 @@ class Authorizer:
             raise NotFound(f"ticket {ticket} is unknown; join again with POST /v1/join")
         row, ahead = found
         now = time.time()
+        if row.status in (QUEUED, ADMITTED):  # its next polls count against the node, not the address
+            self.limiter.know(row.peer_id, row.public_key, ticket=row.ticket)
         if row.status == QUEUED and now - row.last_seen_at > self.policy.queue_idle_timeout_s / 4:
             await self.stored(self.store.touch(row.id, now))
         bootstrap = self.bootstrap_peers
@@ -180,7 +200,19 @@ class Authorizer:
         )
         for outcome, row in outcomes:
             logger.info("%s %s %s (stage %s)", outcome, row.role, row.peer_id, row.pool)
+            if outcome == "admitted":
+                self.limiter.know(row.peer_id, row.public_key, ticket=row.ticket, signed_at=row.last_proof_at)
         return outcomes
+
+    async def flush_rejections(self) -> int:
+        """Add the rejections counted in memory to the database; returns how many keys were written.
+        On a database failure the counts are kept for the next flush."""
+        counts = self.rejections.take()
+        try:
+            return await self.stored(self.store.add_rejection_counts(counts))
+        except Exception:
+            self.rejections.restore(counts)
+            raise
 
     # -- renew and leave -----------------------------------------------------------------------
 
@@ -204,17 +236,21 @@ class Authorizer:
                 f"current time (check NTP) and retry")
         live = await self.read(self.store.live, proof.peer_id)
         if live is None:
+            self.limiter.forget(proof.peer_id)
             raise RenewalRefused(f"peer {proof.peer_id} has no live ticket; join with POST /v1/join")
         data = proof_bytes(action, run_id=self.run.run_id, peer_id=proof.peer_id, signed_at=proof.signed_at)
         if not verify_signature(live.public_key, data, proof.signature):  # Ed25519: tens of microseconds
             raise ProofRejected(
                 f"the signature does not verify with the libp2p key of {proof.peer_id}; sign "
                 f"protocol.credentials.proof_bytes('{action}', ...) with the node's identity key")
+        self.limiter.know(proof.peer_id, live.public_key, ticket=live.ticket, signed_at=proof.signed_at)
 
     async def renew(self, proof: Proof) -> RenewOut:
         await self._check_proof("renew", proof)
         result = await self.stored(self.store.renew(proof.peer_id, proof.signed_at, time.time(), self.issuer))
         if isinstance(result, str):
+            if result in ("banned", "not_admitted"):
+                self.limiter.forget(proof.peer_id)
             raise {
                 "banned": RenewalRefused(f"peer {proof.peer_id} is banned from this run; contact the operator"),
                 "queued": RenewalRefused(f"peer {proof.peer_id} is still queued; poll your ticket until admitted"),
@@ -228,6 +264,7 @@ class Authorizer:
         result = await self.stored(self.store.leave(proof.peer_id, proof.signed_at, time.time()))
         if result == "replayed":
             raise ProofRejected("this proof is not newer than the last one accepted; sign a fresh one")
+        self.limiter.forget(proof.peer_id)
         if isinstance(result, str):
             raise NotFound(f"peer {proof.peer_id} has no live ticket; nothing to leave")
         self.queue_wakeup.set()

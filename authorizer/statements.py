@@ -16,6 +16,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from authorizer.schema import (
     ADMITTED, LIVE_PEER_INDEX_WHERE, LIVE_SQL, QUEUED, accounts, banned_peers, credentials, participants, pools,
+    rejection_counts,
 )
 
 _P = participants
@@ -88,6 +89,14 @@ def build(dialect: str) -> SimpleNamespace:
         serial=bindparam("b_serial"), credential=bindparam("b_credential"), expires_at=bindparam("b_expires_at"),
         updated_at=bindparam("b_now"), last_seen_at=bindparam("b_now"), last_proof_at=bindparam("b_signed_at"),
     ).returning(*_P.c)
+
+    # -- rejections counted, not stored one by one (authorizer.rejections) --
+    counting = insert(rejection_counts).values(
+        source=bindparam("b_source"), reason=bindparam("b_reason"), minute=bindparam("b_minute"),
+        refused=bindparam("b_refused"))
+    s.add_rejection_count = counting.on_conflict_do_update(
+        index_elements=[rejection_counts.c.source, rejection_counts.c.reason, rejection_counts.c.minute],
+        set_={"refused": rejection_counts.c.refused + counting.excluded.refused})
 
     # -- reads --
     s.by_ticket = select(_P).where(_P.c.ticket == bindparam("b_ticket"))

@@ -65,6 +65,29 @@ class NewParticipant:
     """signed_at of the join's proof of key possession; None for a client that sent none."""
 
 
+@dataclass(frozen=True)
+class UnrecordedRejection:
+    """A rejected join answered in full but not stored as a ticket (the source used up its
+    detailed rejections; authorizer.rejections counts it instead). It reads like a ticket row."""
+
+    ticket: str
+    peer_id: str
+    role: str
+    reason: str
+    message: str
+    status: str = REJECTED
+    pool: Optional[int] = None
+
+    @classmethod
+    def of(cls, new: NewParticipant, rejection: Rejection) -> UnrecordedRejection:
+        return cls(ticket=new.ticket, peer_id=new.peer_id, role=new.role, reason=rejection.reason.value,
+                   message=rejection.message)
+
+
+KeepRejection = Callable[[], bool]
+"""Asked once per rejection inside a join's transaction: store it as a ticket (True) or only count it."""
+
+
 def _sqlite_engines(url: str, synchronous: str) -> tuple[Engine, Engine]:
     path = url[len("sqlite:///"):]
     directory = os.path.dirname(os.path.abspath(path))
@@ -191,8 +214,8 @@ class Store(StoreReads):
     async def create_ticket(
         self, new: NewParticipant, now: float, *, account_rules: bool, max_per_account: int,
         place: Callable[[dict[int, PoolCount]], Union[int, Rejection]], capacity: Callable[[int], int],
-        run_full: Callable[[], Rejection],
-    ) -> tuple[Union[Row, str], Optional[int]]:
+        run_full: Callable[[], Rejection], keep_rejected: KeepRejection = lambda: True,
+    ) -> tuple[Union[Row, UnrecordedRejection, str], Optional[int]]:
         """Record a join: queued in the pool `place` picks, or rejected with the reason. Returns the
         ticket and, if newly queued, how many tickets are ahead of it.
 
@@ -201,27 +224,28 @@ class Store(StoreReads):
         (`new.proof_at`) with a newer proof than the ticket's replaces it: the old ticket ends as
         `replaced`, its slot is freed and its credentials are revoked; the same proof again gets the
         same ticket back. Instead of a ticket the answer may be 'proof_required' (a live ticket and
-        no proof) or 'replayed' (a proof older than the ticket's)."""
+        no proof) or 'replayed' (a proof older than the ticket's). A rejection is stored as a
+        ticket if `keep_rejected()` says so, else returned as an UnrecordedRejection."""
         return await self.writer.run(lambda conn: self._create_ticket(
-            conn, new, now, account_rules, max_per_account, place, capacity, run_full))
+            conn, new, now, account_rules, max_per_account, place, capacity, run_full, keep_rejected))
 
-    def _create_ticket(self, conn, new, now, account_rules, max_per_account, place, capacity, run_full):
+    def _create_ticket(self, conn, new, now, account_rules, max_per_account, place, capacity, run_full, keep):
         sql, binds = self.sql, {"b_account": new.account_id, "b_peer": new.peer_id, "b_now": now}
         anonymous = new.account_id == "anonymous"
         account = None if anonymous else conn.execute(
             sql.account_locked if account_rules else sql.account_state, binds).first()
         if account is not None and account.banned:
-            return self._reject(conn, new, now, banned_account_rejection()), None
+            return self._reject(conn, new, now, banned_account_rejection(), keep), None
         if account is not None and account.revoked_at is not None:
-            return self._reject(conn, new, now, revoked_account_rejection()), None
+            return self._reject(conn, new, now, revoked_account_rejection(), keep), None
         if account_rules and (account is None or not account.issued):
-            return self._reject(conn, new, now, unknown_account_rejection()), None
+            return self._reject(conn, new, now, unknown_account_rejection(), keep), None
         if account_rules:
             peer_banned, live_count = conn.execute(sql.bans_and_live, binds).one()
         else:
             peer_banned, live_count = conn.execute(sql.peer_banned, binds).scalar(), 0
         if peer_banned:
-            return self._reject(conn, new, now, banned_peer_rejection(new.peer_id)), None
+            return self._reject(conn, new, now, banned_peer_rejection(new.peer_id), keep), None
         live = self._live_for_peer(conn, new.peer_id, lock=True)
         if live is not None:
             if new.proof_at is None:
@@ -234,11 +258,11 @@ class Store(StoreReads):
                          message=REPLACED_MESSAGE)
             live_count -= live.account_id == new.account_id
         if account_rules and live_count >= max_per_account:
-            return self._reject(conn, new, now, account_limit_rejection(max_per_account)), None
+            return self._reject(conn, new, now, account_limit_rejection(max_per_account), keep), None
         counts = {r.pool: PoolCount(r.pool, r.admitted, r.queued) for r in conn.execute(sql.pools)}
         choice = place(counts)
         if isinstance(choice, Rejection):
-            return self._reject(conn, new, now, choice), None
+            return self._reject(conn, new, now, choice, keep), None
         row = conn.execute(sql.insert_live, self._binds(new, now, status=QUEUED, pool=choice)).first()
         if row is None:  # another authorizer queued this peer since we looked: that is the answer
             return conn.execute(sql.live_for_peer, binds).first(), None
@@ -266,15 +290,27 @@ class Store(StoreReads):
         statement = self.sql.live_for_peer_locked if lock else self.sql.live_for_peer
         return conn.execute(statement, {"b_peer": peer_id}).first()
 
-    def _reject(self, conn: Connection, new: NewParticipant, now: float, rejection: Rejection) -> Row:
+    def _reject(self, conn: Connection, new: NewParticipant, now: float, rejection: Rejection,
+                keep: KeepRejection = lambda: True) -> Union[Row, UnrecordedRejection]:
         existing = self._live_for_peer(conn, new.peer_id)
         if existing is not None:
             return existing
+        if not keep():
+            return UnrecordedRejection.of(new, rejection)
         return conn.execute(self.sql.insert_final, self._binds(new, now, status=REJECTED, rejection=rejection)).one()
 
     async def record_rejection(self, new: NewParticipant, now: float, rejection: Rejection) -> Row:
         """Record a join refused before it reached the queue (capability, integrity, reachability)."""
         return await self.writer.run(lambda conn: self._reject(conn, new, now, rejection))
+
+    async def add_rejection_counts(self, counts: list[tuple[str, str, int, int]]) -> int:
+        """Add (source, reason, minute, refused) counts of unstored rejections (authorizer.rejections)."""
+        def op(conn: Connection) -> int:
+            for source, reason, minute, refused in counts:
+                conn.execute(self.sql.add_rejection_count, {
+                    "b_source": source, "b_reason": reason, "b_minute": minute, "b_refused": refused})
+            return len(counts)
+        return await self.writer.run(op) if counts else 0
 
     # -- admission and credentials -----------------------------------------------------------
 

@@ -231,3 +231,46 @@ class NodeKey:
         signed_at = time.time() if signed_at is None else signed_at
         data = proof_bytes(action, run_id=run_id, peer_id=self.peer_id, signed_at=signed_at)  # type: ignore[arg-type]
         return dict(peer_id=self.peer_id, signed_at=signed_at, signature=base64.b64encode(self.sign(data)).decode())
+
+
+class KeepAliveClient:
+    """One raw HTTP/1.1 keep-alive connection, for floods and benchmarks: httpx costs more CPU per
+    request than the authorizer does, and both share the machine. Just enough protocol for the
+    authorizer's answers (Content-Length framed); `request` returns status, headers (names in
+    lower case) and body. `headers` are sent with every request (e.g. X-Forwarded-For, which the
+    authorizer takes from 127.0.0.1 as the client's address)."""
+
+    def __init__(self, url: str, headers: Optional[dict[str, str]] = None):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.host, self.port = host.strip("[]"), int(port)
+        self.extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+        self.reader = self.writer = None
+
+    async def connect(self) -> KeepAliveClient:
+        import asyncio
+
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n{self.extra}"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        self.writer.write(head + body)  # type: ignore[union-attr]
+        status_line = await self.reader.readline()  # type: ignore[union-attr]
+        headers: dict[str, str] = {}
+        while True:
+            line = await self.reader.readline()  # type: ignore[union-attr]
+            if line in (b"\r\n", b""):
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        payload = await self.reader.readexactly(int(headers.get("content-length", "0")))  # type: ignore[union-attr]
+        return int(status_line.split(b" ", 2)[1]), headers, payload
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            try:
+                await self.writer.wait_closed()
+            except Exception:  # noqa: BLE001 - the server may have closed first
+                pass

@@ -91,6 +91,26 @@ LIVE_TICKET_STATUSES = (TicketStatus.QUEUED, TicketStatus.ADMITTED)
 
 # -- errors -----------------------------------------------------------------------------------
 
+RATE_LIMITED = "rate_limited"
+"""The error code of a 429 answer: this source or node sent more than its share; send again after
+the `Retry-After` header's seconds (join, poll, renew and leave are limited)."""
+MAX_RETRY_AFTER_S = 60.0
+"""The longest wait a client takes from one `Retry-After` (a larger or garbled value is capped)."""
+
+
+def retry_after_s(header: Optional[str], default_s: float = 1.0) -> float:
+    """The seconds a 429 answer's `Retry-After` header asks a client to wait, within
+    0..MAX_RETRY_AFTER_S; `default_s` when it is missing or not a number of seconds (the
+    authorizer always sends whole seconds, never an HTTP date)."""
+    try:
+        seconds = float((header or "").strip())
+    except ValueError:
+        return default_s
+    if seconds != seconds:  # NaN
+        return default_s
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
+
+
 
 class ErrorDetail(BaseModel):
     model_config = _WIRE
