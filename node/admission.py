@@ -10,6 +10,11 @@ renewal is refused or the credential lapses.
 A node may be given several authorizer URLs (authorizers sharing one PostgreSQL database). The
 client sticks to the one that answered last and moves on to the next on a connection error or a
 5xx answer, for every request: join, poll, renew, leave and revocations.
+
+An authorizer that is rate limiting (429 `rate_limited`, e.g. a fleet behind one NAT address
+joining at once, or a neighbour flooding it) names a wait in `Retry-After`; the client waits that
+long (plus a little jitter, so a fleet told the same wait does not come back in one burst) and
+sends again: joins and polls until `--admission-timeout-s`, renewals until the credential expires.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import base64
 import logging
 import os
 import platform
+import random
 import socket
 import time
 from dataclasses import dataclass
@@ -33,8 +39,8 @@ from node.settings import parse_authorizer_url as settings_parse_authorizer_url
 from protocol import version
 from roles.periodic import wait_any
 from protocol.authorizer_api import (
-    LIVE_TICKET_STATUSES, ErrorBody, Hardware, JoinRequest, LeaveOut, Proof, RenewOut, RunInfo, TicketOut,
-    TicketStatus,
+    LIVE_TICKET_STATUSES, RATE_LIMITED, ErrorBody, Hardware, JoinRequest, LeaveOut, Proof, RenewOut, RunInfo,
+    TicketOut, TicketStatus, retry_after_s,
 )
 from protocol.credentials import RevocationList, SignedCredential, proof_bytes, renew_at
 from protocol.errors import AgoraError, ConfigError
@@ -73,6 +79,18 @@ class CredentialLost(AgoraError):
 
 class AuthorizerUnavailable(ConnectionError):
     """No authorizer URL answered (connection failed, timed out, or answered 5xx)."""
+
+
+class RateLimited(AgoraError):
+    """The authorizer answered 429 `rate_limited`: send again after `retry_after_s`."""
+
+    def __init__(self, url: str, message: str, retry_after_s: float):
+        super().__init__(f"authorizer {url} is rate limiting this node ({message})")
+        self.retry_after_s = retry_after_s
+
+    def wait_s(self) -> float:
+        """The wait to take: the authorizer's, plus up to a quarter of it, drawn at random."""
+        return max(0.5, self.retry_after_s) * random.uniform(1.0, 1.25)
 
 
 def parse_authorizer_url(text: str) -> str:
@@ -177,6 +195,8 @@ class AuthorizerClient:
             if index != self._current:
                 logger.warning("authorizer %s answered; using it from now on", url)
                 self._current = index
+            if response.status_code == 429:  # the authorizer's (or its proxy's) word: wait, then ask it again
+                raise RateLimited(url, _error_message(response), retry_after_s(response.headers.get("retry-after")))
             if response.status_code >= 400:
                 code, message = _error_of(response)
                 raise AdmissionRejected(code, message)
@@ -299,12 +319,22 @@ async def join_run(client: AuthorizerClient, identity: Identity, role: str, *,
 
 async def _retrying(client: AuthorizerClient, call, timeout_s: float) -> TicketOut:
     """`call()` until an authorizer answers; backoff 1, 2, 4 ... 30 s with a countdown line; a
-    ConfigError after `timeout_s` without an answer."""
+    ConfigError after `timeout_s` without an answer. A rate-limited answer is waited out as long
+    as it asks (a countdown line too), and AdmissionRejected when `timeout_s` passes that way."""
     deadline = time.monotonic() + timeout_s
     delay_s = 1.0
     while True:
         try:
             return await call()
+        except RateLimited as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AdmissionRejected(RATE_LIMITED, (
+                    f"{exc}; gave up after {duration(timeout_s)} (--admission-timeout-s): start fewer nodes at "
+                    f"once from this address, or wait and start this one again")) from None
+            wait = min(exc.wait_s(), left)
+            logger.warning("%s; retrying in %s, giving up in %s", exc, duration(wait), duration(left))
+            await asyncio.sleep(wait)
         except AuthorizerUnavailable as exc:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -355,6 +385,18 @@ class CredentialKeeper:
                     f"this node was banned or its credential revoked: renewal refused ({exc.reason}: "
                     f"{str(exc).split(': ', 1)[-1]})", ExitCode.REVOKED), stop)
                 return
+            except RateLimited as exc:
+                expires_at = self.credential.credential.expires_at
+                left = expires_at - time.time()
+                if left <= 0:
+                    self.fail(CredentialLost(f"the credential expired while renewal was rate limited ({exc})",
+                                             ExitCode.CREDENTIAL_EXPIRED), stop)
+                    return
+                wait = min(exc.wait_s(), max(left / 2, 0.1))  # a retry always falls before the expiry
+                logger.warning("%s; retrying renewal in %s (credential valid %s)", exc, duration(wait),
+                               until(expires_at))
+                await wait_any(stop, timeout=wait)
+                continue
             except AuthorizerUnavailable as exc:
                 expires_at = self.credential.credential.expires_at
                 left = expires_at - time.time()
