@@ -224,7 +224,8 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         if settings.identity is not None:
             await until_stopped(check_identity_not_live(swarm, run.run_id, run.num_stages, membership.maddrs),
                                 stop, "while checking the identity")
-        role = _build_role(settings, run, stage, device, swarm, p2p, membership.maddrs, trust.authenticator)
+        role = _build_role(settings, run, stage, device, swarm, p2p, membership.maddrs, trust.authenticator,
+                           trust.auth_state)
         trust.start_background(stop, swarm)
         if hasattr(role, "start"):
             await until_stopped(role.start(), stop, "while joining the stage")
@@ -261,13 +262,13 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
     return trust.failure_exit_code() or code
 
 
-def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator):
+def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator, auth_state=None):
     """The role, given its own settings section with what the node resolved (stage, device)."""
     if settings.role == "worker":
         from roles.worker.role import WorkerRole
 
         config = settings.worker.model_copy(update={"stage": stage, "device": device})
-        return WorkerRole(config, run, swarm, p2p, maddrs, authenticator)
+        return WorkerRole(config, run, swarm, p2p, maddrs, authenticator, auth_state)
     from roles.trainer.role import TrainerRole
 
     return TrainerRole(settings.trainer, run, swarm, p2p, authenticator)

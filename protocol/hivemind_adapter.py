@@ -1,7 +1,7 @@
 """The one module that touches hivemind's private API, so that a hivemind upgrade that moves it
 breaks here, loudly, and nowhere else.
 
-agora-node needs three things hivemind does not expose publicly:
+agora-node needs five things hivemind does not expose publicly:
 
 - dial a peer at the addresses it announced (`P2P._client.connect`/`disconnect`): a first call
   must not depend on the DHT having introduced the two peers, and the authorizer's reachability
@@ -12,9 +12,19 @@ agora-node needs three things hivemind does not expose publicly:
 - see what an all-reduce round lost (`_aggregate_with_group` overridden; `AllReduceRunner`'s
   `_generate_input_for_peer` and `_accumulate_parts_streaming`; the part container's and the
   reducer's counters), because hivemind completes a round with zeros where a peer failed and
-  tells nobody [report 5.7.1.1].
+  tells nobody [report 5.7.1.1];
+- admit a peer to the averager's RPCs (`rpc_join_group`, `rpc_aggregate_part`,
+  `rpc_download_state`) only after our own check: `add_p2p_handlers` is overridden to register a
+  wrapper, the servicer hook hivemind's own `utils/auth.py` uses, so the check runs before
+  hivemind reads the request, and `_aggregate_with_group` checks the whole group before the
+  all-reduce starts;
+- screen each averaged part before it enters the average: `HoldingReducer` replaces the runner's
+  `TensorPartReducer`, which adds each part to the sum as it arrives, with one that holds a part
+  index's parts until every current sender's is in, so a part can be compared with the others
+  and left out.
 
-`AdaptedAverager` and `AdaptedRunner` expose those under public names with hooks; everything
+`AdaptedAverager`, `AdaptedRunner` and `HoldingReducer` expose those under public names with
+hooks; everything
 else in the repository uses only them and hivemind's public API. `PRIVATE_API` lists every
 private or undocumented name used here; `missing_private_api` checks the class-level ones,
 `missing_attributes` the ones that exist only on live objects, and
@@ -28,6 +38,7 @@ warns (`HivemindVersionWarning`) with the names that are gone, and a use of a mi
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import logging
@@ -35,15 +46,19 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import hivemind
+import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
-from hivemind.p2p import P2P, PeerID
+from hivemind.averaging.partition import (
+    AllreduceException, BannedException, TensorPartContainer, TensorPartReducer,
+)
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.multiaddr import Multiaddr
@@ -97,7 +112,8 @@ PRIVATE_API: tuple[PrivateName, ...] = (
     PrivateName("AllReduceRunner", "_generate_input_for_peer", "class", "overridden: a hook per part sent"),
     PrivateName("AllReduceRunner", "_accumulate_parts_streaming", "class", "overridden: a hook per part reduced"),
     PrivateName("AllReduceRunner", "tensor_part_container", "instance", "slices per peer, failed reducers"),
-    PrivateName("AllReduceRunner", "tensor_part_reducer", "instance", "what each sender delivered"),
+    PrivateName("AllReduceRunner", "tensor_part_reducer", "instance",
+                "what each sender delivered; replaced by a HoldingReducer before the round starts"),
     PrivateName("AllReduceRunner", "sender_peer_ids", "instance", "senders, in reducer order"),
     PrivateName("AllReduceRunner", "banned_senders", "instance", "senders banned mid-round"),
     PrivateName("AllReduceRunner", "ordered_peer_ids", "instance", "the group, in slice order"),
@@ -108,6 +124,25 @@ PRIVATE_API: tuple[PrivateName, ...] = (
     PrivateName("TensorPartReducer", "part_shapes", "instance", "values per part"),
     PrivateName("TensorPartReducer", "num_parts_received", "instance", "parts each sender delivered"),
     PrivateName("TensorPartReducer", "sender_failed_after", "instance", "where a banned sender stopped counting"),
+    PrivateName("DecentralizedAverager", "add_p2p_handlers", "class",
+                "overridden: register the admission wrapper instead of the averager itself"),
+    PrivateName("DecentralizedAverager", "rpc_join_group", "class", "wrapped: admitted peers only"),
+    PrivateName("DecentralizedAverager", "rpc_aggregate_part", "class", "wrapped: admitted peers only"),
+    PrivateName("DecentralizedAverager", "rpc_download_state", "class", "wrapped: admitted peers only"),
+    PrivateName("TensorPartReducer", "accumulate_part", "class", "overridden: hold a part, do not add it yet"),
+    PrivateName("TensorPartReducer", "check_current_part_finished", "class",
+                "overridden: screen the held parts, then average the accepted ones"),
+    PrivateName("TensorPartReducer", "on_sender_failed", "class",
+                "overridden: a sender the screen excluded is not excluded twice"),
+    PrivateName("TensorPartReducer", "reset_accumulators", "class", "overridden: drop the held parts too"),
+    PrivateName("TensorPartReducer", "num_senders", "instance", "senders of the round"),
+    PrivateName("TensorPartReducer", "current_part_index", "instance", "the part being averaged"),
+    PrivateName("TensorPartReducer", "current_part_accumulated_from", "instance", "senders in for that part"),
+    PrivateName("TensorPartReducer", "current_part_future", "instance", "the part's average, awaited by senders"),
+    PrivateName("TensorPartReducer", "num_current_senders", "instance", "senders still counted for that part"),
+    PrivateName("TensorPartReducer", "accumulator", "instance", "the part's weighted sum"),
+    PrivateName("TensorPartReducer", "denominator", "instance", "the part's total weight"),
+    PrivateName("TensorPartReducer", "finished", "instance", "set once the reducer is done"),
 )
 
 _CLASSES = {"P2P": P2P, "DecentralizedAverager": DecentralizedAverager, "AllReduceRunner": AllReduceRunner,
@@ -119,6 +154,14 @@ _SIGNATURES = {
     ("AllReduceRunner", "_generate_input_for_peer"): ("self", "peer_index"),
     ("AllReduceRunner", "_accumulate_parts_streaming"): ("self", "stream", "sender_index"),
     ("TensorPartContainer", "register_failed_reducer"): ("self", "peer_index"),
+    ("DecentralizedAverager", "add_p2p_handlers"): ("self", "p2p", "wrapper", "namespace", "balanced"),
+    ("DecentralizedAverager", "rpc_join_group"): ("self", "request", "context"),
+    ("DecentralizedAverager", "rpc_aggregate_part"): ("self", "stream", "context"),
+    ("DecentralizedAverager", "rpc_download_state"): ("self", "_request", "_context"),
+    ("TensorPartReducer", "accumulate_part"): ("self", "sender_index", "part_index", "tensor_part", "weight"),
+    ("TensorPartReducer", "check_current_part_finished"): ("self",),
+    ("TensorPartReducer", "on_sender_failed"): ("self", "sender_index"),
+    ("TensorPartReducer", "reset_accumulators"): ("self",),
 }
 
 
@@ -158,7 +201,20 @@ def missing_private_api() -> list[str]:
         if expected is not None and tuple(inspect.signature(attribute).parameters) != expected:
             problems.append(f"{name.owner}.{name.path}: signature is {inspect.signature(attribute)}, "
                             f"expected ({', '.join(expected)})")
+    unchecked = rpc_names(DecentralizedAverager) - set(ADMITTED_RPCS)
+    if unchecked:
+        problems.append(f"DecentralizedAverager: RPC(s) {', '.join(sorted(unchecked))} would be served without "
+                        f"the admission check")
     return problems
+
+
+ADMITTED_RPCS = ("rpc_join_group", "rpc_aggregate_part", "rpc_download_state")
+"""The averager's RPCs the admission wrapper covers: every one hivemind 1.1.12 serves."""
+
+
+def rpc_names(servicer: type) -> set[str]:
+    """The RPCs a hivemind servicer class registers (as ServicerBase collects them)."""
+    return {name for name, _ in inspect.getmembers(servicer, predicate=inspect.isfunction) if name.startswith("rpc_")}
 
 
 def missing_attributes(obj: Any, owner: str, where: str = "instance") -> list[str]:
@@ -207,14 +263,113 @@ async def disconnect(p2p: P2P, peer_id: PeerID) -> None:
     await _private(p2p, "_client", "P2P").disconnect(peer_id)
 
 
-# ---- averaging ----
+# ---- averaging: parts held until every sender's is in ----
+
+class HeldPart(NamedTuple):
+    """One sender's part of the part index being averaged, as it arrived."""
+
+    sender: int
+    """The sender's index in the runner's `sender_peer_ids`."""
+    tensor: torch.Tensor
+    weight: float
+    """The weight the sender chose for it (`AveragingData.weight`)."""
+
+
+Screen = Callable[[int, Sequence[HeldPart]], dict[int, str]]
+"""(part index, held parts) -> {sender index: why its part is rejected}."""
+
+
+class HoldingReducer(TensorPartReducer):
+    """hivemind's TensorPartReducer (1.1.12), except that a part index's parts are held until every
+    current sender's has arrived, screened, and only then averaged.
+
+    hivemind adds each part to the sum as it arrives, so a part cannot be compared with the others
+    and a sender that sends garbage is in the average before anyone looks. Here `screen` sees all
+    the held parts of one index at once and names the senders to leave out. A part whose shape is
+    not the part's is rejected before `screen` sees it: hivemind would add a 1-element tensor to
+    the whole accumulator by broadcasting. A rejected sender is out from that part on, as a sender
+    hivemind bans (`sender_failed_after`); its pending `accumulate_part` raises BannedException,
+    so hivemind's runner ends its stream and bans it, and `on_sender_failed` then leaves the
+    counts alone (the sender is out already; hivemind's own would count it out a second time).
+
+    The accepted parts are summed into hivemind's accumulator in arrival order with their weights
+    and divided by the sum of the weights: with nothing rejected, the average is bit for bit the
+    one hivemind's reducer returns. Holding costs no memory: hivemind keeps each received part
+    alive until the average comes back anyway, to send the sender its difference."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, screen: Optional[Screen] = None):
+        self._held: list[HeldPart] = []
+        self.screen = screen
+        self.rejected: dict[int, str] = {}
+        """Senders left out, by sender index, with the reason."""
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        self._held = []
+        super().reset_accumulators()
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        """hivemind's, holding the part instead of adding it; raises BannedException to a sender the
+        screen rejected this part of."""
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            finished = asyncio.create_task(self.finished.wait())
+            try:
+                await asyncio.wait({self.current_part_future, finished}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                finished.cancel()
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        self._held.append(HeldPart(sender_index, tensor_part, float(weight)))
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        average = await current_part_future
+        if self.sender_failed_after[sender_index] <= part_index:
+            raise BannedException(f"sender {sender_index} was rejected: {self.rejected.get(sender_index, '?')}")
+        return average
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from != self.num_current_senders:
+            return
+        held, part_index = self._held, self.current_part_index
+        shape = self.part_shapes[part_index]
+        rejected = {part.sender: f"a part of shape {tuple(part.tensor.shape)}, expected {tuple(shape)}"
+                    for part in held if part.tensor.shape != shape}
+        if self.screen is not None:
+            screened = self.screen(part_index, [part for part in held if part.sender not in rejected])
+            rejected.update((sender, why) for sender, why in screened.items() if sender not in rejected)
+        for sender, why in rejected.items():
+            self.rejected.setdefault(sender, why)
+            self.sender_failed_after[sender] = min(self.sender_failed_after[sender], part_index)
+        for part in held:
+            if part.sender not in rejected:
+                self.accumulator.add_(part.tensor, alpha=part.weight)
+                self.denominator += part.weight
+        self.current_part_future.set_result(self.accumulator.div_(self.denominator))
+        self.reset_accumulators()
+
+    def on_sender_failed(self, sender_index: int) -> None:
+        if self.sender_failed_after[sender_index] != float("inf"):
+            return  # out already (rejected): not counted out of the current part a second time
+        super().on_sender_failed(sender_index)
+
+
+# ---- averaging: the runner ----
 
 class AdaptedRunner(AllReduceRunner):
     """hivemind's butterfly all-reduce with hooks and read-only views of what it lost.
 
     Subclasses override `after_part_sent`, `after_part_reduced` (awaited once per part, in the
-    averager process) and `on_reducer_failed` (values of a reducer's slice that fell back to
-    local values)."""
+    averager process), `on_reducer_failed` (values of a reducer's slice that fell back to local
+    values) and `screen_parts` (which senders' parts to leave out of an average)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -227,6 +382,10 @@ class AdaptedRunner(AllReduceRunner):
             self.on_reducer_failed(peer_index, container.failed_size - before)
 
         container.register_failed_reducer = register_failed_reducer
+        # No part has arrived yet (the round starts when the runner is iterated): swap the reducer.
+        stock = _private(self, "tensor_part_reducer", "AllReduceRunner")
+        self.tensor_part_reducer = HoldingReducer(stock.part_shapes, stock.num_senders, screen=self.screen_parts)
+        stock.finished.set()  # finalize() of an unused reducer would warn that it received 0% of its parts
 
     # hooks
 
@@ -238,6 +397,20 @@ class AdaptedRunner(AllReduceRunner):
 
     def on_reducer_failed(self, peer_index: int, values: int) -> None:
         """A reducer failed: `values` of its slice keep this peer's local values."""
+
+    def screen_parts(self, part_index: int, held: Sequence[HeldPart]) -> dict[int, str]:
+        """As a reducer, before averaging part `part_index`: the senders (by index, see
+        `local_sender`) whose parts to leave out, with the reason. Called in the averager process's
+        event loop with every current sender's part; keep it cheap."""
+        return {}
+
+    def map_outgoing_parts(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Send `fn(copy of part)` instead of each part this peer sends to other reducers; its own
+        slice keeps the true values (tests: a sender that poisons rounds). Call before the round."""
+        parts_by_peer = _private(self.tensor_part_container, "_input_parts_by_peer", "TensorPartContainer")
+        for peer_index, parts in enumerate(parts_by_peer):
+            if peer_index != self.index:
+                parts_by_peer[peer_index] = collections.deque((fn(part.clone()), info) for part, info in parts)
 
     # views
 
@@ -279,6 +452,19 @@ class AdaptedRunner(AllReduceRunner):
     def banned(self) -> list[str]:
         return sorted(peer.to_base58() for peer in self.banned_senders)
 
+    @property
+    def local_sender(self) -> Optional[int]:
+        """This peer's sender index (what `screen_parts` receives), None if it does not send."""
+        senders = list(self.sender_peer_ids)
+        return senders.index(self.peer_id) if self.peer_id in senders else None
+
+    def rejected(self) -> dict[str, str]:
+        """As a reducer: the senders whose parts the screen left out, with the reason."""
+        reducer = self.tensor_part_reducer
+        if not isinstance(reducer, HoldingReducer):
+            return {}
+        return {self.sender_peer_ids[index].to_base58(): why for index, why in reducer.rejected.items()}
+
     # overrides of hivemind's private methods
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[Any]:
@@ -292,11 +478,72 @@ class AdaptedRunner(AllReduceRunner):
             await self.after_part_reduced()
 
 
+# ---- averaging: who may call the averager ----
+
+MAX_GATHER_BYTES = 64 * 1024
+"""A join request's gathered metadata beyond this is refused undecoded (ours is under 1 KiB)."""
+
+
+def decode_gather(serializer: Any, data: bytes) -> Any:
+    """The user part of a peer's gathered metadata (hivemind sends `[bandwidth, mode, user
+    bytes]`), or None if it is not that."""
+    if not isinstance(data, bytes) or len(data) > MAX_GATHER_BYTES:
+        return None
+    try:
+        outer = serializer.loads(data)
+        if not isinstance(outer, (list, tuple)) or len(outer) != 3 or not isinstance(outer[2], bytes):
+            return None
+        return serializer.loads(outer[2])
+    except Exception:  # noqa: BLE001 - anything undecodable is simply not metadata
+        return None
+
+
+class _AdmissionWrapper:
+    """What the averager registers instead of itself: each averaging RPC asks the averager's
+    admission hooks first, and a refused peer gets a refusal before hivemind reads its request
+    (the servicer hook hivemind's own `utils/auth.py` AuthRPCWrapper uses)."""
+
+    def __init__(self, averager: AdaptedAverager, servicer: Any):
+        self._averager = averager
+        self._servicer = servicer
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        gathered = decode_gather(self._averager.serializer, request.gather)
+        if not await self._averager.admit_join(context.remote_id.to_base58(), gathered):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in self._servicer.rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self._averager.admit_part(context.remote_id.to_base58()):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in self._servicer.rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._averager.admit_state_request(context.remote_id.to_base58()):
+            return  # an empty stream: hivemind's own way of saying no state here
+        async for message in self._servicer.rpc_download_state(request, context):
+            yield message
+
+
+class GroupRefused(AllreduceException):
+    """This peer will not average with the group its leader assembled."""
+
+
 class AdaptedAverager(DecentralizedAverager):
-    """A DecentralizedAverager whose rounds can be keyed and sized per round and instrumented.
+    """A DecentralizedAverager whose rounds can be keyed and sized per round and instrumented, and
+    whose RPCs and groups pass admission hooks.
 
     Subclasses override `make_runner` (build the round's runner, an AdaptedRunner) and
-    `round_result` (what `step` returns); both run in the averager process."""
+    `round_result` (what `step` returns), and the admission hooks `admit_join`, `admit_part`,
+    `admit_state_request` and `check_group` (all admit everyone here); all run in the averager
+    process."""
 
     # host side
 
@@ -337,6 +584,37 @@ class AdaptedAverager(DecentralizedAverager):
     def round_result(self, gathered: dict[str, Any], runner: AllReduceRunner) -> Any:
         return gathered
 
+    async def admit_join(self, peer_id: str, gathered: Any) -> bool:
+        """May `peer_id` ask to join our group? `gathered` is the metadata it would bring (the
+        `gather` of its step, decoded; None if undecodable)."""
+        return True
+
+    async def admit_part(self, peer_id: str) -> bool:
+        """May `peer_id` send us parts to reduce? hivemind then checks it belongs to the group."""
+        return True
+
+    async def admit_state_request(self, peer_id: str) -> bool:
+        """May `peer_id` download the averager's state?"""
+        return True
+
+    def check_group(self, gathered: dict[str, Any]) -> Optional[str]:
+        """Before the all-reduce: why this peer refuses the group (every member's metadata by
+        base58 peer id, this peer's own included), or None to go ahead."""
+        return None
+
+    async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, *, namespace: Optional[str] = None,
+                               balanced: bool = False) -> None:
+        """Register the averaging RPCs behind `_AdmissionWrapper` (hivemind calls this in the
+        averager process, for averagers that are not clients). Fails closed: an RPC the wrapper
+        does not know would be served unchecked, so it refuses to serve at all."""
+        unchecked = rpc_names(type(self)) - set(ADMITTED_RPCS)
+        if unchecked:
+            raise HivemindIncompatible(
+                f"hivemind {hivemind.__version__}'s averager serves {', '.join(sorted(unchecked))}, which "
+                f"agora-node's admission check does not cover; install hivemind=={TESTED_VERSIONS[1]}")
+        await super().add_p2p_handlers(p2p, _AdmissionWrapper(self, wrapper or self), namespace=namespace,
+                                       balanced=balanced)
+
     async def _agora_set_round_group(self, group_bits: str, size: Optional[int], future: MPFuture) -> None:
         try:
             matchmaking = _private(self, "_matchmaking", "DecentralizedAverager")
@@ -351,12 +629,16 @@ class AdaptedAverager(DecentralizedAverager):
         future.set_result(missing_attributes(self, "DecentralizedAverager", "averager process"))
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> Any:
-        """hivemind's own (1.1.12), except that the runner comes from `make_runner` and the
-        result from `round_result`. Peers in AUX mode are not supported (we never use it)."""
+        """hivemind's own (1.1.12), except that `check_group` may refuse the group, the runner
+        comes from `make_runner` and the result from `round_result`. Peers in AUX mode are not
+        supported (we never use it)."""
         try:
             bandwidths, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))
             gathered = {peer.to_base58(): self.serializer.loads(data)
                         for peer, data in zip(group_info.peer_ids, user_gathered_bytes)}
+            refusal = self.check_group(gathered)
+            if refusal is not None:
+                raise GroupRefused(refusal)
             modes = [AveragingMode(mode) for mode in mode_ids]
             download_bandwidths = [thr if mode != AveragingMode.CLIENT else 0.0 for thr, mode in zip(bandwidths, modes)]
             peer_fractions = await asyncio.get_event_loop().run_in_executor(
@@ -375,6 +657,6 @@ class AdaptedAverager(DecentralizedAverager):
                     index += 1
             return self.round_result(gathered, runner)
         except BaseException as exc:
-            if isinstance(exc, Exception):
+            if isinstance(exc, Exception) and not isinstance(exc, GroupRefused):
                 logger.debug("all-reduce failed", exc_info=True)
             raise MatchmakingException(f"Unable to run All-Reduce: {exc}") from exc

@@ -204,6 +204,16 @@ class AveragingConfig(BaseModel):
         description="If set, a stage whose step has not moved for this long averages on a "
         "wall-clock cadence of this period (idle stages, tests).",
     )
+    max_norm_ratio: float = Field(
+        default=10.0, gt=1.0,
+        description="A reducer leaves out a sender's part whose norm is more than this many times "
+        "above or below its own part's (replicas' weights are close; garbage is not).",
+    )
+    max_sender_weight: float = Field(
+        default=1e9, gt=0,
+        description="A reducer leaves out a sender whose weight (samples since its last round) "
+        "is above this, or negative, or not finite.",
+    )
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> AveragingConfig:

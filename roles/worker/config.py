@@ -58,6 +58,9 @@ class WorkerConfig(BaseModel):
     test_averaging_stall_s: float = Field(
         default=0.0, ge=0, json_schema_extra=HIDDEN,
         description="TESTS ONLY: stall mid-round in every all-reduce for this long (fault injection)")
+    test_averaging_poison: Literal["", "nan", "huge"] = Field(
+        default="", json_schema_extra=HIDDEN,
+        description="TESTS ONLY: send NaN or huge parts to the other reducers in every all-reduce (fault injection)")
     test_state_chunk_delay_s: float = Field(
         default=0.0, ge=0, json_schema_extra=HIDDEN,
         description="TESTS ONLY: pause this long before serving each state chunk (a slow state download)")

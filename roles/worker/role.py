@@ -20,6 +20,7 @@ from hivemind.p2p import P2P
 
 from protocol import version
 from protocol.auth import PeerAuthenticator
+from protocol.auth_state import SharedAuthState
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import Phase, ProgressRecord, WorkerRecord, progress_key, workers_key
 from protocol.errors import ErrorCode, ProtocolError
@@ -60,7 +61,7 @@ class WorkerState(enum.Enum):
 
 class WorkerRole:
     def __init__(self, config: WorkerConfig, run: RunConfig, swarm: SwarmDHT, p2p: P2P, maddrs: list[str],
-                 authenticator: Optional[PeerAuthenticator] = None):
+                 authenticator: Optional[PeerAuthenticator] = None, auth_state: Optional[SharedAuthState] = None):
         self.config = config
         self.run_config = run
         self.swarm = swarm
@@ -104,7 +105,7 @@ class WorkerRole:
             reducer=config.reducer, local_step=lambda: self.optimizer.local_step, phase=lambda: self.phase,
             samples_processed=lambda: self.runtime.counters["backward_requests"], on_round=self._on_round,
             announce_period_s=config.announce_period_s, stall_s=config.test_averaging_stall_s,
-            stepped=self.runtime.stepped,
+            stepped=self.runtime.stepped, auth_state=auth_state, poison=config.test_averaging_poison,
         )
         self.state_server = StateServer(
             self.optimizer, self.layout, run_id=run.run_id, stage=config.stage,

@@ -11,22 +11,31 @@ from pathlib import Path
 import hivemind
 import pytest
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.p2p import P2P
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter
 
 from protocol import hivemind_adapter
 from protocol.hivemind_adapter import (
+    ADMITTED_RPCS,
     PRIVATE_API,
     TESTED_VERSIONS,
     AdaptedAverager,
     AdaptedRunner,
     HivemindIncompatible,
+    HoldingReducer,
     connect,
+    decode_gather,
     disconnect,
     missing_attributes,
     missing_private_api,
+    rpc_names,
     version_problem,
 )
+from protocol.identity import load_or_create_identity
 
 
 def test_the_installed_hivemind_is_the_tested_one():
@@ -127,7 +136,144 @@ def test_the_averager_process_has_what_the_adapter_reaches_into():
         dht.shutdown()
 
 
-def test_no_other_module_of_the_package_touches_them():
+def test_the_admission_wrapper_covers_every_rpc_the_averager_serves(monkeypatch):
+    assert rpc_names(DecentralizedAverager) == set(ADMITTED_RPCS)
+
+    async def rpc_new_thing(self, request: averaging_pb2.DownloadRequest, context) -> averaging_pb2.DownloadData:
+        return averaging_pb2.DownloadData()
+
+    class Unstarted(AdaptedAverager):
+        def __del__(self):
+            pass
+
+    monkeypatch.setattr(DecentralizedAverager, "rpc_new_thing", rpc_new_thing, raising=False)
+    assert any("rpc_new_thing would be served without the admission check" in p for p in missing_private_api())
+    with pytest.raises(HivemindIncompatible, match="rpc_new_thing"):
+        asyncio.run(object.__new__(Unstarted).add_p2p_handlers(None))
+
+
+class GuardedAverager(AdaptedAverager):
+    """Admits to a join only a request whose metadata says so, to parts and state only `friend`."""
+
+    friend = ""
+
+    async def admit_join(self, peer_id, gathered):
+        return gathered == {"let": "me in"}
+
+    async def admit_part(self, peer_id):
+        return peer_id == self.friend
+
+    async def admit_state_request(self, peer_id):
+        return peer_id == self.friend
+
+
+@pytest.mark.timeout(90)
+def test_every_averaging_rpc_asks_the_admission_hooks_first(tmp_path):
+    """On a real averager process, called from a plain hivemind P2P: a refused peer gets a refusal
+    (or, for state, an empty stream) before hivemind reads its request; an admitted one gets
+    hivemind's own answer."""
+    friend_identity = load_or_create_identity(str(tmp_path / "friend.key"))
+    dht = hivemind.DHT(start=True)
+    GuardedAverager.friend = friend_identity.peer_id.to_base58()
+    averager = GuardedAverager([torch.arange(8, dtype=torch.float32)], dht, prefix="guarded", start=False, daemon=True)
+    serializer = averager.serializer
+
+    async def ask(p2p, gather):
+        stub = GuardedAverager.get_stub(p2p, dht.peer_id, namespace="guarded")
+        join = await stub.rpc_join_group(averaging_pb2.JoinRequest(
+            schema_hash=b"x", expiration=get_dht_time() + 5, gather=gather, group_key="guarded.0b"))
+        part = await stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(
+            code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"no such group")))
+        state = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        replies = [[m async for m in aiter_with_timeout(stream, 10)] for stream in (join, part, state)]
+        return replies[0][0].code, replies[1][0].code, len(replies[2])
+
+    async def scene():
+        friend = await P2P.create(identity_path=friend_identity.path, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        stranger = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        address = [str(m).split("/p2p/")[0] for m in dht.get_visible_maddrs()]
+        try:
+            for p2p in (friend, stranger):
+                await connect(p2p, dht.peer_id, address)
+            welcome = serializer.dumps([0.0, 0, serializer.dumps({"let": "me in"})])
+            refused = await ask(stranger, serializer.dumps([0.0, 0, serializer.dumps({"let": "no"})]))
+            admitted = await ask(friend, welcome)
+            return refused, admitted
+        finally:
+            await friend.shutdown()
+            await stranger.shutdown()
+
+    try:
+        averager.start()
+        averager.wait_until_ready(30)
+        refused, admitted = asyncio.run(scene())
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+    assert refused == (averaging_pb2.PROTOCOL_VIOLATION, averaging_pb2.PROTOCOL_VIOLATION, 0)
+    # hivemind's own answers: not looking for a group, no such group, the state
+    assert admitted[:2] == (averaging_pb2.NOT_LOOKING_FOR_GROUP, averaging_pb2.BAD_GROUP_ID) and admitted[2] > 0
+    assert decode_gather(serializer, serializer.dumps([0.0, 0, serializer.dumps({"a": 1})])) == {"a": 1}
+    assert decode_gather(serializer, b"\x00" * 70_000) is None and decode_gather(serializer, b"\xc1") is None
+
+
+class ScreeningRunner(AdaptedRunner):
+    """Leaves out senders whose parts are not finite; `poison` sends NaN to the other reducers."""
+
+    def __init__(self, *, poison: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        if poison:
+            self.map_outgoing_parts(lambda part: part.fill_(float("nan")))
+
+    def screen_parts(self, part_index, held):
+        return {part.sender: "not finite" for part in held if not bool(torch.isfinite(part.tensor).all())}
+
+
+@pytest.mark.timeout(60)
+def test_a_reducer_leaves_a_poisoning_sender_out_and_the_round_completes_for_the_others():
+    async def scene():
+        daemons = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(3)]
+        try:
+            for i, p2p in enumerate(daemons):
+                for other in daemons[i + 1:]:
+                    await connect(p2p, other.peer_id, [str(m).split("/p2p/")[0] for m in await other.get_visible_maddrs()])
+            peers = [p2p.peer_id for p2p in daemons]
+            tensors = [torch.full((300,), float(i)) for i in range(3)]  # the poisoner is the third
+            runners = [ScreeningRunner(p2p=p2p, servicer_type=ScreeningRunner, prefix="screen-test", group_id=b"g",
+                                       tensors=[tensors[i].clone()], ordered_peer_ids=peers,
+                                       peer_fractions=(1 / 3, 1 / 3, 1 / 3), part_size_bytes=256, poison=i == 2,
+                                       sender_timeout=5.0, reducer_timeout=10.0)
+                       for i, p2p in enumerate(daemons)]
+            for p2p, runner in zip(daemons, runners):
+                await runner.add_p2p_handlers(p2p, namespace="screen-test")
+                assert isinstance(runner.tensor_part_reducer, HoldingReducer)
+                assert missing_attributes(runner.tensor_part_reducer, "TensorPartReducer") == []
+            sizes = runners[0].slice_sizes()
+
+            async def run(runner):
+                return [delta async for delta in runner]
+
+            deltas = await asyncio.gather(*(run(r) for r in runners), return_exceptions=True)
+            return runners, sizes, tensors, deltas, peers
+        finally:
+            for p2p in daemons:
+                await p2p.shutdown()
+
+    runners, sizes, tensors, deltas, peers = asyncio.run(scene())
+    poisoner = peers[2].to_base58()
+    honest_mean = (tensors[0] + tensors[1]) / 2
+    for i in (0, 1):
+        result = tensors[i] + deltas[i][0]
+        assert torch.isfinite(result).all(), "no NaN reached an honest replica"
+        start = sum(sizes[:i])
+        own_slice = slice(start, start + sizes[i])
+        assert torch.allclose(result[own_slice], honest_mean[own_slice]), "its own slice: the mean without the poisoner"
+        assert runners[i].rejected() == {poisoner: "not finite"}
+        assert poisoner in runners[i].banned()
+        received = runners[i].values_received()
+        assert received[poisoner] == 0 and received[peers[1 - i].to_base58()] == sizes[i]
+    assert runners[2].rejected() == {}, "the poisoner's own slice was reduced from honest parts"
+
     """The adapter is the only place: a private name anywhere else is a seam that breaks silently."""
     root = Path(hivemind_adapter.__file__).resolve().parent.parent
     private = sorted({part for name in PRIVATE_API for part in name.path.split(".") if part.startswith("_")})

@@ -9,8 +9,13 @@ records, inside the averager process, exactly what the report measures [report 5
 - reduce success: for this peer's own slice, how much of it each sender delivered before it
   finished or was banned.
 
-It also hosts the one fault a test needs to inject: stalling this peer mid-round, so a test can
-kill it while its peers wait for its next chunk.
+As a reducer it screens each part index's parts before averaging them (screening.py): a sender
+whose part is not finite, carries an absurd weight or has a norm far from ours is left out of the
+round from that part on, and `telemetry()` names it with the reason.
+
+It also hosts the two faults tests inject: stalling this peer mid-round, so a test can kill it
+while its peers wait for its next chunk, and poisoning the parts it sends to other reducers (NaN
+or a million times too large), so a test can watch them leave it out.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from protocol.hivemind_adapter import AdaptedRunner
+from protocol.hivemind_adapter import AdaptedRunner, HeldPart
+from roles.worker.averaging.screening import PartScreen
 
 logger = logging.getLogger(__name__)
 
@@ -28,14 +34,22 @@ logger = logging.getLogger(__name__)
 class InstrumentedRunner(AdaptedRunner):
     """An all-reduce runner that keeps count of what failed, readable through `telemetry()`."""
 
-    def __init__(self, *, stall_s: float = 0.0, label: str = "", **kwargs):
+    def __init__(self, *, stall_s: float = 0.0, label: str = "", screen: Optional[PartScreen] = None,
+                 poison: str = "", **kwargs):
         self.fell_back: dict[int, int] = {}
+        self.screen = screen
         super().__init__(**kwargs)
         self.started = time.monotonic()
         self.label = label
         self.stall_s = stall_s
         self._stall_logged = False
         self.sizes = self.slice_sizes()
+        if poison:
+            logger.warning("test fault: sending %s parts to the other reducers in %s", poison, label)
+            self.map_outgoing_parts(POISONS[poison])
+
+    def screen_parts(self, part_index: int, held: Sequence[HeldPart]) -> dict[int, str]:
+        return {} if self.screen is None else self.screen(held, self.local_sender)
 
     def on_reducer_failed(self, peer_index: int, values: int) -> None:
         self.fell_back[peer_index] = self.fell_back.get(peer_index, 0) + values
@@ -60,7 +74,8 @@ class InstrumentedRunner(AdaptedRunner):
         peers = self.peers
         reducer_view: Optional[dict[str, Any]] = None
         if self.sizes[self.index] > 0:
-            reducer_view = {"slice": self.sizes[self.index], "received": self.values_received(), "banned": self.banned()}
+            reducer_view = {"slice": self.sizes[self.index], "received": self.values_received(),
+                            "banned": self.banned(), "rejected": self.rejected()}
         return {
             "peers": peers,
             "modes": self.mode_names(),
@@ -69,3 +84,10 @@ class InstrumentedRunner(AdaptedRunner):
             "reducer": reducer_view,
             "allreduce_s": time.monotonic() - self.started,
         }
+
+
+POISONS = {
+    "nan": lambda part: part.fill_(float("nan")),
+    "huge": lambda part: part.mul_(1e6).add_(1e3),
+}
+"""Test faults (AGORA_TEST_AVERAGING_POISON): what a poisoning sender sends instead of a part."""

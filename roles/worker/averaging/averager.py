@@ -5,19 +5,24 @@ the stage averages one buffer of `ceil(numel / segments)` float32 values, which 
 from that round's index set. It runs in a forked process and must be started before the node
 starts threads of its own (docs/architecture.md, 'Processes and threads').
 
-`SpartaAverager` changes three things in the child process and nothing else (the hooks it
+`SpartaAverager` changes four things in the child process and nothing else (the hooks it
 uses are protocol/hivemind_adapter.py's, the one place that touches hivemind's private API):
-- the all-reduce runs through `InstrumentedRunner`, and a step returns what it saw;
+- the all-reduce runs through `InstrumentedRunner`, which screens the parts it reduces, and a
+  step returns what it saw;
 - the group key's bits are set per round from the index-set digest, so replicas whose index sets
   differ never meet (hivemind's schema hash only checks shapes);
 - the target group size follows the stage's workers seen in the DHT, so a group assembles as
-  soon as everyone is in instead of at the end of the matchmaking window.
+  soon as everyone is in instead of at the end of the matchmaking window;
+- in an authenticated run, only credentialed workers of the stage get an answer, and a group
+  with anyone else in it is refused (access.py); each round's gathered metadata carries the
+  replica's credential for that.
 Reducers (`--reducer`) run in hivemind's node mode; contributors in client mode only send
 [report 3.3.1.8].
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -28,7 +33,9 @@ from hivemind.utils import MPFuture
 
 from protocol.hivemind_adapter import AdaptedAverager
 from protocol.run_config import AveragingConfig
+from roles.worker.averaging.access import CREDENTIAL_KEY, AveragingAccess, AveragingRefused, Refusal
 from roles.worker.averaging.allreduce import InstrumentedRunner
+from roles.worker.averaging.screening import PartScreen
 from roles.worker.errors import AveragingError
 
 logger = logging.getLogger(__name__)
@@ -38,8 +45,16 @@ class SpartaAverager(AdaptedAverager):
     """The averager process: rounds run through `InstrumentedRunner` and report what they saw
     (see module docstring)."""
 
-    def __init__(self, buffer: torch.Tensor, dht, *, stall_s: float = 0.0, **kwargs):
+    def __init__(self, buffer: torch.Tensor, dht, *, stall_s: float = 0.0, access: Optional[AveragingAccess] = None,
+                 screen: Optional[PartScreen] = None, poison: str = "", admission_wait_s: float = 5.0, **kwargs):
         self.stall_s = stall_s
+        self.access = access
+        self.screen = screen
+        self.poison = poison
+        self.admission_wait_s = admission_wait_s
+        """How long a part from a peer not yet verified waits for our check of its group (it may
+        have heard the group's start from the leader before we did)."""
+        self._verified_now: Optional[asyncio.Event] = None
         super().__init__([buffer], dht, start=False, **kwargs)
 
     def run(self) -> None:
@@ -54,10 +69,81 @@ class SpartaAverager(AdaptedAverager):
     def make_runner(self, gathered: dict[str, Any], **runner_kwargs) -> InstrumentedRunner:
         own = gathered.get(self.peer_id.to_base58()) or {}
         label = f"{own.get('kind', '?')} round {own.get('round', '?')}"
-        return InstrumentedRunner(stall_s=self.stall_s, label=label, **runner_kwargs)
+        return InstrumentedRunner(stall_s=self.stall_s, label=label, screen=self.screen, poison=self.poison,
+                                  **runner_kwargs)
 
     def round_result(self, gathered: dict[str, Any], runner: InstrumentedRunner) -> dict[str, Any]:
-        return {"gathered": gathered, "telemetry": runner.telemetry()}
+        plain = {peer: {k: v for k, v in data.items() if k != CREDENTIAL_KEY} if isinstance(data, dict) else data
+                 for peer, data in gathered.items()}
+        return {"gathered": plain, "telemetry": runner.telemetry()}
+
+    # admission (access.py); everyone is admitted in an open run
+
+    async def admit_join(self, peer_id: str, gathered: Any) -> bool:
+        return self._verify(peer_id, gathered, "join request")
+
+    async def admit_part(self, peer_id: str) -> bool:
+        if self.access is None:
+            return True
+        deadline = asyncio.get_running_loop().time() + self.admission_wait_s
+        while not self.access.is_verified(peer_id):
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                self.access.refuse(Refusal.UNVERIFIED, f"all-reduce part from {peer_id}, which is in no group we "
+                                                       f"checked")
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._verification_event().wait(), remaining)
+        return True
+
+    async def admit_state_request(self, peer_id: str) -> bool:
+        if self.access is None or self.access.is_verified(peer_id):
+            return True
+        self.access.refuse(Refusal.UNVERIFIED, f"state request from {peer_id}, which is in no group we checked")
+        return False
+
+    def check_group(self, gathered: dict[str, Any]) -> Optional[str]:
+        if self.access is None:
+            return None
+        me = self.peer_id.to_base58()
+        refused = {}
+        for peer, metadata in gathered.items():
+            if peer == me:
+                continue
+            try:
+                self.access.verify(peer, metadata)
+            except AveragingRefused as exc:
+                refused[peer] = exc
+        if not refused:
+            self._verified()
+            return None
+        members = "; ".join(f"{peer}: {exc}" for peer, exc in refused.items())
+        self.access.refuse(Refusal.GROUP, f"a group of {len(gathered)} with {len(refused)} member(s) that are "
+                                          f"not workers of stage {self.access.stage} ({members})")
+        return (f"refused the group: {len(refused)} of its {len(gathered)} members are not credentialed workers of "
+                f"stage {self.access.stage} ({', '.join(f'{p[-6:]}: {e.reason.value}' for p, e in refused.items())})")
+
+    def _verify(self, peer_id: str, metadata: Any, what: str) -> bool:
+        if self.access is None:
+            return True
+        try:
+            self.access.verify(peer_id, metadata)
+        except AveragingRefused as exc:
+            self.access.refuse(exc.reason, f"{what} from {peer_id}: {exc}")
+            return False
+        self._verified()
+        return True
+
+    def _verification_event(self) -> asyncio.Event:
+        if self._verified_now is None:
+            self._verified_now = asyncio.Event()
+        return self._verified_now
+
+    def _verified(self) -> None:
+        """Wake the parts waiting for a check: each looks again whether its sender is verified now."""
+        event, self._verified_now = self._verified_now, None
+        if event is not None:
+            event.set()
 
 
 def averaging_prefix(run_id: str, stage: int) -> str:
@@ -70,13 +156,19 @@ class StageAverager:
     and size, one step at a time, and shutdown."""
 
     def __init__(self, dht, buffer_size: int, *, run_id: str, stage: int, reducer: bool,
-                 config: AveragingConfig, stall_s: float = 0.0):
+                 config: AveragingConfig, stall_s: float = 0.0, access: Optional[AveragingAccess] = None,
+                 poison: str = ""):
         self.config = config
         self.reducer = reducer
+        self.access = access
         self.buffer = torch.zeros(max(1, buffer_size), dtype=torch.float32)
         self.process = SpartaAverager(
             self.buffer, dht,
             stall_s=stall_s,
+            access=access,
+            screen=PartScreen(config.max_norm_ratio, config.max_sender_weight),
+            poison=poison,
+            admission_wait_s=config.sender_timeout_s,
             prefix=averaging_prefix(run_id, stage),
             client_mode=not reducer,
             min_group_size=2,
@@ -127,7 +219,13 @@ class StageAverager:
 
     def begin_step(self, weight: float, gather: dict[str, Any]):
         """Start matchmaking for one round and return its control; the all-reduce waits for
-        `finish_step`, so the caller fills the buffer while the group forms."""
+        `finish_step`, so the caller fills the buffer while the group forms. In an authenticated
+        run the gathered metadata also carries this node's credential (access.py)."""
+        if self.access is not None:
+            credential = self.access.credential_bytes()
+            if not credential:
+                raise AveragingError("this node has no credential to average with (the trust directory lost it)")
+            gather = {**gather, CREDENTIAL_KEY: credential}
         return self.process.step(weight=float(weight), gather=gather, timeout=self.matchmaking_deadline_s(),
                                  allow_retries=False, require_trigger=True, wait=False)
 
@@ -157,6 +255,10 @@ class StageAverager:
                 raise AveragingError(f"the averager held its buffer for more than {timeout_s:.0f}s; "
                                      "a previous all-reduce is still running")
             yield self.buffer
+
+    def refusals(self) -> dict[str, int]:
+        """Averaging requests and groups refused so far, by reason (access.py)."""
+        return {} if self.access is None else self.access.refusals()
 
     def shutdown(self) -> None:
         if self.process.is_alive():

@@ -11,7 +11,9 @@ network part. A reducer slice that failed comes back as a zero delta (hivemind k
 there), so the replica keeps its own, advanced weights for it.
 
 The outcome records what the report measures per round and per peer [report 5.7.1.1] (reduce and
-averaging success, group size against the stage's workers, duration, why it was not complete).
+averaging success, group size against the stage's workers, duration, why it was not complete),
+and names the senders this replica, as a reducer, left out of the average for sending garbage
+(screening.py) among the round's banned senders.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class RoundOutcome:
     failure_reason: str = ""
     failed_slices: list[FailedSliceRecord] = field(default_factory=list)
     banned_senders: list[str] = field(default_factory=list)
+    """Senders this reducer averaged without: banned by hivemind (too slow, gone) or rejected."""
+    rejected_senders: dict[str, str] = field(default_factory=dict)
+    """Of those, the ones whose parts were rejected (not finite, absurd weight or norm), with why."""
     mismatched_peers: list[str] = field(default_factory=list)
     delta_sq: float = 0.0
     average_sq: float = 0.0
@@ -212,15 +217,20 @@ class SegmentRound:
             start += size
         averaging_success = max(0.0, 1.0 - failed_total / buffer_size)
 
-        reduce_success, banned = None, []
+        reduce_success, banned, rejected = None, [], {}
         view = telemetry.get("reducer")
         if view is not None and view["received"]:
             expected = view["slice"] * len(view["received"])
             reduce_success = sum(view["received"].values()) / expected if expected else 1.0
-            banned = list(view["banned"])
-            if banned:
-                reasons.append(f"banned sender(s) {', '.join(_short(p) for p in banned)}")
-            elif reduce_success < 1.0:
+            rejected = dict(view.get("rejected") or {})
+            banned = sorted(set(view["banned"]) | set(rejected))
+            if rejected:
+                named = ", ".join(f"{_short(peer)} ({why})" for peer, why in sorted(rejected.items()))
+                reasons.append(f"rejected sender(s) {named}")
+            others = [p for p in banned if p not in rejected]
+            if others:
+                reasons.append(f"banned sender(s) {', '.join(_short(p) for p in others)}")
+            elif reduce_success < 1.0 and not rejected:
                 reasons.append(f"received {100 * reduce_success:.1f}% of this reducer's slice")
         mismatched = [peer for peer, data in gathered.items()
                       if not isinstance(data, dict) or data.get("digest") != index_set.digest]
@@ -238,7 +248,8 @@ class SegmentRound:
         return RoundOutcome(
             plan, index_set.digest, status, duration_s, group=peers, reduce_success=reduce_success,
             averaging_success=averaging_success, failure_reason="; ".join(reasons), failed_slices=failed_slices,
-            banned_senders=banned, mismatched_peers=mismatched, allreduce_s=telemetry.get("allreduce_s"),
+            banned_senders=banned, rejected_senders=rejected, mismatched_peers=mismatched,
+            allreduce_s=telemetry.get("allreduce_s"),
         )
 
 

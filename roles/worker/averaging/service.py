@@ -6,7 +6,8 @@ without a reducer, skips the round and says why. A replica's weight is the numbe
 processed since its last round, at least 1 while it is active (so an idle stage still averages),
 and 0 in a sync phase [report 3.3.1.1]. Each round's outcome goes to the log, to the
 `{run}/stage/{s}/averaging` record (with the last rounds and counters) and to the
-self-protection rule (health.py).
+self-protection rule (health.py). In an authenticated run only the stage's credentialed workers
+may average with the replica (access.py); the requests and groups it refused are counted.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from protocol.auth_state import SharedAuthState
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, WorkerRecord, averaging_key, workers_key
 from roles.announcer import Announcer
 from roles.periodic import Signal, every
 from protocol.run_config import AveragingConfig
+from roles.worker.averaging.access import AveragingAccess
 from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.health import RoundHealth, Verdict
 from roles.worker.averaging.index_sets import SegmentIndexSets
@@ -92,7 +95,8 @@ class AveragingService:
                  store: ParameterStore, index_sets: SegmentIndexSets, reducer: bool,
                  local_step: Callable[[], int], phase: Callable[[], Phase], samples_processed: Callable[[], int],
                  on_round: Callable[[RoundOutcome], None] = lambda outcome: None,
-                 announce_period_s: float = 5.0, stall_s: float = 0.0, stepped: Optional[Signal] = None):
+                 announce_period_s: float = 5.0, stall_s: float = 0.0, stepped: Optional[Signal] = None,
+                 auth_state: Optional[SharedAuthState] = None, poison: str = ""):
         self.config = config
         self.swarm = swarm
         self.run_id = run_id
@@ -105,6 +109,9 @@ class AveragingService:
         self.samples_processed = samples_processed
         self.on_round = on_round
         self.stall_s = stall_s
+        self.poison = poison
+        self.access = AveragingAccess(auth_state, stage) if auth_state is not None else None
+        """Who may average with us (None in an open run: everyone)."""
         self.state = AveragingState.CREATED if config.enabled else AveragingState.DISABLED
         self.averager: Optional[StageAverager] = None
         self.rounds: Optional[SegmentRound] = None
@@ -114,7 +121,7 @@ class AveragingService:
         """Fired once `leave_reason` is set: the worker must leave its stage."""
         self.stepped = stepped
         """The runtime's step signal: a step round can only fall due when it fires."""
-        self.counters: collections.Counter[str] = collections.Counter()
+        self._counts: collections.Counter[str] = collections.Counter()
         self.recent: collections.deque[RoundOutcome] = collections.deque(maxlen=RECENT_ROUNDS)
         self.history: collections.deque[RoundOutcome] = collections.deque(maxlen=128)
         self.announcer = Announcer(swarm, averaging_key(run_id, stage), self.record, period_s=announce_period_s)
@@ -131,7 +138,8 @@ class AveragingService:
         if self.state == AveragingState.DISABLED:
             return
         self.averager = StageAverager(dht, self.index_sets.buffer_size, run_id=self.run_id, stage=self.stage,
-                                      reducer=self.reducer, config=self.config, stall_s=self.stall_s)
+                                      reducer=self.reducer, config=self.config, stall_s=self.stall_s,
+                                      access=self.access, poison=self.poison)
         self.averager.start()
         self.rounds = SegmentRound(self.store, self.index_sets, self.averager)
         self._thread = _SerialThread(f"stage{self.stage}-averaging")
@@ -237,7 +245,7 @@ class AveragingService:
             raise
         except Exception:
             logger.exception("averaging round %s %d crashed", kind, round_id)
-            self.counters["rounds_crashed"] += 1
+            self._counts["rounds_crashed"] += 1
         finally:
             if self.state == AveragingState.RUNNING:
                 self.state = AveragingState.READY
@@ -299,14 +307,16 @@ class AveragingService:
             and record.round == outcome.plan.round and record.digest and record.digest != outcome.digest
         )
         if mismatched:
-            self.counters["index_set_mismatches"] += len(mismatched)
+            self._counts["index_set_mismatches"] += len(mismatched)
             outcome.mismatched_peers = sorted(set(outcome.mismatched_peers) | set(mismatched))
             logger.warning("%d peer(s) of stage %d use another index set for %s round %d (%s); they were left out "
                            "of the round: check that they run the same run config and agora-node version",
                            len(mismatched), self.stage, outcome.plan.kind, outcome.plan.round, ", ".join(mismatched))
 
     def _finish(self, outcome: RoundOutcome) -> None:
-        self.counters[f"rounds_{outcome.status.value}"] += 1
+        self._counts[f"rounds_{outcome.status.value}"] += 1
+        if outcome.rejected_senders:
+            self._counts["senders_rejected"] += len(outcome.rejected_senders)
         self.recent.append(outcome)
         self.history.append(outcome)
         if outcome.status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL):
@@ -323,20 +333,33 @@ class AveragingService:
 
     # ---- reporting ----
 
+    def refusals(self) -> dict[str, int]:
+        """Averaging requests and groups the averager process refused, by reason (access.py)."""
+        return self.access.refusals() if self.access is not None else {}
+
+    @property
+    def counters(self) -> collections.Counter[str]:
+        """Round counters, and the refusals as `averaging_refused_<reason>` (for `agora/v1/info`)."""
+        counters = collections.Counter(self._counts)
+        counters.update({f"averaging_refused_{reason}": n for reason, n in self.refusals().items()})
+        return counters
+
     def record(self) -> AveragingRecord:
         kind, round_id, segment, digest = self._current
         return AveragingRecord(
             reducer=self.reducer, phase=self.phase(), round_kind=kind, round=round_id, segment=segment, digest=digest,
-            rounds_complete=self.counters["rounds_complete"], rounds_partial=self.counters["rounds_partial"],
-            rounds_failed=self.counters["rounds_failed"], rounds_skipped=self.counters["rounds_skipped"],
+            rounds_complete=self._counts["rounds_complete"], rounds_partial=self._counts["rounds_partial"],
+            rounds_failed=self._counts["rounds_failed"], rounds_skipped=self._counts["rounds_skipped"],
             recent=[outcome.to_record() for outcome in self.recent],
         )
 
     def summary(self) -> dict:
-        """Counters and the last (up to 128) rounds, for the node's exit summary."""
+        """Counters, refusals and the last (up to 128) rounds, for the node's exit summary."""
         return {
             "state": self.state.value,
             "reducer": self.reducer,
             "counters": dict(self.counters),
-            "rounds": [outcome.to_record().model_dump(mode="json") for outcome in self.history],
+            "refused": self.refusals(),
+            "rounds": [{**outcome.to_record().model_dump(mode="json"), "rejected_senders": outcome.rejected_senders}
+                       for outcome in self.history],
         }
