@@ -31,6 +31,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 9  # the computation failed on the worker (its bug, not the caller's)
     UNAUTHENTICATED = 10  # missing or invalid credential or signature
     FRAME_TOO_LARGE = 11  # frame exceeds the handler's size limit
+    RATE_LIMITED = 12  # the peer holds too many streams or buffered bytes; close idle streams or retry later
 
 
 class AgoraError(Exception):

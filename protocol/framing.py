@@ -23,19 +23,29 @@ class FrameTooLarge(ProtocolError):
         super().__init__(f"frame of {length} bytes exceeds the {limit}-byte limit", ErrorCode.FRAME_TOO_LARGE)
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
-    """Read one frame. Raises PeerUnavailable on a clean or unclean close, FrameTooLarge on a bad header."""
+async def read_length(reader: asyncio.StreamReader) -> int:
+    """Read a frame's length prefix. Raises PeerUnavailable on a clean or unclean close."""
     try:
         header = await reader.readexactly(_HEADER.size)
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
         raise PeerUnavailable("stream closed by peer") from exc
-    (length,) = _HEADER.unpack(header)
-    if length > max_bytes:
-        raise FrameTooLarge(length, max_bytes)
+    return _HEADER.unpack(header)[0]
+
+
+async def read_payload(reader: asyncio.StreamReader, length: int) -> bytes:
+    """Read the `length` bytes of a frame whose prefix was read (and checked) already."""
     try:
         return await reader.readexactly(length)
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
         raise PeerUnavailable("stream closed in the middle of a frame") from exc
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
+    """Read one frame. Raises PeerUnavailable on a clean or unclean close, FrameTooLarge on a bad header."""
+    length = await read_length(reader)
+    if length > max_bytes:
+        raise FrameTooLarge(length, max_bytes)
+    return await read_payload(reader, length)
 
 
 async def write_frame(writer: asyncio.StreamWriter, payload: bytes) -> None:

@@ -14,8 +14,6 @@ Construction validates too: on a model built from local tensors it costs about a
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Annotated, Any, Optional
 
 import torch
@@ -43,29 +41,48 @@ class ErrorBody(WireModel):
     message: str = Field(max_length=2048)
 
 
-class Envelope(WireModel):
-    """Outer frame of every request. The body travels as packed bytes so that a signature can
-    cover exactly the bytes that were sent; authenticated runs add the sender's credential, the
-    recipient and the signature (protocol/auth.py)."""
+class Hello(WireModel):
+    """The first frame of every stream, at most HELLO_MAX_BYTES (protocol/stream_limits.py): which
+    handler the stream is for and, in authenticated runs, who is calling. The server reads
+    nothing else from the stream until the hello checks out (protocol/auth.py)."""
 
     version: int
+    handler: str = Field(max_length=128)
     nonce: bytes = Field(min_length=8, max_length=64)
     timestamp: float
-    body: bytes
     recipient: Optional[str] = Field(default=None, max_length=128)
-    credential: Optional[bytes] = Field(default=None, max_length=8192)
+    credential: Optional[bytes] = Field(default=None, max_length=2048)
     signature: Optional[bytes] = Field(default=None, max_length=128)
 
 
-class ReplyEnvelope(WireModel):
-    """Outer frame of every reply: a packed body (signed by the server in authenticated runs)
-    or a typed error."""
+class HelloAck(WireModel):
+    """The server's answer to a hello: accepted (signed by the server in authenticated runs, so
+    the client knows who serves it) or a typed error, after which the server closes the stream."""
 
     version: int
     ok: bool
-    body: Optional[bytes] = None
-    error: Optional[ErrorBody] = None
+    idle_timeout_s: Optional[float] = None
+    """The server closes the stream after this long without a request; clients stop reusing it earlier."""
+    credential: Optional[bytes] = Field(default=None, max_length=2048)
     signature: Optional[bytes] = Field(default=None, max_length=128)
+    error: Optional[ErrorBody] = None
+
+
+class RequestFrame(WireModel):
+    """Every frame after the hello: a request body, numbered. The libp2p channel binds the stream
+    to the peer the hello authenticated; the numbers keep replayed or reordered frames out."""
+
+    seq: int = Field(ge=1)
+    body: dict
+
+
+class ReplyFrame(WireModel):
+    """The reply to request `seq`: a body, or a typed error."""
+
+    seq: int = Field(ge=0)
+    ok: bool
+    body: Optional[dict] = None
+    error: Optional[ErrorBody] = None
 
 
 SampleId = Annotated[str, Field(min_length=1, max_length=128)]
@@ -147,27 +164,17 @@ def to_body(model: WireModel) -> dict:
     return model.model_dump(exclude_none=True)
 
 
-def make_envelope(body: dict) -> dict:
-    """An unauthenticated request envelope around `body` (open runs and tests)."""
-    return {"version": PROTOCOL_VERSION, "nonce": os.urandom(16), "timestamp": time.time(), "body": pack(body)}
-
-
-def open_body(packed: bytes) -> dict:
-    """Unpack a request or reply body from untrusted bytes; it must be a map."""
-    body = unpack(packed)
-    if not isinstance(body, dict):
-        raise ProtocolError("body must be a map", ErrorCode.INVALID_REQUEST)
-    return body
-
-
-def parse_envelope(raw: Any) -> Envelope:
-    """Validate the outer request frame of untrusted input."""
+def parse_frame(model: type[WireModel], frame: bytes) -> Any:
+    """Decode one stream frame (a hello, an ack, a request or a reply) from untrusted bytes.
+    A frame of another protocol version is refused with UNSUPPORTED_VERSION, naming the fix."""
+    raw = unpack(frame)
     if not isinstance(raw, dict):
-        raise ProtocolError("envelope must be a map", ErrorCode.MALFORMED_FRAME)
+        raise ProtocolError(f"{model.__name__} frame must be a map", ErrorCode.MALFORMED_FRAME)
     version = raw.get("version")
     if isinstance(version, int) and version not in SUPPORTED_PROTOCOL_VERSIONS:
-        raise ProtocolError(f"protocol version {version} is not supported", ErrorCode.UNSUPPORTED_VERSION)
-    return parse_model(Envelope, raw, ErrorCode.MALFORMED_FRAME)
+        raise ProtocolError(f"protocol version {version} is not supported (this node speaks "
+                            f"{PROTOCOL_VERSION}); upgrade the older node", ErrorCode.UNSUPPORTED_VERSION)
+    return parse_model(model, raw, ErrorCode.MALFORMED_FRAME)
 
 
 def parse_model(model: type[WireModel], raw: Any, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> Any:

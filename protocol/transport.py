@@ -1,40 +1,55 @@
 """Request/reply RPC over long-lived libp2p binary streams (hivemind's P2P wrapped behind our API).
 
+A stream is a session. Its first frame is a hello (protocol/messages.py `Hello`, at most
+HELLO_MAX_BYTES): the handler it is for and, in authenticated runs, the caller's credential,
+signed (protocol/auth.py). The server reads nothing else from the stream until the hello checks
+out, answers with an ack (signed in authenticated runs) or a typed error, and then serves
+numbered requests on it one at a time. A client keeps a pool of idle streams per (peer, handler),
+so concurrent callers (a trainer's lanes) use parallel streams and a stream is reused for the
+next request; it sends its hello and first request back to back, so a new stream costs no extra
+round trip.
+
 A server handler receives the verified remote peer id and a decoded body and returns its reply,
 a wire model (protocol/messages.py) or a plain map. A client sends a wire model with `request`
-and gets the reply validated into its model, or a plain map with `call`. Each stream carries one
-request at a time; a client keeps a pool of idle streams per (peer, handler), so concurrent
-callers (a trainer's lanes) use parallel streams and a stream is reused for the next request
-instead of paying a new libp2p stream per sample.
+and gets the reply validated into its model, or a plain map with `call`.
 
-Hostile input never escapes a handler: it is answered with a typed error reply, counted by
-code, and the stream keeps serving unless its framing is broken beyond repair.
+Hostile input never escapes a handler: it is answered with a typed error reply, counted by code,
+and the stream keeps serving unless its framing or its authentication is broken. What one peer
+may hold (streams, unauthenticated streams, buffered bytes, idle time) is bounded by
+protocol/stream_limits.py; refusals and closes are counted by reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
+import os
+import time
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional, TypeVar, Union
 
 from hivemind.p2p import P2P, PeerID
 
 from protocol import hivemind_adapter
-from protocol.codec import pack, unpack
-from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
-from protocol.framing import DEFAULT_MAX_FRAME_BYTES, FrameTooLarge, read_frame, write_frame
 from protocol.auth import PeerAuthenticator, RequestRejected
+from protocol.codec import pack
+from protocol.credentials import Credential
+from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
+from protocol.framing import DEFAULT_MAX_FRAME_BYTES, read_frame, read_length, read_payload, write_frame
 from protocol.messages import (
     ErrorBody,
-    ReplyEnvelope,
+    Hello,
+    HelloAck,
+    ReplyFrame,
+    RequestFrame,
     WireModel,
-    make_envelope,
-    open_body,
-    parse_envelope,
+    parse_frame,
     parse_model,
     to_body,
 )
+from protocol.stream_limits import HELLO_MAX_BYTES, StreamBudget, StreamLimits
 from protocol.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
@@ -42,9 +57,36 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[PeerID, dict], Awaitable[Union[dict, WireModel]]]
 M = TypeVar("M", bound=WireModel)
 
+_CLOSING_CODES = frozenset({ErrorCode.UNAUTHENTICATED, ErrorCode.RATE_LIMITED, ErrorCode.FRAME_TOO_LARGE})
+"""Error replies after which the server closes the stream: the client must not pool it."""
 
-def _error_reply(code: ErrorCode, message: str) -> bytes:
-    return pack({"version": PROTOCOL_VERSION, "ok": False, "error": {"code": int(code), "message": message[:2048]}})
+
+LINGER_S = 1.0
+LINGER_MAX_BYTES = 1 << 20
+"""After refusing a stream, how long and how much the server keeps reading (and dropping) so the
+client can read the refusal."""
+
+
+async def _discard_until_eof(reader: asyncio.StreamReader, limit: int) -> None:
+    while limit > 0:
+        chunk = await reader.read(min(limit, 65536))
+        if not chunk:
+            return
+        limit -= len(chunk)
+
+
+def _error(code: ErrorCode, message: str, **fields) -> bytes:
+    return pack({"version": PROTOCOL_VERSION, **fields, "ok": False,
+                 "error": {"code": int(code), "message": message[:2048]}})
+
+
+def hello_frame(handler: str, recipient: str, authenticator: Optional[PeerAuthenticator] = None) -> tuple[bytes, bytes]:
+    """The first frame of a stream to `recipient` for `handler`, and its nonce (the ack answers it)."""
+    if authenticator is not None:
+        fields = authenticator.hello(handler, recipient)
+    else:
+        fields = {"nonce": os.urandom(16), "timestamp": time.time(), "recipient": recipient}
+    return pack({"version": PROTOCOL_VERSION, "handler": handler, **fields}), fields["nonce"]
 
 
 async def dial(p2p: P2P, peer_id: PeerID, maddrs: list[str], timeout_s: float = 10.0) -> None:
@@ -56,23 +98,59 @@ async def dial(p2p: P2P, peer_id: PeerID, maddrs: list[str], timeout_s: float = 
         await asyncio.wait_for(hivemind_adapter.connect(p2p, peer_id, addresses), timeout_s)
 
 
-class RpcServer:
-    """Serves `agora/v1/*` handlers on a P2P instance and counts every rejected request.
+@dataclass(eq=False)
+class _Session:
+    """One incoming stream, as the server tracks it."""
 
-    With an authenticator, every request must pass its checks before the handler sees it, and
-    only credentials of the roles a handler allows get through; replies are signed.
+    peer: str
+    writer: asyncio.StreamWriter
+    deadline: Optional[float]
+    """Monotonic time by which the next thing must happen, or None while a request is in flight."""
+    waiting_for: str = "hello_timeout"
+    """What the deadline is for, counted when it passes: hello_timeout, idle_timeout or frame_timeout."""
+    authenticated: bool = False
+    credential: Optional[Credential] = None
+    seq: int = 0
+    reserved: int = 0
+    """Bytes of the frame being read, reserved against the peer's budget."""
+
+
+class RpcServer:
+    """Serves `agora/v1/*` handlers on a P2P instance and counts every refused request.
+
+    With an authenticator, every stream must open with a valid hello before anything else is
+    read, only credentials of the roles a handler allows get through, and the credential is
+    re-checked (expiry, revocation) before each request.
     """
 
     def __init__(self, p2p: P2P, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 authenticator: Optional[PeerAuthenticator] = None):
+                 authenticator: Optional[PeerAuthenticator] = None, limits: Optional[StreamLimits] = None):
         self.p2p = p2p
         self.max_frame_bytes = max_frame_bytes
         self.authenticator = authenticator
+        self.limits = limits or StreamLimits()
+        self.budget = StreamBudget(self.limits)
         self.rejected: collections.Counter[str] = collections.Counter()
+        """Error replies sent, by error code."""
         self.auth_rejected: collections.Counter[str] = collections.Counter()
+        """Authentication failures, by reason (no_credential, bad_signature, replayed, ...)."""
+        self.streams_refused: collections.Counter[str] = collections.Counter()
+        """Streams or frames refused by the limits, by reason (too_many_streams, over_byte_budget, ...)."""
+        self.streams_closed: collections.Counter[str] = collections.Counter()
+        """Streams the server closed on its own, by reason (idle_timeout, hello_timeout, expired, ...)."""
         self.served: collections.Counter[str] = collections.Counter()
         self._names: list[str] = []
-        self._streams: set[asyncio.StreamWriter] = set()
+        self._sessions: set[_Session] = set()
+        self._sweeper: Optional[asyncio.Task] = None
+
+    def counters(self) -> dict[str, int]:
+        """Everything refused or closed, flat, for `agora/v1/info`."""
+        flat = {f"rejected_{k}": v for k, v in self.rejected.items()}
+        flat.update({f"auth_rejected_{k}": v for k, v in self.auth_rejected.items()})
+        flat.update({f"streams_refused_{k}": v for k, v in self.streams_refused.items()})
+        flat.update({f"streams_closed_{k}": v for k, v in self.streams_closed.items()})
+        flat["streams_open"] = len(self._sessions)
+        return flat
 
     async def add_handler(self, name: str, handler: Handler, *, roles: Optional[frozenset[str]] = None) -> None:
         """Serve `name`; `roles` limits which credential roles may call it (authenticated runs)."""
@@ -87,19 +165,22 @@ class RpcServer:
 
         await self.p2p.add_binary_stream_handler(name, on_stream)
         self._names.append(name)
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep(), name="rpc-stream-sweeper")
 
-    async def _serve_stream(self, name, handler, roles, peer_id, reader, writer) -> None:
-        self._streams.add(writer)
+    async def _serve_stream(self, name, handler, roles, peer_id: PeerID, reader, writer) -> None:
+        peer = peer_id.to_base58()
+        refusal = self.budget.open(peer)
+        if refusal is not None:
+            self.streams_refused[refusal] += 1
+            await self._refuse(writer, ErrorCode.RATE_LIMITED,
+                               f"{refusal}: this peer holds too many streams; reuse or close them and retry")
+            return
+        session = _Session(peer, writer, deadline=time.monotonic() + self.limits.hello_timeout_s)
+        self._sessions.add(session)
         try:
-            while True:
-                try:
-                    frame = await read_frame(reader, self.max_frame_bytes)
-                except FrameTooLarge as exc:
-                    self._count_rejection(exc.code)
-                    await write_frame(writer, _error_reply(exc.code, str(exc)))
-                    return  # the rest of the stream cannot be parsed
-                reply = await self._handle_frame(name, handler, roles, peer_id, frame)
-                await write_frame(writer, reply)
+            if await self._hello(session, name, roles, reader):
+                await self._serve_requests(session, name, handler, peer_id, reader)
         except PeerUnavailable:
             pass
         except asyncio.CancelledError:
@@ -107,53 +188,179 @@ class RpcServer:
         except Exception:  # a bug here must not take the node down; the stream is dropped
             logger.exception("stream handler %s crashed", name)
         finally:
-            self._streams.discard(writer)
+            self._sessions.discard(session)
+            if session.reserved:
+                self.budget.release(peer, session.reserved)
+            self.budget.close(peer, authenticated=session.authenticated)
             writer.close()
 
-    async def _handle_frame(self, name: str, handler: Handler, roles, peer_id: PeerID, frame: bytes) -> bytes:
+    async def _refuse(self, writer, code: ErrorCode, message: str, reader=None, **fields) -> None:
+        """Send one error frame on a stream that is about to be closed.
+
+        With `reader`, linger briefly first, discarding what the client already sent: a client
+        pipelines its first request behind its hello, and closing a libp2p stream with unread
+        data resets it, which can drop our error frame before the client reads it."""
+        self._count(code)
         try:
-            raw = unpack(frame)
-            envelope = parse_envelope(raw)
+            await asyncio.wait_for(write_frame(writer, _error(code, message, **fields)), 5)
+            if reader is not None:
+                await asyncio.wait_for(_discard_until_eof(reader, LINGER_MAX_BYTES), LINGER_S)
+        except (PeerUnavailable, ConnectionError, asyncio.TimeoutError):
+            pass
+
+    async def _hello(self, session: _Session, name: str, roles, reader) -> bool:
+        """Read and check the stream's hello (nothing over HELLO_MAX_BYTES is read); ack it or refuse."""
+        length = await read_length(reader)
+        if length > HELLO_MAX_BYTES:
+            self.streams_refused["hello_too_large"] += 1
+            await self._refuse(session.writer, ErrorCode.FRAME_TOO_LARGE,
+                               f"a stream must open with a hello of at most {HELLO_MAX_BYTES} bytes, not {length}; "
+                               f"upgrade the calling node")
+            return False
+        frame = await read_payload(reader, length)
+        credential = None
+        try:
+            hello = parse_frame(Hello, frame)
+            if hello.handler != name:
+                raise ProtocolError(f"hello names {hello.handler[:128]!r} on a stream for {name}",
+                                    ErrorCode.MALFORMED_FRAME)
+            ack: dict = {"version": PROTOCOL_VERSION, "ok": True, "idle_timeout_s": self.limits.idle_timeout_s}
             if self.authenticator is not None:
-                credential = self.authenticator.check_request(peer_id.to_base58(), name, raw, envelope.body)
+                credential = self.authenticator.check_hello(session.peer, hello)
                 if roles is not None and credential.role not in roles:
                     raise RequestRejected("wrong_role", f"{credential.role}s may not call {name}")
-            body = await handler(peer_id, open_body(envelope.body))
+                ack.update(self.authenticator.ack(name, session.peer, hello.nonce))
         except RequestRejected as exc:
-            self._count_rejection(exc.code)
             self.auth_rejected[exc.reason] += 1
-            return _error_reply(exc.code, str(exc))
+            await self._refuse(session.writer, exc.code, str(exc), reader)
+            return False
         except ProtocolError as exc:
-            self._count_rejection(exc.code)
-            return _error_reply(exc.code, str(exc))
+            await self._refuse(session.writer, exc.code, str(exc), reader)
+            return False
+        self.budget.authenticated(session.peer)
+        session.authenticated, session.credential = True, credential
+        await write_frame(session.writer, pack(ack))
+        return True
+
+    async def _serve_requests(self, session: _Session, name: str, handler: Handler, peer_id: PeerID, reader) -> None:
+        while True:
+            session.deadline, session.waiting_for = time.monotonic() + self.limits.idle_timeout_s, "idle_timeout"
+            length = await read_length(reader)
+            if length > self.max_frame_bytes:
+                await self._refuse(session.writer, ErrorCode.FRAME_TOO_LARGE,
+                                   f"frame of {length} bytes exceeds the {self.max_frame_bytes}-byte limit", reader,
+                                   seq=0)
+                return  # the rest of the stream cannot be parsed
+            if not self.budget.reserve(session.peer, length):
+                self.streams_refused["over_byte_budget"] += 1
+                await self._refuse(session.writer, ErrorCode.RATE_LIMITED,
+                                   f"over_byte_budget: this peer is sending more than "
+                                   f"{self.limits.max_buffered_bytes_per_peer} bytes at once; retry later", reader,
+                                   seq=0)
+                return
+            session.reserved = length
+            session.deadline = time.monotonic() + self.limits.frame_deadline_s(length)
+            session.waiting_for = "frame_timeout"
+            frame = await read_payload(reader, length)
+            self.budget.release(session.peer, length)
+            session.reserved, session.deadline = 0, None
+            reply, keep_open = await self._handle(session, name, handler, peer_id, frame)
+            await write_frame(session.writer, reply)
+            if not keep_open:
+                with contextlib.suppress(PeerUnavailable, ConnectionError, asyncio.TimeoutError):
+                    await asyncio.wait_for(_discard_until_eof(reader, LINGER_MAX_BYTES), LINGER_S)
+                return
+
+    async def _handle(self, session: _Session, name: str, handler: Handler, peer_id: PeerID,
+                      frame: bytes) -> tuple[bytes, bool]:
+        """The reply to one request frame, and whether the stream stays open after it."""
+        seq = 0
+        try:
+            request = parse_frame(RequestFrame, frame)
+            seq = request.seq
+            if request.seq != session.seq + 1:
+                reason = "replayed" if request.seq <= session.seq else "out_of_order"
+                raise RequestRejected(reason, f"request {request.seq} after {session.seq} on this stream")
+            session.seq = request.seq
+            if session.credential is not None:
+                self.authenticator.check_session(session.credential)
+            body = await handler(peer_id, request.body)
+        except RequestRejected as exc:
+            self.auth_rejected[exc.reason] += 1
+            self._count(exc.code)
+            return _error(exc.code, str(exc), seq=seq), False
+        except ProtocolError as exc:
+            self._count(exc.code)
+            return _error(exc.code, str(exc), seq=seq), True
         except AgoraError as exc:
             code = getattr(exc, "code", ErrorCode.NOT_READY)
-            self._count_rejection(code)
-            return _error_reply(code, str(exc))
+            self._count(code)
+            return _error(code, str(exc), seq=seq), True
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             logger.exception("handler %s failed", name)
-            self._count_rejection(ErrorCode.INTERNAL)
-            return _error_reply(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            self._count(ErrorCode.INTERNAL)
+            return _error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", seq=seq), True
         self.served[name] += 1
-        packed = pack(to_body(body) if isinstance(body, WireModel) else body)
-        reply = {"version": PROTOCOL_VERSION, "ok": True, "body": packed}
-        if self.authenticator is not None:
-            reply["signature"] = self.authenticator.sign_reply(name, peer_id.to_base58(), envelope.nonce, packed)
-        return pack(reply)
+        return pack({"seq": seq, "ok": True, "body": to_body(body) if isinstance(body, WireModel) else body}), True
 
-    def _count_rejection(self, code: ErrorCode) -> None:
+    def _count(self, code: ErrorCode) -> None:
         self.rejected[ErrorCode(code).name.lower()] += 1
 
+    async def _sweep(self) -> None:
+        """Close streams whose deadline passed (no hello, idle, a frame stalled) and idle streams
+        whose credential expired or was revoked."""
+        period = max(0.05, min(1.0, self.limits.hello_timeout_s / 4, self.limits.idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for session in list(self._sessions):
+                if session.deadline is None:
+                    continue  # a request is in flight; it is checked again before the next one
+                reason = session.waiting_for if now > session.deadline else None
+                if reason is None and session.credential is not None:
+                    try:
+                        self.authenticator.check_session(session.credential)
+                    except RequestRejected as exc:
+                        reason = exc.reason
+                if reason is not None:
+                    self.streams_closed[reason] += 1
+                    session.deadline = None
+                    session.writer.close()
+
     async def shutdown(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
         for name in self._names:
             try:
                 await self.p2p.remove_binary_stream_handler(name)
             except Exception:  # noqa: BLE001 - the daemon may already be gone
                 pass
-        for writer in list(self._streams):
-            writer.close()
+        for session in list(self._sessions):
+            session.writer.close()
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One outgoing stream in the client's pool."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    credential: Optional[bytes]
+    """The credential its hello carried: after a renewal the stream is not reused."""
+    hello_nonce: Optional[bytes]
+    """Set until the server's ack to our hello was read."""
+    seq: int = 0
+    idle_timeout_s: Optional[float] = None
+    last_used: float = field(default_factory=time.monotonic)
+
+    def reusable(self, credential: Optional[bytes], now: float) -> bool:
+        if self.writer.is_closing() or self.reader.at_eof() or self.credential != credential:
+            return False
+        # stop reusing it well before the server's idle timeout closes it under a request
+        return self.idle_timeout_s is None or now - self.last_used < 0.75 * self.idle_timeout_s - 0.5
 
 
 class RpcClient:
@@ -166,9 +373,7 @@ class RpcClient:
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.max_idle_per_peer = max_idle_per_peer
-        self._idle: dict[tuple[PeerID, str], list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = (
-            collections.defaultdict(list)
-        )
+        self._idle: dict[tuple[PeerID, str], list[_Stream]] = collections.defaultdict(list)
 
     async def request(self, peer_id: PeerID, handler: str, request: WireModel, reply: type[M], *,
                       timeout_s: Optional[float] = None) -> M:
@@ -178,74 +383,101 @@ class RpcClient:
         return parse_model(reply, body, ErrorCode.INVALID_REQUEST)
 
     async def call(self, peer_id: PeerID, handler: str, body: dict, *, timeout_s: Optional[float] = None) -> dict:
-        """Send one request body and return the reply body. Raises RemoteError (typed), PeerTimeout
-        or PeerUnavailable."""
-        envelope = make_envelope(body)
-        if self.authenticator is not None:
-            envelope.update(self.authenticator.sign_request(handler, peer_id.to_base58(), envelope["body"]))
-        payload = pack(envelope)
+        """Send one request body and return the reply body. Raises RemoteError (typed), PeerTimeout,
+        PeerUnavailable, or RequestRejected when the server cannot prove it belongs to the run."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         key = (peer_id, handler)
-        held: list = []  # the stream in use, so a timeout can discard it
+        held: list[_Stream] = []  # the stream in use, so a failure can discard it
 
-        async def exchange() -> bytes:
-            held.append(await self._acquire(key))
-            reader, writer = held[0]
-            await write_frame(writer, payload)
-            return await read_frame(reader, self.max_frame_bytes)
+        async def exchange() -> ReplyFrame:
+            stream = await self._acquire(key)
+            held.append(stream)
+            stream.seq += 1
+            await write_frame(stream.writer, pack({"seq": stream.seq, "body": body}))
+            if stream.hello_nonce is not None:
+                await self._read_ack(peer_id, handler, stream)
+            return parse_frame(ReplyFrame, await read_frame(stream.reader, self.max_frame_bytes))
 
         try:
-            frame = await asyncio.wait_for(exchange(), timeout)  # one deadline for the whole exchange
-            stream = held[0]
+            reply = await asyncio.wait_for(exchange(), timeout)  # one deadline for the whole exchange
         except asyncio.TimeoutError as exc:
-            stream = held[0] if held else None
-            self._discard(stream)
+            self._discard(held)
             raise PeerTimeout(f"{handler} on {peer_id} did not answer within {timeout:.1f}s") from exc
-        except (PeerUnavailable, ProtocolError):
-            self._discard(held[0] if held else None)
-            raise
-        except asyncio.CancelledError:
-            self._discard(held[0] if held else None)
+        except (AgoraError, asyncio.CancelledError):
+            self._discard(held)
             raise
         except Exception as exc:
-            self._discard(held[0] if held else None)
+            self._discard(held)
             raise PeerUnavailable(f"cannot reach {peer_id} for {handler}: {exc}") from exc
-        self._release(key, stream)
-        reply = parse_model(ReplyEnvelope, unpack(frame), ErrorCode.MALFORMED_FRAME)
+        stream = held[0]
+        if reply.seq not in (stream.seq, 0):
+            self._discard(held)
+            raise ProtocolError(f"{peer_id} answered request {reply.seq} to our request {stream.seq} on {handler}",
+                                ErrorCode.MALFORMED_FRAME)
         if not reply.ok:
-            error = reply.error or ErrorBody(code=int(ErrorCode.INTERNAL), message="error reply without details")
-            try:
-                code = ErrorCode(error.code)
-            except ValueError:
-                code = ErrorCode.INTERNAL
-            raise RemoteError(f"{peer_id} rejected {handler}: {code.name.lower()}: {error.message}", code)
-        packed = reply.body or pack({})
+            code = _code(reply.error)
+            if code in _CLOSING_CODES:
+                self._discard(held)
+            else:
+                self._release(key, stream)
+            raise RemoteError(f"{peer_id} rejected {handler}: {code.name.lower()}: {_message(reply.error)}", code)
+        self._release(key, stream)
+        return reply.body or {}
+
+    async def _read_ack(self, peer_id: PeerID, handler: str, stream: _Stream) -> None:
+        ack = parse_frame(HelloAck, await read_frame(stream.reader, HELLO_MAX_BYTES))
+        if not ack.ok:
+            code = _code(ack.error)
+            raise RemoteError(f"{peer_id} refused a stream for {handler}: {code.name.lower()}: {_message(ack.error)}",
+                              code)
         if self.authenticator is not None:
-            self.authenticator.check_reply(peer_id.to_base58(), handler, envelope["nonce"], reply.signature, packed)
-        return open_body(packed)
+            self.authenticator.check_ack(peer_id.to_base58(), handler, stream.hello_nonce, ack)
+        stream.hello_nonce, stream.idle_timeout_s = None, ack.idle_timeout_s
 
-    async def _acquire(self, key):
-        idle = self._idle.get(key)
+    async def _acquire(self, key) -> _Stream:
+        credential = self.authenticator.current_credential() if self.authenticator is not None else None
+        idle, now = self._idle.get(key), time.monotonic()
         while idle:
-            reader, writer = idle.pop()
-            if not writer.is_closing() and not reader.at_eof():
-                return reader, writer
-        _, reader, writer = await self.p2p.call_binary_stream_handler(key[0], key[1])
-        return reader, writer
+            stream = idle.pop()
+            if stream.reusable(credential, now):
+                return stream
+            stream.writer.close()
+        peer_id, handler = key
+        hello, nonce = hello_frame(handler, peer_id.to_base58(), self.authenticator)
+        _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, handler)
+        try:
+            await write_frame(writer, hello)  # the first request follows without waiting for the ack
+        except BaseException:
+            writer.close()
+            raise
+        return _Stream(reader, writer, credential, hello_nonce=nonce)
 
-    def _release(self, key, stream) -> None:
+    def _release(self, key, stream: _Stream) -> None:
+        stream.last_used = time.monotonic()
         idle = self._idle[key]
         if len(idle) < self.max_idle_per_peer:
             idle.append(stream)
         else:
-            stream[1].close()
+            stream.writer.close()
 
-    def _discard(self, stream) -> None:
-        if stream is not None:
-            stream[1].close()
+    @staticmethod
+    def _discard(held: list[_Stream]) -> None:
+        if held:
+            held[0].writer.close()
 
     async def close(self) -> None:
         for streams in self._idle.values():
-            for _, writer in streams:
-                writer.close()
+            for stream in streams:
+                stream.writer.close()
         self._idle.clear()
+
+
+def _code(error: Optional[ErrorBody]) -> ErrorCode:
+    try:
+        return ErrorCode(error.code) if error is not None else ErrorCode.INTERNAL
+    except ValueError:
+        return ErrorCode.INTERNAL
+
+
+def _message(error: Optional[ErrorBody]) -> str:
+    return error.message if error is not None else "error reply without details"

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped only for changes an older node cannot ignore; new optional fields do not bump it."""
 
-SUPPORTED_PROTOCOL_VERSIONS = frozenset({1})
+SUPPORTED_PROTOCOL_VERSIONS = frozenset({2})
 
 HANDLER_PREFIX = "agora/v1/"
 FORWARD = HANDLER_PREFIX + "forward"

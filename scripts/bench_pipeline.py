@@ -178,8 +178,8 @@ async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
     from protocol import hivemind_adapter, version
     from protocol.codec import encode_tensor, pack, unpack
     from protocol.framing import read_frame, write_frame
-    from protocol.messages import ForwardRequest, make_envelope, parse_model
-    from protocol.transport import RpcClient, RpcServer
+    from protocol.messages import ForwardRequest, parse_model
+    from protocol.transport import RpcClient, RpcServer, hello_frame
     from roles.trainer.data import make_sample_stream
 
     stage = 1  # a body stage: tokens and coords both travel
@@ -229,7 +229,9 @@ async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
         # Frame sizes as they are on the wire: one request as an open-run RpcClient frames it,
         # sent on a raw stream to the real RpcServer, and the reply frame it sends back.
         _, raw_reader, raw_writer = await client.call_binary_stream_handler(server.peer_id, version.FORWARD)
-        request_frame = pack(make_envelope(body))
+        await write_frame(raw_writer, hello_frame(version.FORWARD, server.peer_id.to_base58())[0])
+        await read_frame(raw_reader)  # the ack
+        request_frame = pack({"seq": 1, "body": body})
         await write_frame(raw_writer, request_frame)
         reply_frame = await read_frame(raw_reader)
         raw_writer.close()
@@ -315,18 +317,14 @@ async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
 
 def _envelope_codec_us(body: dict, repeats: int = 2000) -> dict:
     """Synchronous cost of framing one request through the protocol's public codec functions
-    (client: make and pack the envelope; server: unpack and validate it, open the body)."""
-    from protocol.codec import pack, unpack
-    from protocol.messages import make_envelope, parse_envelope
-
-    def server_side(frame: bytes) -> Any:
-        inner = parse_envelope(unpack(frame)).body
-        return unpack(inner) if isinstance(inner, (bytes, bytearray)) else inner
+    (client: pack the numbered request frame; server: unpack and validate it)."""
+    from protocol.codec import pack
+    from protocol.messages import RequestFrame, parse_frame
 
     try:
-        frame = pack(make_envelope(body))
-        steps = {"client_pack_request": lambda: pack(make_envelope(body)),
-                 "server_unpack_request_envelope": lambda: server_side(frame)}
+        frame = pack({"seq": 1, "body": body})
+        steps = {"client_pack_request": lambda: pack({"seq": 1, "body": body}),
+                 "server_unpack_request_envelope": lambda: parse_frame(RequestFrame, frame).body}
         result = {}
         for name, fn in steps.items():
             fn()

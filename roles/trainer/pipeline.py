@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=WireModel)
 
 # Remote errors that say "this worker could not take it now", as opposed to "your request is bad".
-_RETRYABLE_CODES = {ErrorCode.OVERLOADED, ErrorCode.NOT_READY, ErrorCode.INTERNAL, ErrorCode.WRONG_STAGE}
+_RETRYABLE_CODES = {ErrorCode.OVERLOADED, ErrorCode.NOT_READY, ErrorCode.INTERNAL, ErrorCode.WRONG_STAGE,
+                    ErrorCode.RATE_LIMITED}
 
 
 class SampleDropped(AgoraError):

@@ -9,6 +9,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from protocol.stream_limits import StreamLimits
+
 HIDDEN = {"hidden": True}
 """json_schema_extra of a setting that is not a flag: test hooks, set as AGORA_* variables only."""
 
@@ -41,6 +43,10 @@ class WorkerConfig(BaseModel):
                                       description="plan for a card of this much memory (e.g. "
                                       "24GiB) instead of the one present; with --dry-run needs no GPU")
     max_pending: int = Field(default=1024, ge=1, description="queued requests beyond which new ones are refused")
+    stream_idle_timeout_s: float = Field(
+        default=120.0, gt=0, description="close a peer's stream after this long without a request")
+    max_streams_per_peer: int = Field(
+        default=128, ge=1, description="streams one peer may hold open at once; more are refused")
     announce_period_s: float = Field(default=5.0, gt=0, description="how often the node re-announces itself in the DHT")
     progress_period_s: float = Field(default=0.25, gt=0, description="how often stage progress is exchanged")
     drain_timeout_s: float = Field(default=20.0, ge=0, description="time in-flight work gets to finish on exit")
@@ -64,6 +70,10 @@ class WorkerConfig(BaseModel):
     test_state_chunk_delay_s: float = Field(
         default=0.0, ge=0, json_schema_extra=HIDDEN,
         description="TESTS ONLY: pause this long before serving each state chunk (a slow state download)")
+
+    def stream_limits(self) -> StreamLimits:
+        """What one peer may hold of this worker's RPC server (protocol/stream_limits.py)."""
+        return StreamLimits(idle_timeout_s=self.stream_idle_timeout_s, max_streams_per_peer=self.max_streams_per_peer)
 
     @field_validator("gpu_memory", mode="before")
     @classmethod

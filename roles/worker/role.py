@@ -89,7 +89,7 @@ class WorkerRole:
             max_delayed_per_step=run.staleness.max_delayed_per_step if self.model.kind == "head" else None,
             forward_gate_timeout_s=run.staleness.forward_gate_timeout_s,
         )
-        self.server = RpcServer(p2p, authenticator=authenticator)
+        self.server = RpcServer(p2p, authenticator=authenticator, limits=config.stream_limits())
         self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches)
         self.announcer = Announcer(
             swarm, workers_key(run.run_id, config.stage), self._record, period_s=config.announce_period_s
@@ -147,7 +147,7 @@ class WorkerRole:
     def info(self) -> InfoReply:
         pending = self.runtime.queues.pending()
         counters = dict(self.runtime.counters)
-        counters.update({f"rejected_{k}": v for k, v in self.server.rejected.items()})
+        counters.update(self.server.counters())
         counters["compute_ms"] = int(self.runtime.compute_s * 1000)
         counters.update(self._step_counters())
         counters.update(self.averaging.counters)
@@ -189,6 +189,8 @@ class WorkerRole:
             "counters": dict(self.runtime.counters),
             "rejected": dict(self.server.rejected),
             "auth_rejected": dict(self.server.auth_rejected),
+            "streams_refused": dict(self.server.streams_refused),
+            "streams_closed": dict(self.server.streams_closed),
             "compute_s": round(self.runtime.compute_s, 3),
             "steps": {**self.ledger.summary(),
                       "discarded_at_shutdown": sum(self.runtime.discarded_at_shutdown.values()),

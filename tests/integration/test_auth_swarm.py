@@ -1,5 +1,5 @@
 """An authenticated run on 127.0.0.1: a real authorizer admits real agora-node processes, which
-then check each other's credentials on every message. The attack matrix is played against a
+then check each other's credentials on every stream. The attack matrix is played against a
 live worker: each attack is rejected, counted by reason, and honest training goes on."""
 
 from __future__ import annotations
@@ -67,8 +67,7 @@ async def _attacks(worker, authorizer_url: str, tmp_path, *, ban) -> dict:
     from protocol.credentials import SignedCredential, sign_credential
     from protocol.errors import RemoteError
     from protocol.framing import read_frame, write_frame
-    from protocol.messages import make_envelope
-    from protocol.transport import RpcClient, dial
+    from protocol.transport import RpcClient, dial, hello_frame
     import torch
 
     me, p2p, admission = await _admitted_identity(authorizer_url, str(tmp_path / "attacker.key"), "mallory")
@@ -93,10 +92,16 @@ async def _attacks(worker, authorizer_url: str, tmp_path, *, ban) -> dict:
             except RemoteError as exc:
                 reasons[name] = str(exc)
 
-        async def raw(name, frame):
+        async def raw(name, hello):
+            """Open a stream with a hand-made hello and send one request on it."""
             _, reader, writer = await p2p.call_binary_stream_handler(peer, version.FORWARD)
             try:
-                await write_frame(writer, frame)
+                await write_frame(writer, hello)
+                ack = unpack(await read_frame(reader))
+                if not ack["ok"]:
+                    reasons[name] = ack["error"]["message"]
+                    return
+                await write_frame(writer, pack({"seq": 1, "body": body}))
                 reply = unpack(await read_frame(reader))
                 reasons[name] = "accepted" if reply["ok"] else reply["error"]["message"]
             finally:
@@ -112,16 +117,12 @@ async def _attacks(worker, authorizer_url: str, tmp_path, *, ban) -> dict:
         await attempt("another_peers_credential", auth_with(other_admission.credential))
 
         signer = auth_with(legit)
-        envelope = make_envelope(body)
-        envelope.update(signer.sign_request(version.FORWARD, worker.peer_id, envelope["body"]))
-        await raw("original_for_replay", pack(envelope))
-        await raw("replayed", pack(envelope))
-        redirected = make_envelope(body)
-        redirected.update(signer.sign_request(version.FORWARD, other.peer_id.to_base58(), redirected["body"]))
-        await raw("wrong_recipient", pack(redirected))
-        tampered = make_envelope(body)
-        tampered.update(signer.sign_request(version.FORWARD, worker.peer_id, tampered["body"]))
-        tampered["body"] = pack({**body, "sample_id": "tampered"})
+        hello, _ = hello_frame(version.FORWARD, worker.peer_id, signer)
+        await raw("original_for_replay", hello)
+        await raw("replayed", hello)
+        await raw("wrong_recipient", hello_frame(version.FORWARD, other.peer_id.to_base58(), signer)[0])
+        tampered = unpack(hello_frame(version.FORWARD, worker.peer_id, signer)[0])
+        tampered["recipient"], tampered["timestamp"] = worker.peer_id, tampered["timestamp"] + 1
         await raw("tampered", pack(tampered))
 
         await asyncio.to_thread(ban, me.peer_id.to_base58())

@@ -12,14 +12,13 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P
 
-from protocol.auth import PeerAuthenticator
+from protocol.auth import PeerAuthenticator, RequestRejected
 from protocol.codec import pack, unpack
 from protocol.credentials import Credential, root_public_key_bytes, sign_credential, sign_revocation_list
 from protocol.errors import ErrorCode, RemoteError
 from protocol.framing import read_frame, write_frame
 from protocol.identity import load_or_create_identity
-from protocol.messages import make_envelope
-from protocol.transport import RpcClient, RpcServer
+from protocol.transport import RpcClient, RpcServer, hello_frame
 
 RUN = "auth-test"
 ROOT = Ed25519PrivateKey.generate()
@@ -96,6 +95,16 @@ def test_honest_request_passes_and_reply_is_signed(tmp_path):
         assert await scene.call(scene.honest) == {"echo": {"x": 1}}
         assert scene.server.auth_rejected == {}
 
+
+def test_a_server_that_cannot_prove_its_credential_is_not_trusted(tmp_path):
+    async def scenario(scene):
+        scene.server_auth.credential = lambda: credential_for(scene.server_id, role="worker", stage=0,
+                                                              root=Ed25519PrivateKey.generate())
+        with pytest.raises(RequestRejected, match="bad_signature"):
+            await scene.call(RpcClient(scene.client_p2p, authenticator=authenticator(
+                scene.honest_id, credential_for(scene.honest_id))))
+        scene.server_auth.credential = lambda: credential_for(scene.server_id, role="worker", stage=0)
+
     run_scene(tmp_path, scenario)
 
 
@@ -153,49 +162,63 @@ def test_wrong_role(tmp_path):
     run_scene(tmp_path, scenario)
 
 
-async def _raw_exchange(scene, frame: bytes) -> dict:
+async def _raw_exchange(scene, hello: bytes, body=None) -> dict:
+    """Open a stream with a hand-made hello and send one request; the first refusal, or the reply."""
     _, reader, writer = await scene.client_p2p.call_binary_stream_handler(scene.server_p2p.peer_id, "agora/v1/forward")
     try:
-        await write_frame(writer, frame)
+        await write_frame(writer, hello)
+        ack = unpack(await read_frame(reader))
+        if not ack["ok"]:
+            return ack
+        await write_frame(writer, pack({"seq": 1, "body": body or {"x": 1}}))
         return unpack(await read_frame(reader))
     finally:
         writer.close()
 
 
-def _signed_frame(scene, *, recipient=None, body=None, tamper=False):
+def _signed_hello(scene, *, recipient=None, tamper=False):
     auth = authenticator(scene.honest_id, credential_for(scene.honest_id))
-    envelope = make_envelope(body or {"x": 1})
-    envelope.update(auth.sign_request("agora/v1/forward", recipient or scene.server_id.peer_id.to_base58(),
-                                      envelope["body"]))
+    hello = unpack(hello_frame("agora/v1/forward", recipient or scene.server_id.peer_id.to_base58(), auth)[0])
     if tamper:
-        envelope["body"] = pack({"x": 2})
-    return pack(envelope)
+        hello["timestamp"] += 1
+    return pack(hello)
 
 
-def test_replayed_request(tmp_path):
+def test_replayed_hello(tmp_path):
     async def scenario(scene):
-        frame = _signed_frame(scene)
-        assert (await _raw_exchange(scene, frame))["ok"] is True
-        reply = await _raw_exchange(scene, frame)
+        hello = _signed_hello(scene)
+        assert (await _raw_exchange(scene, hello))["ok"] is True
+        reply = await _raw_exchange(scene, hello)
         assert reply["ok"] is False and "replayed" in reply["error"]["message"]
         assert scene.server.auth_rejected["replayed"] == 1
 
     run_scene(tmp_path, scenario)
 
 
-def test_request_addressed_to_another_node(tmp_path):
+def test_hello_addressed_to_another_node(tmp_path):
     async def scenario(scene):
-        reply = await _raw_exchange(scene, _signed_frame(scene, recipient=scene.other_id.peer_id.to_base58()))
+        reply = await _raw_exchange(scene, _signed_hello(scene, recipient=scene.other_id.peer_id.to_base58()))
         assert reply["ok"] is False and "wrong_recipient" in reply["error"]["message"]
 
     run_scene(tmp_path, scenario)
 
 
-def test_tampered_body(tmp_path):
+def test_tampered_hello(tmp_path):
     async def scenario(scene):
-        reply = await _raw_exchange(scene, _signed_frame(scene, tamper=True))
+        reply = await _raw_exchange(scene, _signed_hello(scene, tamper=True))
         assert reply["ok"] is False and "bad_signature" in reply["error"]["message"]
         assert scene.server.auth_rejected["bad_signature"] == 1
+
+    run_scene(tmp_path, scenario)
+
+
+def test_hello_for_another_handler_cannot_open_this_one(tmp_path):
+    async def scenario(scene):
+        auth = authenticator(scene.honest_id, credential_for(scene.honest_id))
+        hello = unpack(hello_frame("agora/v1/info", scene.server_id.peer_id.to_base58(), auth)[0])
+        hello["handler"] = "agora/v1/forward"  # the signature covers the handler
+        reply = await _raw_exchange(scene, pack(hello))
+        assert reply["ok"] is False and "bad_signature" in reply["error"]["message"]
 
     run_scene(tmp_path, scenario)
 
@@ -206,3 +229,59 @@ def test_stale_timestamp(tmp_path):
         await expect_rejection(scene, RpcClient(scene.client_p2p, authenticator=auth), "stale")
 
     run_scene(tmp_path, scenario)
+
+
+def test_revocation_ends_an_open_stream(tmp_path):
+    """A stream authenticated before the revocation: its next request is refused and the stream
+    closed; an idle one is closed by the server without waiting for a request."""
+    async def scenario(scene):
+        credential = credential_for(scene.honest_id)
+        client = RpcClient(scene.client_p2p, authenticator=authenticator(scene.honest_id, credential))
+        assert await scene.call(client) == {"echo": {"x": 1}}
+        idle = await _raw_exchange_open(scene, authenticator(scene.honest_id, credential))
+        scene.server_auth.revocations = sign_revocation_list(ROOT, run_id=RUN, serials=[credential.credential.serial])
+        await expect_rejection(scene, client, "revoked")
+        with pytest.raises(Exception):  # closed by the server's sweep
+            await asyncio.wait_for(read_frame(idle[0]), 10)
+        idle[1].close()
+        assert scene.server.streams_closed["revoked"] >= 1
+        scene.server_auth.revocations = None
+        await client.close()
+
+    run_scene(tmp_path, scenario)
+
+
+def test_an_expiring_credential_ends_its_streams_and_a_renewed_one_opens_new_ones(tmp_path):
+    async def scenario(scene):
+        now = [time.time()]
+        scene.server_auth.clock = lambda: now[0]
+        server_credential = credential_for(scene.server_id, role="worker", stage=0, lifetime_s=7200)
+        scene.server_auth.credential = lambda: server_credential
+        held = [credential_for(scene.honest_id, lifetime_s=600)]
+        auth = PeerAuthenticator(identity=scene.honest_id, run_id=RUN, root_public_key=ROOT_PUBLIC,
+                                 credential=lambda: held[0], clock=lambda: now[0])
+        client = RpcClient(scene.client_p2p, authenticator=auth)
+        assert await scene.call(client) == {"echo": {"x": 1}}
+        held[0] = credential_for(scene.honest_id, lifetime_s=1200)  # renewed: the pooled stream is not reused
+        now[0] += 700  # the first credential is now expired on the server's clock
+        assert await scene.call(client) == {"echo": {"x": 1}}
+        assert scene.server.auth_rejected.get("expired", 0) == 0
+        # a client that keeps an expired stream is refused and the stream closed
+        stale_stream = await _raw_exchange_open(scene, auth)
+        now[0] += 1200
+        await write_frame(stale_stream[1], pack({"seq": 1, "body": {}}))
+        reply = unpack(await read_frame(stale_stream[0]))
+        assert reply["ok"] is False and "expired" in reply["error"]["message"]
+        stale_stream[1].close()
+        scene.server_auth.clock = time.time
+        await client.close()
+
+    run_scene(tmp_path, scenario)
+
+
+async def _raw_exchange_open(scene, auth):
+    """A stream past its hello, left open."""
+    _, reader, writer = await scene.client_p2p.call_binary_stream_handler(scene.server_p2p.peer_id, "agora/v1/forward")
+    await write_frame(writer, hello_frame("agora/v1/forward", scene.server_id.peer_id.to_base58(), auth)[0])
+    assert unpack(await read_frame(reader))["ok"] is True
+    return reader, writer

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from protocol.codec import WIRE_DTYPES, decode_tensor, encode_tensor, pack, unpack
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import BackwardRequest, ForwardRequest, make_envelope, open_body, parse_envelope, parse_model
+from protocol.messages import BackwardRequest, ForwardRequest, Hello, RequestFrame, parse_frame, parse_model
 
 shapes = st.lists(st.integers(min_value=0, max_value=5), min_size=0, max_size=4)
 wire_values = st.recursive(
@@ -97,14 +97,19 @@ def test_bad_bodies_get_typed_errors(body, code):
     assert info.value.code == code
 
 
-def test_envelope_checks_version_and_shape():
-    assert open_body(parse_envelope(make_envelope({"a": 1})).body) == {"a": 1}
+def test_frames_check_version_and_shape():
+    hello = {"version": 2, "handler": "agora/v1/forward", "nonce": b"n" * 16, "timestamp": 1.0}
+    assert parse_frame(Hello, pack(hello)).handler == "agora/v1/forward"
+    assert parse_frame(RequestFrame, pack({"seq": 1, "body": {"a": 1}})).body == {"a": 1}
     with pytest.raises(ProtocolError) as info:
-        parse_envelope({**make_envelope({}), "version": 99})
+        parse_frame(Hello, pack({**hello, "version": 99}))
     assert info.value.code == ErrorCode.UNSUPPORTED_VERSION
-    for bad in ([1, 2], {"version": 1}, {**make_envelope({}), "nonce": b"short"}, "text"):
+    for bad in ([1, 2], {"version": 2}, {**hello, "nonce": b"short"}, "text", {**hello, "handler": "h" * 200}):
         with pytest.raises(ProtocolError):
-            parse_envelope(bad)
+            parse_frame(Hello, pack(bad))
+    for bad in ({"seq": 0, "body": {}}, {"seq": 1, "body": [1]}, {"seq": "1", "body": {}}):
+        with pytest.raises(ProtocolError):
+            parse_frame(RequestFrame, pack(bad))
 
 
 def test_msgpack_limits_refuse_huge_declared_lengths():

@@ -17,11 +17,10 @@ from protocol.messages import (
     BackwardRequest,
     ForwardReply,
     ForwardRequest,
-    make_envelope,
     parse_model,
     to_body,
 )
-from protocol.transport import RpcClient, RpcServer
+from protocol.transport import RpcClient, RpcServer, hello_frame
 
 
 def run(coro):
@@ -44,18 +43,26 @@ async def _pair():
     return server_p2p, client_p2p, server
 
 
+async def _raw_stream(client_p2p, server_p2p, handler="agora/v1/echo"):
+    """A stream past its (open-run) hello, for sending hand-made frames."""
+    _, reader, writer = await client_p2p.call_binary_stream_handler(server_p2p.peer_id, handler)
+    await write_frame(writer, hello_frame(handler, server_p2p.peer_id.to_base58())[0])
+    ack = unpack(await read_frame(reader))
+    assert ack["ok"] is True, ack
+    return reader, writer
+
+
 def test_malformed_frames_get_typed_errors_and_serving_continues():
     async def scenario():
         server_p2p, client_p2p, server = await _pair()
         try:
-            _, reader, writer = await client_p2p.call_binary_stream_handler(server_p2p.peer_id, "agora/v1/echo")
-            for garbage in (b"\xc1", pack([1, 2, 3]), pack({"version": 1, "body": {}}),
-                            pack({**make_envelope({}), "version": 7})):
+            reader, writer = await _raw_stream(client_p2p, server_p2p)
+            for garbage in (b"\xc1", pack([1, 2, 3]), pack({"version": 2, "body": {}}), pack({"seq": 1})):
                 await write_frame(writer, garbage)
                 reply = unpack(await read_frame(reader))
                 assert reply["ok"] is False and isinstance(reply["error"]["code"], int)
-            await write_frame(writer, pack(make_envelope({"x": 1})))  # same stream still serves
-            assert unpack(unpack(await read_frame(reader))["body"]) == {"echo": {"x": 1}}
+            await write_frame(writer, pack({"seq": 1, "body": {"x": 1}}))  # same stream still serves
+            assert unpack(await read_frame(reader)) == {"seq": 1, "ok": True, "body": {"echo": {"x": 1}}}
             writer.close()
 
             client = RpcClient(client_p2p, timeout_s=5)
@@ -66,8 +73,7 @@ def test_malformed_frames_get_typed_errors_and_serving_continues():
             with pytest.raises(PeerTimeout):
                 await client.call(server_p2p.peer_id, "agora/v1/echo", {"sleep": 2}, timeout_s=0.3)
             assert await client.call(server_p2p.peer_id, "agora/v1/echo", {"z": 3}) == {"echo": {"z": 3}}
-            assert server.rejected["malformed_frame"] == 3
-            assert server.rejected["unsupported_version"] == 1
+            assert server.rejected["malformed_frame"] == 4
             assert server.rejected["internal"] == 1
             await client.close()
         finally:
@@ -77,11 +83,43 @@ def test_malformed_frames_get_typed_errors_and_serving_continues():
     run(scenario())
 
 
-def test_oversized_frame_is_refused_before_reading_it():
+def test_a_stream_must_open_with_a_small_hello_of_our_protocol_version():
+    async def scenario():
+        server_p2p, client_p2p, server = await _pair()
+        try:
+            handler = "agora/v1/echo"
+            old = pack({**unpack(hello_frame(handler, server_p2p.peer_id.to_base58())[0]), "version": 1})
+            elsewhere = hello_frame("agora/v1/other", server_p2p.peer_id.to_base58())[0]
+            for first, code in ((old, ErrorCode.UNSUPPORTED_VERSION), (elsewhere, ErrorCode.MALFORMED_FRAME),
+                                (pack({"seq": 1, "body": {}}), ErrorCode.MALFORMED_FRAME)):
+                _, reader, writer = await client_p2p.call_binary_stream_handler(server_p2p.peer_id, handler)
+                await write_frame(writer, first)
+                reply = unpack(await read_frame(reader))
+                assert reply["ok"] is False and reply["error"]["code"] == code, reply
+                with pytest.raises(Exception):  # the server closed the stream
+                    await read_frame(reader)
+                writer.close()
+            assert "upgrade" in reply["error"]["message"] or code != ErrorCode.UNSUPPORTED_VERSION
+        finally:
+            await client_p2p.shutdown()
+            await server_p2p.shutdown()
+
+    run(scenario())
+
+
+def test_oversized_frames_are_refused_before_reading_them():
+    """Before its hello a stream may send at most a few KiB; after it, up to the frame limit."""
     async def scenario():
         server_p2p, client_p2p, server = await _pair()
         try:
             _, reader, writer = await client_p2p.call_binary_stream_handler(server_p2p.peer_id, "agora/v1/echo")
+            writer.write((60 << 20).to_bytes(4, "big"))
+            await writer.drain()
+            reply = unpack(await read_frame(reader))
+            assert reply["error"]["code"] == ErrorCode.FRAME_TOO_LARGE and "hello" in reply["error"]["message"]
+            assert server.streams_refused["hello_too_large"] == 1
+
+            reader, writer = await _raw_stream(client_p2p, server_p2p)
             writer.write((1 << 30).to_bytes(4, "big"))
             await writer.drain()
             reply = unpack(await read_frame(reader))
@@ -89,6 +127,29 @@ def test_oversized_frame_is_refused_before_reading_it():
             client = RpcClient(client_p2p, timeout_s=5)
             assert await client.call(server_p2p.peer_id, "agora/v1/echo", {"ok": 1}) == {"echo": {"ok": 1}}
             await client.close()
+        finally:
+            await client_p2p.shutdown()
+            await server_p2p.shutdown()
+
+    run(scenario())
+
+
+def test_replayed_and_reordered_frames_end_the_stream():
+    async def scenario():
+        server_p2p, client_p2p, server = await _pair()
+        try:
+            for sequence, reason in (((1, 1), "replayed"), ((1, 3), "out_of_order")):
+                reader, writer = await _raw_stream(client_p2p, server_p2p)
+                first, second = sequence
+                await write_frame(writer, pack({"seq": first, "body": {"a": 1}}))
+                assert unpack(await read_frame(reader))["ok"] is True
+                await write_frame(writer, pack({"seq": second, "body": {"a": 2}}))
+                reply = unpack(await read_frame(reader))
+                assert reply["ok"] is False and reason in reply["error"]["message"]
+                with pytest.raises(Exception):
+                    await read_frame(reader)
+                writer.close()
+                assert server.auth_rejected[reason] == 1
         finally:
             await client_p2p.shutdown()
             await server_p2p.shutdown()

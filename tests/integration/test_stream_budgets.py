@@ -1,0 +1,153 @@
+"""What an outsider can hold of a live worker: nothing before its hello, a bounded number of
+streams after it, and nothing once they go idle, while a trainer keeps training. Real
+agora-node processes admitted by a real authorizer; the outsiders are plain libp2p peers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import psutil
+import pytest
+
+from tests.integration.test_auth_swarm import _admitted_identity, _node_args, authorizer  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.integration
+
+IDLE_S = 6.0
+FRAME = 60 << 20
+
+
+async def _open(p2p, peer, handler):
+    _, reader, writer = await p2p.call_binary_stream_handler(peer, handler)
+    return reader, writer
+
+
+async def _closed_within(reader, timeout_s: float) -> bool:
+    from protocol.framing import read_frame
+
+    try:
+        await asyncio.wait_for(read_frame(reader), timeout_s)
+    except asyncio.TimeoutError:
+        return False
+    except Exception:  # noqa: BLE001 - end of stream, in whatever form
+        return True
+    return False
+
+
+async def _huge_frames_without_credential(worker, count: int) -> list[dict]:
+    """A stock peer announces `count` 60 MiB frames as its first frame and pushes the bytes."""
+    from hivemind.p2p import P2P, PeerID
+
+    from protocol import version
+    from protocol.codec import unpack
+    from protocol.errors import PeerUnavailable
+    from protocol.framing import read_frame
+    from protocol.transport import dial
+
+    p2p = await P2P.create()
+    replies = []
+    try:
+        peer = PeerID.from_base58(worker.peer_id)
+        await dial(p2p, peer, worker.maddrs)
+        for _ in range(count):
+            reader, writer = await _open(p2p, peer, version.FORWARD)
+
+            async def push():
+                writer.write(FRAME.to_bytes(4, "big"))
+                chunk = b"\0" * (1 << 20)
+                for _ in range(FRAME >> 20):
+                    writer.write(chunk)
+                    await writer.drain()
+
+            pushing = asyncio.create_task(push())
+            # the typed refusal, unless closing the stream under our unread bytes reset it first
+            try:
+                replies.append(unpack(await asyncio.wait_for(read_frame(reader), 20))["error"]["code"])
+                assert await _closed_within(reader, 10), "the worker keeps the stream open after refusing its hello"
+            except PeerUnavailable:
+                replies.append("disconnected")
+            pushing.cancel()
+            await asyncio.gather(pushing, return_exceptions=True)
+            writer.close()
+    finally:
+        await p2p.shutdown()
+    return replies
+
+
+async def _park_streams(worker, authorizer_url, tmp_path, trainer_done) -> dict:
+    """An admitted peer opens 1,000 streams with valid hellos and leaves them idle."""
+    from hivemind.p2p import PeerID
+
+    from protocol import version
+    from protocol.auth import PeerAuthenticator
+    from protocol.codec import unpack
+    from protocol.framing import read_frame, write_frame
+    from protocol.transport import RpcClient, dial, hello_frame
+
+    identity, p2p, admission = await _admitted_identity(authorizer_url, str(tmp_path / "parker.key"), "mallory")
+    auth = PeerAuthenticator(identity=identity, run_id=admission.credential.credential.run_id,
+                             root_public_key=admission.root_public_key, credential=lambda: admission.credential)
+    peer = PeerID.from_base58(worker.peer_id)
+    accepted, refused = [], []
+    try:
+        await dial(p2p, peer, worker.maddrs)
+
+        async def park():
+            reader, writer = await _open(p2p, peer, version.FORWARD)
+            await write_frame(writer, hello_frame(version.FORWARD, worker.peer_id, auth)[0])
+            ack = unpack(await asyncio.wait_for(read_frame(reader), 20))
+            (accepted if ack["ok"] else refused).append((reader, writer, ack))
+
+        for _ in range(1000 // 8):  # eight at a time: as many hellos as one peer may have pending
+            await asyncio.gather(*(park() for _ in range(8)))
+        held_while_training = not trainer_done()
+        closed = await asyncio.gather(*(_closed_within(reader, IDLE_S + 15) for reader, _, _ in accepted))
+        info = await RpcClient(p2p, authenticator=auth, timeout_s=10).call(peer, version.INFO, {})
+        return {"accepted": len(accepted), "refusals": [ack["error"] for _, _, ack in refused],
+                "closed": sum(closed), "held_while_training": held_while_training, "counters": info["counters"]}
+    finally:
+        for _, writer, _ in accepted + refused:
+            writer.close()
+        await p2p.shutdown()
+
+
+@pytest.mark.timeout(420)
+def test_outsiders_cannot_hold_a_workers_memory_or_streams(make_swarm, authorizer, tmp_path):  # noqa: F811
+    from protocol.errors import ErrorCode
+
+    swarm = make_swarm(None)
+    extra = ["--stream-idle-timeout-s", str(IDLE_S)]
+    head = swarm.start("worker", args=[*_node_args(authorizer, "alice"), *extra])
+    tail = swarm.start("worker", args=[*_node_args(authorizer, "bob"), *extra])
+    if head.stage != 0:
+        head, tail = tail, head
+
+    # 1. no credential, four 60 MiB frames: refused after the 4-byte length, nothing buffered
+    process = psutil.Process(head.pid)
+    rss_before = process.memory_info().rss
+    replies = asyncio.run(asyncio.wait_for(_huge_frames_without_credential(head, 4), 120))
+    rss_growth = process.memory_info().rss - rss_before
+    print(f"worker RSS growth after four 60 MiB frames without credential: {rss_growth / 2**20:.2f} MiB; {replies}")
+    assert all(r in (ErrorCode.FRAME_TOO_LARGE, "disconnected") for r in replies), replies
+    assert rss_growth < 10 << 20, f"worker RSS grew by {rss_growth / 2**20:.1f} MiB"
+
+    # 2. a credentialed peer parks 1,000 streams while a trainer trains
+    trainer = swarm.start("trainer", args=[*_node_args(authorizer, "carol"), "--max-samples", "400", "--lanes", "2"])
+    report = asyncio.run(asyncio.wait_for(
+        _park_streams(head, authorizer.url, tmp_path, lambda: trainer.proc.poll() is not None), 240))
+    assert report["accepted"] == 128, report["accepted"]  # --max-streams-per-peer's default
+    assert len(report["refusals"]) == 1000 - 128
+    assert all(e["code"] == ErrorCode.RATE_LIMITED for e in report["refusals"])
+    assert report["closed"] == 128, "idle streams must be closed after --stream-idle-timeout-s"
+    counters = report["counters"]
+    print(f"1,000 parked streams: {report['accepted']} accepted, {len(report['refusals'])} refused, "
+          f"{report['closed']} closed when idle; worker counters "
+          f"{ {k: v for k, v in counters.items() if k.startswith('streams_')} }")
+    assert counters["streams_refused_too_many_streams"] + counters.get("streams_refused_too_many_unauthenticated", 0) \
+        == 1000 - 128, counters
+    assert counters["streams_closed_idle_timeout"] >= 128, counters
+    assert counters["streams_refused_hello_too_large"] == 4, counters
+    assert swarm.wait(trainer, 240) == 0, trainer.log_tail()
+    summary = trainer.summary()
+    assert summary["samples_completed"] == 400, summary
+    assert report["held_while_training"], "the trainer finished before the streams were parked; train longer"
