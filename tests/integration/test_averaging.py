@@ -318,3 +318,50 @@ def test_a_worker_with_another_index_set_is_reported_and_leaves_its_stage(make_s
     assert reported[0].status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL)
     for worker in good:
         assert worker.proc.poll() is None, worker.log_tail()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("poison, why", [("nan", "not finite"), ("huge", "norm")])
+def test_a_replica_sending_garbage_is_left_out_and_the_round_completes_for_the_others(
+        make_swarm, run_config_path, tmp_path, poison, why):
+    """Two honest reducers and a sender whose parts are NaN (or a million times too large): each
+    reducer leaves the poisoner out of its slice's average, the round completes for the honest two
+    (partial, naming the poisoner), and their weights stay finite."""
+    config = run_config_path(stages=TWO_STAGES, averaging=IDLE_ROUNDS)
+    run = load_run_config(config)
+    swarm = make_swarm(config, common_args=COMMON)
+    dirs = [str(tmp_path / f"ckpt{i}") for i in range(2)]
+    honest = [swarm.start("worker", stage=0, wait_ready=i == 0,
+                          args=["--reducer", "--checkpoint-dir", dirs[i], "--checkpoint-period-s", "3600"])
+              for i in range(2)]
+    swarm.wait_ready(honest[1])
+    poisoner = swarm.start("worker", stage=0, env={"AGORA_TEST_AVERAGING_POISON": poison})
+    probe = DhtProbe(honest[0].maddrs, run.run_id, run.num_stages)
+    try:
+        def poisoned_rounds():
+            found = {}
+            for peer, record in rounds_of(probe, run.run_id, 0).items():
+                for summary in record.recent:
+                    if peer in {w.peer_id for w in honest} and poisoner.peer_id in summary.banned_senders:
+                        found[peer] = summary
+            return found if len(found) == 2 else None
+
+        reports = poll_until(poisoned_rounds, 80, "both honest reducers to report a round without the poisoner",
+                             period_s=0.3)
+    finally:
+        probe.close()
+    for summary in reports.values():
+        assert summary.status == RoundStatus.PARTIAL, summary
+        assert summary.group_size == 3 and summary.averaging_success == 1.0, summary
+        assert "rejected sender(s)" in summary.failure_reason and why in summary.failure_reason, summary
+        assert summary.relative_distance is not None and summary.relative_distance < 10, summary
+    for worker in honest:
+        assert swarm.stop(worker, signal.SIGTERM) == 0, worker.log_tail()
+    for worker, directory in zip(honest, dirs):
+        averaging = worker.summary()["averaging"]
+        assert averaging["counters"].get("senders_rejected", 0) >= 1, averaging["counters"]
+        rejected = [r["rejected_senders"] for r in averaging["rounds"] if r.get("rejected_senders")]
+        assert rejected and all(set(r) == {poisoner.peer_id} and why in r[poisoner.peer_id] for r in rejected)
+        weights = flat(load_weights(directory))
+        assert torch.isfinite(weights).all() and float(weights.abs().max()) < 100, "the garbage never got in"
+    print(f"{poison}: {[s.failure_reason for s in reports.values()]}")
