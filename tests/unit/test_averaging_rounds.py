@@ -42,10 +42,11 @@ class FakeAverager:
     """Stands in for the averager process: `step` lets the replica train, then writes an
     `average` into the buffer and reports which reducer slices fell back."""
 
-    def __init__(self, buffer_size, store, *, average_fn, train_fn=None, fell_back=None, error=None):
+    def __init__(self, buffer_size, store, *, average_fn, train_fn=None, fell_back=None, error=None, rejected=None):
         self.buffer = torch.zeros(buffer_size)
         self.store, self.average_fn, self.train_fn = store, average_fn, train_fn
         self.fell_back, self.error = fell_back or {}, error
+        self.rejected = rejected or {}
         self.prepared = None
 
     def prepare_round(self, bits, target):
@@ -81,7 +82,8 @@ class FakeAverager:
             "telemetry": {
                 "peers": ["me", "other"], "modes": ["node", "node"], "slice_sizes": [half, size - half],
                 "fell_back": self.fell_back, "allreduce_s": 0.1,
-                "reducer": {"slice": half, "received": {"me": half, "other": half}, "banned": []},
+                "reducer": {"slice": half, "received": {"me": half, "other": 0 if self.rejected else half},
+                            "banned": sorted(self.rejected), "rejected": self.rejected},
             },
         }
 
@@ -135,6 +137,17 @@ def test_a_slice_that_did_not_come_back_keeps_local_values_and_is_reported():
     assert failed.reducer == "other" and failed.failed_elements == 6 and failed.end == sets.buffer_size
     assert record.averaging_success == pytest.approx(1 - 6 / sets.buffer_size)
     assert "did not come back" in record.failure_reason
+
+
+def test_a_sender_the_reducer_rejected_is_named_in_the_round_report():
+    _, _, _, _, rounds = _setup(average_fn=lambda snap: snap, rejected={"other": "values that are not finite"})
+    outcome = rounds.run(RoundPlan("clock", 9, 4, 1.0, 2, "active"))
+    assert outcome.status == RoundStatus.PARTIAL and outcome.averaging_success == 1.0
+    assert outcome.rejected_senders == {"other": "values that are not finite"}
+    record = outcome.to_record()
+    assert record.banned_senders == ["other"]
+    assert "rejected sender(s) ...other (values that are not finite)" in record.failure_reason
+    assert "banned sender(s)" not in record.failure_reason, "named once, as rejected"
 
 
 def test_a_failed_or_non_finite_round_changes_nothing():

@@ -138,3 +138,28 @@ def test_a_worker_leaves_after_failing_two_rounds_the_stage_survived():
     assert service.counters["rounds_failed"] == 3
     record = service.record()
     assert record.rounds_failed == 3 and [r.round for r in record.recent] == [1, 2, 3]
+
+
+def test_refusals_and_rejected_senders_reach_the_counters_and_the_summary(tmp_path):
+    from protocol.auth_state import SharedAuthState
+    from roles.worker.averaging.access import Refusal
+
+    state = SharedAuthState(str(tmp_path / "trust"), run_id="run", root_public_key=b"\x00" * 32)
+    service = AveragingService(
+        AveragingConfig(), swarm=FakeSwarm(), run_id="run", stage=0, store=Store(),
+        index_sets=SegmentIndexSets(FlatLayout(["w"], [(40,)]), 4, seed=0, stage=0), reducer=True,
+        local_step=lambda: 0, phase=lambda: Phase.ACTIVE, samples_processed=lambda: 0, auth_state=state)
+    service.access.refuse(Refusal.WRONG_STAGE, "a worker of stage 1")
+    service.access.refuse(Refusal.UNVERIFIED, "a part")
+    plan = RoundPlan("clock", 1, 1, 1.0, 3, "active")
+    service._finish(RoundOutcome(plan, "d", RoundStatus.PARTIAL, group=["me", "a", "b"], banned_senders=["b"],
+                                 rejected_senders={"b": "values that are not finite"}))
+    counters = service.counters
+    assert counters["averaging_refused_wrong_stage"] == 1 and counters["averaging_refused_unverified"] == 1
+    assert counters["senders_rejected"] == 1 and counters["rounds_partial"] == 1
+    summary = service.summary()
+    assert summary["refused"] == {"wrong_stage": 1, "unverified": 1}
+    assert summary["rounds"][0]["rejected_senders"] == {"b": "values that are not finite"}
+    assert summary["rounds"][0]["banned_senders"] == ["b"]
+    open_run, _ = _service(FakeSwarm())
+    assert open_run.access is None and open_run.summary()["refused"] == {}
