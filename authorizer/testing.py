@@ -274,3 +274,72 @@ class KeepAliveClient:
                 await self.writer.wait_closed()
             except Exception:  # noqa: BLE001 - the server may have closed first
                 pass
+
+
+async def paced_requests(url: str, method: str, path: str, bodies: list[bytes], duration_s: float, *,
+                         connections: int = 4, headers: Optional[dict[str, str]] = None,
+                         ) -> list[tuple[int, dict[str, str], bytes]]:
+    """Send `bodies` spread evenly over `duration_s` (request i leaves at i * duration_s / n) on
+    `connections` keep-alive connections; the answers in order. A flood's shape for tests and
+    benchmarks: the pace is the load, not a wait for a condition."""
+    import asyncio
+
+    clients = [await KeepAliveClient(url, headers).connect() for _ in range(connections)]
+    answers: list = [None] * len(bodies)
+    started = time.monotonic()
+
+    async def send(index: int) -> None:
+        for i in range(index, len(bodies), connections):
+            await asyncio.sleep(max(0.0, started + i * duration_s / len(bodies) - time.monotonic()))
+            answers[i] = await clients[index].request(method, path, bodies[i])
+
+    try:
+        await asyncio.gather(*(send(i) for i in range(connections)))
+    finally:
+        for client in clients:
+            await client.close()
+    return answers
+
+
+async def steady_renewals(url: str, keys: list[NodeKey], run_id: str, every_s: float,
+                          duration_s: float) -> list[tuple[int, float]]:
+    """Each node renews every `every_s` for `duration_s`, each on its own keep-alive connection, as
+    admitted nodes do (sooner than agora-node would, to have many samples); (status, seconds) of
+    every renewal."""
+    import asyncio
+    import json
+
+    results: list[tuple[int, float]] = []
+    started = time.monotonic()
+
+    async def node(key: NodeKey) -> None:
+        client = await KeepAliveClient(url).connect()
+        try:
+            beat = 0
+            while (beat + 1) * every_s <= duration_s:
+                beat += 1
+                await asyncio.sleep(max(0.0, started + beat * every_s - time.monotonic()))
+                body = json.dumps(key.proof_body("renew", run_id)).encode()
+                sent = time.perf_counter()
+                status, _, _ = await client.request("POST", "/v1/renew", body)
+                results.append((status, time.perf_counter() - sent))
+        finally:
+            await client.close()
+
+    await asyncio.gather(*(node(key) for key in keys))
+    return results
+
+
+def row_counts(db_url: str) -> dict[str, int]:
+    """Rows in each of the authorizer's tables (`db_url` as given to --db)."""
+    from sqlalchemy import create_engine, func, select
+
+    from authorizer.schema import metadata
+
+    engine = create_engine(db_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    try:
+        with engine.connect() as conn:
+            return {name: conn.execute(select(func.count()).select_from(table)).scalar_one()
+                    for name, table in metadata.tables.items()}
+    finally:
+        engine.dispose()
