@@ -63,6 +63,8 @@ class HelloAck(WireModel):
     ok: bool
     idle_timeout_s: Optional[float] = None
     """The server closes the stream after this long without a request; clients stop reusing it earlier."""
+    max_streams_per_peer: Optional[int] = None
+    """Streams the server lets one peer hold open at once; clients keep below it."""
     credential: Optional[bytes] = Field(default=None, max_length=2048)
     signature: Optional[bytes] = Field(default=None, max_length=128)
     error: Optional[ErrorBody] = None

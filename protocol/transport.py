@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[PeerID, dict], Awaitable[Union[dict, WireModel]]]
 M = TypeVar("M", bound=WireModel)
 
+HELLOS_IN_FLIGHT_PER_PEER = 4
+"""New streams a client opens to one peer at once (half the server's default allowance of streams
+before their hello): a burst of calls opens streams a few at a time instead of being refused."""
+
 _CLOSING_CODES = frozenset({ErrorCode.UNAUTHENTICATED, ErrorCode.RATE_LIMITED, ErrorCode.FRAME_TOO_LARGE})
 """Error replies after which the server closes the stream: the client must not pool it."""
 
@@ -224,7 +228,8 @@ class RpcServer:
             if hello.handler != name:
                 raise ProtocolError(f"hello names {hello.handler[:128]!r} on a stream for {name}",
                                     ErrorCode.MALFORMED_FRAME)
-            ack: dict = {"version": PROTOCOL_VERSION, "ok": True, "idle_timeout_s": self.limits.idle_timeout_s}
+            ack: dict = {"version": PROTOCOL_VERSION, "ok": True, "idle_timeout_s": self.limits.idle_timeout_s,
+                         "max_streams_per_peer": self.limits.max_streams_per_peer}
             if self.authenticator is not None:
                 credential = self.authenticator.check_hello(session.peer, hello)
                 if roles is not None and credential.role not in roles:
@@ -355,6 +360,8 @@ class _Stream:
     seq: int = 0
     idle_timeout_s: Optional[float] = None
     last_used: float = field(default_factory=time.monotonic)
+    opening: bool = True
+    """Counted against the peer's hellos in flight until the ack is read."""
 
     def reusable(self, credential: Optional[bytes], now: float) -> bool:
         if self.writer.is_closing() or self.reader.at_eof() or self.credential != credential:
@@ -364,16 +371,27 @@ class _Stream:
 
 
 class RpcClient:
-    """Calls `agora/v1/*` handlers on remote peers over pooled long-lived streams."""
+    """Calls `agora/v1/*` handlers on remote peers over pooled long-lived streams.
+
+    It keeps no more streams open to a peer (idle or in use, all handlers together) than the
+    peer's server accepts (`max_streams_per_peer`, learnt from its ack): a caller that would
+    exceed it first closes an idle stream of another handler, else waits for one to be freed."""
 
     def __init__(self, p2p: P2P, *, timeout_s: float = 30.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 max_idle_per_peer: int = 16, authenticator: Optional[PeerAuthenticator] = None):
+                 max_idle_per_peer: int = 16, max_streams_per_peer: int = StreamLimits.max_streams_per_peer,
+                 authenticator: Optional[PeerAuthenticator] = None):
         self.p2p = p2p
         self.authenticator = authenticator
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.max_idle_per_peer = max_idle_per_peer
+        self.max_streams_per_peer = max_streams_per_peer
         self._idle: dict[tuple[PeerID, str], list[_Stream]] = collections.defaultdict(list)
+        self._open: collections.Counter[PeerID] = collections.Counter()
+        self._opening: collections.Counter[PeerID] = collections.Counter()
+        self._limit: dict[PeerID, int] = {}
+        """Each peer's own cap, from its ack."""
+        self._freed = asyncio.Event()
 
     async def request(self, peer_id: PeerID, handler: str, request: WireModel, reply: type[M], *,
                       timeout_s: Optional[float] = None) -> M:
@@ -401,23 +419,23 @@ class RpcClient:
         try:
             reply = await asyncio.wait_for(exchange(), timeout)  # one deadline for the whole exchange
         except asyncio.TimeoutError as exc:
-            self._discard(held)
+            self._discard(peer_id, held)
             raise PeerTimeout(f"{handler} on {peer_id} did not answer within {timeout:.1f}s") from exc
         except (AgoraError, asyncio.CancelledError):
-            self._discard(held)
+            self._discard(peer_id, held)
             raise
         except Exception as exc:
-            self._discard(held)
+            self._discard(peer_id, held)
             raise PeerUnavailable(f"cannot reach {peer_id} for {handler}: {exc}") from exc
         stream = held[0]
         if reply.seq not in (stream.seq, 0):
-            self._discard(held)
+            self._discard(peer_id, held)
             raise ProtocolError(f"{peer_id} answered request {reply.seq} to our request {stream.seq} on {handler}",
                                 ErrorCode.MALFORMED_FRAME)
         if not reply.ok:
             code = _code(reply.error)
             if code in _CLOSING_CODES:
-                self._discard(held)
+                self._discard(peer_id, held)
             else:
                 self._release(key, stream)
             raise RemoteError(f"{peer_id} rejected {handler}: {code.name.lower()}: {_message(reply.error)}", code)
@@ -425,7 +443,10 @@ class RpcClient:
         return reply.body or {}
 
     async def _read_ack(self, peer_id: PeerID, handler: str, stream: _Stream) -> None:
-        ack = parse_frame(HelloAck, await read_frame(stream.reader, HELLO_MAX_BYTES))
+        try:
+            ack = parse_frame(HelloAck, await read_frame(stream.reader, HELLO_MAX_BYTES))
+        finally:
+            self._opened(peer_id, stream)
         if not ack.ok:
             code = _code(ack.error)
             raise RemoteError(f"{peer_id} refused a stream for {handler}: {code.name.lower()}: {_message(ack.error)}",
@@ -433,42 +454,85 @@ class RpcClient:
         if self.authenticator is not None:
             self.authenticator.check_ack(peer_id.to_base58(), handler, stream.hello_nonce, ack)
         stream.hello_nonce, stream.idle_timeout_s = None, ack.idle_timeout_s
+        if ack.max_streams_per_peer is not None:
+            self._limit[peer_id] = ack.max_streams_per_peer
 
     async def _acquire(self, key) -> _Stream:
-        credential = self.authenticator.current_credential() if self.authenticator is not None else None
-        idle, now = self._idle.get(key), time.monotonic()
-        while idle:
-            stream = idle.pop()
-            if stream.reusable(credential, now):
-                return stream
-            stream.writer.close()
+        """An idle stream of ours for `key`, or a new one (its hello sent) once the peer's cap allows."""
         peer_id, handler = key
+        credential = self.authenticator.current_credential() if self.authenticator is not None else None
+        while True:
+            idle, now = self._idle.get(key), time.monotonic()
+            while idle:
+                stream = idle.pop()
+                if stream.reusable(credential, now):
+                    return stream
+                self._close(peer_id, stream)
+            limit = min(self.max_streams_per_peer, self._limit.get(peer_id, self.max_streams_per_peer))
+            if self._open[peer_id] < limit and self._opening[peer_id] < HELLOS_IN_FLIGHT_PER_PEER:
+                break
+            if self._open[peer_id] < limit or not self._evict_idle(peer_id):
+                self._freed.clear()
+                await self._freed.wait()
+        self._open[peer_id] += 1
+        self._opening[peer_id] += 1
         hello, nonce = hello_frame(handler, peer_id.to_base58(), self.authenticator)
-        _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, handler)
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, handler)
+        except BaseException:
+            self._opening[peer_id] -= 1
+            self._closed(peer_id)
+            raise
+        stream = _Stream(reader, writer, credential, hello_nonce=nonce)
         try:
             await write_frame(writer, hello)  # the first request follows without waiting for the ack
         except BaseException:
-            writer.close()
+            self._close(peer_id, stream)
             raise
-        return _Stream(reader, writer, credential, hello_nonce=nonce)
+        return stream
+
+    def _evict_idle(self, peer_id: PeerID) -> bool:
+        """Close one idle stream to `peer_id` (any handler) to make room; False if none is idle."""
+        for (peer, _), streams in self._idle.items():
+            if peer == peer_id and streams:
+                self._close(peer_id, streams.pop(0))  # the longest idle
+                return True
+        return False
 
     def _release(self, key, stream: _Stream) -> None:
         stream.last_used = time.monotonic()
         idle = self._idle[key]
         if len(idle) < self.max_idle_per_peer:
             idle.append(stream)
+            self._freed.set()  # a waiter for this peer may now evict it
         else:
-            stream.writer.close()
+            self._close(key[0], stream)
 
-    @staticmethod
-    def _discard(held: list[_Stream]) -> None:
+    def _discard(self, peer_id: PeerID, held: list[_Stream]) -> None:
         if held:
-            held[0].writer.close()
+            self._close(peer_id, held[0])
+
+    def _close(self, peer_id: PeerID, stream: _Stream) -> None:
+        stream.writer.close()
+        self._opened(peer_id, stream)
+        self._closed(peer_id)
+
+    def _opened(self, peer_id: PeerID, stream: _Stream) -> None:
+        if stream.opening:
+            stream.opening = False
+            self._opening[peer_id] -= 1
+            self._freed.set()
+
+    def _closed(self, peer_id: PeerID) -> None:
+        self._open[peer_id] -= 1
+        if self._open[peer_id] <= 0:
+            del self._open[peer_id]
+        self._freed.set()
 
     async def close(self) -> None:
-        for streams in self._idle.values():
+        for (peer_id, _), streams in self._idle.items():
             for stream in streams:
-                stream.writer.close()
+                self._close(peer_id, stream)
         self._idle.clear()
 
 

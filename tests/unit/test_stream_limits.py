@@ -198,3 +198,32 @@ def test_unsent_hello_bytes_cannot_be_parked_in_a_frame():
                 await p2p.shutdown()
 
     run(scenario())
+
+
+def test_a_client_keeps_below_the_servers_stream_cap_and_queues_the_rest():
+    """More concurrent calls than the server lets one peer hold: the client waits for a stream
+    instead of being refused, closing idle streams of other handlers to make room."""
+    async def scenario():
+        limits = dataclasses.replace(LIMITS, idle_timeout_s=30.0, max_unauthenticated_per_peer=8,
+                                     max_unauthenticated_total=256)
+        server, server_p2p, attacker, honest = await _pair(limits)
+
+        async def slow(peer_id, body):
+            await asyncio.sleep(0.2)  # a slow handler: behaviour under test, not a wait
+            return {"i": body["i"]}
+
+        await server.add_handler("agora/v1/slow", slow)
+        client = RpcClient(honest, timeout_s=20)
+        try:
+            assert await client.call(server_p2p.peer_id, HANDLER, {"x": 0}) == {"echo": {"x": 0}}  # learns the cap
+            replies = await asyncio.gather(*(client.call(server_p2p.peer_id, "agora/v1/slow", {"i": i})
+                                             for i in range(12)))
+            assert [r["i"] for r in replies] == list(range(12))
+            assert server.streams_refused == {}, server.streams_refused
+            assert client._open[server_p2p.peer_id] <= LIMITS.max_streams_per_peer
+        finally:
+            await client.close()
+            for p2p in (attacker, honest, server_p2p):
+                await p2p.shutdown()
+
+    run(scenario())
