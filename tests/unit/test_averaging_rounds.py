@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from hivemind.averaging.matchmaking import MatchmakingException
 
 from protocol.dht_schema import RoundStatus
 from roles.worker.averaging.health import RoundHealth, Verdict
@@ -162,6 +163,18 @@ def test_a_failed_or_non_finite_round_changes_nothing():
     outcome = rounds.run(RoundPlan("step", 2, 2, 0.0, 3, "weight_sync"))
     assert outcome.status == RoundStatus.FAILED and "not finite" in outcome.failure_reason
     assert torch.equal(_flat(store), before)
+
+
+def test_a_group_this_replica_refused_is_a_failure_marked_as_the_groups():
+    refusal = MatchmakingException("Unable to run All-Reduce: refused the group: 1 of its 3 members are not "
+                                   "credentialed workers of stage 0 (abcdef: wrong_role)")
+    _, store, _, _, rounds = _setup(average_fn=lambda snap: snap, error=refusal)
+    before = _flat(store).clone()
+    outcome = rounds.run(RoundPlan("step", 1, 1, 1.0, 3, "active"))
+    assert outcome.status == RoundStatus.FAILED and outcome.group_refused and "wrong_role" in outcome.failure_reason
+    assert torch.equal(_flat(store), before)
+    _, _, _, _, rounds = _setup(average_fn=lambda snap: snap, error=RuntimeError("could not find a group"))
+    assert not rounds.run(RoundPlan("step", 2, 2, 1.0, 3, "active")).group_refused
 
 
 def test_group_smaller_than_the_stage_is_partial():

@@ -163,3 +163,14 @@ def test_refusals_and_rejected_senders_reach_the_counters_and_the_summary(tmp_pa
     assert summary["rounds"][0]["banned_senders"] == ["b"]
     open_run, _ = _service(FakeSwarm())
     assert open_run.access is None and open_run.summary()["refused"] == {}
+
+
+def test_a_refused_group_does_not_count_against_the_replica():
+    """A credentialed trainer posing as the stage's leader makes honest followers refuse its group;
+    that must not push them out of their stage [report 3.3.1.6]."""
+    service, _ = _service(FakeSwarm())
+    for round_id in (1, 2, 3):
+        plan = RoundPlan("step", round_id, round_id % 4, 1.0, 3, "active")
+        service._finish(RoundOutcome(plan, "d", RoundStatus.FAILED, group_refused=True,
+                                     failure_reason="MatchmakingException: Unable to run All-Reduce: refused the group"))
+    assert service.health.pending == [] and service.counters["rounds_failed"] == 3

@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 CREDENTIAL_KEY = "credential"
 """The key of a replica's signed credential (bytes) in its round's gathered metadata."""
 
+GROUP_REFUSED = "refused the group"
+"""How the reason of a round whose group this replica refused begins. It reaches the node inside
+hivemind's MatchmakingException message (the exception crosses the process boundary by its text);
+such a round does not count against the replica's health (health.py): the group was at fault."""
+
 
 class Refusal(str, enum.Enum):
     """Why an averaging request, or a group, was refused."""

@@ -33,7 +33,9 @@ from hivemind.utils import MPFuture
 
 from protocol.hivemind_adapter import AdaptedAverager
 from protocol.run_config import AveragingConfig
-from roles.worker.averaging.access import CREDENTIAL_KEY, AveragingAccess, AveragingRefused, Refusal
+from roles.worker.averaging.access import (
+    CREDENTIAL_KEY, GROUP_REFUSED, AveragingAccess, AveragingRefused, Refusal,
+)
 from roles.worker.averaging.allreduce import InstrumentedRunner
 from roles.worker.averaging.screening import PartScreen
 from roles.worker.errors import AveragingError
@@ -120,7 +122,7 @@ class SpartaAverager(AdaptedAverager):
         members = "; ".join(f"{peer}: {exc}" for peer, exc in refused.items())
         self.access.refuse(Refusal.GROUP, f"a group of {len(gathered)} with {len(refused)} member(s) that are "
                                           f"not workers of stage {self.access.stage} ({members})")
-        return (f"refused the group: {len(refused)} of its {len(gathered)} members are not credentialed workers of "
+        return (f"{GROUP_REFUSED}: {len(refused)} of its {len(gathered)} members are not credentialed workers of "
                 f"stage {self.access.stage} ({', '.join(f'{p[-6:]}: {e.reason.value}' for p, e in refused.items())})")
 
     def _verify(self, peer_id: str, metadata: Any, what: str) -> bool:

@@ -6,7 +6,8 @@ round can also fail for everyone (a reducer died during matchmaking, the stage w
 leaving then would empty the stage for nothing. So a failure counts against this worker only when
 the stage averaged without it, i.e. another worker reports that same round as complete or
 partial; a failure nobody else survived is neutral. Skipped rounds (alone, no reducer) are not
-rounds at all.
+rounds at all, and neither is a group this worker refused because a member was no credentialed
+worker of the stage (access.py): the service does not report those here.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from protocol.dht_schema import FailedSliceRecord, RoundStatus, RoundSummaryRecord
+from roles.worker.averaging.access import GROUP_REFUSED
 from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.index_sets import IndexSet, SegmentIndexSets
 from roles.worker.layout import FlatLayout, ParameterStore
@@ -73,6 +74,9 @@ class RoundOutcome:
     rejected_senders: dict[str, str] = field(default_factory=dict)
     """Of those, the ones whose parts were rejected (not finite, absurd weight or norm), with why."""
     mismatched_peers: list[str] = field(default_factory=list)
+    group_refused: bool = False
+    """This replica refused the group its leader assembled (a member was no credentialed worker of
+    the stage, access.py): the round failed, but not through any fault of this replica's."""
     delta_sq: float = 0.0
     average_sq: float = 0.0
     allreduce_s: Optional[float] = None
@@ -199,7 +203,9 @@ class SegmentRound:
     def _describe(self, plan: RoundPlan, index_set: IndexSet, report: Optional[dict], error: Optional[BaseException],
                   duration_s: float) -> RoundOutcome:
         if error is not None or report is None:
-            return RoundOutcome(plan, index_set.digest, RoundStatus.FAILED, duration_s, failure_reason=_reason(error))
+            reason = _reason(error)
+            return RoundOutcome(plan, index_set.digest, RoundStatus.FAILED, duration_s, failure_reason=reason,
+                                group_refused=GROUP_REFUSED in reason)
         telemetry, gathered = report["telemetry"], report.get("gathered", {})
         peers: list[str] = list(telemetry["peers"])
         sizes: list[int] = list(telemetry["slice_sizes"])

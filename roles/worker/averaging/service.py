@@ -321,7 +321,9 @@ class AveragingService:
         self.history.append(outcome)
         if outcome.status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL):
             self.health.record_success()
-        elif outcome.status == RoundStatus.FAILED:
+        elif outcome.status == RoundStatus.FAILED and not outcome.group_refused:
+            # A refused group is the group's fault: a credentialed non-worker posing as the stage's
+            # leader must not be able to push honest replicas out of their stage.
             self.health.record_failure(outcome.plan.kind, outcome.plan.round)
         level = logging.INFO if outcome.status in (RoundStatus.COMPLETE, RoundStatus.SKIPPED) else logging.WARNING
         logger.log(level, "averaging: %s", outcome.describe())
