@@ -13,6 +13,7 @@ import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
@@ -215,6 +216,46 @@ def test_every_averaging_rpc_asks_the_admission_hooks_first(tmp_path):
     assert admitted[:2] == (averaging_pb2.NOT_LOOKING_FOR_GROUP, averaging_pb2.BAD_GROUP_ID) and admitted[2] > 0
     assert decode_gather(serializer, serializer.dumps([0.0, 0, serializer.dumps({"a": 1})])) == {"a": 1}
     assert decode_gather(serializer, b"\x00" * 70_000) is None and decode_gather(serializer, b"\xc1") is None
+
+
+class PickyAverager(AdaptedAverager):
+    """Refuses any group in which a member's metadata lacks {"worker": True}."""
+
+    def check_group(self, gathered):
+        strangers = sorted(peer[-6:] for peer, data in gathered.items() if data.get("worker") is not True)
+        return f"not a worker: {', '.join(strangers)}" if strangers else None
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_refuses_the_group_before_the_all_reduce_starts():
+    first = hivemind.DHT(start=True)
+    second = hivemind.DHT(initial_peers=first.get_visible_maddrs(), start=True)
+    averagers = [PickyAverager([torch.full((16,), float(i))], dht, prefix="picky", target_group_size=2,
+                               min_matchmaking_time=2.0, request_timeout=1.0, start=False, daemon=True)
+                 for i, dht in enumerate((first, second))]
+    stranger = second.peer_id.to_base58()[-6:]
+    try:
+        for averager in averagers:
+            averager.start()
+            averager.wait_until_ready(30)
+        controls = [averagers[0].step(gather={"worker": True}, wait=False, timeout=10, allow_retries=False),
+                    averagers[1].step(gather={"worker": False}, wait=False, timeout=10, allow_retries=False)]
+        errors = []
+        for control in controls:
+            with pytest.raises(MatchmakingException) as caught:
+                control.result(60)
+            errors.append(str(caught.value))
+        tensors = []
+        for averager in averagers:
+            with averager.get_tensors() as local:
+                tensors.append(local[0].clone())
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        second.shutdown()
+        first.shutdown()
+    assert all(f"not a worker: {stranger}" in error for error in errors), errors
+    assert torch.equal(tensors[0], torch.zeros(16)) and torch.equal(tensors[1], torch.ones(16)), "nothing averaged"
 
 
 class ScreeningRunner(AdaptedRunner):
