@@ -5,7 +5,7 @@ A single HTTP service (FastAPI on uvicorn) per run [report 3.6.1]. Modules, one 
     config       AuthorizerConfig: what one authorizer process needs; authorizer.json (kept address)
     main         run_authorizer(config) and a small CLI; the readiness line
     accounts     the accounts command line: add, list, revoke account tokens
-    app          the FastAPI app, body limit, typed JSON errors
+    app          the FastAPI app, body limit, rate-limit middleware, typed JSON errors
     routes       public /v1 endpoints (join, poll, renew, leave, run, revocations)
     admin        /v1/admin endpoints behind the admin bearer token (accounts, bans, live policy)
     models       server-side checks on the wire models (protocol.authorizer_api) and admin bodies
@@ -15,6 +15,9 @@ A single HTTP service (FastAPI on uvicorn) per run [report 3.6.1]. Modules, one 
     reachability dialing a joining node back over libp2p
     placement    which stage a worker serves
     queue        releasing the admission queue at the join rate; sweeping lapsed tickets
+    ratelimit    who a join, poll, renewal or leave counts against, and whether it may go on (429)
+    buckets      token buckets in tables of bounded size
+    rejections   which rejected joins are stored as tickets; counts of the rest per source and minute
     store        participant records on SQLite or PostgreSQL, and every change to them
     reads        the store's queries (polls, counts, bans, revocations)
     statements   the hot-path SQL, built once per dialect
