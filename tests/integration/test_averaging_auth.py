@@ -134,7 +134,8 @@ def test_only_credentialed_workers_of_the_stage_reach_the_averager(make_swarm, a
                                          other_admission.credential.to_bytes()),
             }
             identity = load_or_create_identity(str(tmp_path / "t.key"))
-            auth = PeerAuthenticator(identity=identity, run_id=run_id, root_public_key=trainer_admission.root_public_key,
+            auth = PeerAuthenticator(identity=identity, run_id=run_id,
+                                     root_public_key=trainer_admission.root_public_key,
                                      credential=lambda: trainer_admission.credential)
             client = RpcClient(trainer, authenticator=auth, timeout_s=10)
             try:

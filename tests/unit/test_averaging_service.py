@@ -172,5 +172,6 @@ def test_a_refused_group_does_not_count_against_the_replica():
     for round_id in (1, 2, 3):
         plan = RoundPlan("step", round_id, round_id % 4, 1.0, 3, "active")
         service._finish(RoundOutcome(plan, "d", RoundStatus.FAILED, group_refused=True,
-                                     failure_reason="MatchmakingException: Unable to run All-Reduce: refused the group"))
+                                     failure_reason="MatchmakingException: Unable to run All-Reduce: refused the "
+                                                    "group"))
     assert service.health.pending == [] and service.counters["rounds_failed"] == 3

@@ -277,7 +277,8 @@ def test_a_reducer_leaves_a_poisoning_sender_out_and_the_round_completes_for_the
         try:
             for i, p2p in enumerate(daemons):
                 for other in daemons[i + 1:]:
-                    await connect(p2p, other.peer_id, [str(m).split("/p2p/")[0] for m in await other.get_visible_maddrs()])
+                    address = [str(m).split("/p2p/")[0] for m in await other.get_visible_maddrs()]
+                    await connect(p2p, other.peer_id, address)
             peers = [p2p.peer_id for p2p in daemons]
             tensors = [torch.full((300,), float(i)) for i in range(3)]  # the poisoner is the third
             runners = [ScreeningRunner(p2p=p2p, servicer_type=ScreeningRunner, prefix="screen-test", group_id=b"g",
