@@ -201,6 +201,10 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 pass
             remove_shared_memory(node.known_pids)
+        # SIGKILLed grandchildren take a moment to be reaped on a loaded machine
+        gone_by = time.monotonic() + 5
+        while self.survivors() and time.monotonic() < gone_by:
+            time.sleep(0.1)
 
     def leaked_shared_memory(self) -> list[str]:
         """/dev/shm segments left by any process of our nodes (should be none after stop_all)."""
