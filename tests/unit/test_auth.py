@@ -15,7 +15,7 @@ from hivemind.p2p import P2P
 from protocol.auth import PeerAuthenticator, RequestRejected
 from protocol.codec import pack, unpack
 from protocol.credentials import Credential, root_public_key_bytes, sign_credential, sign_revocation_list
-from protocol.errors import ErrorCode, RemoteError
+from protocol.errors import ErrorCode, PeerUnavailable, RemoteError
 from protocol.framing import read_frame, write_frame
 from protocol.identity import load_or_create_identity
 from protocol.transport import RpcClient, RpcServer, hello_frame
@@ -240,11 +240,14 @@ def test_revocation_ends_an_open_stream(tmp_path):
         assert await scene.call(client) == {"echo": {"x": 1}}
         idle = await _raw_exchange_open(scene, authenticator(scene.honest_id, credential))
         scene.server_auth.revocations = sign_revocation_list(ROOT, run_id=RUN, serials=[credential.credential.serial])
-        await expect_rejection(scene, client, "revoked")
         with pytest.raises(Exception):  # closed by the server's sweep
             await asyncio.wait_for(read_frame(idle[0]), 10)
         idle[1].close()
         assert scene.server.streams_closed["revoked"] >= 1
+        # the client's pooled stream was closed the same way; a new stream is refused at its hello
+        with pytest.raises((RemoteError, PeerUnavailable)):
+            await scene.call(client)
+        await expect_rejection(scene, client, "revoked")
         scene.server_auth.revocations = None
         await client.close()
 
