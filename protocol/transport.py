@@ -179,6 +179,7 @@ class RpcServer:
             self.streams_refused[refusal] += 1
             await self._refuse(writer, ErrorCode.RATE_LIMITED,
                                f"{refusal}: this peer holds too many streams; reuse or close them and retry")
+            writer.close()
             return
         session = _Session(peer, writer, deadline=time.monotonic() + self.limits.hello_timeout_s)
         self._sessions.add(session)

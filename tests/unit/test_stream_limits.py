@@ -91,6 +91,8 @@ def test_streams_per_peer_are_capped_and_idle_ones_closed_while_others_are_serve
             assert all(a["error"]["code"] == ErrorCode.RATE_LIMITED for a in refused)
             assert "too_many_streams" in refused[0]["error"]["message"]
             assert server.streams_refused["too_many_streams"] == 6
+            refused_streams = [reader for reader, _, ack in opened if not ack["ok"]]
+            assert all(await asyncio.gather(*(_closed(r) for r in refused_streams))), "refused streams stay open"
             # another peer is served while the attacker holds its streams
             assert await client.call(server_p2p.peer_id, HANDLER, {"x": 1}) == {"echo": {"x": 1}}
             # the parked streams are closed after the idle timeout, and counted
