@@ -327,12 +327,11 @@ async def _retrying(client: AuthorizerClient, call, timeout_s: float) -> TicketO
         try:
             return await call()
         except RateLimited as exc:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            left, wait = deadline - time.monotonic(), exc.wait_s()
+            if wait > left:  # not welcome again before the deadline: say so now
                 raise AdmissionRejected(RATE_LIMITED, (
                     f"{exc}; gave up after {duration(timeout_s)} (--admission-timeout-s): start fewer nodes at "
                     f"once from this address, or wait and start this one again")) from None
-            wait = min(exc.wait_s(), left)
             logger.warning("%s; retrying in %s, giving up in %s", exc, duration(wait), duration(left))
             await asyncio.sleep(wait)
         except AuthorizerUnavailable as exc:
