@@ -189,14 +189,16 @@ def test_a_reducer_killed_mid_round_reports_its_slice_then_rounds_recover(make_s
     victim, killed, recovered = _kill_mid_round(make_swarm, run_config_path, victim_reduces=True)
     with_victim = [s for s in killed.values() if s.failed_slices]
     assert with_victim, killed
+    slices = set()
     for summary in with_victim:
         assert summary.status == RoundStatus.PARTIAL, summary
-        [failed] = summary.failed_slices
-        assert failed.reducer == victim.peer_id, "the dead reducer's slice is the one that fell back"
+        # The dead reducer's slice falls back. On a loaded machine a survivor's slice may time out
+        # too (it waits out the dead sender before it answers), so others may be listed as well.
+        [failed] = [f for f in summary.failed_slices if f.reducer == victim.peer_id]
         assert 0 < failed.failed_elements <= failed.end - failed.start
         assert summary.averaging_success < 1.0
-    slices = {(s.failed_slices[0].start, s.failed_slices[0].end) for s in with_victim}
-    assert len(slices) == 1, "every survivor names the same slice"
+        slices.add((failed.start, failed.end))
+    assert len(slices) == 1, "every survivor names the same slice for the dead reducer"
     assert all(s.status != RoundStatus.COMPLETE for s in killed.values()), killed
     print(f"killed round: {[s.failure_reason for s in killed.values()]}; recovered: round {recovered.round}")
 

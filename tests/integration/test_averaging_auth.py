@@ -63,6 +63,18 @@ async def _admitted(authorizer_url: str, path: str, account: str, role: str):
 
 
 async def _ask(p2p, worker, prefix: str, credential: bytes | None) -> tuple[int, int, int]:
+    """`_ask_once`, again if hivemind's client lost the race it has with a server that answers and
+    closes a stream before the client finished writing to it (BrokenPipeError on the read)."""
+    for attempt in range(3):
+        try:
+            return await _ask_once(p2p, worker, prefix, credential)
+        except (BrokenPipeError, ConnectionResetError):
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def _ask_once(p2p, worker, prefix: str, credential: bytes | None) -> tuple[int, int, int]:
     """Call a worker's three averaging RPCs as hivemind would: (join reply code, first reply code to
     a part, number of state messages)."""
     from hivemind.p2p import PeerID
