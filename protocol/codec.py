@@ -70,8 +70,8 @@ def decode_tensor(wire: Any) -> torch.Tensor:
     if not isinstance(wire, dict):
         raise ProtocolError("tensor must be a map", ErrorCode.INVALID_TENSOR)
     name, shape, data = wire.get("dtype"), wire.get("shape"), wire.get("data")
-    if name not in WIRE_DTYPES:
-        raise ProtocolError(f"unsupported tensor dtype {name!r}", ErrorCode.INVALID_TENSOR)
+    if not isinstance(name, str) or name not in WIRE_DTYPES:
+        raise ProtocolError(f"unsupported tensor dtype {name!r:.64}", ErrorCode.INVALID_TENSOR)
     if (
         not isinstance(shape, (list, tuple))
         or len(shape) > MAX_TENSOR_DIMS

@@ -55,6 +55,8 @@ def test_hostile_tensor_maps_give_typed_errors(value):
 
 
 @pytest.mark.parametrize("wire", [
+    {"dtype": []},  # an unhashable dtype (found by the property test above)
+    {"dtype": {"a": 1}, "shape": [1], "data": b"\0" * 4},
     {"dtype": "float64", "shape": [1], "data": b"\0" * 8},
     {"dtype": "float32", "shape": [2], "data": b"\0" * 4},
     {"dtype": "float32", "shape": [-1], "data": b""},
