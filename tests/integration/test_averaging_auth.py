@@ -103,7 +103,7 @@ async def _ask_once(p2p, worker, prefix: str, credential: bytes | None) -> tuple
     return join[0].code, part[0].code, len(state)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_only_credentialed_workers_of_the_stage_reach_the_averager(make_swarm, authorizer, tmp_path):
     from hivemind.p2p import P2P, PeerID
     from hivemind.proto import averaging_pb2
@@ -126,7 +126,7 @@ def test_only_credentialed_workers_of_the_stage_reach_the_averager(make_swarm, a
     [lone] = [w for w in workers if w.stage != paired]
     assert len(pair) == 2, stages
     # the stage's credentialed replicas average with each other, credentials and all
-    poll_until(lambda: all(_log_has(w, "complete, group 2/2") for w in pair), 60,
+    poll_until(lambda: all(_log_has(w, "complete, group 2/2") for w in pair), 120,
                "a complete round of the two replicas of one stage", period_s=0.5)
 
     async def attacks():

@@ -81,6 +81,7 @@ async def _park_streams(worker, authorizer_url, tmp_path, trainer_done) -> dict:
     from protocol import version
     from protocol.auth import PeerAuthenticator
     from protocol.codec import unpack
+    from protocol.errors import PeerUnavailable
     from protocol.framing import read_frame, write_frame
     from protocol.transport import RpcClient, dial, hello_frame
 
@@ -94,8 +95,11 @@ async def _park_streams(worker, authorizer_url, tmp_path, trainer_done) -> dict:
 
         async def park():
             reader, writer = await _open(p2p, peer, version.FORWARD)
-            await write_frame(writer, hello_frame(version.FORWARD, worker.peer_id, auth)[0])
-            ack = unpack(await asyncio.wait_for(read_frame(reader), 20))
+            try:
+                await write_frame(writer, hello_frame(version.FORWARD, worker.peer_id, auth)[0])
+                ack = unpack(await asyncio.wait_for(read_frame(reader), 20))
+            except PeerUnavailable:  # refused and closed before our hello was read: libp2p reset it
+                ack = {"ok": False, "error": None}
             (accepted if ack["ok"] else refused).append((reader, writer, ack))
 
         for _ in range(1000 // 8):  # eight at a time: as many hellos as one peer may have pending
@@ -137,7 +141,9 @@ def test_outsiders_cannot_hold_a_workers_memory_or_streams(make_swarm, authorize
         _park_streams(head, authorizer.url, tmp_path, lambda: trainer.proc.poll() is not None), 240))
     assert report["accepted"] == 128, report["accepted"]  # --max-streams-per-peer's default
     assert len(report["refusals"]) == 1000 - 128
-    assert all(e["code"] == ErrorCode.RATE_LIMITED for e in report["refusals"])
+    # each got the typed refusal, or a reset when the refusal raced the hello it did not read
+    assert all(e is None or e["code"] == ErrorCode.RATE_LIMITED for e in report["refusals"])
+    assert any(e is not None for e in report["refusals"])
     assert report["closed"] == 128, "idle streams must be closed after --stream-idle-timeout-s"
     counters = report["counters"]
     print(f"1,000 parked streams: {report['accepted']} accepted, {len(report['refusals'])} refused, "
