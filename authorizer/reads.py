@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from sqlalchemy import exists, select
+from sqlalchemy import and_, exists, or_, select
 from sqlalchemy.engine import Row
 
 from authorizer.admission import Rejection, banned_account_rejection, banned_peer_rejection
@@ -68,13 +68,17 @@ class StoreReads:
                 participants.c.status == "banned", participants.c.expires_at > int(now)).limit(limit)).scalars()
         return serials, sorted(set(peers))[:limit]
 
-    def recent_addresses(self, limit: int, admitted_before: float) -> list[str]:
-        """Announced addresses of recently seen nodes admitted before `admitted_before`: bootstrap
-        peers for a newcomer. Only earlier ones, so that of nodes admitted together the first
-        starts the DHT and the others join it, instead of each waiting for another."""
+    def recent_addresses(self, limit: int, admitted_at: float, participant_id: int) -> list[str]:
+        """Announced addresses of recently seen nodes admitted before the participant admitted at
+        `admitted_at` with id `participant_id`: bootstrap peers for a newcomer. Only earlier ones
+        (in admission order, ties by id), so that of nodes admitted together the first starts the
+        DHT and each of the others joins one admitted before it, instead of each waiting for
+        another; and never none of them, or a batch admitted at once would start separate DHTs."""
+        earlier = or_(participants.c.admitted_at < admitted_at,
+                      and_(participants.c.admitted_at == admitted_at, participants.c.id < participant_id))
         with self.read_engine.connect() as conn:
             rows = conn.execute(select(participants.c.announce_maddrs).where(
-                participants.c.status == ADMITTED, participants.c.admitted_at < admitted_before)
+                participants.c.status == ADMITTED, earlier)
                                 .order_by(participants.c.last_seen_at.desc()).limit(limit)).scalars()
             return [addr for maddrs in rows for addr in (maddrs or [])[:2]]
 

@@ -159,7 +159,7 @@ class Authorizer:
             await self.stored(self.store.touch(row.id, now))
         bootstrap = self.bootstrap_peers
         if row.status == ADMITTED and not bootstrap:
-            recent = await self.read(self.store.recent_addresses, 8, row.admitted_at or now)
+            recent = await self.read(self.store.recent_addresses, 8, row.admitted_at or now, row.id)
             bootstrap = [addr for addr in recent if row.peer_id not in addr]
         return self._ticket_out(row, position=ahead, detailed=True, bootstrap=bootstrap)
 
