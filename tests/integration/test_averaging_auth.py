@@ -100,7 +100,9 @@ async def _ask_once(p2p, worker, prefix: str, credential: bytes | None) -> tuple
     part = await replies(stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(
         code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"a group of mine"))))
     state = await replies(stub.rpc_download_state(averaging_pb2.DownloadRequest()))
-    return join[0].code, part[0].code, len(state)
+    # a refused part may reach us as a closed stream (answered before it was read, then reset);
+    # hivemind itself always answers a part, so an empty reply is a refusal too
+    return join[0].code, part[0].code if part else averaging_pb2.PROTOCOL_VIOLATION, len(state)
 
 
 @pytest.mark.timeout(300)
