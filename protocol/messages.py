@@ -19,7 +19,7 @@ from typing import Annotated, Any, Optional
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError
 
-from protocol.codec import decode_tensor, encode_tensor, pack, unpack
+from protocol.codec import decode_tensor, encode_tensor, unpack
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.version import PROTOCOL_VERSION, SUPPORTED_PROTOCOL_VERSIONS
 
