@@ -152,6 +152,9 @@ def _replay(body: bytes, receive):
 def create_app(authorizer: Authorizer, admin_token: str) -> FastAPI:
     """The authorizer's ASGI app; the admission queue runs for the app's lifetime."""
     from authorizer.admin import admin_router
+    from authorizer.dashboard import dashboard_router
+    from authorizer.metrics_push import push_router
+    from authorizer.monitor.api import monitor_router
     from authorizer.routes import router
 
     @contextlib.asynccontextmanager
@@ -178,6 +181,9 @@ def create_app(authorizer: Authorizer, admin_token: str) -> FastAPI:
     app.state.admin_token = admin_token
     app.include_router(router)
     app.include_router(admin_router)
+    app.include_router(monitor_router)
+    app.include_router(push_router)
+    app.include_router(dashboard_router)
 
     @app.exception_handler(AuthorizerError)
     async def _authorizer_error(_: Request, exc: AuthorizerError) -> JSONResponse:

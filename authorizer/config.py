@@ -148,6 +148,19 @@ class AuthorizerConfig(BaseModel):
         default=50_000, ge=1, le=10_000_000,
         description="source addresses, and nodes, the rate limits keep track of at once (the least recently "
                     "seen are forgotten)")
+    no_monitor: bool = Field(default=False, description="do not run the health monitor in this process (run "
+                             "`agora-node --role monitor` elsewhere, or nothing)")
+    monitor_interval_s: float = Field(default=10.0, ge=0.5, le=3600.0, description="how often the health monitor "
+                                      "reads the DHT and records what it saw")
+    monitor_host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
+                                           json_schema_extra={"metavar": "MADDR"},
+                                           description="where the in-process health monitor's DHT node listens; "
+                                                       "nodes get it as a bootstrap peer")
+    alert_webhook: Optional[str] = Field(default=None, json_schema_extra={"metavar": "URL"},
+                                         description="POST each new or resolved alert as JSON to this URL")
+    pushgateway: Optional[str] = Field(default=None, json_schema_extra={"metavar": "URL"},
+                                       description="Prometheus Pushgateway that nodes' authenticated pushes to "
+                                                   "/v1/metrics/push are forwarded to (off if unset)")
     sqlite_synchronous: Literal["full", "normal"] = Field(
         default="full", description="full: a commit survives power loss; normal: survives a process crash"
     )

@@ -20,6 +20,8 @@ SYNOPSIS = """
   agora-node --role trainer --authorizer URL [--data synthetic|PATH] [--lanes N] [...]
   agora-node --role authorizer --config tiny|1b|8b|PATH.yaml [--port 8000] [...]
   agora-node --role worker --config 8b --stage N --dry-run [--gpu-memory 24GiB]
+  agora-node --role monitor --authorizer URL --db URL [--account-token TOKEN] [...]
+  agora-node status --authorizer URL | --initial-peers MADDR [--json] [--watch]
   agora-node demo [--help]
   agora-node --version"""
 
@@ -48,8 +50,9 @@ def node_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=_version())
     node = p.add_argument_group("every node")
-    node.add_argument("--role", choices=["worker", "trainer", "authorizer"], default=None,
-                      help="what this node does (authorizer: see agora-node --role authorizer --help)")
+    node.add_argument("--role", choices=["worker", "trainer", "authorizer", "monitor"], default=None,
+                      help="what this node does (authorizer, monitor: see agora-node --role authorizer|monitor "
+                           "--help; the run's state: agora-node status --help)")
     add_model_flags(node, NodeSettings, [n for n in NodeSettings.model_fields if n in COMMON_FIELDS and n != "role"],
                     _METAVARS)
     worker, trainer = ROLE_SECTIONS["worker"].model_fields, ROLE_SECTIONS["trainer"].model_fields
@@ -74,8 +77,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from node.demo import demo_main
 
             return demo_main(argv[1:])
+        if argv and argv[0] == "status":
+            from node.status_cli import status_main
+
+            return status_main(argv[1:])
         if _role_of(argv) == "authorizer":
             return _run_authorizer(argv)
+        if _role_of(argv) == "monitor":
+            return _run_monitor(argv)
         code = _run(argv)
     except ConfigError as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
@@ -127,6 +136,22 @@ def _run_authorizer(argv: list[str]) -> int:
     """`agora-node --role authorizer ...`: the authorizer service or its accounts commands."""
     from node.authorizer_cli import authorizer_main
 
+    code = authorizer_main(_without_role(argv))
+    _exit_now(code)  # the authorizer imported torch through hivemind; tearing it down takes seconds
+    return code
+
+
+def _run_monitor(argv: list[str]) -> int:
+    """`agora-node --role monitor ...`: the health monitor on its own (it runs inside the authorizer
+    by default)."""
+    from node.monitor_cli import monitor_main
+
+    code = monitor_main(_without_role(argv))
+    _exit_now(code)
+    return code
+
+
+def _without_role(argv: list[str]) -> list[str]:
     rest, skip = [], False
     for arg in argv:
         if skip:
@@ -135,9 +160,7 @@ def _run_authorizer(argv: list[str]) -> int:
             skip = True
         elif not arg.startswith("--role="):
             rest.append(arg)
-    code = authorizer_main(rest)
-    _exit_now(code)  # the authorizer imported torch through hivemind; tearing it down takes seconds
-    return code
+    return rest
 
 
 def _exit_now(code: int) -> None:

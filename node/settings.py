@@ -76,6 +76,15 @@ class NodeSettings(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log verbosity")
     log_format: Literal["human", "json"] = Field(default="human", description="stderr log lines for people or "
                                                  "one JSON object per line")
+    metrics_port: Optional[int] = Field(default=None, ge=0, le=65535, description="serve Prometheus /metrics, "
+                                        "/healthz and /readyz on this port (0: any free port); off by default")
+    metrics_host: str = Field(default="127.0.0.1", max_length=255, description="address the metrics port listens "
+                              "on; 0.0.0.0 lets a Prometheus on another machine scrape it")
+    metrics_push: Optional[str] = Field(default=None, description="push metrics to this URL instead of being "
+                                        "scraped: the run's push front (http://authorizer:8000/v1/metrics/push) "
+                                        "or, in an open run, a Prometheus Pushgateway")
+    metrics_push_interval_s: float = Field(default=15.0, ge=1.0, le=3600.0, description="how often metrics "
+                                           "are pushed with --metrics-push")
     worker: WorkerConfig = Field(default_factory=WorkerConfig, description="the worker's section")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the trainer's section")
 
@@ -92,6 +101,16 @@ class NodeSettings(BaseModel):
                     f"{value!r} is not a multiaddr; expected e.g. /ip4/127.0.0.1/tcp/31337/p2p/Qm..."
                 ) from exc
         return values
+
+    @field_validator("metrics_push")
+    @classmethod
+    def _push_url(cls, value: Optional[str]) -> Optional[str]:
+        if value is None:
+            return None
+        parts = urlsplit(value.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{value!r} is not an http(s) URL; e.g. http://203.0.113.7:8000/v1/metrics/push")
+        return value.strip().rstrip("/")
 
     @field_validator("authorizer", mode="before")
     @classmethod

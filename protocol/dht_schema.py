@@ -42,6 +42,11 @@ class WorkerRecord(RecordModel):
     maddrs: list[str] = Field(default_factory=list, max_length=16)
     client_version: str = Field(default="", max_length=64)
     credential_id: Optional[str] = Field(default=None, max_length=128)
+    host_rss_bytes: Optional[int] = Field(default=None, ge=0, description="the node's resident memory")
+    host_memory_total_bytes: Optional[int] = Field(default=None, ge=0, description="the host's RAM, or the "
+                                                   "node's memory limit if lower")
+    device_memory_used_bytes: Optional[int] = Field(default=None, ge=0)
+    device_memory_total_bytes: Optional[int] = Field(default=None, ge=0)
 
 
 class ProgressRecord(RecordModel):
