@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from authorizer.errors import AuthorizerError, InternalError, InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge
+from authorizer.metrics_push import MAX_PUSH_BODY_BYTES, PUSH_PATH_PREFIX, close_push_front
 from authorizer.queue import AdmissionQueue
 from authorizer.ratelimit import Limiter, source_of
 from authorizer.service import Authorizer
@@ -58,12 +59,13 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = MAX_PUSH_BODY_BYTES if scope["path"].startswith(PUSH_PATH_PREFIX) else self.limit  # metrics pushes
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None:
             if not length.isdigit():
                 return await _send(send, InvalidRequest("Content-Length is not a number; send a valid request"))
-            if int(length) > self.limit:
-                return await _send(send, self._too_large())
+            if int(length) > limit:
+                return await _send(send, self._too_large(limit))
             return await self.app(scope, receive, send)
         chunks, size = [], 0  # no Content-Length (chunked): buffer up to the limit, then replay
         while True:
@@ -71,15 +73,15 @@ class BodyLimit:
             if message["type"] != "http.request":
                 return None
             size += len(message.get("body", b""))
-            if size > self.limit:
-                return await _send(send, self._too_large())
+            if size > limit:
+                return await _send(send, self._too_large(limit))
             chunks.append(message.get("body", b""))
             if not message.get("more_body"):
                 break
         return await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    def _too_large(self) -> PayloadTooLarge:
-        return PayloadTooLarge(f"request body exceeds {self.limit} bytes; send a smaller request")
+    def _too_large(self, limit: int) -> PayloadTooLarge:
+        return PayloadTooLarge(f"request body exceeds {limit} bytes; send a smaller request")
 
 
 async def _send(send, exc: AuthorizerError) -> None:
@@ -149,7 +151,7 @@ def _replay(body: bytes, receive):
     return replay
 
 
-def create_app(authorizer: Authorizer, admin_token: str) -> FastAPI:
+def create_app(authorizer: Authorizer, admin_token: str, *, pushgateway_url: str | None = None) -> FastAPI:
     """The authorizer's ASGI app; the admission queue runs for the app's lifetime."""
     from authorizer.admin import admin_router
     from authorizer.dashboard import dashboard_router
@@ -171,6 +173,7 @@ def create_app(authorizer: Authorizer, admin_token: str) -> FastAPI:
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 task.cancel()
             await authorizer.dialer.shutdown()
+            await close_push_front(app)
             logger.info("admission queue and dialer stopped")
 
     app = FastAPI(
@@ -179,6 +182,7 @@ def create_app(authorizer: Authorizer, admin_token: str) -> FastAPI:
     )
     app.state.authorizer = authorizer
     app.state.admin_token = admin_token
+    app.state.pushgateway_url = pushgateway_url  # authorizer.metrics_push forwards pushes there
     app.include_router(router)
     app.include_router(admin_router)
     app.include_router(monitor_router)

@@ -165,7 +165,7 @@ async def _serve_on(config: AuthorizerConfig, run, db_url: str, sock: socket.soc
                                        max_sources=config.rate_limit_sources),
         )
         server = _uvicorn_server(uvicorn.Config(
-            create_app(authorizer, admin_token), log_config=None,
+            create_app(authorizer, admin_token, pushgateway_url=config.pushgateway), log_config=None,
             access_log=False, lifespan="on", timeout_graceful_shutdown=10, server_header=False,
         ))
         loop = asyncio.get_running_loop()
