@@ -180,10 +180,15 @@ async def _serve(settings: NodeSettings, device: str, identity, life: ProcessLif
     from node.swarm import join_swarm_until_stopped
     from node.trust import establish_trust
 
+    from node.metrics.service import MetricsService
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     unregister = life.on_stop(lambda: loop.call_soon_threadsafe(stop.set))
+    metrics = MetricsService.from_settings(settings, identity.peer_id.to_base58(), device)
     try:
+        if metrics is not None:
+            await metrics.start()  # a port in use is a ConfigError before anything joins
         trust = await until_stopped(establish_trust(settings, identity, device), stop, "while waiting for admission")
         run = trust.run
         stage = None
@@ -194,6 +199,8 @@ async def _serve(settings: NodeSettings, device: str, identity, life: ProcessLif
                     _require_fit(settings, run, stage, device)
             elif trust.authenticated:
                 _check_trainer_data(settings, run)
+            if metrics is not None:
+                metrics.admitted(run.run_id, stage, _credential_expiry(trust))
             membership = await join_swarm_until_stopped(
                 identity=identity, run_id=run.run_id, num_stages=run.num_stages,
                 initial_peers=trust.initial_peers, host_maddrs=trust.host_maddrs,
@@ -206,12 +213,35 @@ async def _serve(settings: NodeSettings, device: str, identity, life: ProcessLif
         life.note_resources()
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
-        return await _run_role(settings, run, stage, device, identity, trust, membership, stop, life)
+        return await _run_role(settings, run, stage, device, identity, trust, membership, stop, life, metrics)
     finally:
         unregister()
+        if metrics is not None:
+            await metrics.close()
 
 
-async def _run_role(settings, run, stage, device, identity, trust, membership, stop, life) -> int:
+def _credential_expiry(trust):
+    """When the node's current credential expires (it is renewed in place), or None in open runs."""
+    if trust.keeper is None:
+        return None
+    return lambda: trust.keeper.credential.credential.expires_at
+
+
+def _push_token(identity, trust):
+    """A fresh push token per push, derived from the current credential; None in open runs."""
+    def token():
+        if trust.authenticator is None:
+            return None
+        credential = trust.authenticator.current_credential()
+        if credential is None:
+            return None
+        from protocol.metrics_token import make_push_token
+
+        return make_push_token(identity, credential)
+    return token
+
+
+async def _run_role(settings, run, stage, device, identity, trust, membership, stop, life, metrics=None) -> int:
     from node.swarm import check_identity_not_live
     from protocol.dht import SwarmDHT
 
@@ -221,16 +251,25 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         p2p = await membership.dht.replicate_p2p()
         life.note_resources()
         swarm = SwarmDHT(membership.dht, identity.peer_id.to_base58())
+        if metrics is not None:
+            metrics.joined(swarm)
         if settings.identity is not None:
             await until_stopped(check_identity_not_live(swarm, run.run_id, run.num_stages, membership.maddrs),
                                 stop, "while checking the identity")
         role = _build_role(settings, run, stage, device, swarm, p2p, membership.maddrs, trust.authenticator,
                            trust.auth_state)
+        if metrics is not None:
+            metrics.attach(role)
         trust.start_background(stop, swarm)
         if hasattr(role, "start"):
             await until_stopped(role.start(), stop, "while joining the stage")
         life.note_resources()
-        print(ready_line(settings.role, stage=stage, peer=swarm.peer_id, maddrs=membership.maddrs), flush=True)
+        print(ready_line(settings.role, stage=stage, peer=swarm.peer_id, maddrs=membership.maddrs,
+                         metrics=metrics.url if metrics is not None else None), flush=True)
+        if metrics is not None:
+            metrics.serving()
+            # after the role started: pushes run in a thread, and hivemind forks before any thread exists
+            metrics.start_push(_push_token(identity, trust))
         await role.run(stop)
     except StopRequested as exc:
         logger.info("stopped %s", exc)
@@ -243,6 +282,8 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         logger.exception("%s failed", settings.role)
         code = ExitCode.FAILURE
     finally:
+        if metrics is not None:
+            metrics.draining()
         if role is not None:
             began = time.monotonic()
             try:

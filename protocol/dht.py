@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Optional, TypeVar
 
 import hivemind
@@ -16,6 +17,7 @@ from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
 from protocol.dht_schema import RecordModel, Tombstone
+from protocol.stats import Distribution
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=RecordModel)
@@ -28,10 +30,13 @@ class SwarmDHT:
         self.dht = dht
         self.peer_id = peer_id
         self.timeout_s = timeout_s
+        self.latency: dict[str, Distribution] = {"get": Distribution(), "store": Distribution()}
+        """Seconds each get and store took, timeouts included (for the node's metrics)."""
 
     async def store(self, key: str, record: RecordModel, ttl_s: float) -> bool:
         """Announce `record` under our own subkey of `key` for `ttl_s` seconds."""
         value = record.model_dump(mode="json")
+        started = time.perf_counter()
         future = self.dht.store(
             key, value, expiration_time=get_dht_time() + ttl_s, subkey=self.peer_id, return_future=True
         )
@@ -41,6 +46,8 @@ class SwarmDHT:
             future.cancel()
             logger.warning("DHT store of %s timed out after %.1fs", key, self.timeout_s)
             return False
+        finally:
+            self.latency["store"].observe(time.perf_counter() - started)
 
     async def dht_store_raw(self, key: str, subkey: str, value: dict, ttl_s: float) -> bool:
         """Store a value under a subkey that is not our peer id: only for records that carry
@@ -58,6 +65,7 @@ class SwarmDHT:
 
     async def get(self, key: str, model: type[R], *, latest: bool = True) -> dict[str, R]:
         """Every live, valid, non-tombstoned record under `key`, by peer id."""
+        started = time.perf_counter()
         future = self.dht.get(key, latest=latest, return_future=True)
         try:
             found = await asyncio.wait_for(future, self.timeout_s)
@@ -65,6 +73,8 @@ class SwarmDHT:
             future.cancel()
             logger.warning("DHT get of %s timed out after %.1fs", key, self.timeout_s)
             return {}
+        finally:
+            self.latency["get"].observe(time.perf_counter() - started)
         if found is None or not isinstance(found.value, dict):
             return {}
         now = get_dht_time()

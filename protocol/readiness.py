@@ -3,6 +3,9 @@
     agora-node ready role=worker stage=0 peer=Qm... maddrs=/ip4/127.0.0.1/tcp/40123/p2p/Qm...
     agora-node ready role=authorizer stage=- peer=- url=http://127.0.0.1:8000
 
+A node started with --metrics-port adds `metrics=http://HOST:PORT` (its /metrics, /healthz and
+/readyz live there), so a test or script that asked for port 0 learns the port.
+
 Scripts, the demo and the tests wait for it; it is written and read only here.
 """
 
@@ -14,12 +17,14 @@ READY_PREFIX = "agora-node ready "
 
 
 def ready_line(role: str, *, stage: Optional[int] = None, peer: str = "-", maddrs: Sequence[str] = (),
-               url: Optional[str] = None) -> str:
+               url: Optional[str] = None, metrics: Optional[str] = None) -> str:
     fields = [f"role={role}", f"stage={'-' if stage is None else stage}", f"peer={peer or '-'}"]
     if maddrs:
         fields.append(f"maddrs={','.join(maddrs)}")
     if url:
         fields.append(f"url={url}")
+    if metrics:
+        fields.append(f"metrics={metrics}")
     return READY_PREFIX + " ".join(fields)
 
 

@@ -70,6 +70,9 @@ LINGER_MAX_BYTES = 1 << 20
 """After refusing a stream, how long and how much the server keeps reading (and dropping) so the
 client can read the refusal."""
 
+FRAME_HEADER_BYTES = 4
+"""The length prefix of every frame (protocol/framing.py), counted in the byte counters."""
+
 
 async def _discard_until_eof(reader: asyncio.StreamReader, limit: int) -> None:
     while limit > 0:
@@ -143,6 +146,10 @@ class RpcServer:
         self.streams_closed: collections.Counter[str] = collections.Counter()
         """Streams the server closed on its own, by reason (idle_timeout, hello_timeout, expired, ...)."""
         self.served: collections.Counter[str] = collections.Counter()
+        self.bytes_received = 0
+        """Bytes of request frames read (length prefixes included), for the node's metrics."""
+        self.bytes_sent = 0
+        """Bytes of reply frames written."""
         self._names: list[str] = []
         self._sessions: set[_Session] = set()
         self._sweeper: Optional[asyncio.Task] = None
@@ -268,10 +275,12 @@ class RpcServer:
             session.deadline = time.monotonic() + self.limits.frame_deadline_s(length)
             session.waiting_for = "frame_timeout"
             frame = await read_payload(reader, length)
+            self.bytes_received += FRAME_HEADER_BYTES + length
             self.budget.release(session.peer, length)
             session.reserved, session.deadline = 0, None
             reply, keep_open = await self._handle(session, name, handler, peer_id, frame)
             await write_frame(session.writer, reply)
+            self.bytes_sent += FRAME_HEADER_BYTES + len(reply)
             if not keep_open:
                 with contextlib.suppress(PeerUnavailable, ConnectionError, asyncio.TimeoutError):
                     await asyncio.wait_for(_discard_until_eof(reader, LINGER_MAX_BYTES), LINGER_S)
@@ -393,6 +402,10 @@ class RpcClient:
         self._limit: dict[PeerID, int] = {}
         """Each peer's own cap, from its ack."""
         self._freed = asyncio.Event()
+        self.bytes_sent = 0
+        """Bytes of request frames written (length prefixes included), for the node's metrics."""
+        self.bytes_received = 0
+        """Bytes of reply frames read."""
 
     async def request(self, peer_id: PeerID, handler: str, request: WireModel, reply: type[M], *,
                       timeout_s: Optional[float] = None) -> M:
@@ -412,10 +425,14 @@ class RpcClient:
             stream = await self._acquire(key)
             held.append(stream)
             stream.seq += 1
-            await write_frame(stream.writer, pack({"seq": stream.seq, "body": body}))
+            frame = pack({"seq": stream.seq, "body": body})
+            await write_frame(stream.writer, frame)
+            self.bytes_sent += FRAME_HEADER_BYTES + len(frame)
             if stream.hello_nonce is not None:
                 await self._read_ack(peer_id, handler, stream)
-            return parse_frame(ReplyFrame, await read_frame(stream.reader, self.max_frame_bytes))
+            answer = await read_frame(stream.reader, self.max_frame_bytes)
+            self.bytes_received += FRAME_HEADER_BYTES + len(answer)
+            return parse_frame(ReplyFrame, answer)
 
         try:
             reply = await asyncio.wait_for(exchange(), timeout)  # one deadline for the whole exchange

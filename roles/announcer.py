@@ -23,9 +23,13 @@ class Announcer:
         self.period_s = period_s
         self.ttl_s = ttl_s if ttl_s is not None else 3 * period_s
         self._wake = asyncio.Event()
+        self.announced = False
+        """Whether a DHT peer accepted the record at least once (the node's readiness needs it)."""
 
     async def announce_now(self) -> bool:
-        return await self.swarm.store(self.key, self.make_record(), self.ttl_s)
+        stored = await self.swarm.store(self.key, self.make_record(), self.ttl_s)
+        self.announced = self.announced or stored
+        return stored
 
     def poke(self) -> None:
         """Re-announce at once (e.g. after a phase change) instead of at the next period."""

@@ -7,6 +7,8 @@ import collections
 from dataclasses import dataclass, field
 from typing import Optional
 
+from protocol.stats import RecentRate
+
 LOSS_WINDOW = 16
 
 
@@ -21,6 +23,8 @@ class SampleAccounting:
     last_loss: Optional[float] = None
     last_step: Optional[int] = None
     """The latest global step a completed sample was tagged with."""
+    token_rate: RecentRate = field(default_factory=RecentRate)
+    """Tokens of completed samples per second over the last 30 s (for the node's metrics)."""
 
     @property
     def dropped(self) -> int:
@@ -42,6 +46,7 @@ class SampleAccounting:
         if step is not None:
             self.last_step = step if self.last_step is None else max(self.last_step, step)
         self.tokens += tokens
+        self.token_rate.add(tokens)
         self.last_loss = loss
         self.recent_losses.append(loss)
         if len(self.first_losses) < LOSS_WINDOW:

@@ -212,6 +212,7 @@ class TrainerRole:
             return
         self.state = TrainerState.TRAINING
         self.started_at = time.monotonic()
+        self.accounting.token_rate.restart()
         lane_stop = asyncio.Event()
         lanes = [asyncio.create_task(self._lane(i, lane_stop), name=f"lane{i}") for i in range(self.config.lanes)]
         stop_waiter = asyncio.create_task(stop.wait())

@@ -8,7 +8,8 @@ sends can reach the compute thread without passing the runtime's checks first.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+import collections
+from typing import Awaitable, Callable, TypeVar
 
 from hivemind.p2p import PeerID
 
@@ -26,6 +27,8 @@ from protocol.messages import (
 from roles.worker.queues import QueueClosed, QueueFull, TaskKind
 from roles.worker.runtime import BackwardResult, StageRuntime
 
+T = TypeVar("T")
+
 
 class NotServing(AgoraError):
     code = ErrorCode.NOT_READY
@@ -38,6 +41,22 @@ class WorkerHandlers:
         self.runtime = runtime
         self.info_fn = info
         self.serving = serving
+        self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
+        """Forward and backward requests by (pass, outcome): `ok`, or the error code the request
+        was answered with (`overloaded`, `not_ready`, `invalid_tensor`, ...). Streams refused
+        before a request was read are counted by the RPC server instead."""
+
+    async def _counted(self, kind: TaskKind, call: Awaitable[T]) -> T:
+        try:
+            result = await call
+        except AgoraError as exc:
+            self.outcomes[(kind.value, ErrorCode(getattr(exc, "code", ErrorCode.NOT_READY)).name.lower())] += 1
+            raise
+        except Exception:
+            self.outcomes[(kind.value, "internal")] += 1
+            raise
+        self.outcomes[(kind.value, "ok")] += 1
+        return result
 
     async def _run(self, kind: TaskKind, request) -> object:
         if not self.serving():
@@ -70,11 +89,17 @@ class WorkerHandlers:
             raise ProtocolError(f"stage computation failed: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL) from exc
 
     async def forward(self, peer_id: PeerID, body: dict) -> ForwardReply:
+        return await self._counted(TaskKind.FORWARD, self._forward(body))
+
+    async def _forward(self, body: dict) -> ForwardReply:
         request = parse_model(ForwardRequest, body)
         self.runtime.check_forward(request)
         return ForwardReply(coords=await self._run(TaskKind.FORWARD, request))
 
     async def backward(self, peer_id: PeerID, body: dict) -> BackwardReply:
+        return await self._counted(TaskKind.BACKWARD, self._backward(body))
+
+    async def _backward(self, body: dict) -> BackwardReply:
         request = parse_model(BackwardRequest, body)
         self.runtime.check_backward(request)
         result: BackwardResult = await self._run(TaskKind.BACKWARD, request)

@@ -28,6 +28,7 @@ from protocol.messages import InfoReply
 from protocol.transport import RpcClient, RpcServer
 from roles.announcer import Announcer
 from roles.periodic import every, wait_any
+from roles.resources import device_memory, host_memory_total_bytes, host_rss_bytes
 from protocol.run_config import RunConfig
 from roles.model.stage import StageModel
 from roles.worker.averaging.index_sets import SegmentIndexSets
@@ -133,10 +134,13 @@ class WorkerRole:
         return self.state == WorkerState.ONLINE and self.phase in SERVING_PHASES
 
     def _record(self) -> WorkerRecord:
+        device_used, device_total = device_memory(self.config.device)
         return WorkerRecord(
             stage=self.config.stage, phase=self.phase if self.state != WorkerState.STOPPING else Phase.LEAVING,
             max_batch=self.config.max_batch, throughput=float(self.runtime.throughput),
             maddrs=self.maddrs, client_version=version.client_version(),
+            host_rss_bytes=host_rss_bytes(), host_memory_total_bytes=host_memory_total_bytes(),
+            device_memory_used_bytes=device_used, device_memory_total_bytes=device_total,
         )
 
     def _on_round(self, outcome: RoundOutcome) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import BackwardRequest, ForwardRequest
+from protocol.stats import BusyWindow, Distribution, powers_of_two
 from roles.model.stage import StageModel
 from roles.periodic import Signal
 from roles.worker.optimizer import NonFiniteGradients, StageOptimizer, StepReport
@@ -128,6 +129,30 @@ class StalenessStats:
         }
 
 
+class BatchStats:
+    """The four balance signals the report monitors per stage [report 3.4.3], per pass: how long
+    each request waited in the queue for the compute thread (microbatch data-await time), how long
+    each coalesced batch computed, how many requests each batch coalesced, and the compute
+    thread's busy share of recent wall time. Recorded once per batch by the compute thread."""
+
+    def __init__(self, max_batch: int, window_s: float = 30.0):
+        self.queue_wait = {kind: Distribution() for kind in TaskKind}
+        self.compute = {kind: Distribution() for kind in TaskKind}
+        self.batch_size = {kind: Distribution(powers_of_two(max_batch)) for kind in TaskKind}
+        self.busy = BusyWindow(window_s)
+
+    def record(self, batch: list[Task], taken_at: float, started: float, ended: float) -> None:
+        """`taken_at` (monotonic) is when the batch left the queue; `started`/`ended` are
+        perf_counter times around its compute."""
+        kind = batch[0].kind
+        waits = self.queue_wait[kind]
+        for task in batch:
+            waits.observe(max(0.0, taken_at - task.enqueued_at))
+        self.compute[kind].observe(ended - started)
+        self.batch_size[kind].observe(len(batch))
+        self.busy.record(taken_at, taken_at + (ended - started))
+
+
 class StageRuntime:
     """Owns the stage model, its optimizer, the task queues and the step ledger; runs the compute
     thread, which is also where the stage's optimizer steps happen, so a step always falls between
@@ -170,6 +195,7 @@ class StageRuntime:
         self.counters: collections.Counter[str] = collections.Counter()
         self.compute_s = 0.0
         self.throughput = 0.0  # samples per second of compute, smoothed
+        self.batch_stats = BatchStats(queues.max_batch)
         self.forwarded = RecentSamples()
         self.staleness = StalenessStats()
         self.discarded_at_shutdown: dict[int, int] = {}
@@ -267,10 +293,13 @@ class StageRuntime:
                 if not batch:
                     continue
                 compute = self._forward_batch if batch[0].kind == TaskKind.FORWARD else self._backward_batch
+                taken_at = time.monotonic()
                 started = time.perf_counter()
                 run_batch(batch, compute)
-                elapsed = time.perf_counter() - started
+                ended = time.perf_counter()
+                elapsed = ended - started
                 self.compute_s += elapsed
+                self.batch_stats.record(batch, taken_at, started, ended)
                 rate = len(batch) / max(elapsed, 1e-6)
                 self.throughput = rate if self.throughput == 0 else 0.9 * self.throughput + 0.1 * rate
         except BaseException as exc:  # a dead compute thread must bring the node down, not hang it

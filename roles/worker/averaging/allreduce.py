@@ -78,6 +78,7 @@ class InstrumentedRunner(AdaptedRunner):
                             "banned": self.banned(), "rejected": self.rejected()}
         return {
             "peers": peers,
+            "index": self.index,
             "modes": self.mode_names(),
             "slice_sizes": list(self.sizes),
             "fell_back": {peers[index]: count for index, count in self.fell_back.items() if count},

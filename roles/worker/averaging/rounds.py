@@ -83,6 +83,11 @@ class RoundOutcome:
     """Time inside hivemind's all-reduce (after matchmaking), as the averager process measured it."""
     timings: dict[str, float] = field(default_factory=dict)
     """Where this replica's round time went: prepare, snapshot, step (matchmaking + all-reduce), apply."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    """Tensor payload this replica sent and received in the all-reduce, from the slice sizes and
+    what came back (4 bytes a value: the round buffer is float32, uncompressed); hivemind's own
+    framing is not counted."""
     finished_at: float = field(default_factory=time.time)
 
     @property
@@ -251,12 +256,33 @@ class SegmentRound:
             status = RoundStatus.PARTIAL
         else:
             status = RoundStatus.COMPLETE
+        sent, received = _payload_bytes(telemetry, peers, sizes, failed_total)
         return RoundOutcome(
             plan, index_set.digest, status, duration_s, group=peers, reduce_success=reduce_success,
             averaging_success=averaging_success, failure_reason="; ".join(reasons), failed_slices=failed_slices,
             banned_senders=banned, rejected_senders=rejected, mismatched_peers=mismatched,
-            allreduce_s=telemetry.get("allreduce_s"),
+            allreduce_s=telemetry.get("allreduce_s"), bytes_sent=sent, bytes_received=received,
         )
+
+
+VALUE_BYTES = 4
+
+
+def _payload_bytes(telemetry: dict[str, Any], peers: list[str], sizes: list[int], failed_total: int) -> tuple[int, int]:
+    """Bytes sent and received in a butterfly all-reduce: this replica sends each other reducer
+    its part of their slice and gets the averaged slice back (less what did not come back); as a
+    reducer it receives each other sender's part of its own slice and sends each the average."""
+    index = telemetry.get("index")
+    if index is None or not 0 <= index < len(sizes):
+        return 0, 0
+    others = sum(sizes) - sizes[index]
+    sent, received = others, max(0, others - failed_total)
+    view = telemetry.get("reducer")
+    if view is not None:
+        from_others = {peer: n for peer, n in view["received"].items() if peer != peers[index]}
+        received += sum(from_others.values())
+        sent += sizes[index] * sum(1 for n in from_others.values() if n)
+    return VALUE_BYTES * sent, VALUE_BYTES * received
 
 
 def _reason(error: Optional[BaseException]) -> str:

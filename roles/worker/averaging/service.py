@@ -25,6 +25,7 @@ from typing import Callable, Optional
 from protocol.auth_state import SharedAuthState
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, WorkerRecord, averaging_key, workers_key
+from protocol.stats import Distribution
 from roles.announcer import Announcer
 from roles.periodic import Signal, every
 from protocol.run_config import AveragingConfig
@@ -130,6 +131,13 @@ class AveragingService:
         self._round_task: Optional[asyncio.Task] = None
         self.schedule = RoundSchedule(config.average_every, config.idle_period_s)
         self._samples_at_last_round = 0
+        self.round_seconds = Distribution()
+        """Duration of every round that ran (not the skipped ones)."""
+        self.last_completeness: Optional[float] = None
+        """The share of the buffer the last round that ran averaged (0 for a failed round)."""
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        """All-reduce payload over every round (RoundOutcome.bytes_sent/received)."""
 
     # ---- lifecycle ----
 
@@ -319,6 +327,11 @@ class AveragingService:
             self._counts["senders_rejected"] += len(outcome.rejected_senders)
         self.recent.append(outcome)
         self.history.append(outcome)
+        if outcome.status != RoundStatus.SKIPPED:
+            self.round_seconds.observe(max(0.0, outcome.duration_s))
+            self.last_completeness = outcome.averaging_success or 0.0
+            self.bytes_sent += outcome.bytes_sent
+            self.bytes_received += outcome.bytes_received
         if outcome.status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL):
             self.health.record_success()
         elif outcome.status == RoundStatus.FAILED and not outcome.group_refused:

@@ -1,0 +1,50 @@
+"""A trainer's metrics: loss, tokens, samples by outcome, lanes and retries, and the workers it
+can route to per stage [report 3.4.4]. All read from the role's own counters at scrape time."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from prometheus_client.core import Metric
+
+from node.metrics.registry import Families, NodeMetrics
+from roles.trainer.role import TrainerRole, TrainerState
+
+
+def trainer_readiness(role: TrainerRole) -> Optional[str]:
+    """None once the trainer drives samples and has announced itself, else why not."""
+    if role.state == TrainerState.WAITING:
+        return "waiting for a worker in every stage"
+    if role.state != TrainerState.TRAINING:
+        return f"trainer is {role.state.value}"
+    if not role.announcer.announced:
+        return "not announced in the DHT yet"
+    return None
+
+
+def attach_trainer(metrics: NodeMetrics, role: TrainerRole) -> None:
+    metrics.bytes["pipeline"] = lambda: (role.client.bytes_sent, role.client.bytes_received)
+    metrics.add("trainer", lambda f: _trainer(f, role))
+
+
+def _trainer(f: Families, role: TrainerRole) -> Iterable[Metric]:
+    a = role.accounting
+    yield f.gauge("agora_trainer_loss", f"mean loss of the last {a.recent_losses.maxlen} completed samples",
+                  a.recent_loss)
+    yield f.counter("agora_trainer_tokens_total", "tokens of the samples this trainer completed", a.tokens)
+    yield f.gauge("agora_trainer_tokens_per_second", "tokens of completed samples per second over the last 30 s",
+                  a.token_rate.rate())
+    samples = {("completed", ""): a.completed}
+    samples.update({("dropped", reason): n for reason, n in a.dropped_by_reason.items()})
+    yield f.counters("agora_trainer_samples_total", "samples that ended, by outcome (completed, dropped) and, "
+                     "for dropped ones, reason", ("outcome", "reason"), samples)
+    yield f.gauge("agora_trainer_samples_in_flight", "samples started and not ended yet", a.in_flight)
+    yield f.gauge("agora_trainer_lanes", "lanes this trainer drives samples on", role.config.lanes)
+    yield f.gauge("agora_trainer_lanes_busy", "lanes holding a sample now", min(a.in_flight, role.config.lanes))
+    yield f.counters("agora_trainer_retries_total", "calls retried on another worker, by cause (timeout, "
+                     "unavailable, an error code; backward_fallback_* when a pinned backward had to move)",
+                     ("reason", ), {(reason, ): n for reason, n in role.driver.retries.totals.items()})
+    yield f.gauge("agora_trainer_global_step", "the latest global step a completed sample was tagged with",
+                  a.last_step)
+    yield f.gauges("agora_trainer_stage_workers", "workers this trainer can route to, per stage", "worker_stage",
+                   {str(stage): n for stage, n in enumerate(role.discovery.workers_per_stage())})
