@@ -204,13 +204,32 @@ def combine_summaries(summaries: list[dict]) -> dict:
 
 
 async def _watch(membership, peer_id: str, run, trainers, args, say) -> None:
-    """Show a live progress line, read from the swarm's DHT records, until the trainers finish."""
+    """Show live progress, read from the swarm's DHT records, until the trainers finish: a rich view
+    when stdout is a terminal, else a line (redrawn on a terminal stderr, every 5 s otherwise)."""
     from protocol.dht import SwarmDHT
-    from protocol.dht_schema import ProgressRecord, TrainerRecord, WorkerRecord, progress_key, trainers_key, workers_key
 
     dht = SwarmDHT(membership.dht, peer_id)
     started = time.monotonic()
-    interactive = sys.stderr.isatty() and not args.json
+    # A terminal on stdout gets a live view; otherwise the plain lines scripts and tests read.
+    live = None
+    if sys.stdout.isatty() and not args.json:
+        from node.live_display import DemoLiveDisplay
+
+        live = DemoLiveDisplay(args.steps)
+        live.start()
+    interactive = live is None and sys.stderr.isatty() and not args.json
+    try:
+        await _watch_until_done(dht, run, trainers, args, say, started, live, interactive)
+    finally:
+        if live is not None:
+            live.stop()
+    if interactive:
+        print(file=sys.stderr)
+
+
+async def _watch_until_done(dht, run, trainers, args, say, started, live, interactive) -> None:
+    from protocol.dht_schema import ProgressRecord, TrainerRecord, WorkerRecord, progress_key, trainers_key, workers_key
+
     last_print = 0.0
     while any(t.proc.poll() is None for t in trainers):
         workers = [len(await dht.get(workers_key(run.run_id, s), WorkerRecord)) for s in range(run.num_stages)]
@@ -223,11 +242,12 @@ async def _watch(membership, peer_id: str, run, trainers, args, say) -> None:
         elapsed = time.monotonic() - started
         line = (f"step {step}/{args.steps}  loss {loss}  {tokens / max(elapsed, 1e-9):.0f} tokens/s  "
                 f"workers per stage {workers}  {elapsed:.0f}s")
-        if interactive:
+        if live is not None:
+            live.update(step=step, loss=sum(losses) / len(losses) if losses else None,
+                        tokens_per_s=tokens / max(elapsed, 1e-9), workers=workers)
+        elif interactive:
             print("\r" + line.ljust(100), end="", file=sys.stderr, flush=True)
         elif time.monotonic() - last_print >= 5:
             say(line)
             last_print = time.monotonic()
         await asyncio.sleep(1.0)
-    if interactive:
-        print(file=sys.stderr)
