@@ -245,7 +245,7 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
     from node.swarm import check_identity_not_live
     from protocol.dht import SwarmDHT
 
-    role = None
+    role = live = None
     code = ExitCode.OK
     try:
         p2p = await membership.dht.replicate_p2p()
@@ -270,6 +270,10 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
             metrics.serving()
             # after the role started: pushes run in a thread, and hivemind forks before any thread exists
             metrics.start_push(_push_token(identity, trust))
+        if settings.role == "trainer":
+            from node.live_display import start_trainer_display
+
+            live = start_trainer_display(role)  # a rich view when stdout is a terminal, else None
         await role.run(stop)
     except StopRequested as exc:
         logger.info("stopped %s", exc)
@@ -282,6 +286,8 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         logger.exception("%s failed", settings.role)
         code = ExitCode.FAILURE
     finally:
+        if live is not None:
+            live.stop()
         if metrics is not None:
             metrics.draining()
         if role is not None:

@@ -163,3 +163,14 @@ class DemoLiveDisplay(_LiveView):
             f"[{'red' if n == 0 else 'green'}]{i}:{n}[/]" for i, n in enumerate(workers)))
         grid.add_row("elapsed", f"{time.monotonic() - self.started:,.0f}s")
         return grid
+
+
+def start_trainer_display(role) -> Optional[TrainerLiveDisplay]:
+    """The trainer's live view, started, when stdout is a terminal; None otherwise (plain logs)."""
+    import sys
+
+    if not sys.stdout.isatty():
+        return None
+    display = TrainerLiveDisplay(lambda: trainer_snapshot(role))
+    display.start()
+    return display
