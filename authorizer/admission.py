@@ -10,6 +10,7 @@ authorizer.reachability; capacity and bans are decided in the store's transactio
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 from dataclasses import dataclass
 from typing import Optional
@@ -19,6 +20,13 @@ from protocol.authorizer_api import RejectReason  # noqa: F401 - the wire codes,
 from protocol.run_config import RunConfig
 
 _GIB = float(1 << 30)
+
+MONITOR_POOL = -2
+"""Pool id of health monitors in the capacity counters (stages use their index, trainers -1)."""
+MAX_MONITORS = 8
+"""Monitors admitted at once: a monitor holds no stage or trainer slot, but each one is a DHT peer."""
+MONITOR_ACCOUNT = "monitor"
+"""The account monitors are recorded under: their token is the admin token, whose hash is never stored."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,17 @@ def check_account_token(policy: Policy, token: str) -> Optional[Rejection]:
             "(they create it with `agora-node --role authorizer accounts add`), pass it with --account-token "
             "and rejoin"))
     return None
+
+
+def check_monitor_token(token: str, admin_token: Optional[str]) -> Optional[Rejection]:
+    """A monitor reads the whole run and is recorded as the operator's own node, so only the run's
+    owner may start one: its account token must be the authorizer's admin token."""
+    if admin_token and token and hmac.compare_digest(token.encode(), admin_token.encode()):
+        return None
+    return Rejection(RejectReason.MONITOR_NOT_AUTHORIZED, (
+        "a health monitor must present the run owner's admin token as its account token; pass "
+        "--account-token with the authorizer's admin token (its admin.token file), or run the monitor inside "
+        "the authorizer (the default)"))
 
 
 def accounts_line(policy: Policy) -> str:

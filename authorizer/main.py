@@ -140,11 +140,74 @@ async def _serve_on(config: AuthorizerConfig, run, db_url: str, sock: socket.soc
                        config.resolved_key_path())
     admin_token = _admin_token(config)
 
+    from authorizer.issuer import CredentialIssuer
+
+    issuer = CredentialIssuer(key, run.run_id, config.credential_ttl_s)
+    # The health monitor's DHT forks now, before the store's threads and uvicorn exist
+    # (authorizer.monitor.seat); it is stopped, with its children, however this function ends.
+    seat = _start_monitor_seat(config, run, db_url, issuer)
+    try:
+        return await _serve_with(config, run, db_url, sock, issuer, admin_token, seat)
+    finally:
+        if seat is not None:
+            await asyncio.to_thread(seat[0].shutdown)
+
+
+def _start_monitor_seat(config: AuthorizerConfig, run, db_url: str, issuer):
+    """(seat, self-signed credential) of the in-process health monitor, or None with --no-monitor."""
+    if config.no_monitor:
+        logger.info("health monitor off (--no-monitor)")
+        return None
+    from authorizer.monitor.seat import remembered_peers, start_in_process
+
+    return start_in_process(data_dir=config.data_dir, issuer=issuer, run_id=run.run_id, num_stages=run.num_stages,
+                            host_maddrs=config.monitor_host_maddrs, initial_peers=remembered_peers(db_url))
+
+
+def _health_monitor(config: AuthorizerConfig, run, seat, store, authorizer):
+    """The in-process monitor's loop on the authorizer's database, renewing its own credential and
+    taking the revocation list from the authorizer itself before each snapshot."""
+    from authorizer.monitor.notify import Notifier
+    from authorizer.monitor.service import HealthMonitor
+    from authorizer.monitor.store import MonitorStore
+
+    seat, credential = seat
+    monitor_store = MonitorStore(store.write_engine, store.read_engine)
+    monitor_store.open(run.run_id)
+
+    async def before_snapshot() -> None:
+        credential.refresh()
+        try:
+            seat.auth_state.publish_revocations(await authorizer.revocations())
+        except Exception as exc:  # a database hiccup: the list in force stays, the next snapshot retries
+            logger.debug("revocations for the monitor not refreshed: %s", exc)
+
+    return HealthMonitor(run_id=run.run_id, num_stages=run.num_stages, interval_s=config.monitor_interval_s,
+                         seat=seat, store=monitor_store, notifier=Notifier(run.run_id, config.alert_webhook),
+                         before_snapshot=before_snapshot)
+
+
+async def _run_health_monitor(monitor, authorizer, stop: asyncio.Event) -> None:
+    """Wait for the monitor's DHT, hand its addresses to admitted nodes, then snapshot until `stop`."""
+    try:
+        maddrs = await monitor.seat.wait_ready()
+    except Exception as exc:
+        logger.error("the health monitor's DHT did not start (%s); the authorizer runs without a monitor "
+                     "(check --monitor-host-maddrs, or pass --no-monitor)", exc)
+        authorizer.monitor = None
+        return
+    authorizer.monitor_maddrs = maddrs
+    logger.info("health monitor %s listening on %s, a snapshot every %g s", monitor.seat.peer_id,
+                " ".join(maddrs), monitor.interval_s)
+    await monitor.run(stop)
+
+
+async def _serve_with(config: AuthorizerConfig, run, db_url: str, sock: socket.socket, issuer, admin_token: str,
+                      seat) -> int:
     import uvicorn
 
     from authorizer.admission import accounts_line
     from authorizer.app import create_app
-    from authorizer.issuer import CredentialIssuer
     from authorizer.ratelimit import Limiter
     from authorizer.reachability import Dialer
     from authorizer.rejections import RejectionLedger
@@ -152,18 +215,25 @@ async def _serve_on(config: AuthorizerConfig, run, db_url: str, sock: socket.soc
     from authorizer.store import Store
 
     store = Store(db_url, sqlite_synchronous=config.sqlite_synchronous)
+    monitor_task: Optional[asyncio.Task] = None
+    monitor_stop = asyncio.Event()
     try:
         store.open(run.run_id, run.num_stages)
         policy = build_policy(config, run, store.load_policy())
         store.save_policy_now(policy.model_dump(mode="json"))
         authorizer = Authorizer(
-            run=run, store=store, issuer=CredentialIssuer(key, run.run_id, config.credential_ttl_s), policy=policy,
+            run=run, store=store, issuer=issuer, policy=policy, admin_token=admin_token,
             dialer=Dialer(config.reachability_timeout_s), bootstrap_peers=config.bootstrap_peers,
             limiter=Limiter(rate_limits(config), run_id=run.run_id, proof_window_s=PROOF_WINDOW_S),
             rejections=RejectionLedger(detail_rate_per_s=config.rejection_detail_rate_per_s,
                                        detail_burst=config.rejection_detail_burst,
                                        max_sources=config.rate_limit_sources),
         )
+        monitor = None
+        if seat is not None:
+            monitor = authorizer.monitor = _health_monitor(config, run, seat, store, authorizer)
+            authorizer.monitor_store = monitor.store
+            await monitor.load()
         server = _uvicorn_server(uvicorn.Config(
             create_app(authorizer, admin_token, pushgateway_url=config.pushgateway), log_config=None,
             access_log=False, lifespan="on", timeout_graceful_shutdown=10, server_header=False,
@@ -192,10 +262,19 @@ async def _serve_on(config: AuthorizerConfig, run, db_url: str, sock: socket.soc
         logger.info("authorizer of run %s serving on http://%s:%d (db %s; settings kept in %s)", run.run_id, shown,
                     port, db_url.split("@")[-1], os.path.join(config.data_dir, "authorizer.json"))
         logger.info("%s", accounts_line(policy))
+        if monitor is not None:
+            monitor_task = asyncio.create_task(_run_health_monitor(monitor, authorizer, monitor_stop),
+                                               name="health-monitor")
         await task
         logger.info("stopped")
         return ExitCode.OK
     finally:
+        if monitor_task is not None:
+            monitor_stop.set()
+            try:
+                await asyncio.wait_for(monitor_task, timeout=10)
+            except (asyncio.TimeoutError, Exception):  # a snapshot stuck on the DHT, stopped next anyway
+                monitor_task.cancel()
         await store.aclose()
 
 

@@ -24,7 +24,7 @@ from sqlalchemy.engine import Row
 from sqlalchemy.exc import SQLAlchemyError
 
 from authorizer import admission
-from authorizer.admission import HardwareClaim
+from authorizer.admission import MAX_MONITORS, MONITOR_ACCOUNT, MONITOR_POOL, HardwareClaim
 from authorizer.errors import (
     DialerUnavailable, IdentityMismatch, NotFound, ProofRejected, ProofRequired, RenewalRefused, StoreUnavailable,
 )
@@ -56,8 +56,17 @@ class Authorizer:
     """One run's admission authority: policy in memory, records in the store, the root key."""
 
     def __init__(self, *, run: RunConfig, store: Store, issuer: CredentialIssuer, policy: Policy,
-                 dialer: Dialer, bootstrap_peers: list[str], limiter: Limiter, rejections: RejectionLedger):
+                 dialer: Dialer, bootstrap_peers: list[str], limiter: Limiter, rejections: RejectionLedger,
+                 admin_token: Optional[str] = None):
         self.run = run
+        self.admin_token = admin_token
+        """What a joining health monitor must present as its account token (None: monitors refused)."""
+        self.monitor = None
+        """The in-process health monitor (authorizer.monitor.service.HealthMonitor), if it runs."""
+        self.monitor_maddrs: list[str] = []
+        """The in-process monitor's DHT addresses: every admitted node gets them as bootstrap peers."""
+        self.monitor_store = None
+        """The monitor's tables (authorizer.monitor.store.MonitorStore), which the JSON API reads."""
         self.store = store
         self.issuer = issuer
         self.policy = policy
@@ -96,17 +105,21 @@ class Authorizer:
         policy, now = self.policy, time.time()
         if request.signature is not None:
             self._check_join_proof(request, public_key, now)
+        monitor = request.role == "monitor"
         new = NewParticipant(
             ticket=secrets.token_urlsafe(16), peer_id=request.peer_id, public_key=public_key,
-            account_id=admission.account_id(request.account_token), role=request.role,
+            account_id=MONITOR_ACCOUNT if monitor else admission.account_id(request.account_token), role=request.role,
             hardware=request.hardware.model_dump(), client_version=request.client_version,
             package_digest=request.package_digest, announce_maddrs=list(request.announce_maddrs),
             proof_at=request.signed_at,
         )
         hw = HardwareClaim(**request.hardware.model_dump())
-        eligible, rejection = admission.check_capability(self.run, policy, request.role, hw)
-        rejection = (rejection or admission.check_integrity(policy, request.client_version, request.package_digest)
-                     or admission.check_account_token(policy, request.account_token))
+        if monitor:  # no stage, no floors: the run owner's own node, proven by the admin token
+            eligible, rejection = [], admission.check_monitor_token(request.account_token, self.admin_token)
+        else:
+            eligible, rejection = admission.check_capability(self.run, policy, request.role, hw)
+            rejection = rejection or admission.check_account_token(policy, request.account_token)
+        rejection = rejection or admission.check_integrity(policy, request.client_version, request.package_digest)
         if rejection is None and policy.checks.reachability:
             rejection = await self.read(self.store.is_banned, new.peer_id, new.account_id)
             if rejection is None:
@@ -125,10 +138,11 @@ class Authorizer:
                 row = UnrecordedRejection.of(new, rejection)
         else:
             row, position = await self.stored(self.store.create_ticket(
-                new, now, account_rules=policy.checks.accountability,
+                new, now, account_rules=policy.checks.accountability and not monitor,
                 max_per_account=policy.max_nodes_per_account,
-                place=lambda counts: choose_pool(self.run, policy, request.role, eligible, counts),
-                capacity=policy.capacity,
+                place=(lambda counts: MONITOR_POOL) if monitor else (
+                    lambda counts: choose_pool(self.run, policy, request.role, eligible, counts)),
+                capacity=self.capacity,
                 run_full=lambda: admission.run_full_rejection(request.role, eligible),
                 keep_rejected=lambda: self.rejections.keep(source),
             ))
@@ -160,7 +174,9 @@ class Authorizer:
         bootstrap = self.bootstrap_peers
         if row.status == ADMITTED and not bootstrap:
             recent = await self.read(self.store.recent_addresses, 8, row.admitted_at or now, row.id)
-            bootstrap = [addr for addr in recent if row.peer_id not in addr]
+            # the monitor's DHT node first: it is up before any node is admitted, so every node
+            # meets it and it sees every record [report 3.6.2.1]
+            bootstrap = self.monitor_maddrs + [addr for addr in recent if row.peer_id not in addr]
         return self._ticket_out(row, position=ahead, detailed=True, bootstrap=bootstrap)
 
     def _ticket_out(self, row: Row, *, position: Optional[int], detailed: bool,
@@ -182,7 +198,8 @@ class Authorizer:
                 authorizer_public_key=self.public_key_b64,
             )
         return TicketOut(ticket=row.ticket, status=status, peer_id=row.peer_id, role=row.role,
-                         run_id=self.run.run_id, stage=None if row.pool in (None, TRAINER_POOL) else row.pool,
+                         run_id=self.run.run_id,
+                         stage=None if row.pool in (None, TRAINER_POOL, MONITOR_POOL) else row.pool,
                          **fields)
 
     def _credential_fields(self, blob: bytes) -> dict:
@@ -190,12 +207,15 @@ class Authorizer:
         return dict(credential=signed, credential_msgpack=base64.b64encode(blob).decode(),
                     renew_at=renew_at(signed.credential), expires_at=signed.credential.expires_at)
 
+    def capacity(self, pool: int) -> int:
+        """The policy's capacity of a stage or the trainers; monitors have a fixed small one."""
+        return MAX_MONITORS if pool == MONITOR_POOL else self.policy.capacity(pool)
+
     # -- admission (called by authorizer.queue) ------------------------------------------------
 
     async def admit_next(self, limit: int) -> list[tuple[str, Row]]:
-        policy = self.policy
         outcomes = await self.store.admit_next(
-            limit, time.time(), policy.capacity, self.issuer,
+            limit, time.time(), self.capacity, self.issuer,
             run_full=lambda role: admission.run_full_rejection(role, []),
         )
         for outcome, row in outcomes:
@@ -256,7 +276,7 @@ class Authorizer:
                 "queued": RenewalRefused(f"peer {proof.peer_id} is still queued; poll your ticket until admitted"),
                 "replayed": ProofRejected("this proof is not newer than the last one accepted; sign a fresh one"),
             }.get(result, RenewalRefused(f"peer {proof.peer_id} is not admitted; join with POST /v1/join"))
-        stage = None if result.pool == TRAINER_POOL else result.pool
+        stage = None if result.pool in (TRAINER_POOL, MONITOR_POOL) else result.pool
         return RenewOut(**self._credential_fields(result.credential), stage=stage)
 
     async def leave(self, proof: Proof) -> LeaveOut:

@@ -23,6 +23,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from authorizer import statements
 from authorizer.admission import (
+    MONITOR_POOL,
     REPLACED_MESSAGE,
     Rejection,
     RejectReason,
@@ -120,6 +121,20 @@ def _sqlite_engines(url: str, synchronous: str) -> tuple[Engine, Engine]:
     return make("BEGIN IMMEDIATE"), make("BEGIN")
 
 
+def open_engines(url: str, sqlite_synchronous: str = "full") -> tuple[Engine, Engine]:
+    """(write engine, read engine) for `url`: on SQLite two engines in WAL mode, writers taking the
+    lock up front; on PostgreSQL one pooled engine for both. Shared with the health monitor's
+    store (authorizer.monitor.store), which writes to the same database."""
+    try:
+        if url.startswith("sqlite"):
+            return _sqlite_engines(url, sqlite_synchronous)
+        engine = create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True,
+                               connect_args={"connect_timeout": 10})
+        return engine, engine
+    except (SQLAlchemyError, ImportError) as exc:
+        raise ConfigError(f"cannot use database {url!r} ({exc}); check --db") from exc
+
+
 class Store(StoreReads):
     """The authorizer's database. Write methods are coroutines (group commit); the reads
     (authorizer.reads) are blocking and are meant to be called through `asyncio.to_thread`."""
@@ -127,16 +142,7 @@ class Store(StoreReads):
     def __init__(self, url: str, *, sqlite_synchronous: str = "full"):
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
-        try:
-            if self.is_sqlite:
-                self.write_engine, self.read_engine = _sqlite_engines(url, sqlite_synchronous)
-            else:
-                engine = create_engine(
-                    url, pool_size=8, max_overflow=8, pool_pre_ping=True, connect_args={"connect_timeout": 10}
-                )
-                self.write_engine = self.read_engine = engine
-        except (SQLAlchemyError, ImportError) as exc:
-            raise ConfigError(f"cannot use database {url!r} ({exc}); check --db") from exc
+        self.write_engine, self.read_engine = open_engines(url, sqlite_synchronous)
         self._insert = sqlite.insert if self.is_sqlite else postgresql.insert
         self.sql = statements.build("sqlite" if self.is_sqlite else "postgresql")
         self.writer = LoopWriter(self.write_engine) if self.is_sqlite else GroupCommitWriter(self.write_engine)
@@ -174,7 +180,7 @@ class Store(StoreReads):
         elif owner != run_id:
             raise ConfigError(f"database belongs to run {owner!r}, not {run_id!r}; pass a fresh --db for this run")
         existing = set(conn.execute(select(pools.c.pool)).scalars())
-        for pool in [TRAINER_POOL, *range(num_stages)]:
+        for pool in [MONITOR_POOL, TRAINER_POOL, *range(num_stages)]:
             if pool not in existing:
                 conn.execute(pools.insert().values(pool=pool, admitted=0, queued=0))
         for column, status in (("admitted", ADMITTED), ("queued", QUEUED)):
@@ -348,7 +354,8 @@ class Store(StoreReads):
             "b_id": row.id, "b_peer": row.peer_id, "b_issued_at": issued_at, "b_expires_at": expires_at,
         }).scalar_one()
         signed = issuer.issue(serial=serial, peer_id=row.peer_id, public_key=row.public_key, role=row.role,
-                              stage=None if row.pool == TRAINER_POOL else row.pool, issued_at=issued_at)
+                              stage=None if row.pool in (TRAINER_POOL, MONITOR_POOL) else row.pool,
+                              issued_at=issued_at)
         return {"b_serial": serial, "b_credential": signed.to_bytes(), "b_expires_at": expires_at}
 
     async def renew(self, peer_id: str, signed_at: float, now: float, issuer: Issuer) -> Union[Row, str]:

@@ -73,6 +73,7 @@ class RejectReason(str, enum.Enum):
     UNKNOWN_ACCOUNT = "unknown_account"  # the token was never issued by this run's owner
     REVOKED_ACCOUNT = "revoked_account"  # the owner revoked the account token
     REPLACED = "replaced"  # the same peer joined again (a restart): this ticket was superseded
+    MONITOR_NOT_AUTHORIZED = "monitor_not_authorized"  # a monitor must present the run owner's admin token
 
 
 class TicketStatus(str, enum.Enum):
@@ -154,7 +155,9 @@ class JoinRequest(BaseModel):
     peer_id: str = Field(pattern=PEER_ID_PATTERN, description="base58 libp2p peer id")
     public_key: Base64Bytes(256) = Field(  # type: ignore[valid-type]
         description="Ed25519 public key: 32 raw bytes or the libp2p protobuf, base64")
-    role: Literal["worker", "trainer"]
+    role: Literal["worker", "trainer", "monitor"] = Field(
+        description="monitor: the run's health monitor; admitted only with the run owner's admin token as its "
+                    "account token, and it takes no stage and no trainer slot")
     hardware: Hardware
     client_version: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9.+_-]+$")
     package_digest: str = Field(default="", max_length=160, pattern=r"^[A-Za-z0-9:+/=._-]*$")

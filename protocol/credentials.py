@@ -74,7 +74,9 @@ WireBytes = Annotated[
     WithJsonSchema({"type": "string", "format": "byte", "description": "standard base64"}),
 ]
 
-Role = Literal["worker", "trainer"]
+Role = Literal["worker", "trainer", "monitor"]
+"""A monitor (the run's health monitor, report 3.6.2) reads the DHT and serves no handler: it takes
+no stage and no trainer slot, and handlers that check roles never list it."""
 
 
 class CredentialRejection(str, enum.Enum):
@@ -141,7 +143,7 @@ class Credential(BaseModel):
     peer_id: str = Field(min_length=1, max_length=128, description="base58 libp2p peer id")
     public_key: WireBytes = Field(min_length=1, max_length=4096, description="the node's raw Ed25519 public key")
     role: Role
-    stage: Optional[int] = Field(default=None, ge=0, le=1023, description="None for trainers")
+    stage: Optional[int] = Field(default=None, ge=0, le=1023, description="None for trainers and monitors")
     issued_at: int = Field(ge=0, le=1 << 40, description="unix seconds")
     expires_at: int = Field(ge=0, le=1 << 40, description="unix seconds")
     serial: int = Field(ge=0, lt=1 << 63, description="unique per issued credential")
