@@ -20,7 +20,7 @@ Bodies may be up to MAX_PUSH_BODY_BYTES (the app's BodyLimit allows this path mo
 of every other route). A push that fails authentication spends a token of its source address's
 request bucket (authorizer.ratelimit), like a renewal that proves nothing; a verified push spends
 from its peer's own push bucket, never from the bucket its renewals use. Every push is counted in
-`agora_metrics_push_front_total{outcome}` (the process's default registry).
+`agora_metrics_push_front_total{outcome}` (in PUSH_REGISTRY).
 
 Errors (authorizer.errors.AuthorizerError, the app's JSON shape), besides 400/404/413/429:
 
@@ -40,7 +40,7 @@ from typing import Awaitable, Callable, Optional
 
 import httpx
 from fastapi import APIRouter, Request, Response
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from authorizer.buckets import BucketTable
@@ -62,7 +62,11 @@ PUSH_RATE_PER_S, PUSH_BURST = 1.0, 10
 """Per peer: --metrics-push-interval-s is at least 1 s, and a restart may push a few at once."""
 GATEWAY_TIMEOUT_S = 10.0
 
-PUSHES = Counter("agora_metrics_push_front", "pushes to the authorizer's push front, by outcome", ["outcome"])
+PUSH_REGISTRY = CollectorRegistry()
+"""The front's own metrics; the authorizer's /metrics serves them by registering this registry
+(a registry is a collector) beside its own."""
+PUSHES = Counter("agora_metrics_push_front", "pushes to the authorizer's push front, by outcome", ["outcome"],
+                 registry=PUSH_REGISTRY)
 
 
 class PushUnauthorized(AuthorizerError):

@@ -11,11 +11,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
-from prometheus_client import REGISTRY, CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from authorizer.app import MAX_BODY_BYTES, BodyLimit
 from authorizer.errors import AuthorizerError
-from authorizer.metrics_push import MAX_PUSH_BODY_BYTES, PushFront, push_router
+from authorizer.metrics_push import MAX_PUSH_BODY_BYTES, PUSH_REGISTRY, PushFront, push_router
 from protocol.credentials import Credential, root_public_key_bytes, sign_credential
 from protocol.identity import Identity
 from protocol.metrics_token import make_push_token
@@ -53,7 +53,7 @@ def path(instance: str = PEER, job: str = "agora-node") -> str:
 
 
 def counted(outcome: str) -> float:
-    return REGISTRY.get_sample_value("agora_metrics_push_front_total", {"outcome": outcome}) or 0.0
+    return PUSH_REGISTRY.get_sample_value("agora_metrics_push_front_total", {"outcome": outcome}) or 0.0
 
 
 class Clock:
