@@ -227,6 +227,15 @@ STAGE_COLUMNS = ["stage", "replicas/min", "active", "w-sync", "opt-sync", "leavi
                  "avg ok/part/fail/skip", "avg success"]
 
 
+_CONTROL = {c: "?" for c in [*range(0x00, 0x20), 0x7f, *range(0x80, 0xa0)]}
+
+
+def _clean(text: str) -> str:
+    """A source's text with control characters replaced: an escape sequence in an alert or a run
+    id must not drive the user's terminal."""
+    return str(text).translate(_CONTROL)
+
+
 def _num(value, digits: int = 0) -> str:
     if value is None:
         return "-"
@@ -258,7 +267,7 @@ def stage_rows(overview: dict) -> list[list[str]]:
                      _num(phases.get("leaving")), _num(s.get("step")), _rate(s.get("throughput")),
                      "/".join(_num(avg.get(k)) for k in ("complete", "partial", "failed", "skipped")),
                      "-" if success is None else f"{success * 100:.0f}%"])
-    return rows
+    return [[_clean(cell) for cell in row] for row in rows]
 
 
 def summary_lines(overview: dict, now: Optional[float] = None) -> list[str]:
@@ -266,14 +275,14 @@ def summary_lines(overview: dict, now: Optional[float] = None) -> list[str]:
     t, n = overview.get("training", {}), overview.get("nodes", {})
     source = "the DHT" if overview.get("source") == "dht" else "the health monitor"
     loss = t.get("loss")
-    return [
+    return [_clean(line) for line in [
         f"run {overview.get('run_id')}  ({overview.get('num_stages')} stages; from {source}, "
         f"snapshot {_age(overview.get('updated_at'), now)})",
         f"training: loss {'-' if loss is None else f'{loss:.3f}'}  tokens/s {_rate(t.get('tokens_per_s'))}  "
         f"samples {_num(t.get('samples'))}  tokens {_num(t.get('tokens'))}  trainers {_num(t.get('trainers'))}",
         f"nodes: {_num(n.get('present'))} present, {_num(n.get('gone'))} gone; {_num(n.get('admitted'))} admitted, "
         f"{_num(n.get('queued'))} queued",
-    ]
+    ]]
 
 
 def alert_lines(overview: dict) -> list[str]:
@@ -282,7 +291,8 @@ def alert_lines(overview: dict) -> list[str]:
         return ["alerts: none from the DHT (the authorizer's health monitor raises them)"]
     if not alerts:
         return ["alerts: none active"]
-    return [f"{a.get('severity', '?').upper()} {a.get('kind')} {a.get('subject')}: {a.get('message')}" for a in alerts]
+    return [_clean(f"{str(a.get('severity', '?')).upper()} {a.get('kind')} {a.get('subject')}: {a.get('message')}")
+            for a in alerts]
 
 
 def render_plain(overview: dict, now: Optional[float] = None) -> str:
@@ -304,7 +314,7 @@ def render_rich(overview: dict, now: Optional[float] = None, error: Optional[str
         table.add_column(column, justify="left" if i == 0 else "right")
     for row, stage in zip(stage_rows(overview), overview.get("stages", [])):
         short = (stage.get("replicas") or 0) < (stage.get("min_replicas") or 0)
-        table.add_row(*row, style="red" if short else None)
+        table.add_row(*(Text(cell) for cell in row), style="red" if short else None)  # Text: no markup
     alerts = Text()
     for line in alert_lines(overview):
         style = "red" if line.startswith("CRITICAL") else "yellow" if line.startswith("WARNING") else "dim"

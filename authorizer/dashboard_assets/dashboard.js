@@ -96,9 +96,9 @@
     if (a >= 1e9) return (v / 1e9).toFixed(1) + 'G';
     if (a >= 1e6) return (v / 1e6).toFixed(1) + 'M';
     if (a >= 1e4) return (v / 1e3).toFixed(0) + 'k';
-    if (a >= 100) return v.toFixed(0);
-    if (a >= 1) return v.toFixed(2);
-    return v.toPrecision(2);
+    if (a >= 100 || Number.isInteger(v)) return v.toFixed(0);
+    if (a >= 1) return String(parseFloat(v.toFixed(2)));
+    return String(parseFloat(v.toPrecision(2)));
   }
 
   // ---- DOM helpers (text only, never markup) ----
@@ -190,19 +190,17 @@
     });
     if (t1 - t0 < 1) { t0 -= 1; t1 += 1; }
     if (v1 - v0 < 1e-9) { const m = Math.abs(v0) * 0.1 || 1; v0 -= m; v1 += m; }
-    const pad = (v1 - v0) * 0.08;
-    v0 -= pad; v1 += pad;
-    if (v0 < 0 && all.every(function (p) { return p[1] >= 0; })) v0 = 0;
+    const ticks = niceTicks(v0, v1, 4);
+    v0 = ticks[0]; v1 = ticks[ticks.length - 1];
     const x = function (t) { return left + (t - t0) / (t1 - t0) * (width - left - right); };
     const y = function (v) { return top + (1 - (v - v0) / (v1 - v0)) * (height - top - bottom); };
 
     svg.appendChild(svgEl('line', { x1: left, y1: top, x2: left, y2: height - bottom, class: 'axis' }));
     svg.appendChild(svgEl('line', { x1: left, y1: height - bottom, x2: width - right, y2: height - bottom, class: 'axis' }));
-    for (let i = 0; i <= 3; i += 1) {
-      const v = v0 + (v1 - v0) * i / 3;
+    ticks.forEach(function (v) {
       svg.appendChild(svgEl('line', { x1: left - 3, y1: y(v), x2: width - right, y2: y(v), class: 'axis' }));
       svg.appendChild(svgEl('text', { x: left - 5, y: y(v) + 3, 'text-anchor': 'end', class: 'tick' }, shortTick(v)));
-    }
+    });
     [t0, (t0 + t1) / 2, t1].forEach(function (t, i) {
       const anchor = i === 0 ? 'start' : i === 2 ? 'end' : 'middle';
       svg.appendChild(svgEl('text', { x: x(t), y: height - 6, 'text-anchor': anchor, class: 'tick' }, fmtClock(t)));
@@ -215,6 +213,29 @@
       const last = pts[pts.length - 1];
       svg.appendChild(svgEl('circle', { cx: x(last[0]), cy: y(last[1]), r: 3, class: 'dot' + (i % 2) }));
     });
+    if (series.length > 1) {  // a legend, right-aligned at the top
+      let at = width - right;
+      series.slice().reverse().forEach(function (s, k) {
+        const i = series.length - 1 - k;
+        const label = svgEl('text', { x: at, y: top + 8, 'text-anchor': 'end', class: 'tick' }, s.label || '');
+        svg.appendChild(label);
+        at -= 6 * String(s.label || '').length + 8;
+        svg.appendChild(svgEl('circle', { cx: at + 4, cy: top + 5, r: 3, class: 'dot' + (i % 2) }));
+        at -= 12;
+      });
+    }
+  }
+
+  /* Round tick values (1, 2 or 5 times a power of ten) covering [lo, hi] in about `count` steps. */
+  function niceTicks(lo, hi, count) {
+    const raw = (hi - lo) / Math.max(1, count - 1);
+    const power = Math.pow(10, Math.floor(Math.log10(raw)));
+    const step = [1, 2, 5, 10].map(function (m) { return m * power; }).filter(function (st) { return st >= raw; })[0];
+    const start = Math.floor(lo / step) * step;
+    const ticks = [];
+    for (let v = start; v < hi + step * 0.5 && ticks.length < 12; v += step) ticks.push(Math.round(v / step) * step);
+    if (ticks[ticks.length - 1] < hi) ticks.push(ticks[ticks.length - 1] + step);
+    return ticks;
   }
 
   // ---- connection status ----
@@ -441,7 +462,8 @@
     drawChart($('node-throughput-chart'), [{ points: pts('throughput') }], 'no throughput reported');
     drawChart($('node-step-chart'), [{ points: pts('step') }], 'no steps reported');
     drawChart($('node-rss-chart'), [{ points: pts('rss_bytes', 1048576) }], 'no memory reported');
-    drawChart($('node-rounds-chart'), [{ points: pts('rounds_complete') }, { points: pts('rounds_failed') }],
+    drawChart($('node-rounds-chart'), [{ points: pts('rounds_complete'), label: 'complete' },
+      { points: pts('rounds_failed'), label: 'failed' }],
       'no averaging rounds reported');
 
     const phases = [];

@@ -74,9 +74,16 @@ def _monitor_sees_training(url: str):
 
 
 def _screenshot(driver, name: str, tmp_path) -> Path:
+    """The whole page (the window grown to its height), to tests/.artifacts/ and the tmp dir."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / name
-    assert driver.save_screenshot(str(path)), f"could not write {path}"
+    size = driver.get_window_size()
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(size["width"], min(max(size["height"], height + 140), 4000))
+    try:
+        assert driver.save_screenshot(str(path)), f"could not write {path}"
+    finally:
+        driver.set_window_size(size["width"], size["height"])
     shutil.copy(path, tmp_path / name)
     return path
 

@@ -46,6 +46,17 @@ def test_plain_table_shows_stages_training_and_alerts():
     assert "CRITICAL stage_short stage 1: no worker serves stage 1" in text
 
 
+def test_text_from_the_source_cannot_drive_the_terminal():
+    hostile = {**OVERVIEW, "run_id": "x\x1b[2J[bold]y", "alerts": [{**OVERVIEW["alerts"][0], "message": "\x1b]0;pwned\x07"}]}
+    assert "\x1b" not in render_plain(hostile) and "\x07" not in render_plain(hostile)
+    from rich.console import Console
+
+    console = Console(width=140, record=True, force_terminal=False)
+    console.print(render_rich(hostile))
+    out = console.export_text()
+    assert "\x1b" not in out and "x?[2J[bold]y" in out
+
+
 def test_rich_table_renders():
     from rich.console import Console
 
