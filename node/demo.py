@@ -243,8 +243,9 @@ async def _watch_until_done(dht, run, trainers, args, say, started, live, intera
         line = (f"step {step}/{args.steps}  loss {loss}  {tokens / max(elapsed, 1e-9):.0f} tokens/s  "
                 f"workers per stage {workers}  {elapsed:.0f}s")
         if live is not None:
+            # the trainers withdraw their records as they finish: keep their last numbers on screen
             live.update(step=step, loss=sum(losses) / len(losses) if losses else None,
-                        tokens_per_s=tokens / max(elapsed, 1e-9), workers=workers)
+                        tokens_per_s=tokens / max(elapsed, 1e-9) if records else None, workers=workers)
         elif interactive:
             print("\r" + line.ljust(100), end="", file=sys.stderr, flush=True)
         elif time.monotonic() - last_print >= 5:

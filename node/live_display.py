@@ -141,8 +141,9 @@ class DemoLiveDisplay(_LiveView):
         self.started = time.monotonic()
 
     def update(self, **values) -> None:
+        """New numbers; a None keeps the one shown before (a record not read this time)."""
         with self._lock:
-            self.values = dict(values)
+            self.values.update({k: v for k, v in values.items() if v is not None})
 
     def frame(self):
         from rich.progress_bar import ProgressBar

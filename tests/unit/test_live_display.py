@@ -43,5 +43,8 @@ def test_demo_view_shows_steps_of_the_run():
     view.start()
     view.update(step=12, loss=3.25, tokens_per_s=2821.4, workers=[1, 1, 1])
     poll_until(lambda: "12/60" in out.getvalue(), 30, "the demo view to show the step")
+    view.update(step=13, loss=None, tokens_per_s=None, workers=[1, 1, 1])
+    poll_until(lambda: "13/60" in out.getvalue(), 30, "the demo view to show the next step")
     view.stop()
-    assert "3.250" in out.getvalue() and "2,821" in out.getvalue()
+    last = out.getvalue().rsplit("13/60", 1)[1]
+    assert "3.250" in last and "2,821" in last, "numbers not read this time stay on screen"
