@@ -48,3 +48,22 @@ def test_demo_view_shows_steps_of_the_run():
     view.stop()
     last = out.getvalue().rsplit("13/60", 1)[1]
     assert "3.250" in last and "2,821" in last, "numbers not read this time stay on screen"
+
+
+def test_trainer_snapshot_reads_a_trainers_accounting():
+    from types import SimpleNamespace
+
+    from node.live_display import trainer_snapshot
+    from roles.trainer.accounting import SampleAccounting
+    from roles.trainer.role import TrainerState
+
+    accounting = SampleAccounting()
+    for _ in range(3):
+        accounting.start()
+    accounting.complete(4.25, 64, 1)
+    accounting.drop("no_workers")
+    role = SimpleNamespace(accounting=accounting, state=TrainerState.TRAINING, config=SimpleNamespace(lanes=4),
+                           discovery=SimpleNamespace(workers_per_stage=lambda: [1, 2]))
+    assert trainer_snapshot(role) == {"state": "training", "samples_completed": 1, "samples_dropped": 1,
+                                      "samples_in_flight": 1, "tokens": 64, "loss": 4.25, "lanes": 4,
+                                      "workers_per_stage": [1, 2]}
