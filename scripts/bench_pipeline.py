@@ -56,6 +56,16 @@ What each number means, and why it is measured that way:
     proportional set size (PSS, shared pages split between sharers) is reported too; the aim is
     checked against the conservative VmHWM sum.
 
+`metrics_cost`
+    What Prometheus metrics cost the swarm, in the same run: every node has `--metrics-port 0`;
+    two trainers train without pause while windows alternate (ABBA order) between this process
+    scraping every node's /metrics every second and nobody scraping; `cost` = 1 - mean tokens/s
+    scraped / mean tokens/s not scraped (aim: <= 0.01). Scraping every second from the same two
+    cores is pessimistic (Prometheus scrapes every 15-60 s from elsewhere). An unscraped port is
+    an idle socket; the balance signals the compute thread records per batch are paid in both,
+    so that cost is measured apart (`recording_us_per_request`, and its share of the compute per
+    request at the cheapest stage). `--only metrics` runs just this part.
+
 Other work on the machine (a 2-core box shared with someone's test run) distorts every number,
 so each measurement reports `foreign` cores (machine busy time from /proc/stat minus our own
 process trees) and `aims.measured_on_a_busy_machine` flags runs where that exceeded 0.25 cores.
@@ -73,6 +83,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -102,6 +113,7 @@ from _bench_common import (  # noqa: E402
 )
 
 AIMS = {
+    "metrics_cost_max": 0.01,
     "swarm_vs_centralized_min": 0.7,
     "utilization_min_at_enough_lanes": 0.9,
     "rpc_overhead_ratio_max": 1.15,
@@ -127,6 +139,8 @@ class Windows:
     idle_window_s: float
     deadline_s: float  # the lane windows shrink (to 3 s at least) to end the measurements by then
     swarm_lanes_per_trainer: int = 4
+    metrics_window_s: float = 10.0
+    metrics_pairs: int = 3
 
 
 FULL = Windows(swarm_window_s=20.0, lanes_window_s=15.0, warmup_samples=48, warmup_s=4.0,
@@ -134,7 +148,7 @@ FULL = Windows(swarm_window_s=20.0, lanes_window_s=15.0, warmup_samples=48, warm
                central_budget_s=20.0, idle_window_s=5.0, deadline_s=280.0)
 QUICK = Windows(swarm_window_s=5.0, lanes_window_s=4.0, warmup_samples=16, warmup_s=1.5,
                 rpc_round_trips=500, rpc_block=50, central_steps=20, central_warmup_steps=5,
-                central_budget_s=6.0, idle_window_s=2.0, deadline_s=150.0)
+                central_budget_s=6.0, idle_window_s=2.0, deadline_s=150.0, metrics_window_s=6.0, metrics_pairs=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,8 +647,221 @@ async def measure_trainers(swarm, probe: SwarmProbe, run, workers, *, trainers: 
 
 
 # ---------------------------------------------------------------------------------------------
+# metrics cost: the same swarm, windows scraped every second and windows not scraped, alternating
+# ---------------------------------------------------------------------------------------------
+
+async def start_workers(swarm, run) -> list:
+    """One worker per stage, each with a metrics port (idle until something scrapes it)."""
+    workers = [swarm.start("worker", stage=s, wait_ready=False,
+                           args=["--max-batch", str(WORKER_MAX_BATCH), "--metrics-port", "0"])
+               for s in range(run.num_stages)]
+    for node in workers:
+        await asyncio.to_thread(swarm.wait_ready, node, 120.0)
+    return workers
+
+
+def _metrics_port(node) -> Optional[tuple[str, int]]:
+    from protocol.readiness import parse_ready_line
+
+    for line in node.stdout_lines:
+        fields = parse_ready_line(line)
+        if fields is not None and fields.get("metrics"):
+            host, port = fields["metrics"].removeprefix("http://").rsplit(":", 1)
+            return host, int(port)
+    return None
+
+
+_SCRAPE_SUM = re.compile(rb"^agora_metrics_scrape_seconds_sum\{[^}]*\} (\S+)$", re.MULTILINE)
+
+
+async def _scrape_once(address: tuple[str, int]) -> bytes:
+    """GET /metrics over a fresh connection (as Prometheus does by default); the reply."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), 10.0)
+    try:
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10.0)
+    finally:
+        writer.close()
+    if not data.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"scrape of {address} answered {data[:60]!r}")
+    return data
+
+
+class Scraper:
+    """Scrapes every node every `period_s` while `active`: a Prometheus at 1 s, pessimistic
+    (15 s to 60 s is usual); it runs in this process, on this machine's cores, so its own CPU
+    counts against the swarm too."""
+
+    def __init__(self, nodes, period_s: float = 1.0):
+        self.addresses = [a for a in (_metrics_port(n) for n in nodes) if a is not None]
+        self.period_s = period_s
+        self.active = False
+        self.latencies_ms: list[float] = []
+        self.sizes: list[int] = []
+        self.errors = 0
+        self.build_s: dict[tuple[str, int], float] = {}
+        """Per node, the seconds it reports having spent building its replies (agora_metrics_scrape_seconds)."""
+
+    async def run(self) -> None:
+        while True:
+            started = time.monotonic()
+            if self.active:
+                async def one(address):
+                    t = time.perf_counter()
+                    try:
+                        data = await _scrape_once(address)
+                        self.latencies_ms.append((time.perf_counter() - t) * 1000)
+                        self.sizes.append(len(data))
+                        found = _SCRAPE_SUM.search(data)
+                        if found:
+                            self.build_s[address] = float(found.group(1))
+                    except Exception:  # noqa: BLE001 - counted; the measurement goes on
+                        self.errors += 1
+                await asyncio.gather(*(one(a) for a in self.addresses))
+            await asyncio.sleep(max(0.0, self.period_s - (time.monotonic() - started)))
+
+
+def _compute_per_request_us(result: dict) -> Optional[float]:
+    """Compute time per request at the stage where it is smallest (where recording weighs most)."""
+    values = []
+    for stage in result["per_stage"].values():
+        requests = stage["forward_requests"] + stage["backward_requests"]
+        if requests:
+            values.append(stage["compute_ms"] * 1000 / requests)
+    return min(values) if values else None
+
+
+def recording_cost_us(samples: int = 20000, batch: int = 8) -> float:
+    """What the compute thread pays per request to record the balance signals (BatchStats.record
+    on a batch of `batch`), in microseconds: paid whether or not the node is scraped."""
+    from roles.worker.queues import Task, TaskKind
+    from roles.worker.runtime import BatchStats
+
+    stats = BatchStats(WORKER_MAX_BATCH)
+    tasks = [Task(kind=TaskKind.BACKWARD, payload=None, on_done=lambda r, e: None) for _ in range(batch)]
+    started = time.perf_counter()
+    for _ in range(samples // batch):
+        now = time.monotonic()
+        stats.record(tasks, now, 0.0, 0.001)
+    return (time.perf_counter() - started) / samples * 1e6
+
+
+async def measure_metrics_cost(swarm, probe: SwarmProbe, run, workers, windows: Windows) -> dict:
+    """Two trainers x 4 lanes train continuously while windows alternate between every node being
+    scraped each second ('on') and nobody scraping ('off'), in ABBA order so a drift in machine
+    load hits both alike; tokens/s per window as in (a). Every node has its metrics port in both
+    (an unscraped port is an idle socket on the event loop; what metrics cost is the scrapes, plus
+    the recording of the balance signals, paid with or without the port and reported beside)."""
+    lanes = windows.swarm_lanes_per_trainer
+    trainers = [
+        swarm.start("trainer", name=f"trainer-metrics-{i}", wait_ready=False, args=[
+            "--lanes", str(lanes), "--shard-index", str(i), "--num-shards", "2", "--discovery-period-s", "2",
+            "--announce-period-s", "1", "--metrics-port", "0"])
+        for i in range(2)
+    ]
+    scraper = None
+    task = None
+    windows_seen: dict[str, list[dict]] = {"on": [], "off": []}
+    try:
+        for node in trainers:
+            await asyncio.to_thread(swarm.wait_ready, node, 120.0)
+        await _wait_warm(probe, workers, trainers, windows.warmup_samples, windows.warmup_s)
+        scraper = Scraper([*workers, *trainers])
+        task = asyncio.create_task(scraper.run())
+        for pair in range(windows.metrics_pairs):
+            for mode in (("off", "on") if pair % 2 == 0 else ("on", "off")):
+                scraper.active = mode == "on"
+                await asyncio.sleep(1.0 if mode == "on" else 0.5)  # the first scrapes land / the last end
+                first = await _snapshot(probe, workers, trainers)
+                built_first = dict(scraper.build_s)
+                await asyncio.sleep(windows.metrics_window_s)
+                last = await _snapshot(probe, workers, trainers)
+                built = sum(v - built_first.get(a, v) for a, v in scraper.build_s.items())
+                result = _window_result(run, workers, trainers, first, last)
+                windows_seen[mode].append({k: result[k] for k in ("tokens_per_s", "tokens_per_s_source", "window_s",
+                                                                   "mean_utilization")}
+                                          | {"cpu_cores_ours": result["cpu_cores_used"]["ours_total"],
+                                             "cpu_foreign": result["cpu_cores_used"]["foreign"],
+                                             "compute_us_per_request": _compute_per_request_us(result),
+                                             "benchmark_process_cores": result["cpu_cores_used"][
+                                                 "benchmark_and_seed_dht"],
+                                             "nodes_building_scrapes_cores": rounded(built / result["window_s"],
+                                                                                     5)})
+                log(f"  metrics {mode}: {result['tokens_per_s']:.0f} tokens/s")
+        scraper.active = False
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        for node in trainers:
+            await asyncio.to_thread(swarm.stop, node)
+
+    def mean(mode: str, key: str) -> Optional[float]:
+        values = [w[key] for w in windows_seen[mode] if w[key] is not None]
+        return statistics.fmean(values) if values else None
+
+    on, off = mean("on", "tokens_per_s"), mean("off", "tokens_per_s")
+    spread = [w["tokens_per_s"] for w in windows_seen["off"] if w["tokens_per_s"] is not None]
+    building = mean("on", "nodes_building_scrapes_cores")
+    cores = mean("on", "cpu_cores_ours")
+    per_request_us = recording_cost_us()
+    compute_us = mean("off", "compute_us_per_request")
+    return {
+        "tokens_per_s_metrics_off": rounded(off, 1),
+        "tokens_per_s_metrics_on": rounded(on, 1),
+        "ratio_on_over_off": rounded(on / off, 4) if on and off else None,
+        "cost": rounded(1 - on / off, 4) if on and off else None,
+        "noise_off_windows_stdev_over_mean": rounded(statistics.pstdev(spread) / statistics.fmean(spread), 4)
+        if len(spread) > 1 else None,
+        "scrape_cpu_share": rounded(building / cores, 5) if building is not None and cores else None,
+        "windows": windows_seen,
+        "scrapes": {"count": len(scraper.latencies_ms) if scraper else 0,
+                    "errors": scraper.errors if scraper else None,
+                    "nodes_scraped": len(scraper.addresses) if scraper else 0,
+                    "latency_ms_p50": rounded(percentile(scraper.latencies_ms, 0.5), 2) if scraper else None,
+                    "latency_ms_p95": rounded(percentile(scraper.latencies_ms, 0.95), 2) if scraper else None,
+                    "bytes_p50": rounded(percentile(scraper.sizes, 0.5), 0) if scraper else None},
+        "recording_us_per_request": rounded(per_request_us, 3),
+        "compute_us_per_request_min_stage": rounded(compute_us, 1),
+        "recording_share_of_compute": rounded(per_request_us / compute_us, 5) if compute_us else None,
+        "method": (
+            f"{run.num_stages} workers (one per stage) and 2 trainers x {lanes} lanes, every node with "
+            "--metrics-port 0, training without pause; after the warm-up of (a), "
+            f"{windows.metrics_pairs} pairs of {windows.metrics_window_s:.0f}s windows in ABBA order: 'on' = "
+            "this process GETs /metrics from every node every second over a new connection (pessimistic: "
+            "Prometheus usually scrapes every 15-60 s, from another machine; here the scraper's CPU is on the "
+            "same 2 cores), 'off' = no scrapes. tokens/s per window as in (a) (trainers' DHT records); "
+            "cost = 1 - mean(on) / mean(off); on a shared 2-core machine window-to-window noise "
+            "(noise_off_windows_stdev_over_mean) is larger than 1%, so the CPU the nodes spend building their replies "
+            "is reported as well: scrape_cpu_share = cores the nodes report spending in /metrics "
+            "(agora_metrics_scrape_seconds) / cores the whole benchmark uses, in the 'on' windows (the swarm is "
+            "CPU-bound, so its tokens/s falls by about that share). recording_us_per_request: what the compute thread pays per request "
+            "to record the balance signals (BatchStats.record, batches of 8), paid with metrics on or off."
+        ),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # orchestration
 # ---------------------------------------------------------------------------------------------
+
+async def bench_metrics_only(windows: Windows, run, swarm, membership, peer_id: str, out: dict) -> None:
+    """Only the metrics cost: workers, then the alternating windows."""
+    t0 = time.monotonic()
+    probe = SwarmProbe(membership, peer_id, run)
+    try:
+        await probe.open()
+        log(f"[{time.monotonic() - t0:5.1f}s] starting {run.num_stages} workers")
+        workers = await start_workers(swarm, run)
+        log(f"[{time.monotonic() - t0:5.1f}s] metrics cost: {windows.metrics_pairs} pairs of "
+            f"{windows.metrics_window_s:.0f}s windows, scraped and not")
+        out["metrics_cost"] = await measure_metrics_cost(swarm, probe, run, workers, windows)
+    finally:
+        await probe.close()
+        log(f"[{time.monotonic() - t0:5.1f}s] stopping every node")
+        await asyncio.to_thread(swarm.stop_all)
+
 
 async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dict) -> None:
     """Fill `out` phase by phase, so a failure late in the run keeps what was measured before it.
@@ -655,10 +882,7 @@ async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dic
     try:
         await probe.open()
         log(f"[{time.monotonic() - t0:5.1f}s] starting {run.num_stages} workers")
-        workers = [swarm.start("worker", stage=s, args=["--max-batch", str(WORKER_MAX_BATCH)], wait_ready=False)
-                   for s in range(run.num_stages)]
-        for node in workers:
-            await asyncio.to_thread(swarm.wait_ready, node, 120.0)
+        workers = await start_workers(swarm, run)
         log(f"[{time.monotonic() - t0:5.1f}s] idle workers: {windows.idle_window_s:.0f}s CPU baseline")
         out["idle_swarm_cpu_cores"] = await measure_idle_cpu(workers, windows.idle_window_s)
 
@@ -733,6 +957,10 @@ async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dic
         }
         trainer8 = next(r for r in runs if r["lanes_total"] == 8)
 
+        log(f"[{time.monotonic() - t0:5.1f}s] metrics cost: {windows.metrics_pairs} pairs of "
+            f"{windows.metrics_window_s:.0f}s windows, scraped and not")
+        out["metrics_cost"] = await measure_metrics_cost(swarm, probe, run, workers, windows)
+
         worker_memory = {w.name: memory_of(w.pid) for w in workers}  # right before the workers stop
         worst = max(worker_memory.values(), key=lambda m: m.get("with_children_peak_rss_mb", 0))
         out["peak_rss_mb"] = {
@@ -776,7 +1004,14 @@ def evaluate_aims(out: dict) -> dict:
             "c_rpc_overhead_ratio": f"<= {AIMS['rpc_overhead_ratio_max']}",
             "d_trainer_8_lanes_peak_rss_mb": f"< {AIMS['trainer_8_lanes_peak_rss_mb_max']} "
                                               "(node + children VmHWM sum)",
+            "metrics_cost": f"<= {AIMS['metrics_cost_max']} of swarm tokens/s, every node scraped every second",
         },
+        "metrics_cost_met": None if out.get("metrics_cost", {}).get("cost") is None
+        else out["metrics_cost"]["cost"] <= AIMS["metrics_cost_max"],
+        "metrics_scrape_cpu_share_met": None if out.get("metrics_cost", {}).get("scrape_cpu_share") is None
+        else out["metrics_cost"]["scrape_cpu_share"] <= AIMS["metrics_cost_max"],
+        "metrics_cost_resolvable": None if out.get("metrics_cost", {}).get("noise_off_windows_stdev_over_mean") is None
+        else out["metrics_cost"]["noise_off_windows_stdev_over_mean"] <= AIMS["metrics_cost_max"],
         "a_met": None if a is None else a >= AIMS["swarm_vs_centralized_min"],
         "a_met_vs_fastest_centralized": None if a_fast is None else a_fast >= AIMS["swarm_vs_centralized_min"],
         "b_met": None if best is None else (best["mean_utilization"] or 0) >= AIMS["utilization_min_at_enough_lanes"],
@@ -812,6 +1047,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="short windows (CI smoke, ~1.5 min)")
     p.add_argument("--out", metavar="PATH", help="also write the JSON result to PATH")
     p.add_argument("--keep-logs", action="store_true", help="keep the node logs and print where they are")
+    p.add_argument("--only", choices=("all", "metrics"), default="all",
+                   help="metrics: only the metrics-on vs metrics-off comparison (a few minutes)")
     return p.parse_args(argv)
 
 
@@ -848,7 +1085,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=1,
                        common_args=["--announce-period-s", "2"], initial_peers=membership.maddrs)
     try:
-        asyncio.run(bench(windows, run, swarm, membership, identity.peer_id.to_base58(), out))
+        measure = bench if args.only == "all" else bench_metrics_only
+        asyncio.run(measure(windows, run, swarm, membership, identity.peer_id.to_base58(), out))
     except KeyboardInterrupt:
         errors.append("interrupted")
     except Exception as exc:  # noqa: BLE001 - report what was measured, and the failure

@@ -20,10 +20,12 @@ import errno
 import logging
 import os
 import threading
+import time
 from typing import Optional
 
 from node.metrics.registry import NodeMetrics
 from protocol.errors import ConfigError
+from protocol.stats import Distribution
 
 logger = logging.getLogger("agora.metrics")
 
@@ -65,7 +67,12 @@ class MetricsServer:
         self.host = host
         self.port = port
         self._server: Optional[asyncio.base_events.Server] = None
-        self.scrapes = 0
+        self.scrape_seconds = Distribution()
+        """CPU time the loop's thread spent building each /metrics reply: what being scraped costs
+        this node (thread time, so a busy machine's preemptions do not count)."""
+        metrics.add("scrapes", lambda f: [f.histogram(
+            "agora_metrics_scrape_seconds", "CPU time this node spent building each /metrics reply (earlier scrapes)",
+            {(): self.scrape_seconds.snapshot()})])
 
     @property
     def url(self) -> str:
@@ -128,8 +135,9 @@ class MetricsServer:
         if method not in ("GET", "HEAD"):
             return "405 Method Not Allowed", b"only GET\n", "text/plain"
         if path == "/metrics":
-            self.scrapes += 1
+            started = time.thread_time()
             body = self.metrics.exposition()
+            self.scrape_seconds.observe(time.thread_time() - started)
             return "200 OK", body if method == "GET" else b"", CONTENT_TYPE
         if path == "/healthz":
             return "200 OK", b"ok\n", "text/plain"

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from prometheus_client.core import Metric
-
-from node.metrics.registry import Families, NodeMetrics
+from node.metrics.registry import Families, Family, NodeMetrics
 from roles.trainer.role import TrainerRole, TrainerState
 
 
@@ -27,7 +25,7 @@ def attach_trainer(metrics: NodeMetrics, role: TrainerRole) -> None:
     metrics.add("trainer", lambda f: _trainer(f, role))
 
 
-def _trainer(f: Families, role: TrainerRole) -> Iterable[Metric]:
+def _trainer(f: Families, role: TrainerRole) -> Iterable[Family]:
     a = role.accounting
     yield f.gauge("agora_trainer_loss", f"mean loss of the last {a.recent_losses.maxlen} completed samples",
                   a.recent_loss)

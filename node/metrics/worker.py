@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from prometheus_client.core import Metric
-
-from node.metrics.registry import Families, NodeMetrics
+from node.metrics.registry import Families, Family, NodeMetrics
 from protocol.dht_schema import Phase, RoundStatus
 from roles.worker.queues import TaskKind
 from roles.worker.role import WorkerRole, WorkerState
@@ -37,7 +35,7 @@ def attach_worker(metrics: NodeMetrics, role: WorkerRole) -> None:
     metrics.add("averaging", lambda f: _averaging(f, role))
 
 
-def _worker(f: Families, role: WorkerRole) -> Iterable[Metric]:
+def _worker(f: Families, role: WorkerRole) -> Iterable[Family]:
     stats = role.runtime.batch_stats
     forward, backward = TaskKind.FORWARD, TaskKind.BACKWARD
     yield f.histogram("agora_worker_queue_wait_seconds", "time a request waited in the queue for the compute "
@@ -69,7 +67,7 @@ def _worker(f: Families, role: WorkerRole) -> Iterable[Metric]:
                    {phase.value: float(phase == current) for phase in Phase})
 
 
-def _averaging(f: Families, role: WorkerRole) -> Iterable[Metric]:
+def _averaging(f: Families, role: WorkerRole) -> Iterable[Family]:
     service = role.averaging
     counts = service.counters
     rounds = {(outcome, ): counts.get(f"rounds_{outcome}", 0) for outcome in ROUND_OUTCOMES}
