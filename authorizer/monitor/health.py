@@ -12,7 +12,7 @@ under a stage the peer was not placed on) are events, not states: their alert st
 | unplanned_stage | critical | a peer announced under a stage it was not placed on (its credential's stage, or its admission) |
 | not_admitted | critical | a valid record from a peer with no live admission |
 | under_replicated | critical | a stage has fewer active replicas than its minimum (once the run has started) |
-| stalled | critical | trainers are present and a stage's step has not moved for `STALL_INTERVALS` snapshots |
+| stalled | critical | trainers are present and a stage's step has not moved for `STALL_INTERVALS` snapshots and `STALL_MIN_S` |
 | diverging_loss | warning | the run's loss is above `DIVERGENCE_RATIO` times its best and rising |
 | averaging_failures | warning | more than `AVERAGING_FAILURE_RATE` of a stage's recent rounds failed (at least `AVERAGING_MIN_ROUNDS`) |
 | memory_pressure | warning | a node's RSS is above `HOST_MEMORY_RATIO` of its memory, or its device memory above `DEVICE_MEMORY_RATIO` |
@@ -29,6 +29,9 @@ from authorizer.monitor.observation import Observation
 
 EVENT_HOLD_S = 600.0
 STALL_INTERVALS = 6
+STALL_MIN_S = 300.0
+"""A stage counts as stalled after STALL_INTERVALS snapshots and at least this long without a step:
+a small run steps every few seconds, a large one every few minutes."""
 DIVERGENCE_RATIO = 1.5
 DIVERGENCE_MIN_POINTS = 5
 AVERAGING_FAILURE_RATE = 0.5
@@ -164,14 +167,19 @@ def replica_conditions(stages: list[dict], started: bool) -> list[Condition]:
         f"why its workers left")) for s in stages if s["phases"]["active"] < s["min_replicas"]]
 
 
-def stall_conditions(stages: list[dict], stalled_for: dict[int, int], trainers: int) -> list[Condition]:
-    """`stalled_for[stage]`: snapshots since the stage's step last moved (kept by the caller)."""
+def stall_conditions(stages: list[dict], stalled_for: dict[int, tuple[int, float]], trainers: int) -> list[Condition]:
+    """`stalled_for[stage]`: (snapshots, seconds) since the stage's step last moved while trainers
+    reported (kept by the caller)."""
     if trainers == 0:
         return []
-    return [Condition("stalled", f"stage {s['stage']}", (
-        f"stage {s['stage']} has not stepped for {stalled_for[s['stage']]} snapshots (step {s['step']}) while "
-        f"{trainers} trainer(s) report; check its workers' logs and the averaging health"))
-        for s in stages if s["step"] is not None and stalled_for.get(s["stage"], 0) >= STALL_INTERVALS]
+    found = []
+    for s in stages:
+        count, seconds = stalled_for.get(s["stage"], (0, 0.0))
+        if s["step"] is not None and count >= STALL_INTERVALS and seconds >= STALL_MIN_S:
+            found.append(Condition("stalled", f"stage {s['stage']}", (
+                f"stage {s['stage']} has not stepped for {seconds:.0f} s (step {s['step']}) while {trainers} "
+                f"trainer(s) report; check its workers' logs and the averaging health")))
+    return found
 
 
 def loss_conditions(losses: list[float], best: Optional[float]) -> list[Condition]:

@@ -108,7 +108,9 @@ def update_membership(nodes: dict[str, NodeState], obs: Observation,
             if node.present:
                 node.state, node.gone_at = "gone", t
         else:
-            node.state, node.gone_at, node.last_seen = "present", None, t
+            # last seen: when its newest record was stored (its refresh), not when we looked
+            stored_at = min(t, seen.expiration - node.ttl_s)
+            node.state, node.gone_at, node.last_seen = "present", None, max(node.last_seen, stored_at)
             samples.append(dict(peer_id=peer, t=t, phase=node.phase, throughput=node.throughput, step=node.step,
                                 samples=node.samples, rss_bytes=node.rss_bytes,
                                 rounds_complete=node.rounds_complete, rounds_failed=node.rounds_failed))

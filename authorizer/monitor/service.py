@@ -51,8 +51,8 @@ class HealthMonitor:
         self.samples = self.tokens = 0
         self.best_loss: Optional[float] = None
         self.losses: list[float] = []
-        self._steps: dict[int, tuple[Optional[int], int]] = {}
-        """stage -> (last step seen, snapshots since it moved)."""
+        self._steps: dict[int, tuple[Optional[int], int, float]] = {}
+        """stage -> (last step seen, snapshots since it moved, since when)."""
         self._last_t: Optional[float] = None
         self.snapshots = 0
         self.latest: Optional[dict] = None
@@ -112,11 +112,14 @@ class HealthMonitor:
 
         stages = stage_summaries(self.nodes, self.num_stages, self.min_replicas)
         stalled_for = {}
-        for s in stages:
-            last, count = self._steps.get(s["stage"], (None, 0))
-            count = count + 1 if s["step"] is not None and s["step"] == last else 0
-            self._steps[s["stage"]] = (s["step"], count)
-            stalled_for[s["stage"]] = count
+        for s in stages:  # snapshots and seconds without a step, counted only while trainers report
+            last, count, since = self._steps.get(s["stage"], (None, 0, t))
+            if s["step"] is None or s["step"] != last or not trainers:
+                count, since = 0, t
+            else:
+                count += 1
+            self._steps[s["stage"]] = (s["step"], count, since)
+            stalled_for[s["stage"]] = (count, t - since)
         conditions = (rejection_conditions(obs) + admission_conditions(obs, self.nodes, placements)
                       + replica_conditions(stages, started=bool(self.nodes))
                       + stall_conditions(stages, stalled_for, len(trainers))

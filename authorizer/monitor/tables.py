@@ -32,7 +32,7 @@ monitor_nodes = Table(
     Column("state", String(16), nullable=False, comment="present or gone"),
     Column("phase", String(32)),
     Column("first_seen", Float, nullable=False),
-    Column("last_seen", Float, nullable=False, comment="the last snapshot that saw it present"),
+    Column("last_seen", Float, nullable=False, comment="when its newest record was stored, while it was present"),
     Column("gone_at", Float, comment="the snapshot that first saw it gone"),
     Column("admitted", Boolean, nullable=False),
     Column("throughput", Float),
