@@ -190,6 +190,7 @@
     });
     if (t1 - t0 < 1) { t0 -= 1; t1 += 1; }
     if (v1 - v0 < 1e-9) { const m = Math.abs(v0) * 0.1 || 1; v0 -= m; v1 += m; }
+    if (v0 < 0 && all.every(function (p) { return p[1] >= 0; })) v0 = 0;  // counts never go below zero
     const ticks = niceTicks(v0, v1, 4);
     v0 = ticks[0]; v1 = ticks[ticks.length - 1];
     const x = function (t) { return left + (t - t0) / (t1 - t0) * (width - left - right); };
