@@ -3,9 +3,9 @@
 A trainer reports cumulative counters of its own process (samples completed, tokens) under
 `{run}/trainers`, re-announced every few seconds, so the same report is read many times and a
 report may be missed. The monitor keeps one cursor per trainer: the counters it has already
-counted. A report newer than the cursor adds only the difference. Counters that went down, or a
-different first loss, mean a new process under the same peer id (a restart): its counters start
-from zero, so all of them are new. Cursors and the run's totals are written in one transaction
+counted. A report newer than the cursor adds only the difference. Counters that went down mean a
+new process under the same peer id (a restart): its counters start from zero, so all of them are
+new. Cursors and the run's totals are written in one transaction
 (authorizer.monitor.store), so a restarted monitor neither forgets nor repeats.
 """
 
@@ -37,9 +37,10 @@ class Counted:
 
 
 def _new_process(cursor: Cursor, report: TrainerRecord) -> bool:
-    if report.samples_completed < cursor.samples or report.tokens < cursor.tokens:
-        return True
-    return cursor.first_loss is not None and report.first_loss is not None and report.first_loss != cursor.first_loss
+    # Not the first loss: trainers report the mean of their first few losses, which moves while
+    # those samples complete. A restart that overtook its old counters before the monitor saw it
+    # is counted from the old counters (undercounted, never counted twice).
+    return report.samples_completed < cursor.samples or report.tokens < cursor.tokens
 
 
 def count_progress(cursors: dict[str, Cursor], reports: dict[str, TrainerRecord]) -> Counted:

@@ -96,10 +96,10 @@ def test_a_restarted_trainer_process_starts_a_new_baseline():
     count_progress(cursors, {PEER: report(40, 400, 1.0)})
     restarted = count_progress(cursors, {PEER: report(3, 30, 2.0)})  # counters went down: a new process
     assert (restarted.samples, restarted.tokens, cursors[PEER].process) == (3, 30, 2)
-    # a new process already past the old counters is told apart by its first loss
-    count_progress(cursors, {PEER: report(50, 500, 3.0)})
-    moved = count_progress(cursors, {PEER: report(60, 600, 4.0, first_loss=7.5)})
-    assert (moved.samples, cursors[PEER].process) == (60, 3)
+    # the first-loss mean moves while a trainer's first samples complete: not a new process
+    count_progress(cursors, {PEER: report(5, 50, 3.0, first_loss=6.0)})
+    same = count_progress(cursors, {PEER: report(9, 90, 4.0, first_loss=5.5)})
+    assert (same.samples, cursors[PEER].process) == (4, 2)
 
 
 def test_a_restarted_monitor_resumes_from_its_cursors():
@@ -190,3 +190,61 @@ def test_event_alerts_stay_active_for_the_hold_time():
     book.apply([forged], 100.0)
     assert book.apply([], 100.0 + EVENT_HOLD_S - 1)[2] == []
     assert [a.kind for a in book.apply([], 100.0 + EVENT_HOLD_S)[2]] == ["forged_trainer_report"]
+
+
+# ---- the validator's rejection log and witness (protocol/records.py) ----
+
+
+def test_the_validator_logs_rejections_with_the_credential_and_witnesses_trainer_reports(tmp_path):
+    import asyncio
+    import time as _time
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer
+
+    from protocol.auth_state import SharedAuthState
+    from protocol.codec import unpack
+    from protocol.credentials import Credential, root_public_key_bytes, sign_credential
+    from protocol.dht_schema import schema_for_run, trainers_key, workers_key
+    from protocol.identity import load_or_create_identity
+    from protocol.records import SignedRecordValidator, drain_observations
+
+    run, root = "records-run", Ed25519PrivateKey.generate()
+
+    def node(name: str, role: str, stage):
+        identity = load_or_create_identity(str(tmp_path / f"{name}.key"))
+        state = SharedAuthState(str(tmp_path / name), run_id=run, root_public_key=root_public_key_bytes(root))
+        now = int(_time.time())
+        state.publish_credential(sign_credential(root, Credential(
+            run_id=run, peer_id=identity.peer_id.to_base58(), public_key=identity.public_key, role=role, stage=stage,
+            issued_at=now, expires_at=now + 600, serial=1)))
+        return identity, SignedRecordValidator(identity, schema_for_run(run, 2), run_id=run, auth=state)
+
+    def signed(identity, validator, key: str, value: dict) -> DHTRecord:
+        record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(identity.peer_id.to_base58()),
+                           MSGPackSerializer.dumps(value), _time.time() + 30)
+        return DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
+
+    worker, worker_validator = node("worker", "worker", 0)
+    trainer, trainer_validator = node("trainer", "trainer", None)
+    monitor_identity, monitor = node("monitor", "monitor", None)
+    monitor.witness = True
+    value = report(12, 120, _time.time()).model_dump(mode="json")
+    assert monitor.validate(signed(trainer, trainer_validator, trainers_key(run), value))
+    assert not monitor.validate(signed(worker, worker_validator, trainers_key(run), value))
+    assert not monitor.validate(signed(worker, worker_validator, workers_key(run, 1),
+                                       WorkerRecord(stage=1, max_batch=4, throughput=1.0).model_dump(mode="json")))
+    assert not monitor.validate(signed(monitor_identity, monitor, workers_key(run, 0),
+                                       WorkerRecord(stage=0, max_batch=4, throughput=1.0).model_dump(mode="json")))
+    drained = asyncio.run(drain_observations(None, None, token=monitor.token))
+    found = [(r["key"], r["peer_id"], r["reason"], r["role"], r["stage"]) for r in drained["rejections"]]
+    assert found == [
+        (trainers_key(run), worker.peer_id.to_base58(), "wrong_role", "worker", 0),
+        (workers_key(run, 1), worker.peer_id.to_base58(), "wrong_stage", "worker", 0),
+        (workers_key(run, 0), monitor_identity.peer_id.to_base58(), "wrong_role", "monitor", None),
+    ]
+    witnessed = drained["trainer_reports"][trainer.peer_id.to_base58()][1]
+    assert TrainerRecord.model_validate(unpack(witnessed)).samples_completed == 12
+    assert asyncio.run(drain_observations(None, None, token=monitor.token))["rejections"] == [], "drained once"
