@@ -254,10 +254,13 @@ async def metrics(request: Request) -> Response:
     """Prometheus text format: the health monitor's figures and the admission counts."""
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+    from authorizer.metrics_push import PUSH_REGISTRY
+
     state = request.app.state.__dict__
     registry = state.get("_monitor_registry")
     if registry is None:
         registry = state["_monitor_registry"] = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(_authorizer(request), _store(request)))
+        registry.register(PUSH_REGISTRY)  # the push front's counts (authorizer/metrics_push.py)
     body = await _cached(request, "metrics", lambda: generate_latest(registry))
     return Response(content=body, media_type=CONTENT_TYPE_LATEST)

@@ -78,7 +78,7 @@ def push_body(run_id: str, peer: str, role: str = "trainer") -> bytes:
 
 
 def front_counts(url: str) -> dict[str, float]:
-    """The push front's counts by outcome, if the authorizer's /metrics serves them; else {}."""
+    """The push front's counts by outcome on the authorizer's /metrics ({} if it does not answer)."""
     response = httpx.get(f"{url}/metrics", timeout=30)
     if response.status_code != 200:
         return {}
@@ -164,8 +164,13 @@ def test_pushed_and_scraped_nodes_reach_prometheus(make_swarm, run_config_path, 
     assert answer.status_code == 200, answer.text
     assert key.peer_id in [group.get("instance") for group in pushgateway.groups()]
 
-    after = front_counts(authorizer.url)
-    if after:  # the authorizer's /metrics serves the front's counts (authorizer.metrics_push.PUSH_REGISTRY)
-        for outcome in ("missing_token", "credential_bad_signature", "wrong_grouping"):
-            assert after.get(outcome, 0) == before.get(outcome, 0) + 1, (outcome, before, after)
-        assert after.get("ok", 0) > before.get("ok", 0)
+    refusals = ("missing_token", "credential_bad_signature", "wrong_grouping")
+
+    def counted() -> dict[str, float]:  # the authorizer caches /metrics for about a second
+        after = front_counts(authorizer.url)
+        return after if all(after.get(o, 0) > before.get(o, 0) for o in refusals) else {}
+
+    after = poll_until(counted, 30, "the push front's refusals on the authorizer's /metrics", period_s=0.5)
+    for outcome in refusals:
+        assert after[outcome] == before.get(outcome, 0) + 1, (outcome, before, after)
+    assert after.get("ok", 0) > before.get("ok", 0)
