@@ -237,7 +237,7 @@ async def _watch_until_done(dht, run, trainers, args, say, started, live, intera
         step = min(max((r.local_step for r in p.values()), default=0) for p in progress)
         records = await dht.get(trainers_key(run.run_id), TrainerRecord)
         tokens = sum(r.tokens for r in records.values())
-        losses = [r.recent_loss for r in records.values() if r.recent_loss is not None]
+        losses = [r.recent_loss for r in records.values() if r.recent_loss is not None and not r.final]
         loss = f"{sum(losses) / len(losses):.3f}" if losses else "-"
         elapsed = time.monotonic() - started
         line = (f"step {step}/{args.steps}  loss {loss}  {tokens / max(elapsed, 1e-9):.0f} tokens/s  "

@@ -174,7 +174,8 @@ class DhtSource:
             *(dht.get(progress_key(self.run_id, s), ProgressRecord) for s in range(n)),
             *(dht.get(averaging_key(self.run_id, s), AveragingRecord) for s in range(n)),
             dht.get(trainers_key(self.run_id), TrainerRecord))
-        workers, progress, averaging, trainers = found[:n], found[n:2 * n], found[2 * n:3 * n], found[3 * n]
+        workers, progress, averaging, reports = found[:n], found[n:2 * n], found[2 * n:3 * n], found[3 * n]
+        trainers = {peer: report for peer, report in reports.items() if not report.final}  # final: it left
         stages = []
         for s in range(n):
             phases = {phase.value: 0 for phase in Phase}
@@ -192,7 +193,7 @@ class DhtSource:
                               "last_round_at": max(finished, default=None)},
             })
         now = time.time()
-        tokens = sum(t.tokens for t in trainers.values())
+        tokens = sum(t.tokens for t in reports.values())
         rate = None
         if self.previous is not None and now > self.previous[0] and tokens >= self.previous[1]:
             rate = round((tokens - self.previous[1]) / (now - self.previous[0]), 1)
@@ -200,7 +201,7 @@ class DhtSource:
         losses = [t.recent_loss for t in trainers.values() if t.recent_loss is not None]
         return {
             "run_id": self.run_id, "num_stages": n, "updated_at": now, "interval_s": 0.0, "stages": stages,
-            "training": {"samples": sum(t.samples_completed for t in trainers.values()), "tokens": tokens,
+            "training": {"samples": sum(t.samples_completed for t in reports.values()), "tokens": tokens,
                          "loss": sum(losses) / len(losses) if losses else None, "tokens_per_s": rate,
                          "trainers": len(trainers)},
             "nodes": {"present": sum(len(w) for w in workers) + len(trainers), "gone": None, "admitted": None,

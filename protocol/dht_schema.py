@@ -135,6 +135,8 @@ class TrainerRecord(RecordModel):
     first_loss: Optional[float] = None
     recent_loss: Optional[float] = None
     time: float
+    final: bool = Field(default=False, description="the trainer left and these are its last counters; written "
+                        "in place of a tombstone, so whoever counts progress sees them once more")
 
 
 class Tombstone(RecordModel):

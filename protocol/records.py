@@ -17,8 +17,7 @@ Every rejection under a schema key is remembered (time, key, subkey, reason, and
 stage of the credential it carried) in a bounded log. The validator runs in hivemind's DHT child
 process, so the health monitor fetches that log, and the newest trainer reports this node saw pass
 through it (`witness=True`), with `dht.run_coroutine(partial(drain_observations, token=...))`:
-a trainer's final report is overwritten by its tombstone within milliseconds, and only a node that
-stored it ever sees it.
+a report the monitor's reads missed (a trainer's last reports before it left) is still counted.
 """
 
 from __future__ import annotations

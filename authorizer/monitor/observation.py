@@ -49,7 +49,8 @@ class Observation:
     tombstoned: set[str] = field(default_factory=set)
     trainer_reports: dict[str, TrainerRecord] = field(default_factory=dict)
     """The newest report of every trainer visible now: read from the DHT or witnessed by our
-    validator (a final report lives only until its trainer's tombstone replaces it)."""
+    validator. A trainer that leaves writes a `final` report instead of a tombstone: it is counted,
+    and the trainer is gone."""
     rejections: list[RecordRejection] = field(default_factory=list)
     rejections_dropped: int = 0
     complete: bool = True
@@ -126,8 +127,11 @@ async def observe(dht, run_id: str, num_stages: int, *, validator_token: Optiona
             continue
         record = _parse(value, TrainerRecord)
         if record is not None:
-            obs.sightings.setdefault(peer, Sighting(peer, "trainer", None, expiration, trainer=record))
             obs.trainer_reports[peer] = record
+            if record.final:  # the trainer left; its last counters are still counted
+                obs.tombstoned.add(peer)
+            else:
+                obs.sightings.setdefault(peer, Sighting(peer, "trainer", None, expiration, trainer=record))
     if validator_token is not None:
         await _drain(dht, validator_token, obs, timeout_s)
     return obs

@@ -31,6 +31,9 @@ from roles.trainer.pipeline import PipelineDriver, SampleDropped
 
 logger = logging.getLogger(__name__)
 
+FINAL_RECORD_TTL_S = 60.0
+"""How long a departed trainer's final record stays readable (as long as a tombstone would)."""
+
 
 def in_flight_cap(lanes: int, ratio: Optional[float], target_batch_size: int, live_trainers: int) -> int:
     """Samples one trainer may have in flight: its lanes, and its share of the run's cap on samples
@@ -84,12 +87,21 @@ class TrainerRole:
         self.finished_at: Optional[float] = None
         self._tasks: list[asyncio.Task] = []
 
-    def _record(self) -> TrainerRecord:
+    def _record(self, final: bool = False) -> TrainerRecord:
         a = self.accounting
         return TrainerRecord(
             samples_completed=a.completed, samples_dropped=a.dropped, tokens=a.tokens, last_loss=a.last_loss,
-            first_loss=a.first_loss, recent_loss=a.recent_loss, time=time.time(),
+            first_loss=a.first_loss, recent_loss=a.recent_loss, time=time.time(), final=final,
         )
+
+    async def _leave_record(self) -> None:
+        """Replace our record with a final one instead of a tombstone: readers drop us at once, and
+        the health monitor still counts the samples completed since our last announcement."""
+        try:
+            if not await self.swarm.store(self.announcer.key, self._record(final=True), FINAL_RECORD_TTL_S):
+                logger.warning("the final progress record was not accepted by any DHT peer")
+        except Exception:  # noqa: BLE001 - leaving goes on; the record lapses on its own
+            logger.warning("could not store the final progress record", exc_info=True)
 
     async def _connect(self, peer: str) -> None:
         """Dial a worker's announced addresses once, so the first call does not depend on the
@@ -177,7 +189,8 @@ class TrainerRole:
         async def count() -> None:
             try:
                 records = await self.swarm.get(trainers_key(self.run_config.run_id), TrainerRecord)
-                self.live_trainers = max(1, len(records) + (self.swarm.peer_id not in records))
+                live = {peer for peer, record in records.items() if not record.final}
+                self.live_trainers = max(1, len(live) + (self.swarm.peer_id not in live))
             except Exception:  # noqa: BLE001 - keep the last count; the next refresh may work
                 logger.debug("could not count trainers", exc_info=True)
 
@@ -256,7 +269,7 @@ class TrainerRole:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.announcer.withdraw()
+        await self._leave_record()
         await self.client.close()
         if self.sample_log is not None:
             self.sample_log.close()
