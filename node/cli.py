@@ -27,7 +27,7 @@ SYNOPSIS = """
 
 _METAVARS = {"config": "NAME|PATH", "authorizer": "URL", "initial_peers": "MADDR", "host_maddrs": "MADDR",
              "announce_maddrs": "MADDR", "identity": "PATH", "account_token": "TOKEN", "data": "synthetic|PATH",
-             "tokenizer": "PATH", "checkpoint_dir": "DIR", "gpu_memory": "SIZE"}
+             "tokenizer": "PATH", "checkpoint_dir": "DIR", "gpu_memory": "SIZE", "metrics_push": "URL"}
 
 
 def _version() -> str:
