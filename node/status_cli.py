@@ -348,6 +348,7 @@ def _source(args: argparse.Namespace):
 def status_main(argv: list[str]) -> int:
     """`agora-node status ...`; returns the exit code, printing one line on any failure."""
     source = None
+    _interrupt_on_signals()
     try:
         args = status_parser().parse_args(argv)
         source = _source(args)
@@ -367,6 +368,19 @@ def status_main(argv: list[str]) -> int:
     finally:
         if source is not None:
             source.close()
+
+
+def _interrupt_on_signals() -> None:
+    """Ctrl-C and SIGTERM end `--watch` (and a slow read) as KeyboardInterrupt, even when started
+    from a process that ignores SIGINT (Python then keeps it ignored: nohup-like launchers, test
+    runners)."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _print_once(overview: dict, as_json: bool) -> None:
