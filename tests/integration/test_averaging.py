@@ -24,6 +24,7 @@ from protocol.dht_schema import AveragingRecord, RoundStatus, WorkerRecord, aver
 from protocol.records import SignedRecordValidator
 from protocol.run_config import load_run_config
 from roles.model.stage import StageModel
+from tests.support.metrics import metric_value, scrape
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -264,7 +265,8 @@ def test_two_replicas_per_stage_train_with_averaging(make_swarm, run_config_path
     for stage in (0, 1):
         for i, reducer in enumerate((True, False)):
             dirs[(stage, i)] = str(tmp_path / f"s{stage}r{i}")
-            args = ["--checkpoint-dir", dirs[(stage, i)], "--checkpoint-period-s", "3600"] + (["--reducer"] if reducer else [])
+            args = ["--checkpoint-dir", dirs[(stage, i)], "--checkpoint-period-s", "3600", "--metrics-port", "0"]
+            args += ["--reducer"] if reducer else []
             workers.append(swarm.start("worker", stage=stage, args=args, wait_ready=not workers))
     for worker in workers[1:]:
         swarm.wait_ready(worker)
@@ -273,6 +275,15 @@ def test_two_replicas_per_stage_train_with_averaging(make_swarm, run_config_path
     summary = trainer.summary()
     assert summary["samples_completed"] >= 600, summary
     assert summary["last_loss"] < summary["first_loss"] * 0.85, summary
+    for worker in workers:  # the rounds show in the worker's metrics: outcome, duration, completeness, bytes
+        families = scrape(worker)
+        done = sum(metric_value(families, "agora_averaging_rounds", "_total", outcome=o) for o in ("complete", "partial"))
+        assert done >= 3, worker.name
+        assert metric_value(families, "agora_averaging_round_seconds", "_count") >= done, worker.name
+        assert metric_value(families, "agora_averaging_round_seconds", "_sum") > 0, worker.name
+        assert 0 < metric_value(families, "agora_averaging_completeness_ratio") <= 1, worker.name
+        assert metric_value(families, "agora_bytes_sent", "_total", channel="averaging") > 0, worker.name
+        assert metric_value(families, "agora_bytes_received", "_total", channel="averaging") > 0, worker.name
     for worker in workers:
         assert swarm.stop(worker, signal.SIGTERM) == 0, worker.log_tail()
     lines = [f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}"]

@@ -4,13 +4,9 @@ counters and histograms move as training proceeds; /healthz and /readyz answer."
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
-
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from protocol.readiness import parse_ready_line
+from tests.support.metrics import http_get, metric_value, metrics_url, scrape
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -56,35 +52,6 @@ TRAINER = {
 }
 
 
-def _url(node) -> str:
-    for line in node.stdout_lines:
-        fields = parse_ready_line(line)
-        if fields is not None:
-            return fields["metrics"]
-    raise AssertionError(f"{node.name} printed no readiness line with metrics=")
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=20) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def _scrape(node) -> dict:
-    status, text = _get(_url(node) + "/metrics")
-    assert status == 200, text
-    return {family.name: family for family in text_string_to_metric_families(text)}
-
-
-def _value(families: dict, name: str, suffix: str = "", **labels) -> float:
-    """Sum of the samples of `name` (+ `suffix`, e.g. _count) whose labels include `labels`."""
-    family = families[name]
-    return sum(s.value for s in family.samples
-               if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
 def _check_catalogue(families: dict, catalogue: dict, node, run_id: str) -> None:
     expected_labels = {"run": run_id, "role": node.role, "stage": "" if node.stage is None else str(node.stage),
                        "peer": node.peer_id}
@@ -109,35 +76,35 @@ def test_every_node_exposes_the_catalogue_and_it_moves_with_training(make_swarm,
     for node in workers:
         swarm.wait_ready(node, 120)
     for node in workers:
-        assert _get(_url(node) + "/healthz")[0] == 200
-        poll_until(lambda: _get(_url(node) + "/readyz")[0] == 200, 60, f"{node.name} to be ready")
-        assert _get(_url(node) + "/nothing")[0] == 404
-    before = {node.name: _scrape(node) for node in workers}
+        assert http_get(metrics_url(node) + "/healthz")[0] == 200
+        poll_until(lambda: http_get(metrics_url(node) + "/readyz")[0] == 200, 60, f"{node.name} to be ready")
+        assert http_get(metrics_url(node) + "/nothing")[0] == 404
+    before = {node.name: scrape(node) for node in workers}
 
     trainer = swarm.start("trainer", args=[*metrics, "--lanes", "2", "--discovery-period-s", "1"], timeout_s=120)
-    poll_until(lambda: _value(_scrape(workers[-1]), "agora_worker_stage_step") >= 3, 240,
+    poll_until(lambda: metric_value(scrape(workers[-1]), "agora_worker_stage_step") >= 3, 240,
                "the tail to take 3 steps", period_s=1.0)
-    poll_until(lambda: _value(_scrape(workers[0]), "agora_averaging_rounds", "_total") >= 1, 120,
+    poll_until(lambda: metric_value(scrape(workers[0]), "agora_averaging_rounds", "_total") >= 1, 120,
                "the head to have an averaging round due (skipped: it is alone in its stage)", period_s=1.0)
-    assert _get(_url(trainer) + "/readyz")[0] == 200
-    after = {node.name: _scrape(node) for node in workers}
-    seen = _scrape(trainer)
+    assert http_get(metrics_url(trainer) + "/readyz")[0] == 200
+    after = {node.name: scrape(node) for node in workers}
+    seen = scrape(trainer)
 
     _check_catalogue(seen, {**COMMON, **TRAINER}, trainer, run_id)
-    assert _value(seen, "agora_trainer_tokens", "_total") > 0
-    assert _value(seen, "agora_trainer_samples", "_total", outcome="completed") > 0
-    assert _value(seen, "agora_trainer_loss") > 0
-    assert _value(seen, "agora_trainer_lanes") == 2
-    assert _value(seen, "agora_bytes_sent", "_total", channel="pipeline") > 0
-    assert _value(seen, "agora_bytes_received", "_total", channel="pipeline") > 0
-    assert _value(seen, "agora_dht_operation_seconds", "_count", op="get") > 0
-    assert _value(seen, "agora_node_ready") == 1
+    assert metric_value(seen, "agora_trainer_tokens", "_total") > 0
+    assert metric_value(seen, "agora_trainer_samples", "_total", outcome="completed") > 0
+    assert metric_value(seen, "agora_trainer_loss") > 0
+    assert metric_value(seen, "agora_trainer_lanes") == 2
+    assert metric_value(seen, "agora_bytes_sent", "_total", channel="pipeline") > 0
+    assert metric_value(seen, "agora_bytes_received", "_total", channel="pipeline") > 0
+    assert metric_value(seen, "agora_dht_operation_seconds", "_count", op="get") > 0
+    assert metric_value(seen, "agora_node_ready") == 1
 
     for node in workers:
         old, new = before[node.name], after[node.name]
         _check_catalogue(new, {**COMMON, **WORKER}, node, run_id)
-        moved = lambda name, suffix="", **labels: (_value(new, name, suffix, **labels)  # noqa: E731
-                                                   - _value(old, name, suffix, **labels))
+        moved = lambda name, suffix="", **labels: (metric_value(new, name, suffix, **labels)  # noqa: E731
+                                                   - metric_value(old, name, suffix, **labels))
         assert moved("agora_worker_requests", "_total", outcome="ok", **{"pass": "backward"}) > 0, node.name
         assert moved("agora_worker_backward_seconds", "_count") > 0, node.name
         assert moved("agora_worker_queue_wait_seconds", "_count", **{"pass": "backward"}) > 0, node.name
@@ -149,20 +116,20 @@ def test_every_node_exposes_the_catalogue_and_it_moves_with_training(make_swarm,
         assert moved("agora_bytes_received", "_total", channel="pipeline") > 0, node.name
         assert moved("agora_bytes_sent", "_total", channel="pipeline") > 0, node.name
         assert moved("agora_dht_operation_seconds", "_count", op="store") > 0, node.name
-        assert _value(new, "agora_worker_sync_phase", phase="active") == 1
-        assert _value(new, "agora_worker_sync_phase") == 1  # exactly one phase is current
-        assert 0 < _value(new, "agora_worker_utilization_ratio") <= 1
-        assert _value(new, "agora_node_ready") == 1
-        assert _value(new, "agora_process_resident_memory_bytes") > 0
-        assert _value(new, "agora_host_memory_total_bytes") > _value(new, "agora_process_resident_memory_bytes")
-    assert _value(after[workers[0].name], "agora_averaging_rounds", "_total", outcome="skipped") >= 1
+        assert metric_value(new, "agora_worker_sync_phase", phase="active") == 1
+        assert metric_value(new, "agora_worker_sync_phase") == 1  # exactly one phase is current
+        assert 0 < metric_value(new, "agora_worker_utilization_ratio") <= 1
+        assert metric_value(new, "agora_node_ready") == 1
+        assert metric_value(new, "agora_process_resident_memory_bytes") > 0
+        assert metric_value(new, "agora_host_memory_total_bytes") > metric_value(new, "agora_process_resident_memory_bytes")
+    assert metric_value(after[workers[0].name], "agora_averaging_rounds", "_total", outcome="skipped") >= 1
 
 
 @pytest.mark.timeout(120)
 def test_a_metrics_port_in_use_is_a_config_error_before_joining(make_swarm, run_config_path):
     swarm = make_swarm(run_config_path())
     first = swarm.start("worker", stage=0, args=["--metrics-port", "0"])
-    port = _url(first).rsplit(":", 1)[1]
+    port = metrics_url(first).rsplit(":", 1)[1]
     second = swarm.start("worker", stage=1, args=["--metrics-port", port], wait_ready=False)
     assert swarm.wait(second, 90) == 2, second.log_tail()
     assert f"--metrics-port {port} is already in use" in second.log_tail()
