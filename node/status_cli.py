@@ -248,7 +248,7 @@ def _num(value, digits: int = 0) -> str:
 def _rate(value) -> str:
     if value is None:
         return "-"
-    return f"{value:,.0f}" if value >= 100 else f"{value:.2f}"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _age(unix_s, now: float) -> str:

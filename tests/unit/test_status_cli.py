@@ -40,7 +40,7 @@ def test_plain_table_shows_stages_training_and_alerts():
     header = next(line for line in lines if line.startswith("stage "))
     assert "replicas/min" in header and "avg success" in header
     row0 = next(line for line in lines if line.startswith("0 "))
-    assert row0.split() == ["0", "2/1", "2", "0", "0", "0", "12", "31.50", "4/1/0/3", "80%"]
+    assert row0.split() == ["0", "2/1", "2", "0", "0", "0", "12", "31.5", "4/1/0/3", "80%"]
     row1 = next(line for line in lines if line.startswith("1 "))
     assert row1.split()[:2] == ["1", "0/1"] and row1.split()[-1] == "-"
     assert "CRITICAL stage_short stage 1: no worker serves stage 1" in text
