@@ -166,3 +166,26 @@ def test_defaults_port_8000_and_data_dir_outside_the_working_directory(monkeypat
     assert config.data_dir == str(tmp_path / "xdg" / "agora-node" / "authorizer")
     monkeypatch.delenv("XDG_DATA_HOME")
     assert AuthorizerConfig().data_dir == os.path.expanduser("~/.local/share/agora-node/authorizer")
+
+
+def test_sigkill_takes_the_health_monitors_processes_along(start_authorizer, tmp_path):
+    """A SIGKILLed authorizer leaves nothing of its health monitor behind: its DHT process, p2pd and
+    torch's shared-memory manager end, and p2pd's unix sockets are removed."""
+    import psutil
+
+    authorizer = start_authorizer(data_dir=str(tmp_path / "data"))
+    try:
+        poll_until(lambda: re.search(r"health monitor \S+ listening on", authorizer.log_tail()), 90,
+                   "the health monitor's DHT to start", period_s=0.2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{authorizer.log_tail()}") from None
+    children = psutil.Process(authorizer.proc.pid).children(recursive=True)
+    assert any("p2pd" in child.name() for child in children), [child.name() for child in children]
+    sockets = {c.laddr for child in children for c in child.net_connections(kind="unix")
+               if isinstance(c.laddr, str) and c.laddr.startswith("/tmp/hivemind-")}
+    assert sockets, "p2pd's unix sockets"
+    authorizer.proc.kill()
+    authorizer.proc.wait(10)
+    gone, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    poll_until(lambda: not any(os.path.exists(path) for path in sockets), 15, "the unix sockets to be removed")

@@ -186,7 +186,12 @@ def test_every_averaging_rpc_asks_the_admission_hooks_first(tmp_path):
         part = await stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(
             code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"no such group")))
         state = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        replies = [[m async for m in aiter_with_timeout(stream, 10)] for stream in (join, part, state)]
+        replies = [[m async for m in aiter_with_timeout(join, 10)]]
+        for stream in (part, state):
+            try:
+                replies.append([m async for m in aiter_with_timeout(stream, 10)])
+            except (BrokenPipeError, ConnectionResetError, asyncio.IncompleteReadError):
+                replies.append([])  # closed under our unread bytes: see below
         # a refusal of a part may reach us as a closed stream: the averager answers before reading
         # our part, and libp2p can reset a stream closed under unread bytes (hivemind itself always
         # answers a part, so an empty reply is a refusal too)
