@@ -101,13 +101,14 @@ class ProcessLifecycle:
     def installed(self) -> bool:
         return self._installed_pid == os.getpid()
 
-    def install(self) -> "ProcessLifecycle":
-        """Take SIGINT/SIGTERM, become a subreaper, start the watchdog. Idempotent; call it first,
-        before anything slow and before any child exists."""
+    def install(self, *, signals: bool = True) -> "ProcessLifecycle":
+        """Take SIGINT/SIGTERM (unless `signals` is False: the process handles them itself), become
+        a subreaper, start the watchdog. Idempotent; call it first, before anything slow and before
+        any child exists."""
         if self.installed:
             return self
         self._installed_pid = os.getpid()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM) if signals else ():
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._on_signal)
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
@@ -247,6 +248,13 @@ def lifecycle() -> ProcessLifecycle:
 def begin_process() -> ProcessLifecycle:
     """The first call of a node process: signals, subreaper, watchdog."""
     return _LIFECYCLE.install()
+
+
+def guard_children() -> ProcessLifecycle:
+    """For a process that handles its signals itself but starts children (the authorizer's health
+    monitor forks hivemind's DHT, which starts p2pd): subreaper, watchdog and PDEATHSIG, so its
+    children and their sockets go with it however it dies."""
+    return _LIFECYCLE.install(signals=False)
 
 
 def exit_now(code: int) -> None:
