@@ -17,6 +17,7 @@ import subprocess
 from typing import Any, Optional, Sequence
 
 import httpx
+import pytest
 import yaml
 
 from tests.support.polling import poll_until
@@ -173,3 +174,17 @@ def wait_for_series(prometheus: Prometheus, expression: str, timeout_s: float = 
 
 def sample_value(series: dict[str, Any]) -> float:
     return float(series["value"][1])
+
+
+@pytest.fixture(scope="module")
+def shared_pushgateway(tmp_path_factory):
+    """One real Pushgateway for a test module (import it as the module's `pushgateway` fixture)."""
+    reason = missing("prometheus-pushgateway")
+    if reason:
+        pytest.skip(reason)
+    gateway = Pushgateway(str(tmp_path_factory.mktemp("pushgateway")))
+    gateway.start()
+    try:
+        yield gateway
+    finally:
+        gateway.stop()

@@ -15,24 +15,12 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from node.metrics.push import MetricsPusher
-from tests.support.prometheus import Pushgateway, missing
+from tests.support.prometheus import Pushgateway
+from tests.support.prometheus import shared_pushgateway as pushgateway  # noqa: F401 (a fixture)
 
 PEER_A = "12D3KooWAaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
 PEER_B = "12D3KooWBbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
 LABELS = {"run": "run-a", "role": "worker", "stage": "0", "peer": PEER_A}
-
-
-@pytest.fixture(scope="module")
-def pushgateway(tmp_path_factory):
-    reason = missing("prometheus-pushgateway")
-    if reason:
-        pytest.skip(reason)
-    gateway = Pushgateway(str(tmp_path_factory.mktemp("pushgateway")))
-    gateway.start()
-    try:
-        yield gateway
-    finally:
-        gateway.stop()
 
 
 def registry_with(value: float) -> CollectorRegistry:

@@ -19,7 +19,7 @@ from authorizer.metrics_push import MAX_PUSH_BODY_BYTES, PUSH_REGISTRY, PushFron
 from protocol.credentials import Credential, root_public_key_bytes, sign_credential
 from protocol.identity import Identity
 from protocol.metrics_token import make_push_token
-from tests.support.prometheus import Pushgateway, missing
+from tests.support.prometheus import shared_pushgateway as pushgateway  # noqa: F401 (a fixture)
 
 ROOT = Ed25519PrivateKey.generate()
 RUN = "run-front"
@@ -62,19 +62,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(scope="module")
-def pushgateway(tmp_path_factory):
-    reason = missing("prometheus-pushgateway")
-    if reason:
-        pytest.skip(reason)
-    gateway = Pushgateway(str(tmp_path_factory.mktemp("pushgateway")))
-    gateway.start()
-    try:
-        yield gateway
-    finally:
-        gateway.stop()
 
 
 @pytest.fixture
