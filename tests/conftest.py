@@ -65,3 +65,18 @@ def pytest_sessionfinish(session, exitstatus):
             proc.kill()
         except psutil.Error:
             pass
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server in a temporary directory, for the tests' PostgreSQL variants."""
+    from authorizer.testing import PostgresServer, postgres_missing
+
+    reason = postgres_missing()
+    if reason is not None:
+        pytest.skip(f"PostgreSQL variant skipped: {reason}")
+    server = PostgresServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -14,23 +14,11 @@ import uuid
 
 import pytest
 
-from authorizer.testing import AuthorizerProcess, NodeKey, PostgresServer, postgres_missing
+from authorizer.testing import AuthorizerProcess, NodeKey
 
 from tests.authorizer.helpers import ADMIN_TOKEN
 
 _all: list[AuthorizerProcess] = []
-
-
-@pytest.fixture(scope="session")
-def postgres():
-    reason = postgres_missing()
-    if reason is not None:
-        pytest.skip(f"PostgreSQL variant skipped: {reason}")
-    server = PostgresServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

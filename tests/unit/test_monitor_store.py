@@ -18,22 +18,9 @@ from authorizer.monitor.notify import Notifier
 from authorizer.monitor.progress import Cursor
 from authorizer.monitor.store import MonitorStore, SnapshotWrite
 from authorizer.store import open_engines
-from authorizer.testing import PostgresServer, postgres_missing
 from protocol.errors import ConfigError
 
 PEER = "12D3KooWPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    reason = postgres_missing()
-    if reason is not None:
-        pytest.skip(f"PostgreSQL variant skipped: {reason}")
-    server = PostgresServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
