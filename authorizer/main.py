@@ -159,10 +159,9 @@ def _start_monitor_seat(config: AuthorizerConfig, run, db_url: str, issuer):
         logger.info("health monitor off (--no-monitor)")
         return None
     from authorizer.monitor.seat import remembered_peers, start_in_process
-    from node.lifecycle import guard_children
 
-    guard_children()  # a SIGKILLed authorizer leaves no DHT process, p2pd or socket behind
-
+    # the caller (node/authorizer_cli.py) has installed node.lifecycle.guard_children, so a SIGKILLed
+    # authorizer leaves no DHT process, p2pd or socket behind
     return start_in_process(data_dir=config.data_dir, issuer=issuer, run_id=run.run_id, num_stages=run.num_stages,
                             host_maddrs=config.monitor_host_maddrs, initial_peers=remembered_peers(db_url))
 

@@ -69,5 +69,9 @@ def authorizer_main(argv: Sequence[str]) -> int:
     from node.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format, "authorizer")
+    if not config.no_monitor:
+        from node.lifecycle import guard_children
+
+        guard_children()  # the monitor's DHT process and p2pd die with the authorizer, even on SIGKILL
     return run_authorizer(config)
 
