@@ -22,6 +22,8 @@ SYNOPSIS = """
   agora-node --role worker --config 8b --stage N --dry-run [--gpu-memory 24GiB]
   agora-node --role monitor --authorizer URL --db URL [--account-token TOKEN] [...]
   agora-node status --authorizer URL | --initial-peers MADDR [--json] [--watch]
+  agora-node plan --config PRESET|PATH [--stage N] [--json]
+  agora-node preempt --authorizer URL --peer PEER_ID --at MOMENT [...]
   agora-node demo [--help]
   agora-node --version"""
 
@@ -81,6 +83,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from node.status_cli import status_main
 
             return status_main(argv[1:])
+        if argv and argv[0] == "plan":
+            from node.plan_cli import plan_main
+
+            return plan_main(argv[1:])
+        if argv and argv[0] == "preempt":
+            from node.preempt_cli import preempt_main
+
+            return preempt_main(argv[1:])
         if _role_of(argv) == "authorizer":
             return _run_authorizer(argv)
         if _role_of(argv) == "monitor":
