@@ -104,17 +104,20 @@ class LocalSwarm:
         return []
 
     def start_authorizer(self, args: Sequence[str] = (), *, name: str = "authorizer",
-                         timeout_s: float = 60.0) -> NodeProcess:
+                         timeout_s: float = 60.0, prefix: Sequence[str] = ()) -> NodeProcess:
         """Start the authorizer as users do (`agora-node --role authorizer ...`) and wait for its
         readiness line's URL."""
-        cmd = [sys.executable, "-m", "node.cli", "--role", "authorizer", *args]
+        cmd = [*prefix, sys.executable, "-m", "node.cli", "--role", "authorizer", *args]
         return self._spawn(name, "authorizer", None, cmd, True, timeout_s)
 
     def start(self, role: str, *, stage: Optional[int] = None, args: Sequence[str] = (), name: Optional[str] = None,
-              wait_ready: bool = True, timeout_s: float = 60.0, env: Optional[dict[str, str]] = None) -> NodeProcess:
-        """Start one node; `env` adds environment variables for this node only (test hooks)."""
+              wait_ready: bool = True, timeout_s: float = 60.0, env: Optional[dict[str, str]] = None,
+              prefix: Sequence[str] = ()) -> NodeProcess:
+        """Start one node; `env` adds environment variables for this node only (test hooks);
+        `prefix` runs it through another command that execs it (the network lab's
+        `ip netns exec NS`), so the pid is still the node's."""
         name = name or (f"{role}{stage}" if stage is not None else f"{role}") + f"-{len(self.nodes)}"
-        cmd = [sys.executable, "-m", "node.cli", "--role", role, "--torch-threads", str(self.torch_threads),
+        cmd = [*prefix, sys.executable, "-m", "node.cli", "--role", role, "--torch-threads", str(self.torch_threads),
                *self.common_args]
         if self.config is not None:
             cmd += ["--config", self.config]
