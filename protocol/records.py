@@ -11,7 +11,9 @@ In an authenticated run the wrapper also carries the writer's credential: it mus
 the run's root key, current, unrevoked, issued to the subkey's peer id, and carry the role and
 stage the key belongs to (a trainer cannot announce itself as a stage-2 worker). The run's
 revocation list lives under `{run}/control`, subkey `revoked`, signed by the root key itself, so
-any node may relay it.
+any node may relay it. Operator orders (protocol/control_orders.py) live under the same key, subkey
+`preempt:<peer id>`, signed by the root key or an operator; in an open run nothing under the
+control key is checked here, and workers do not read orders there at all.
 
 Every rejection under a schema key is remembered (time, key, subkey, reason, and the role and
 stage of the credential it carried) in a bounded log. The validator runs in hivemind's DHT child
@@ -37,6 +39,7 @@ from pydantic import ValidationError
 
 from protocol.auth_state import SharedAuthState
 from protocol.codec import pack, unpack
+from protocol.control_orders import PREEMPT_SUBKEY_PREFIX, OrderRefused, verify_order
 from protocol.credentials import CredentialError, RevocationList, verify_credential, verify_revocation_list
 from protocol.dht_schema import MAX_RECORD_TTL_S, KeySpec, Tombstone, TrainerRecord, control_key
 from protocol.errors import ProtocolError
@@ -64,7 +67,8 @@ class RecordRejection:
     """The subkey: the peer id the record claims to be from (only proven if the signature held)."""
     reason: str
     """expiry_too_far, malformed, no_credential, bad_credential, wrong_role, wrong_stage, revoked,
-    bad_signature or invalid_record."""
+    bad_signature or invalid_record; under the control key `order_<OrderRejection>` for a preempt
+    order (its subkey, `preempt:<target>`, is `peer_id` then), bad_revocations or unknown_control."""
     role: Optional[str] = None
     """The role of the credential the record carried, once that credential verified."""
     stage: Optional[int] = None
@@ -89,6 +93,8 @@ class SignedRecordValidator(RecordValidatorBase):
         self._specs = {DHTID.generate(source=key).to_bytes(): spec for key, spec in schema.items()}
         self._names = {DHTID.generate(source=key).to_bytes(): key for key in schema}
         self._control = DHTID.generate(source=control_key(run_id)).to_bytes() if run_id and auth else None
+        if self._control is not None:
+            self._names[self._control] = control_key(run_id)
         self.rejected = 0
         self.rejections: collections.deque[RecordRejection] = collections.deque(maxlen=MAX_REJECTIONS_KEPT)
         self.rejections_dropped = 0
@@ -192,13 +198,42 @@ class SignedRecordValidator(RecordValidatorBase):
 
     def _check_control(self, record: DHTRecord) -> bool:
         try:
-            if MSGPackSerializer.loads(record.subkey) != REVOKED_SUBKEY:
+            subkey = MSGPackSerializer.loads(record.subkey)
+        except Exception:
+            subkey = None
+        if subkey == REVOKED_SUBKEY:
+            try:
+                revocations = RevocationList.model_validate(MSGPackSerializer.loads(record.value))
+                verify_revocation_list(self.auth.root_public_key, revocations, run_id=self.auth.run_id)
+            except Exception:  # malformed or not signed by the root key
+                self._remember(record, _Rejected("bad_revocations"))
                 return False
-            revocations = RevocationList.model_validate(MSGPackSerializer.loads(record.value))
-            verify_revocation_list(self.auth.root_public_key, revocations, run_id=self.auth.run_id)
-        except Exception:  # malformed or not signed by the root key
+            if record.expiration_time > time.time() + MAX_RECORD_TTL_S:
+                self._remember(record, _Rejected("expiry_too_far"))
+                return False
+            return True
+        if isinstance(subkey, str) and subkey.startswith(PREEMPT_SUBKEY_PREFIX):
+            return self._check_order(record, subkey)
+        self._remember(record, _Rejected("unknown_control"))
+        return False
+
+    def _check_order(self, record: DHTRecord, subkey: str) -> bool:
+        """An operator's preempt order (protocol/control_orders.py): signed by the root key or an
+        operator, for this run, under its target's subkey, not outliving itself."""
+        if record.expiration_time > time.time() + MAX_RECORD_TTL_S:
+            self._remember(record, _Rejected("expiry_too_far"))
             return False
-        return record.expiration_time <= time.time() + MAX_RECORD_TTL_S
+        try:
+            verify_order(self.auth.root_public_key, record.value, run_id=self.auth.run_id, subkey=subkey,
+                         record_expiration=record.expiration_time)
+        except OrderRefused as refused:
+            self._remember(record, _Rejected(f"order_{refused.reason.value}", refused.role))
+            return False
+        except Exception:  # a bug of ours must not let a hostile record through
+            logger.debug("order under %s crashed its check", subkey, exc_info=True)
+            self._remember(record, _Rejected("order_malformed"))
+            return False
+        return True
 
     @staticmethod
     def _signed_bytes(record: DHTRecord, body: bytes, credential: object = None) -> bytes:
