@@ -28,6 +28,7 @@ from protocol.errors import ConfigError
 from protocol.files import atomic_write
 
 StageKind = Literal["head", "body", "tail"]
+ModelKind = Literal["transformer", "surrogate"]
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -39,6 +40,11 @@ class ModelConfig(BaseModel):
 
     model_config = _FROZEN
 
+    kind: ModelKind = Field(
+        default="transformer",
+        description="'transformer': the decoder these fields describe; 'surrogate': a few cheap "
+        "layers that keep this decoder's boundary and averaging traffic (see `surrogate`).",
+    )
     vocab_size: int = Field(gt=0, description="Token ids the embedding and LM head cover.")
     d_model: int = Field(gt=0, description="Width of the residual stream.")
     n_layers: int = Field(gt=0, description="Transformer blocks in the whole model.")
@@ -263,6 +269,50 @@ class SyncConfig(BaseModel):
     )
 
 
+class SurrogateConfig(BaseModel):
+    """A surrogate stage [report 3.5.1]: a few linear layers on the k boundary coordinates with
+    injected compute time, standing in for a stage of the decoder `model` describes.
+
+    It keeps that decoder's traffic on both axes: boundary tensors of the same shape (seq_len x
+    subspace_rank float32, plus the token ids) and an averaged vector sized so each averaging round
+    moves as many values as the real stage does at `mirror_segments` segments (the rest of the
+    vector is an untrained payload that is averaged but never stepped). Delays are slept, not
+    computed, so a small machine can host a swarm that communicates like a large run.
+    """
+
+    model_config = _FROZEN
+
+    mirrors: str | None = Field(
+        default=None, description="Name of the run (preset) whose traffic this surrogate mirrors; a label."
+    )
+    mirror_segments: int = Field(
+        gt=0,
+        description="averaging.segments of the mirrored run: a round averages the real stage's "
+        "parameters / mirror_segments values.",
+    )
+    width: int = Field(default=64, gt=0, description="Hidden width of each surrogate layer.")
+    layers: int = Field(default=2, gt=0, description="Residual layers per stage (k -> width -> k).")
+    forward_s: float = Field(
+        default=0.0, ge=0, le=600, description="Slept once per forward batch (its fixed cost)."
+    )
+    forward_per_sample_s: float = Field(
+        default=0.0, ge=0, le=600, description="Slept per sample of a forward batch."
+    )
+    backward_s: float = Field(
+        default=0.0, ge=0, le=600,
+        description="Slept once per backward batch (the tail's fused forward and backward too).",
+    )
+    backward_per_sample_s: float = Field(
+        default=0.0, ge=0, le=600, description="Slept per sample of a backward batch."
+    )
+
+    def delay_s(self, batch: int, *, backward: bool) -> float:
+        """Seconds a batch of `batch` samples sleeps: a fixed cost plus a per-sample one."""
+        if backward:
+            return self.backward_s + batch * self.backward_per_sample_s
+        return self.forward_s + batch * self.forward_per_sample_s
+
+
 class StageRange(BaseModel):
     """The blocks one pipeline stage holds: `[first_layer, last_layer)`."""
 
@@ -313,6 +363,9 @@ class RunConfig(BaseModel):
         default_factory=StalenessConfig,
         description="Bounds on the weight-version gap between a sample's forward and backward.",
     )
+    surrogate: SurrogateConfig | None = Field(
+        default=None, description="The surrogate stage's layers and delays; only with model.kind surrogate."
+    )
 
     @field_validator("run_id")
     @classmethod
@@ -343,6 +396,16 @@ class RunConfig(BaseModel):
         if expected != n_layers:
             raise ValueError(
                 f"stages must cover layers 0..{n_layers} exactly; got 0..{expected}"
+            )
+        if self.model.kind == "surrogate" and self.surrogate is None:
+            raise ValueError(
+                "model.kind is surrogate but the surrogate: section is missing; add it "
+                "(at least surrogate.mirror_segments)"
+            )
+        if self.model.kind != "surrogate" and self.surrogate is not None:
+            raise ValueError(
+                f"a surrogate: section is set but model.kind is {self.model.kind}; set model.kind: "
+                f"surrogate or remove the section"
             )
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(

@@ -6,7 +6,10 @@ before validation; `load_run_config("tiny")` is the way to get a validated one.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
+
+from protocol.run_config import AveragingConfig
 
 
 def _stages(*sizes: int) -> list[dict[str, int]]:
@@ -99,4 +102,39 @@ EIGHT_B: dict[str, Any] = {
     "dtype": "bfloat16",
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY, "1b": ONE_B, "8b": EIGHT_B}
+
+
+def _surrogate(real: dict[str, Any], name: str, run_id: str) -> dict[str, Any]:
+    """A surrogate of preset `real` [report 3.5.1]: the same model shape, stage cut, seq_len and
+    batch (so the boundary carries seq_len x subspace_rank float32 coordinates plus the token ids,
+    and the plan of `agora-node plan` is the real one), with each stage replaced by two 64-wide
+    layers that sleep instead of computing.
+
+    Averaging: the real stage averages params / 20 values per round (`averaging.segments` 20);
+    materialising an 8B stage's 885M values to average a twentieth of them would cost GBs per
+    node, so the surrogate's averaged vector *is* one round's worth (about 44M values, 177 MB,
+    for an 8b body: the surrogate's few trainable values plus an untrained payload that is
+    averaged but never stepped) and `averaging.segments` is 1. Every round then moves exactly as
+    many values as the real stage's rounds at 20 segments, every `average_every` steps as in
+    the real run. Delays default to 0; set `surrogate.forward_s` and friends per experiment.
+    """
+    preset = copy.deepcopy(real)
+    preset["run_id"] = run_id
+    preset["model"]["kind"] = "surrogate"
+    real_segments = real.get("averaging", {}).get("segments", AveragingConfig.model_fields["segments"].default)
+    preset["averaging"] = {**real.get("averaging", {}), "segments": 1}
+    preset["surrogate"] = {"mirrors": name, "mirror_segments": real_segments, "width": 64, "layers": 2}
+    return preset
+
+
+# The report's two scales as surrogates: the traffic of 1b and 8b at almost no compute.
+SURROGATE_ONE_B = _surrogate(ONE_B, "1b", "surrogate-1b")
+SURROGATE_EIGHT_B = _surrogate(EIGHT_B, "8b", "surrogate-8b")
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": TINY,
+    "1b": ONE_B,
+    "8b": EIGHT_B,
+    "surrogate-1b": SURROGATE_ONE_B,
+    "surrogate-8b": SURROGATE_EIGHT_B,
+}

@@ -25,6 +25,8 @@ from protocol.run_presets import PRESETS
 _LAZY = {
     "StageModel": "roles.model.stage",
     "FullModel": "roles.model.stage",
+    "build_stage_model": "roles.model.stage",
+    "SurrogateStage": "roles.model.surrogate",
     "subspace_basis": "roles.model.subspace",
     "fixed_token_embedding": "roles.model.subspace",
     "compress": "roles.model.subspace",

@@ -87,6 +87,7 @@ class MemoryPlan:
     kind: str = ""
     dtype: str = ""
     num_params: int = 0
+    payload_values: int = 0  # a surrogate's untrained averaged values (host RAM, counted in host_bytes)
 
     @property
     def _static_device_bytes(self) -> int:
@@ -132,6 +133,8 @@ class MemoryPlan:
         head = f"stage {self.stage_index}"
         if self.kind:
             head += f" ({self.kind}, {self.num_params / 1e6:.1f}M params, {self.dtype})"
+        if self.payload_values:
+            head += f", surrogate with {self.payload_values / 1e6:.1f}M averaged-only values"
         rows = [
             f"{head} on {self.device}, max batch {self.max_batch}",
             f"  parameters        {gib(self.param_bytes)}",
@@ -152,6 +155,8 @@ def plan_memory(run: RunConfig, stage_index: int, device: str, max_batch: int) -
     scaled_dot_product_attention uses a fused kernel."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    if run.model.kind == "surrogate":
+        return _plan_surrogate(run, stage_index, device, max_batch)
     model = run.model
     kind = run.stage_kind(stage_index)
     b = _DTYPE_BYTES[run.dtype]
@@ -186,5 +191,34 @@ def plan_memory(run: RunConfig, stage_index: int, device: str, max_batch: int) -
         kind=kind,
         dtype=run.dtype,
         num_params=num_params,
+    )
+    return replace(plan, device_bytes=plan._device_total(max_batch))
+
+
+def _plan_surrogate(run: RunConfig, stage_index: int, device: str, max_batch: int) -> MemoryPlan:
+    """A surrogate stage [report 3.5.1]: float32 trainable layers (and the tail's fixed code
+    table), plus the averaged-only payload, its index set and the round buffers in host RAM."""
+    from roles.model import surrogate_sizes as sizes
+
+    kind = run.stage_kind(stage_index)
+    num_params = sizes.surrogate_trainable_count(run, stage_index)
+    param_bytes = num_params * _WIDE
+    pipelined = kind != "tail"
+    plan = MemoryPlan(
+        stage_index=stage_index,
+        device=device,
+        max_batch=max_batch,
+        param_bytes=param_bytes,
+        grad_bytes=param_bytes * (2 if pipelined else 1),
+        previous_weights_bytes=param_bytes if pipelined and run.staleness.pin_forward_weights else 0,
+        fixed_buffer_bytes=run.model.vocab_size * run.model.subspace_rank * _WIDE if kind == "tail" else 0,
+        optimizer_host_bytes=3 * param_bytes,
+        activation_bytes_per_sample=sizes.surrogate_activation_bytes_per_sample(run, stage_index),
+        device_bytes=0,
+        host_bytes=3 * param_bytes + sizes.surrogate_host_bytes(run, stage_index),
+        kind=kind,
+        dtype="float32",
+        num_params=num_params,
+        payload_values=sizes.surrogate_payload_count(run, stage_index),
     )
     return replace(plan, device_bytes=plan._device_total(max_batch))

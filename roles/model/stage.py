@@ -104,6 +104,10 @@ class StageModel(nn.Module):
         buffers and never appear here."""
         return [param for param in self.parameters() if param.requires_grad]
 
+    def averaged_payload(self) -> list[tuple[str, Tensor]]:
+        """Averaged-only tensors: none here (a surrogate stage has some)."""
+        return []
+
     def embed(self, tokens: Tensor) -> Tensor:
         """Head only: residual stream T_fixed[tokens] + E[tokens] U_k^T, already in span(U_k)
         around the fixed embedding, as eq. (2) needs."""
@@ -165,6 +169,15 @@ class StageModel(nn.Module):
         if coords is None or tuple(coords.shape) != expected:
             got = None if coords is None else tuple(coords.shape)
             raise ValueError(f"{self.kind} stage expects coords of shape {expected}, got {got}")
+
+
+def build_stage_model(run: RunConfig, stage_index: int, device: torch.device | str = "cpu") -> nn.Module:
+    """The stage a worker holds: a `StageModel`, or a `SurrogateStage` for `model.kind` surrogate."""
+    if run.model.kind == "surrogate":
+        from roles.model.surrogate import SurrogateStage
+
+        return SurrogateStage(run, stage_index, device=device)
+    return StageModel(run, stage_index, device=device)
 
 
 class FullModel(nn.Module):

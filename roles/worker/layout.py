@@ -70,6 +70,14 @@ class FlatLayout:
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         return cls([name for name, _ in named], [tuple(p.shape) for _, p in named])
 
+    @classmethod
+    def of_stage(cls, model: torch.nn.Module) -> FlatLayout:
+        """The layout a worker averages: the model's averaged-only payload (a surrogate's, none
+        for a transformer stage) first, then its trainable parameters as in `of_module`."""
+        payload = list(model.averaged_payload()) if hasattr(model, "averaged_payload") else []
+        named = [*payload, *((name, p) for name, p in model.named_parameters() if p.requires_grad)]
+        return cls([name for name, _ in named], [tuple(t.shape) for _, t in named])
+
     def check(self, tensors: Sequence[torch.Tensor]) -> None:
         """Raise ValueError unless `tensors` are float32, contiguous and shaped as this layout."""
         if len(tensors) != len(self.shapes):
@@ -86,7 +94,10 @@ class FlatLayout:
         for i in range(len(self.shapes)):
             start, end = bounds[i], bounds[i + 1]
             if end > start:
-                pieces.append(Piece(i, start, end, sorted_indices[start:end] - self.offsets[i]))
+                # The first tensor's local indices are a view, not a copy: for a surrogate's payload
+                # that saves a second int64 vector as long as the averaged round.
+                local = sorted_indices[start:end]
+                pieces.append(Piece(i, start, end, local - self.offsets[i] if self.offsets[i] else local))
         return pieces
 
     @staticmethod

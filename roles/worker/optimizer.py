@@ -99,8 +99,16 @@ class StageOptimizer:
         target_batch_size: int = 1,
         keep_previous: bool = False,
         force_master_copy: bool = False,
+        payload: Iterable[torch.Tensor] = (),
     ):
         self._params = list(params)
+        # Averaged-only values (a surrogate stage's payload [report 3.5.1]): float32 CPU tensors the
+        # averager, checkpoints and state transfer see ahead of the master weights, but that never
+        # get a gradient, a moment or a step.
+        self._payload = list(payload)
+        for t in self._payload:
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
+                raise ValueError("a payload tensor must be a contiguous float32 CPU tensor without gradients")
         self._device = torch.device(device)
         if not self._params:
             raise ValueError("StageOptimizer needs at least one trainable parameter")
@@ -144,6 +152,7 @@ class StageOptimizer:
             self._master = [self._host_buffer(p).copy_(p.detach()).requires_grad_(True) for p in self._params]
             self._grad_buffers = [self._host_buffer(p) for p in self._params]
         self._optimizer = torch.optim.AdamW(self._master, lr=lr, **self._hparams)
+        self._averaged = [*self._payload, *self._master]
         self.previous: Optional[list[torch.Tensor]] = (
             [torch.empty_like(p, requires_grad=False) for p in self._params] if keep_previous else None)
         self.previous_version: Optional[int] = None
@@ -167,8 +176,9 @@ class StageOptimizer:
 
     @property
     def master_params(self) -> list[torch.Tensor]:
-        """The float32 CPU weights the averager reads and edits (under `lock`, then `push_master_to_device`)."""
-        return self._master
+        """The float32 CPU weights the averager reads and edits (under `lock`, then `push_master_to_device`),
+        after the payload tensors if there are any (the layout's order)."""
+        return self._averaged
 
     @property
     def params(self) -> list[torch.Tensor]:

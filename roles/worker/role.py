@@ -30,7 +30,7 @@ from roles.announcer import Announcer
 from roles.periodic import every, wait_any
 from roles.resources import device_memory, host_memory_total_bytes, host_rss_bytes
 from protocol.run_config import RunConfig
-from roles.model.stage import StageModel
+from roles.model.stage import build_stage_model
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome
 from roles.worker.averaging.service import AveragingService
@@ -73,9 +73,10 @@ class WorkerRole:
         init_run = run
         if config.test_init_seed_offset:
             init_run = run.model_copy(update={"seed": run.seed + config.test_init_seed_offset})
-        self.model = StageModel(init_run, config.stage, device=self.device)
-        self.optimizer = StageOptimizer.for_stage(run, config.stage, self.model.trainable_parameters(), self.device)
-        self.layout = FlatLayout.of_module(self.model)
+        self.model = build_stage_model(init_run, config.stage, device=self.device)
+        self.optimizer = StageOptimizer.for_stage(run, config.stage, self.model.trainable_parameters(), self.device,
+                                                  payload=[t for _, t in self.model.averaged_payload()])
+        self.layout = FlatLayout.of_stage(self.model)
         self.layout.check(self.optimizer.master_params)
         self.sync = SyncPhases(run.sync, run.averaging.segments)
         autocast = None

@@ -137,9 +137,15 @@ class SegmentIndexSets:
 
     def _build(self, segment: int) -> IndexSet:
         start, end = self.bounds(segment)
-        indices, _ = torch.sort(self._permutation(torch.arange(start, end, dtype=torch.int64)))
+        if end - start == self.numel:
+            # One segment covers every position, and the sorted image of a whole permutation is
+            # the identity: skip the permutation and the sort (their transients are several times
+            # the set's size, which is all of a surrogate stage's averaged vector [report 3.5.1]).
+            indices = torch.arange(self.numel, dtype=torch.int64)
+        else:
+            indices, _ = torch.sort(self._permutation(torch.arange(start, end, dtype=torch.int64)))
         digest = hashlib.blake2b(digest_size=16)
         digest.update(self._key)
         digest.update(f"/{segment}/{end - start}/".encode())
-        digest.update(indices.numpy().tobytes())
+        digest.update(indices.numpy().data)  # the buffer itself: no copy of a long set
         return IndexSet(segment, indices, self.layout.split(indices), digest.hexdigest())
