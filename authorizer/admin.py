@@ -4,13 +4,16 @@ The operator issues and revokes account tokens (`/v1/admin/accounts`; the same o
 `agora-node --role authorizer accounts add|list|revoke`), bans peers or whole accounts
 (identities), changes the live policy (capacities,
 join rate, hardware floors, accepted builds and which checks run [report 3.6.1.1]) and reads the
-rejected joins that were counted rather than stored (`/v1/admin/rejections`). A policy change is
+rejected joins that were counted rather than stored (`/v1/admin/rejections`), and signs operator
+preempt orders with the run's root key (`/v1/admin/preempt`, protocol/control_orders.py; the
+`agora-node preempt` CLI writes them into the DHT). A policy change is
 stored before it is answered and applies to the next request; lowering a capacity never evicts a
 node, it only stops admissions until the stage drains below it.
 """
 
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 import time
@@ -28,7 +31,10 @@ from authorizer.models import (
 )
 from authorizer.policy import Policy, merge_policy
 from authorizer.service import Authorizer
+from protocol.control_orders import PreemptOrderOut, PreemptRequest, new_order, sign_order_as_root
+from protocol.dht_schema import control_key
 from protocol.errors import ConfigError
+from protocol.identity import public_key_from_peer_id
 
 logger = logging.getLogger("agora.authorizer.admin")
 _bearer = HTTPBearer(auto_error=False, description="the admin token (--admin-token or its file)")
@@ -178,3 +184,39 @@ async def revoke_account(account_id: Annotated[str, Path(pattern=ACCOUNT_ID_PATT
     logger.warning("account %s revoked: %d live ticket(s) ended", account_id[:12], ended)
     authorizer.queue_wakeup.set()
     return AccountRevokeOut(id=account_id, was_active=was_active, ended_tickets=ended)
+
+
+def _order_counts(request: Request) -> collections.Counter:
+    """Preempt orders signed by this authorizer, by moment, and refused ones as `refused_<why>`."""
+    counts = getattr(request.app.state, "preempt_orders", None)
+    if counts is None:
+        counts = request.app.state.preempt_orders = collections.Counter()
+    return counts
+
+
+@admin_router.post("/preempt", response_model=PreemptOrderOut)
+async def preempt(body: PreemptRequest, request: Request) -> PreemptOrderOut:
+    """Sign an order for one peer to preempt itself at a moment (failure injection, report
+    3.5.3.1). The authorizer does not write it anywhere: the caller stores `record` under `subkey`
+    of `key` in the run's DHT (`agora-node preempt` does), where every node checks the root
+    key's signature. An order for a peer that is not in the run harms nothing: nobody reads it."""
+    authorizer = _authorizer(request)
+    counts = _order_counts(request)
+    if public_key_from_peer_id(body.peer_id) is None:
+        counts["refused_peer_id"] += 1
+        raise InvalidRequest(f"peer_id {body.peer_id[:60]!r} is not an Ed25519 libp2p peer id; copy the worker's "
+                             f"peer= from its readiness line or from /v1/admin/participants")
+    order = new_order(run_id=authorizer.run.run_id, peer_id=body.peer_id, moment=body.moment, ttl_s=body.ttl_s)
+    signed = sign_order_as_root(authorizer.issuer.root_key, order)
+    counts[order.moment.value] += 1
+    logger.warning("preempt order %s signed: peer %s at %s, valid %.0fs", order.order_id, order.peer_id,
+                   order.moment.value, body.ttl_s)
+    return PreemptOrderOut(order_id=order.order_id, run_id=order.run_id, peer_id=order.peer_id, moment=order.moment,
+                           issued_at=order.issued_at, expires_at=order.expires_at, key=control_key(order.run_id),
+                           subkey=order.subkey, record=signed.to_bytes())
+
+
+@admin_router.get("/preempt")
+async def preempt_counts(request: Request) -> dict[str, int]:
+    """Preempt orders signed so far by moment, and refused requests as `refused_<why>`."""
+    return dict(_order_counts(request))

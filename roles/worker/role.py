@@ -40,6 +40,7 @@ from roles.worker.errors import CheckpointError, StateLoadError, WorkerLeftStage
 from roles.worker.handlers import WorkerHandlers
 from roles.worker.layout import FlatLayout
 from roles.worker.optimizer import StageOptimizer
+from roles.worker.preemption import PreemptionWatcher, PreemptSwitch
 from roles.worker.progress import StageProgress
 from roles.worker.queues import TaskQueues
 from roles.worker.runtime import StageRuntime
@@ -91,6 +92,11 @@ class WorkerRole:
             max_delayed_per_step=run.staleness.max_delayed_per_step if self.model.kind == "head" else None,
             forward_gate_timeout_s=run.staleness.forward_gate_timeout_s,
         )
+        self.preempt = PreemptSwitch()  # before the averager forks: it shares the switch
+        self.runtime.mid_compute = self.preempt.on_compute
+        self.preemption = (None if auth_state is None else  # open runs: nobody may preempt anyone
+                           PreemptionWatcher(swarm, run_id=run.run_id, auth_state=auth_state, switch=self.preempt,
+                                             reducer=config.reducer))
         self.server = RpcServer(p2p, authenticator=authenticator, limits=config.stream_limits())
         self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches)
         self.announcer = Announcer(
@@ -108,6 +114,7 @@ class WorkerRole:
             samples_processed=lambda: self.runtime.counters["backward_requests"], on_round=self._on_round,
             announce_period_s=config.announce_period_s, stall_s=config.test_averaging_stall_s,
             stepped=self.runtime.stepped, auth_state=auth_state, poison=config.test_averaging_poison,
+            preempt=self.preempt,
         )
         self.state_server = StateServer(
             self.optimizer, self.layout, run_id=run.run_id, stage=config.stage,
@@ -290,6 +297,8 @@ class WorkerRole:
             asyncio.create_task(every(None, self._update_phase, stop, name="sync phases",
                                       wake=self.runtime.stepped.listen()), name="sync-phases"),
         ]
+        if self.preemption is not None:
+            self._tasks.append(asyncio.create_task(self.preemption.run(stop), name="preempt-orders"))
         if self.checkpoints is not None and self.config.checkpoint_period_s:
             self._tasks.append(asyncio.create_task(
                 self.checkpoints.run(stop, self.config.checkpoint_period_s, lambda: self.optimizer.local_step,

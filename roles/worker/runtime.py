@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -207,6 +207,10 @@ class StageRuntime:
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.failure: Optional[BaseException] = None
+        self.mid_compute: Optional[Callable[[str], None]] = None
+        """Called by the compute thread mid batch ("forward" once the model ran, "backward" once the
+        gradients are in), before any reply goes back: where an operator's preemption order
+        strikes (roles/worker/preemption.py)."""
 
     # ---- validation (called on the event loop, before queueing) ----
 
@@ -417,6 +421,8 @@ class StageRuntime:
         with torch.no_grad(), self.optimizer.lock, self._autocast():
             version = self.optimizer.local_step
             out = self.model(coords, tokens)
+        if self.mid_compute is not None:
+            self.mid_compute("forward")
         out = out.float().cpu()
         for request in requests:
             self.forwarded.add(request.sample_id, version)
@@ -463,6 +469,8 @@ class StageRuntime:
                         out = torch.func.functional_call(self.model, pinned, (coords, tokens))
                     else:
                         out = self.model(coords, tokens)
+                if self.mid_compute is not None and self.kind == "tail":
+                    self.mid_compute("forward")  # the tail has no forward requests: its forward runs here
                 if self.kind == "tail":
                     losses = out.float()
                     losses.sum().backward()
@@ -473,6 +481,8 @@ class StageRuntime:
                 if pinned is not None:
                     for param, old in zip(opt.params, pinned.values()):
                         param.grad, old.grad = old.grad, None
+                if self.mid_compute is not None:
+                    self.mid_compute("backward")
             # A worker in optimizer sync accumulates too: it steps on its own gradients to warm its
             # moments [report 3.3.1.1], and its samples complete the step they were tagged with.
             if offset >= 0:

@@ -13,7 +13,8 @@ As a reducer it screens each part index's parts before averaging them (screening
 whose part is not finite, carries an absurd weight or has a norm far from ours is left out of the
 round from that part on, and `telemetry()` names it with the reason.
 
-It also hosts the two faults tests inject: stalling this peer mid-round, so a test can kill it
+It also hosts the operator's preemption moments `chunk_send` and `reduced_send`
+(roles/worker/preemption.py), and the two faults tests inject: stalling this peer mid-round, so a test can kill it
 while its peers wait for its next chunk, and poisoning the parts it sends to other reducers (NaN
 or a million times too large), so a test can watch them leave it out.
 """
@@ -25,8 +26,10 @@ import logging
 import time
 from typing import Any, Optional, Sequence
 
+from protocol.control_orders import PreemptMoment
 from protocol.hivemind_adapter import AdaptedRunner, HeldPart
 from roles.worker.averaging.screening import PartScreen
+from roles.worker.preemption import PreemptSwitch
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +38,10 @@ class InstrumentedRunner(AdaptedRunner):
     """An all-reduce runner that keeps count of what failed, readable through `telemetry()`."""
 
     def __init__(self, *, stall_s: float = 0.0, label: str = "", screen: Optional[PartScreen] = None,
-                 poison: str = "", **kwargs):
+                 poison: str = "", preempt: Optional[PreemptSwitch] = None, **kwargs):
         self.fell_back: dict[int, int] = {}
         self.screen = screen
+        self.preempt = preempt
         super().__init__(**kwargs)
         self.started = time.monotonic()
         self.label = label
@@ -64,9 +68,13 @@ class InstrumentedRunner(AdaptedRunner):
         await asyncio.sleep(self.stall_s)
 
     async def after_part_sent(self) -> None:
+        if self.preempt is not None:
+            self.preempt.fire_if(PreemptMoment.CHUNK_SEND)
         await self._maybe_stall("sending")
 
     async def after_part_reduced(self) -> None:
+        if self.preempt is not None:
+            self.preempt.fire_if(PreemptMoment.REDUCED_SEND)
         await self._maybe_stall("reducing")
 
     def telemetry(self) -> dict[str, Any]:

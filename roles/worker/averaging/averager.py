@@ -39,6 +39,7 @@ from roles.worker.averaging.access import (
 from roles.worker.averaging.allreduce import InstrumentedRunner
 from roles.worker.averaging.screening import PartScreen
 from roles.worker.errors import AveragingError
+from roles.worker.preemption import PreemptSwitch
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,10 @@ class SpartaAverager(AdaptedAverager):
     (see module docstring)."""
 
     def __init__(self, buffer: torch.Tensor, dht, *, stall_s: float = 0.0, access: Optional[AveragingAccess] = None,
-                 screen: Optional[PartScreen] = None, poison: str = "", admission_wait_s: float = 5.0, **kwargs):
+                 screen: Optional[PartScreen] = None, poison: str = "", admission_wait_s: float = 5.0,
+                 preempt: Optional[PreemptSwitch] = None, **kwargs):
         self.stall_s = stall_s
+        self.preempt = preempt
         self.access = access
         self.screen = screen
         self.poison = poison
@@ -72,7 +75,7 @@ class SpartaAverager(AdaptedAverager):
         own = gathered.get(self.peer_id.to_base58()) or {}
         label = f"{own.get('kind', '?')} round {own.get('round', '?')}"
         return InstrumentedRunner(stall_s=self.stall_s, label=label, screen=self.screen, poison=self.poison,
-                                  **runner_kwargs)
+                                  preempt=self.preempt, **runner_kwargs)
 
     def round_result(self, gathered: dict[str, Any], runner: InstrumentedRunner) -> dict[str, Any]:
         plain = {peer: {k: v for k, v in data.items() if k != CREDENTIAL_KEY} if isinstance(data, dict) else data
@@ -159,7 +162,7 @@ class StageAverager:
 
     def __init__(self, dht, buffer_size: int, *, run_id: str, stage: int, reducer: bool,
                  config: AveragingConfig, stall_s: float = 0.0, access: Optional[AveragingAccess] = None,
-                 poison: str = ""):
+                 poison: str = "", preempt: Optional[PreemptSwitch] = None):
         self.config = config
         self.reducer = reducer
         self.access = access
@@ -170,6 +173,7 @@ class StageAverager:
             access=access,
             screen=PartScreen(config.max_norm_ratio, config.max_sender_weight),
             poison=poison,
+            preempt=preempt,
             admission_wait_s=config.sender_timeout_s,
             prefix=averaging_prefix(run_id, stage),
             client_mode=not reducer,

@@ -36,6 +36,7 @@ from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome, RoundPlan, SegmentRound
 from roles.worker.averaging.schedule import RoundSchedule
 from roles.worker.layout import ParameterStore
+from roles.worker.preemption import PreemptSwitch
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +98,11 @@ class AveragingService:
                  local_step: Callable[[], int], phase: Callable[[], Phase], samples_processed: Callable[[], int],
                  on_round: Callable[[RoundOutcome], None] = lambda outcome: None,
                  announce_period_s: float = 5.0, stall_s: float = 0.0, stepped: Optional[Signal] = None,
-                 auth_state: Optional[SharedAuthState] = None, poison: str = ""):
+                 auth_state: Optional[SharedAuthState] = None, poison: str = "",
+                 preempt: Optional[PreemptSwitch] = None):
         self.config = config
+        self.preempt = preempt
+        """Shared with the averager process, which dies on it mid-round (roles/worker/preemption.py)."""
         self.swarm = swarm
         self.run_id = run_id
         self.stage = stage
@@ -147,7 +151,7 @@ class AveragingService:
             return
         self.averager = StageAverager(dht, self.index_sets.buffer_size, run_id=self.run_id, stage=self.stage,
                                       reducer=self.reducer, config=self.config, stall_s=self.stall_s,
-                                      access=self.access, poison=self.poison)
+                                      access=self.access, poison=self.poison, preempt=self.preempt)
         self.averager.start()
         self.rounds = SegmentRound(self.store, self.index_sets, self.averager)
         self._thread = _SerialThread(f"stage{self.stage}-averaging")
