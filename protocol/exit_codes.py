@@ -14,6 +14,7 @@ class ExitCode(enum.IntEnum):
     ADMISSION_REJECTED = 4
     REVOKED = 5
     CREDENTIAL_EXPIRED = 6
+    WAIT_TIMED_OUT = 7
     INTERRUPTED = 130
 
 
@@ -26,6 +27,7 @@ EXIT_CODES: dict[ExitCode, str] = {
     ExitCode.ADMISSION_REJECTED: "the authorizer turned the node away; the message says what to change",
     ExitCode.REVOKED: "the node was banned or its credential revoked, or renewal was refused",
     ExitCode.CREDENTIAL_EXPIRED: "the credential expired while every authorizer was unreachable",
+    ExitCode.WAIT_TIMED_OUT: "a command's --wait-s ran out before what it waited for happened (agora-node preempt)",
     ExitCode.INTERRUPTED: "a second Ctrl-C: stopped at once, without draining",
 }
 
