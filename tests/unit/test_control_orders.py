@@ -3,6 +3,7 @@ record validator refuses under the run's control key, counted with a reason."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -191,3 +192,59 @@ def test_order_models_ignore_unknown_fields_and_parse_from_json(ids):
     again = SignedPreemptOrder.model_validate_json(signed.model_dump_json())
     assert again == signed
     assert PreemptOrder.model_validate({**signed.order.model_dump(), "future_field": 1}) == signed.order
+
+
+class _Swarm:
+    def __init__(self, peer_id: str):
+        self.peer_id = peer_id
+
+
+@pytest.fixture
+def watcher(tmp_path, ids, monkeypatch):
+    from roles.worker import preemption
+
+    kills = []
+    monkeypatch.setattr(preemption.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    auth = SharedAuthState(str(tmp_path / "trust"), run_id=RUN, root_public_key=ROOT_PUB)
+    switch = preemption.PreemptSwitch()
+    made = preemption.PreemptionWatcher(_Swarm(_target(ids)), run_id=RUN, auth_state=auth, switch=switch,
+                                        reducer=False, poll_period_s=0.1)
+    made.kills = kills
+    return made
+
+
+def _order_value(ids, moment: str, issued_at=None):
+    return sign_order_as_root(ROOT, new_order(run_id=RUN, peer_id=_target(ids), moment=moment, now=issued_at)
+                              ).to_dht_value()
+
+
+def test_watcher_arms_the_switch_and_fires_at_the_moment(watcher, ids, caplog):
+    import signal
+
+    watcher.consider(_order_value(ids, "backward"))
+    assert watcher.switch.armed is PreemptMoment.BACKWARD and watcher.kills == []
+    watcher.switch.on_compute("forward")
+    assert watcher.kills == []
+    watcher.switch.on_compute("backward")
+    assert watcher.kills == [(os.getpid(), signal.SIGKILL)]
+    [order_id] = watcher._seen
+    assert caplog.text.count("preempted by operator order") == 1
+    assert f"preempted by operator order {order_id} at backward" in caplog.text
+
+
+def test_watcher_now_fires_at_once_and_reduced_send_falls_back_for_a_sender(watcher, ids):
+    watcher.consider(_order_value(ids, "reduced_send"))
+    assert watcher.switch.armed is PreemptMoment.CHUNK_SEND and watcher.kills == []
+    watcher.consider(_order_value(ids, "now"))
+    assert len(watcher.kills) == 1
+
+
+def test_watcher_ignores_old_forged_and_foreign_orders(watcher, ids):
+    watcher.consider(_order_value(ids, "now", issued_at=watcher.started_at - 5))  # for an earlier process
+    forged = sign_order_as_operator(ids[2], _credential(ids[2], "worker", stage=0),
+                                    new_order(run_id=RUN, peer_id=_target(ids), moment="now"))
+    watcher.consider(forged.to_dht_value())
+    other = sign_order_as_root(ROOT, new_order(run_id=RUN, peer_id=ids[1].peer_id.to_base58(), moment="now"))
+    watcher.consider(other.to_dht_value())
+    assert watcher.kills == [] and watcher.switch.armed is None
+    assert watcher.refused == {"not_operator": 1, "wrong_peer": 1}
