@@ -15,6 +15,7 @@ all of it.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import socket
 import statistics
@@ -24,6 +25,7 @@ import time
 PING_SIZE = 64
 PINGS = 12
 CHUNK = 256 * 1024
+STEADY_BINS = 8
 
 
 def _recv_exactly(conn: socket.socket, size: int) -> bytes:
@@ -51,13 +53,32 @@ def _sink(conn: socket.socket) -> dict:
         last = now
         if not samples or now - samples[-1][0] >= 0.005:
             samples.append((now, total))
+    if samples and samples[-1][0] < last:
+        samples.append((last, total))
     if first is None or last <= first:
         return {"bytes": total, "throughput_mbit": 0.0, "throughput_total_mbit": 0.0}
+    # the steady window: the last two thirds, split in STEADY_BINS bins; the median bin's rate.
+    # A loss holds the data behind it in the receiver's reordering queue for a round trip and then
+    # releases it at once: a plain bytes/seconds over the window over- or under-counts by up to
+    # one RTT's worth of data depending on where the window's edges fall; the median does not.
     start = first + (last - first) / 3
-    t0, b0 = next((t, b) for t, b in samples if t >= start) if samples[-1][0] >= start else (first, 0)
-    steady = (total - b0) * 8 / (last - t0) / 1e6 if last > t0 else 0.0
-    return {"bytes": total, "seconds": last - first, "throughput_mbit": steady,
+    edges = [start + (last - start) * i / STEADY_BINS for i in range(STEADY_BINS + 1)]
+    rates = []
+    for lo, hi in zip(edges, edges[1:]):
+        rates.append((_bytes_at(samples, hi) - _bytes_at(samples, lo)) * 8 / (hi - lo) / 1e6)
+    return {"bytes": total, "seconds": last - first, "throughput_mbit": statistics.median(rates),
             "throughput_total_mbit": total * 8 / (last - first) / 1e6}
+
+
+def _bytes_at(samples: list[tuple[float, int]], t: float) -> float:
+    """Cumulative bytes received at time t, interpolated between samples."""
+    i = bisect.bisect_left(samples, (t, -1))
+    if i == 0:
+        return 0.0 if t < samples[0][0] else samples[0][1]
+    if i == len(samples):
+        return samples[-1][1]
+    (t0, b0), (t1, b1) = samples[i - 1], samples[i]
+    return b0 + (b1 - b0) * (t - t0) / (t1 - t0)
 
 
 def serve(bind: str) -> None:

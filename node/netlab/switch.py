@@ -45,6 +45,18 @@ _COUNTERS = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets", "drops_queue", 
              "drops_write", "drops_other")
 
 
+def wire_size(packet: bytes, off: int, size: int) -> int:
+    """The IP bytes a TCP segmentation-offload packet occupies on a link once split into its
+    MSS-sized segments (each carries its own IP and TCP headers), as tbf counts them on upload."""
+    gso_size = int.from_bytes(packet[4:6], sys.byteorder)  # virtio_net_hdr.gso_size, native order
+    ihl = (packet[off] & 0x0F) * 4
+    if gso_size == 0 or len(packet) < off + ihl + 13:
+        return size
+    headers = ihl + (packet[off + ihl + 12] >> 4) * 4
+    segments = -(-(size - headers) // gso_size)
+    return size + (segments - 1) * headers
+
+
 class Switch:
     """The packet loop; every table is indexed by the host's position in the config."""
 
@@ -62,9 +74,9 @@ class Switch:
         self.downlinks = [Downlink() for _ in self.hosts]
         self.pairs = PairClock()
         self.counters = [dict.fromkeys(_COUNTERS, 0) for _ in self.hosts]
-        # (due, seq, destination, packet, paced): paced=False means the packet has only been
-        # through propagation and still has to pass the destination's downlink queue
-        self.heap: list[tuple[float, int, int, bytes, bool]] = []
+        # (due, seq, destination, packet, wire bytes, paced): paced=False means the packet has only
+        # been through propagation and still has to pass the destination's downlink queue
+        self.heap: list[tuple[float, int, int, bytes, int, bool]] = []
         self.seq = itertools.count()
 
     def set_link(self, host: int, delay_s: float, down_bps: float | None, queue_s: float) -> None:
@@ -89,6 +101,8 @@ class Switch:
             if size < 20 or packet[off] >> 4 != 4:  # not IPv4 (the hosts have IPv6 disabled)
                 sent["drops_other"] += 1
                 continue
+            if off and packet[1]:  # a segmentation-offload packet: count it as the segments it stands for
+                size = wire_size(packet, off, size)
             sent["tx_bytes"] += size
             sent["tx_packets"] += 1
             dst = index_of_addr.get(packet[off + 16:off + 20])
@@ -96,14 +110,13 @@ class Switch:
                 sent["drops_unroutable"] += 1
                 continue
             due = pairs.schedule(src, dst, now, delay[src] + delay[dst])
-            heapq.heappush(heap, (due, next(seq), dst, packet, False))
+            heapq.heappush(heap, (due, next(seq), dst, packet, size, False))
 
     def _deliver_due(self, now: float) -> None:
-        heap, counters, off = self.heap, self.counters, self.offset
+        heap, counters = self.heap, self.counters
         horizon = now + EARLY_S
         while heap and heap[0][0] <= horizon:
-            due, _, dst, packet, paced = heapq.heappop(heap)
-            size = len(packet) - off
+            due, _, dst, packet, size, paced = heapq.heappop(heap)
             rate = self.down_bps[dst]
             if not paced and rate:
                 depart = self.downlinks[dst].admit(due, size, rate, self.queue_s[dst])
@@ -111,7 +124,7 @@ class Switch:
                     counters[dst]["drops_queue"] += 1
                     continue
                 if depart > horizon:
-                    heapq.heappush(heap, (depart, next(self.seq), dst, packet, True))
+                    heapq.heappush(heap, (depart, next(self.seq), dst, packet, size, True))
                     continue
             try:
                 os.write(self.fds[dst], packet)

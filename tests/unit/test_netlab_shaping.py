@@ -44,3 +44,16 @@ def test_upload_qdisc_is_tbf_with_a_bucket_that_holds_an_offload_packet():
     [slow] = upload_qdisc("agl-x", 1.0)
     assert int(slow[slow.index("burst") + 1]) == MIN_BURST_BYTES
     assert upload_qdisc("agl-x", None) == [["tc", "qdisc", "del", "dev", "agl-x", "root"]]
+
+
+def test_an_offload_packet_counts_one_ip_and_tcp_header_per_segment():
+    import struct
+
+    from node.netlab.switch import wire_size
+
+    vnet = bytes([1, 1]) + struct.pack("=HHHH", 52, 1448, 0, 0)  # flags, gso_type TCPv4, hdr_len, gso_size, ...
+    ip = bytes([0x45]) + bytes(19)  # IPv4, 20-byte header
+    tcp = bytes(12) + bytes([0x80]) + bytes(19)  # data offset 8 words = 32 bytes
+    payload = bytes(1448 * 10)
+    packet = vnet + ip + tcp + payload
+    assert wire_size(packet, 10, len(packet) - 10) == 10 * (1448 + 52)
