@@ -3,6 +3,7 @@
     netlab probe --rtt-ms 40 --mbit 200 [--seconds 3]   two hosts, measure both ways, print JSON
     netlab up TOPOLOGY.yaml                             hold a lab open until Ctrl-C
     netlab down                                         remove dead labs' leftovers (cleanup_stale)
+    netlab run SCENARIO.yaml [--out DIR] [--set K=V]    play a scenario on real nodes, print its result
 
 Each subcommand is one `_add_<name>(subparsers)` function that registers its parser and handler;
 a new subcommand (the scenario runner's `run`) adds its own function to SUBCOMMANDS.
@@ -104,7 +105,46 @@ def _add_down(sub) -> None:
     p.set_defaults(func=_down)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_probe, _add_up, _add_down]
+def _run_scenario(args: argparse.Namespace) -> int:
+    import time
+
+    import yaml
+
+    from node.netlab.scenario import ScenarioRunner, load_scenario
+    from protocol.errors import ConfigError
+
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            print(f"netlab: --set {item}: expected KEY=VALUE (e.g. duration_s=120)", file=sys.stderr)
+            return 2
+        overrides[key] = yaml.safe_load(value)
+    try:
+        scenario, base = load_scenario(args.scenario, overrides)
+    except ConfigError as exc:
+        print(f"netlab: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or f"/tmp/netlab-{scenario.name}-{int(time.time())}"
+    result = ScenarioRunner(scenario, base, out).run()
+    brief = {k: result.get(k) for k in ("scenario", "links", "tokens_per_s", "accounting", "restarts", "deaths",
+                                        "cpu_percent")}
+    brief["averaging"] = {k: v for k, v in result["averaging"].items() if k != "detail"}
+    brief["result"] = f"{out}/result.json"
+    print(json.dumps(brief, indent=1, default=str))
+    return 0
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="play a scenario (scenarios/*.yaml) on real agora-node processes in a lab")
+    p.add_argument("scenario", help="scenario YAML file")
+    p.add_argument("--out", default=None, help="directory for logs and result.json (default: /tmp/netlab-NAME-TIME)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a scenario field (dotted keys address nested ones: links.contributor.rtt_ms=80)")
+    p.set_defaults(func=_run_scenario)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_probe, _add_up, _add_down, _add_run]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -232,6 +232,7 @@ class ScenarioRunner:
         self._restart_threads: list[threading.Thread] = []
         self._expected_deaths: dict[str, str] = {}
         self._trainer_tokens: dict[str, float] = {}
+        self.started_at_unix = 0.0
 
     def _now(self) -> float:
         return time.monotonic() - self._t0
@@ -264,7 +265,8 @@ class ScenarioRunner:
         run_config_path = self._run_config()
         result: dict[str, Any] = {"scenario": sc.name, "nodes": [n.model_dump() for n in sc.nodes]}
         with Lab(hosts) as lab:
-            self.say(f"lab up: {len(hosts)} hosts")
+            self.say(f"lab up: {len(hosts)} hosts (lab {lab.lab_id})")
+            result["lab_id"] = lab.lab_id
             result["links"] = [{"a": a, "b": b, **lab.measure(a, b, seconds=sc.measure_seconds)}
                                for a, b in sc.measure_links]
             for link in result["links"]:
@@ -274,7 +276,10 @@ class ScenarioRunner:
             self.swarm = LabSwarm(lab, self.out_dir, run_config_path, torch_threads=sc.torch_threads)
             try:
                 result.update(self._play(lab))
-            finally:
+            except BaseException:
+                self.swarm.stop_all(timeout_s=5)  # interrupted or broken: leave fast, the lab kills the rest
+                raise
+            else:
                 self.swarm.stop_all()
                 result["traffic"] = _traffic(counters_before, lab.counters(), result.get("measured_s", 0.0))
         result["summaries"] = self._summaries()
@@ -304,6 +309,7 @@ class ScenarioRunner:
         for node in (n for n in sc.nodes if n.role == "trainer"):
             swarm.start_node(NodeSpec(node.name, "trainer", None, False, node.args))
         self._t0 = time.monotonic()
+        self.started_at_unix = time.time()
         self._note("trainers started")
         for name, process in list(swarm.processes.items()):
             self._cpu_seen[name] = _group_cpu_s(process.pid)
@@ -338,7 +344,7 @@ class ScenarioRunner:
         measured_s = self._now() - (warm_t if tokens_at_warmup is not None else 0.0)
         tokens = final["tokens"] - (tokens_at_warmup or 0.0)
         self._collect_cpu()
-        return {"measured_s": round(measured_s, 2), "tokens_per_s": round(tokens / max(measured_s, 1e-9), 2),
+        return {"started_at_unix": self.started_at_unix, "measured_s": round(measured_s, 2), "tokens_per_s": round(tokens / max(measured_s, 1e-9), 2),
                 "restarts": self.restarts, "deaths": self.deaths, "scrapes": self.scrapes,
                 "cpu_percent": {name: round(100 * s / max(self._now(), 1e-9), 1) for name, s in self._cpu_total.items()}}
 
@@ -369,7 +375,9 @@ class ScenarioRunner:
         for name in names:
             node = swarm.processes[name]
             argv = [sys.executable, "-m", "node.cli", "preempt", "--authorizer", swarm.authorizer.url,
-                    "--admin-token", swarm.admin_token, "--peer", node.peer_id, "--at", moment]
+                    "--admin-token", swarm.admin_token, "--peer", node.peer_id, "--at", moment,
+                    # the order's writer joins the DHT from the controller, which the lab routes to every host
+                    "--host-maddrs", f"/ip4/{swarm.lab.address('controller')}/tcp/0"]
             if swarm.bootstrap:
                 argv += ["--initial-peers", *swarm.bootstrap]
             done = subprocess.run(argv, capture_output=True, text=True, timeout=60)

@@ -1,0 +1,56 @@
+"""A short lab scenario in the normal suite: real nodes in namespaces behind a shaped link, one
+preempted by an operator order mid-round. The shaping must be real (measured against nominal),
+the others must keep training and averaging, and the teardown must leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from node.netlab.scenario import ScenarioRunner, load_scenario
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMOKE = os.path.join(ROOT, "scenarios", "smoke.yaml")
+
+
+def _lab_missing() -> str | None:
+    if os.geteuid() != 0:
+        return "the network lab needs root (namespaces, TUN devices)"
+    if not os.path.exists("/dev/net/tun"):
+        return "the network lab needs /dev/net/tun"
+    return None
+
+
+@pytest.mark.timeout(400)
+def test_smoke_scenario_is_shaped_survives_a_preemption_and_leaves_nothing(tmp_path):
+    missing = _lab_missing()
+    if missing:
+        pytest.skip(missing)
+    from node.netlab.cleanup import list_netns, list_root_devices, switch_processes
+    from node.netlab.plan import PREFIX, lab_id_of
+
+    scenario, base = load_scenario(SMOKE)
+    result = ScenarioRunner(scenario, base, str(tmp_path / "out")).run()
+
+    link = result["links"][0]
+    assert abs(link["rtt_ms"] - link["nominal_rtt_ms"]) <= 0.2 * link["nominal_rtt_ms"], link
+    assert abs(link["throughput_mbit"] - link["nominal_mbit"]) <= 0.2 * link["nominal_mbit"], link
+
+    preempted = [d for d in result["deaths"] if d["node"] == "w1b"]
+    assert preempted and preempted[0]["how"] == "preempted" and preempted[0]["exit"] == -9, result["timeline"]
+    with open(tmp_path / "out" / "w1b.log", errors="replace") as f:
+        assert "preempted by operator order" in f.read()
+
+    accounting = result["accounting"]
+    assert accounting["samples_completed"] > 0 and accounting["unaccounted"] == 0, accounting
+    died_at = preempted[0]["t_s"]
+    survivors = [r for r in result["averaging"]["detail"] if r["node"] in ("w1a", "w1c")]
+    assert survivors, "the surviving stage-1 replicas ran no averaging round"
+    assert any(r["status"] == "complete" and r["group_size"] >= 2 for r in survivors), survivors
+    assert result["traffic"]["w1b"], "the switch counted no traffic for the shaped host"
+    assert died_at > 0
+    lab_id = result["lab_id"]
+    assert [n for n in list_netns() if lab_id_of(PREFIX, n) == lab_id] == []
+    assert [d for d in list_root_devices() if lab_id_of(PREFIX, d) == lab_id] == []
+    assert [pid for pid, owner in switch_processes().items() if owner == lab_id] == []
