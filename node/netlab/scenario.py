@@ -285,6 +285,9 @@ class ScenarioRunner:
         result["summaries"] = self._summaries()
         result["accounting"] = _accounting(result["summaries"])
         result["averaging"] = _averaging(result["summaries"], self.deaths)
+        from node.netlab.traffic_check import traffic_vs_plan
+
+        result["traffic_vs_plan"] = traffic_vs_plan(result, run_config_path)
         result["timeline"] = self.timeline
         with open(os.path.join(self.out_dir, "result.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
