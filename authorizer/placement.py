@@ -45,8 +45,10 @@ def choose_pool(
     role: str,
     eligible_stages: list[int],
     counts: dict[int, PoolCount],
+    preferred_stage: Optional[int] = None,
 ) -> Union[int, Rejection]:
-    """The pool to queue a node in, or why it cannot be queued now."""
+    """The pool to queue a node in, or why it cannot be queued now. A worker's `preferred_stage`
+    wins only under `policy.honor_stage_preference`, and only if it may serve it and it has room."""
     total_queued = sum(c.queued for c in counts.values())
     if total_queued >= policy.max_queue:
         return queue_full_rejection(policy.max_queue)
@@ -55,6 +57,10 @@ def choose_pool(
         if count.occupied >= policy.trainer_capacity:
             return run_full_rejection(role, [])
         return TRAINER_POOL
+    if policy.honor_stage_preference and preferred_stage in eligible_stages:
+        count = counts.get(preferred_stage, PoolCount(preferred_stage, 0, 0))
+        if count.occupied < policy.capacity(preferred_stage):
+            return preferred_stage
     best: Optional[tuple] = None
     for stage in eligible_stages:
         count = counts.get(stage, PoolCount(stage, 0, 0))

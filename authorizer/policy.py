@@ -99,6 +99,11 @@ class Policy(BaseModel):
     dial_private_addresses: bool = Field(
         default=True, description="reachability may dial loopback/private addresses (turn off for public runs)"
     )
+    honor_stage_preference: bool = Field(
+        default=False, description="place a worker on the stage it asks for (--stage) when it may serve it and "
+                                   "the stage has room, instead of the stage furthest below its target (the run "
+                                   "owner's own machines, network labs)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Policy:

@@ -141,7 +141,8 @@ class Authorizer:
                 new, now, account_rules=policy.checks.accountability and not monitor,
                 max_per_account=policy.max_nodes_per_account,
                 place=(lambda counts: MONITOR_POOL) if monitor else (
-                    lambda counts: choose_pool(self.run, policy, request.role, eligible, counts)),
+                    lambda counts: choose_pool(self.run, policy, request.role, eligible, counts,
+                                                request.preferred_stage)),
                 capacity=self.capacity,
                 run_full=lambda: admission.run_full_rejection(request.role, eligible),
                 keep_rejected=lambda: self.rejections.keep(source),

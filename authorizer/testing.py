@@ -212,7 +212,7 @@ class NodeKey:
 
     def join_body(self, *, role: str = "worker", account_token: str = "account-0", client_version: str = "0.1.0",
                   package_digest: str = "", announce_maddrs: Optional[list[str]] = None, run_id: Optional[str] = "tiny",
-                  signed_at: Optional[float] = None, **hardware) -> dict:
+                  signed_at: Optional[float] = None, preferred_stage: Optional[int] = None, **hardware) -> dict:
         """A join request, signed for `run_id` (the proof that lets it replace this peer's stale
         ticket); `run_id=None` leaves the proof out, as clients before it did."""
         hw = dict(device_name="NVIDIA RTX 4090", vram_bytes=24 << 30, ram_bytes=64 << 30,
@@ -221,6 +221,8 @@ class NodeKey:
         body = dict(peer_id=self.peer_id, public_key=base64.b64encode(self.public_key).decode(), role=role,
                     hardware=hw, client_version=client_version, package_digest=package_digest,
                     announce_maddrs=announce_maddrs or [], account_token=account_token)
+        if preferred_stage is not None:
+            body["preferred_stage"] = preferred_stage
         if run_id is not None:
             body.update(self.proof_body("join", run_id, signed_at))
         return body

@@ -220,7 +220,7 @@ class AuthorizerClient:
         return info
 
     async def join(self, identity: Identity, role: str, *, hardware: Hardware, announce_maddrs: list[str],
-                   account_token: str = "") -> TicketOut:
+                   account_token: str = "", preferred_stage: Optional[int] = None) -> TicketOut:
         """Ask to join, signed with the node's key for the run (whose id GET /v1/run gives)."""
         if self._run_id is None:
             await self.run_info()
@@ -228,7 +228,8 @@ class AuthorizerClient:
         request = JoinRequest(
             peer_id=proof.peer_id, public_key=identity.public_key, role=role, hardware=hardware,  # type: ignore[arg-type]
             client_version=version.client_version(), announce_maddrs=list(announce_maddrs),
-            account_token=account_token, signed_at=proof.signed_at, signature=proof.signature,
+            account_token=account_token, preferred_stage=preferred_stage, signed_at=proof.signed_at,
+            signature=proof.signature,
         )
         return await self._request("POST", "/v1/join", TicketOut, request)
 
@@ -275,7 +276,7 @@ async def leave_quietly(client: AuthorizerClient, identity: Identity, run_id: Op
 
 async def join_run(client: AuthorizerClient, identity: Identity, role: str, *,
                    hardware: Union[Hardware, dict], announce_maddrs: list[str], account_token: str = "",
-                   timeout_s: float = DEFAULT_ADMISSION_TIMEOUT_S,
+                   preferred_stage: Optional[int] = None, timeout_s: float = DEFAULT_ADMISSION_TIMEOUT_S,
                    on_wait: Callable[[TicketOut], None] = lambda ticket: None) -> Admission:
     """Join and wait in the queue until admitted; AdmissionRejected says why not.
 
@@ -287,7 +288,8 @@ async def join_run(client: AuthorizerClient, identity: Identity, role: str, *,
     asked = False
     try:
         ticket = await _retrying(client, lambda: client.join(
-            identity, role, hardware=hardware, announce_maddrs=announce_maddrs, account_token=account_token),
+            identity, role, hardware=hardware, announce_maddrs=announce_maddrs, account_token=account_token,
+            preferred_stage=preferred_stage),
             timeout_s)
         asked = True
         last_position: Optional[int] = None

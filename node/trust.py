@@ -218,7 +218,7 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
 
         admission: Admission = await join_run(
             client, identity, settings.role, hardware=measured_hardware(device), announce_maddrs=visible,
-            account_token=settings.account_token, on_wait=on_wait,
+            account_token=settings.account_token, preferred_stage=_requested_stage(settings), on_wait=on_wait,
             timeout_s=settings.admission_timeout_s)
         run = RunConfig.model_validate(admission.run_config)
         requested = _requested_stage(settings)

@@ -164,6 +164,10 @@ class JoinRequest(BaseModel):
     announce_maddrs: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
         default_factory=list, max_length=32, description="multiaddrs peers can dial, with or without /p2p/<id>")
     account_token: str = Field(default="", max_length=256, pattern=r"^[\x21-\x7e]*$")
+    preferred_stage: Optional[int] = Field(
+        default=None, ge=0, le=1_000_000,
+        description="the stage a worker asks for (--stage); placed there only if the policy honours "
+                    "preferences and the stage has room")
     signed_at: Optional[float] = Field(default=None, ge=0, le=1e11, description="unix seconds of the proof")
     signature: Optional[Base64Bytes(128)] = Field(  # type: ignore[valid-type]
         default=None, description="Ed25519 signature over proof_bytes('join', run_id, peer_id, signed_at), base64")

@@ -54,6 +54,21 @@ REPORT = {
 }
 
 
+def plan_summary() -> dict[str, Any]:
+    """`agora-node plan` for 8b and surrogate-8b: the four-block body stage against the report."""
+    from protocol.run_config import load_run_config
+    from roles.model.traffic_plan import plan_traffic
+
+    out = {}
+    for preset in ("8b", "surrogate-8b"):
+        body = plan_traffic(load_run_config(preset)).stage(1)
+        out[preset] = {"body_stage": 1, "activation_mbit": round(body.activation_mbps, 1),
+                       "bf16_mbit": round(body.total_mbps_bf16, 1), "fp32_mbit": round(body.total_mbps_fp32, 1),
+                       "round_values": body.round_values, "sample_bytes": body.sample_bytes}
+    out["report"] = REPORT["bandwidth_floor_mbit"]
+    return out
+
+
 def play(name: str, overrides: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     from node.netlab.scenario import ScenarioRunner, load_scenario
 
@@ -78,6 +93,8 @@ def _brief(result: dict[str, Any]) -> dict[str, Any]:
         "accounting": result["accounting"],
         "cpu_percent": result.get("cpu_percent"),
         "traffic": result.get("traffic"),
+        "traffic_vs_plan": result.get("traffic_vs_plan"),
+        "never_died": result.get("never_died"),
         "wall_s": result.get("wall_s"),
     }
 
@@ -231,18 +248,22 @@ def main() -> int:
         return 2
     out = Path(args.out or f"/tmp/bench_network-{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)
-    parts = set(args.only.split(","))
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = set(parts) - {"grid", "preempt", "churn"}
+    if unknown:
+        print(f"bench_network: --only {','.join(sorted(unknown))}: parts are grid, preempt, churn", file=sys.stderr)
+        return 2
     report: dict[str, Any] = {"machine": machine_info(), "report": REPORT, "quick": args.quick}
-    from node.netlab.plan_check import plan_summary
-
     report["plan"] = plan_summary()
     started = time.monotonic()
-    if "grid" in parts:
-        report["grid"] = run_grid(out, args.quick)
-    if "preempt" in parts:
-        report["preempt"] = run_preempt(out, args.quick, args.preempt_at_s)
-    if "churn" in parts:
-        report["churn"] = run_churn(out, args.quick, args.churn_s)
+    for part in parts:  # in the order given
+        if part == "grid":
+            report["grid"] = run_grid(out, args.quick)
+        elif part == "preempt":
+            report["preempt"] = run_preempt(out, args.quick, args.preempt_at_s)
+        else:
+            report["churn"] = run_churn(out, args.quick, args.churn_s)
+        (out / "bench_network.partial.json").write_text(json.dumps(report, indent=1, default=str))
     report["wall_s"] = round(time.monotonic() - started, 1)
     report["plots"] = plot(report, out)
     text = json.dumps(report, indent=1, default=str)

@@ -58,11 +58,17 @@ class LabSwarm:
         self.bootstrap: list[str] = []
 
     # -- starting -------------------------------------------------------------------------------
-    def start_authorizer(self, spec: NodeSpec, *, stage_capacity: int, timeout_s: float = 90.0) -> NodeProcess:
+    def start_authorizer(self, spec: NodeSpec, *, stage_capacity: list[int], timeout_s: float = 90.0) -> NodeProcess:
+        """The run's authorizer, placing each worker on the stage it asks for (the scenario's
+        topology), with `stage_capacity` workers per stage at most."""
         address = self.lab.address(spec.name)
+        policy = os.path.join(self.workdir, "policy.yaml")
+        with open(policy, "w") as f:
+            f.write("honor_stage_preference: true\n")
         args = ["--run-config", self.run_config_path, "--data-dir", os.path.join(self.workdir, spec.name),
                 "--host", address, "--port", str(AUTHORIZER_PORT), "--admin-token", self.admin_token,
-                "--stage-capacity", str(stage_capacity), "--credential-ttl-s", "1800", *spec.args]
+                "--policy-file", policy, "--stage-capacity", ",".join(map(str, stage_capacity)),
+                "--credential-ttl-s", "1800", *spec.args]
         if self.monitor:
             args += ["--monitor-host-maddrs", f"/ip4/{address}/tcp/{P2P_PORT}"]
         else:

@@ -230,7 +230,8 @@ class ScenarioRunner:
         self._cpu_seen: dict[str, float] = {}
         self._cpu_total: dict[str, float] = {}
         self._restart_threads: list[threading.Thread] = []
-        self._expected_deaths: dict[str, str] = {}
+        self._expected_deaths: dict[str, tuple[str, Optional[float]]] = {}
+        self._restarts_due: list[tuple[float, str]] = []
         self._trainer_tokens: dict[str, float] = {}
         self.started_at_unix = 0.0
 
@@ -296,10 +297,14 @@ class ScenarioRunner:
     def _play(self, lab) -> dict[str, Any]:
         sc, swarm = self.scenario, self.swarm
         workers = [n for n in sc.nodes if n.role == "worker"]
-        capacity = max([sum(1 for w in workers if w.stage == s) for s in {w.stage for w in workers}] or [1])
+        from protocol.run_config import load_run_config
+
+        num_stages = load_run_config(swarm.run_config_path).num_stages
+        # one spare slot per stage: a restarted node's stale ticket must not keep it out
+        capacity = [sum(1 for w in workers if w.stage == s) + 1 for s in range(num_stages)]
         auth = next(n for n in sc.nodes if n.role == "authorizer")
         self._t0 = time.monotonic()
-        swarm.start_authorizer(NodeSpec(auth.name, "authorizer", args=auth.args), stage_capacity=capacity + 1)
+        swarm.start_authorizer(NodeSpec(auth.name, "authorizer", args=auth.args), stage_capacity=capacity)
         self._note("authorizer ready", url=swarm.authorizer.url)
         # the first worker founds the DHT; the rest join through it (in parallel: admission is the slow part)
         ordered = sorted(workers, key=lambda n: (not n.reducer, n.stage))
@@ -317,7 +322,7 @@ class ScenarioRunner:
         for name, process in list(swarm.processes.items()):
             self._cpu_seen[name] = _group_cpu_s(process.pid)
         pending = sorted(sc.events, key=lambda e: e.at_s)
-        restarts: list[tuple[float, str]] = []
+        restarts = self._restarts_due
         churn_next = sc.churn.start_s if sc.churn else float("inf")
         rng = random.Random(sc.churn.seed if sc.churn else 0)
         next_scrape = 0.0
@@ -330,9 +335,9 @@ class ScenarioRunner:
                     tokens_at_warmup, warm_t = snapshot["tokens"], now
                 next_scrape = now + sc.scrape_every_s
             while pending and pending[0].at_s <= now:
-                restarts += self._apply(pending.pop(0))
+                restarts.extend(self._apply(pending.pop(0)))
             if now >= churn_next:
-                restarts += self._churn(rng)
+                restarts.extend(self._churn(rng))
                 churn_next += sc.churn.every_s
             for due, name in [r for r in restarts if r[0] <= now]:
                 restarts.remove((due, name))
@@ -349,6 +354,7 @@ class ScenarioRunner:
         self._collect_cpu()
         return {"started_at_unix": self.started_at_unix, "measured_s": round(measured_s, 2), "tokens_per_s": round(tokens / max(measured_s, 1e-9), 2),
                 "restarts": self.restarts, "deaths": self.deaths, "scrapes": self.scrapes,
+                "never_died": sorted(self._expected_deaths),
                 "cpu_percent": {name: round(100 * s / max(self._now(), 1e-9), 1) for name, s in self._cpu_total.items()}}
 
     # -- events -----------------------------------------------------------------------------------
@@ -357,14 +363,16 @@ class ScenarioRunner:
         for host, link in (event.link or {}).items():
             self.scenario_link_change(host, link)
         if event.preempt:
-            self._preempt(event.preempt, event.moment)
+            # the orders take seconds to write, and the nodes die at their moment: watched by the main loop
+            threading.Thread(target=self._preempt, args=(event.preempt, event.moment, event.restart_after_s),
+                             name="preempt", daemon=True).start()
         for name in event.kill:
             self._collect_cpu(name)
             self.swarm.kill(name)
             self.deaths.append({"node": name, "t_s": round(self._now(), 2), "how": "sigkill"})
             self._note("killed", node=name)
         if event.restart_after_s is not None:
-            for name in [*event.preempt, *event.kill]:
+            for name in event.kill:
                 restarts.append((self._now() + event.restart_after_s, name))
         return restarts
 
@@ -372,9 +380,11 @@ class ScenarioRunner:
         self.swarm.lab.set_link(host, up_mbit=link.up_mbit, down_mbit=link.down_mbit, rtt_ms=link.rtt_ms)
         self._note("link changed", host=host, **link.model_dump())
 
-    def _preempt(self, names: list[str], moment: str) -> None:
-        """Send each node an operator preempt order with the real CLI, from the controller."""
+    def _preempt(self, names: list[str], moment: str, restart_after_s: Optional[float]) -> None:
+        """Send each node an operator preempt order with the real CLI, from the controller, all at
+        once (each CLI joins the run as a temporary node, which takes seconds)."""
         swarm = self.swarm
+        running = []
         for name in names:
             node = swarm.processes[name]
             argv = [sys.executable, "-m", "node.cli", "preempt", "--authorizer", swarm.authorizer.url,
@@ -383,20 +393,30 @@ class ScenarioRunner:
                     "--host-maddrs", f"/ip4/{swarm.lab.address('controller')}/tcp/0"]
             if swarm.bootstrap:
                 argv += ["--initial-peers", *swarm.bootstrap]
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-            self._note("preempt order sent", node=name, moment=moment, exit=done.returncode,
-                       said=(done.stdout or done.stderr).strip().splitlines()[-1:] or "")
-            self._watch_for_death(name, "preempted")
+            running.append((name, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+            self._watch_for_death(name, "preempted", restart_after_s)
+        for name, proc in running:
+            try:
+                out, err = proc.communicate(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            self._note("preempt order sent", node=name, moment=moment, exit=proc.returncode,
+                       said=(out or err).strip().splitlines()[-1:] or "")
 
-    def _watch_for_death(self, name: str, how: str) -> None:
+    def _watch_for_death(self, name: str, how: str, restart_after_s: Optional[float]) -> None:
         with self._lock:
-            self._expected_deaths[name] = how
+            self._expected_deaths[name] = (how, restart_after_s)
 
     def _check_deaths(self) -> None:
-        expected = self._expected_deaths
-        for name, how in list(expected.items()):
+        with self._lock:
+            expected = dict(self._expected_deaths)
+        for name, (how, restart_after_s) in expected.items():
             if not self.swarm.alive(name):
-                del expected[name]
+                with self._lock:
+                    del self._expected_deaths[name]
+                if restart_after_s is not None:
+                    self._restarts_due.append((self._now() + restart_after_s, name))
                 self._collect_cpu(name)
                 code = self.swarm.processes[name].proc.returncode
                 self.deaths.append({"node": name, "t_s": round(self._now(), 2), "how": how, "exit": code})

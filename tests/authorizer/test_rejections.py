@@ -112,6 +112,19 @@ def test_placement_fills_the_stage_furthest_below_target(http):
     assert stages[0] == 1 and sorted(stages) == [0, 1, 1] or sorted(stages) == [1, 1, 2]
 
 
+def test_a_stage_preference_counts_only_when_the_policy_honours_it(http):
+    no_reachability(http)
+    run = http.get("/v1/run").json()
+    occupied = [s["admitted"] + s["queued"] for s in run["stages"]]
+    set_policy(http, stage_target=[occupied[0] + 1, occupied[1] + 3, occupied[2] + 1],
+               stage_capacity=[occupied[0] + 1, occupied[1] + 3, occupied[2] + 1])
+    assert join(http, preferred_stage=2)["stage"] == 1  # ignored: stage 1 is furthest below its target
+    set_policy(http, honor_stage_preference=True)
+    assert join(http, preferred_stage=2)["stage"] == 2
+    assert join(http, preferred_stage=2)["stage"] != 2  # stage 2 is full now: placed by deficit instead
+    assert join(http, preferred_stage=0)["stage"] == 0
+
+
 # -- integrity ---------------------------------------------------------------------------------
 
 def test_integrity(http):
