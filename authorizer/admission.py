@@ -91,6 +91,19 @@ def check_floor(floor: HardwareFloor, hw: HardwareClaim, what: str) -> Optional[
     return None
 
 
+def stage_floor(run: RunConfig, policy: Policy, index: int) -> HardwareFloor:
+    """The policy's floor for the stage's kind, its bandwidth raised to the run's bandwidth plan for
+    the stage when `policy.bandwidth_floor_from_plan` says so [report 3.5.2.1]."""
+    floor = policy.floor(run.stage_kind(index))
+    if policy.bandwidth_floor_from_plan == "off":
+        return floor
+    from roles.model.traffic_plan import plan_traffic  # arithmetic on the run config, no torch
+
+    stage = plan_traffic(run, stages=[index]).stage(index)
+    planned = stage.total_mbps_bf16 if policy.bandwidth_floor_from_plan == "bf16" else stage.total_mbps_fp32
+    return floor.model_copy(update={"min_bandwidth_mbps": max(floor.min_bandwidth_mbps, round(planned, 1))})
+
+
 def check_capability(
     run: RunConfig, policy: Policy, role: str, hw: HardwareClaim
 ) -> tuple[list[int], Optional[Rejection]]:
@@ -113,11 +126,11 @@ def check_capability(
     fitting, failures = [], []
     for index in stages:
         kind = run.stage_kind(index)
-        failure = check_floor(policy.floor(kind), hw, f"stage {index} ({kind})")
+        floor = stage_floor(run, policy, index)
+        failure = check_floor(floor, hw, f"stage {index} ({kind})")
         if failure is None:
             fitting.append(index)
         else:
-            floor = policy.floor(kind)
             failures.append(((floor.min_vram_bytes + floor.min_ram_bytes, floor.min_bandwidth_mbps), failure))
     if fitting:
         return fitting, None

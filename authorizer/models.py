@@ -103,6 +103,7 @@ class PolicyUpdate(BaseModel):
     queue_idle_timeout_s: Optional[float] = Field(default=None, ge=1, le=86400)
     dial_private_addresses: Optional[bool] = None
     honor_stage_preference: Optional[bool] = None
+    bandwidth_floor_from_plan: Optional[Literal["off", "bf16", "fp32"]] = None
 
     def changes(self) -> dict:
         return {k: v for k, v in self.model_dump(exclude_unset=True).items() if v is not None or k == "stage_target"}

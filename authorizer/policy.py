@@ -99,6 +99,11 @@ class Policy(BaseModel):
     dial_private_addresses: bool = Field(
         default=True, description="reachability may dial loopback/private addresses (turn off for public runs)"
     )
+    bandwidth_floor_from_plan: Literal["off", "bf16", "fp32"] = Field(
+        default="off", description="raise each stage's bandwidth floor to the run's bandwidth plan for it "
+                                   "(agora-node plan: activations plus the averaging burst, with averaging in "
+                                   "this dtype; our averager sends fp32)"
+    )
     honor_stage_preference: bool = Field(
         default=False, description="place a worker on the stage it asks for (--stage) when it may serve it and "
                                    "the stage has room, instead of the stage furthest below its target (the run "

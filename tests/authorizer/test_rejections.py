@@ -87,6 +87,23 @@ def test_accelerator_allow_list(http):
     assert join(http, device_name="NVIDIA H100 80GB HBM3")["status"] in ("queued", "admitted")
 
 
+def test_bandwidth_floor_from_the_runs_plan(http):
+    from protocol.run_config import load_run_config
+    from roles.model.traffic_plan import plan_traffic
+
+    no_reachability(http)
+    run = load_run_config("tiny")  # the module's authorizer serves the tiny preset
+    floors = [round(s.total_mbps_fp32, 1) for s in plan_traffic(run).stages]
+    slow = min(floors) * 0.9
+    assert join(http, bandwidth_mbps=slow)["status"] in ("queued", "admitted")  # off: no bandwidth floor
+    set_policy(http, bandwidth_floor_from_plan="fp32")
+    ticket = rejected(join(http, bandwidth_mbps=slow), "insufficient_bandwidth", "Mbit/s")
+    assert f"{min(floors):g} Mbit/s" in ticket["rejection"]["message"]
+    just_enough = join(http, bandwidth_mbps=min(floors))
+    assert just_enough["status"] in ("queued", "admitted")
+    assert floors[just_enough["stage"]] == min(floors)  # only the stages whose plan it meets
+
+
 def test_heavier_stages_only_to_nodes_meeting_their_floor(http):
     no_reachability(http)
     set_policy(http, floors={"head": {"min_vram_bytes": 20 * GIB}, "body": {"min_vram_bytes": 4 * GIB},
