@@ -61,8 +61,9 @@ def config_from_args(args: argparse.Namespace):
 
 
 @dataclass(frozen=True)
-class _TrustSettings:
-    """What node.trust.establish_trust reads of a node's settings, for a monitor."""
+class MonitorTrustSettings:
+    """What node.trust.establish_trust reads of a node's settings, for a monitor (and for the
+    temporary node `agora-node preempt` admits with the admin token)."""
 
     authorizer: list[str]
     account_token: str
@@ -122,7 +123,7 @@ async def _run(config, life) -> int:
     identity = load_or_create_identity(config.identity)
     if config.identity is None:
         life.remove_on_exit(identity.path)
-    settings = _TrustSettings(authorizer=list(config.authorizer), account_token=config.account_token.get_secret_value(),
+    settings = MonitorTrustSettings(authorizer=list(config.authorizer), account_token=config.account_token.get_secret_value(),
                               admission_timeout_s=config.admission_timeout_s,
                               revocation_refresh_s=config.revocation_refresh_s, initial_peers=list(config.initial_peers),
                               host_maddrs=list(config.host_maddrs), announce_maddrs=list(config.announce_maddrs))

@@ -144,7 +144,7 @@ def preempt_main(argv: list[str]) -> int:
 
 async def _write(args: argparse.Namespace, out: PreemptOrderOut, life) -> int:
     from node.lifecycle import reap_children
-    from node.monitor_cli import _TrustSettings
+    from node.monitor_cli import MonitorTrustSettings
     from node.swarm import join_swarm_until_stopped
     from node.trust import establish_trust
     from protocol.identity import load_or_create_identity
@@ -154,7 +154,7 @@ async def _write(args: argparse.Namespace, out: PreemptOrderOut, life) -> int:
     unregister = life.on_stop(lambda: loop.call_soon_threadsafe(stop.set))
     identity = load_or_create_identity(None)
     life.remove_on_exit(identity.path)
-    settings = _TrustSettings(authorizer=[args.authorizer], account_token=args.admin_token,
+    settings = MonitorTrustSettings(authorizer=[args.authorizer], account_token=args.admin_token,
                               admission_timeout_s=args.timeout_s, revocation_refresh_s=3600.0,
                               initial_peers=list(args.initial_peers), host_maddrs=list(args.host_maddrs))
     trust = membership = None
