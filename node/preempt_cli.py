@@ -1,4 +1,4 @@
-"""`agora-node preempt`: order one peer to preempt itself, from outside the run [report 3.5.3.1].
+"""`agora-node preempt`: order peers to preempt themselves, from outside the run [report 3.5.3.1].
 
 The operator's failure injection, as the report describes it: a temporary node attaches to the
 run's DHT and writes the signal. Here the run's authorizer signs the order with the root key
@@ -9,8 +9,8 @@ worker reads it within a couple of seconds and dies at the named moment (roles/w
 with --wait-s this command waits until the target's worker record is gone from the DHT (the
 record outlives a killed worker by up to three announce periods).
 
-Output: one line `preempt order_id=<id> peer=<peer> at=<moment> expires_in_s=<n>` once the order
-is stored, and with --wait-s a second one, `gone peer=<peer> after_s=<n>`. Every failure is one
+Output: one line `preempt order_id=<id> peer=<peer> at=<moment> expires_in_s=<n>` per order once
+it is stored, and with --wait-s one `gone peer=<peer> after_s=<n>` per target. Every failure is one
 line on stderr and an exit code from protocol/exit_codes.py: 2 bad flags, authorizer or DHT
 unreachable, admin token refused; 4 the authorizer refused the temporary node; 7 --wait-s ran out
 with the target still announced; 1 the authorizer failed.
@@ -33,7 +33,7 @@ from protocol.exit_codes import ExitCode
 
 PROG = "agora-node preempt"
 USAGE = """
-  agora-node preempt --authorizer URL --admin-token TOKEN --peer PEER_ID --at MOMENT
+  agora-node preempt --authorizer URL --admin-token TOKEN --peer PEER_ID [PEER_ID ...] --at MOMENT
                      [--initial-peers MADDR ...] [--ttl-s N] [--wait-s N]"""
 STORE_RETRY_S = 0.5
 
@@ -63,8 +63,9 @@ def preempt_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--authorizer", required=True, metavar="URL", help="the run's authorizer, e.g. http://host:8000")
     p.add_argument("--admin-token", required=True, metavar="TOKEN", help="the run owner's admin token")
-    p.add_argument("--peer", required=True, metavar="PEER_ID",
-                   help="the target's base58 peer id (peer= in its readiness line, or /v1/admin/participants)")
+    p.add_argument("--peer", required=True, nargs="+", metavar="PEER_ID",
+                   help="the targets' base58 peer ids (peer= in a node's readiness line, or /v1/admin/participants); "
+                        "several are ordered at once, from one temporary node")
     p.add_argument("--at", required=True, choices=[m.value for m in PreemptMoment], metavar="MOMENT",
                    help="when it dies: " + ", ".join(m.value for m in PreemptMoment))
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
@@ -132,8 +133,9 @@ def preempt_main(argv: list[str]) -> int:
     logging.getLogger("hivemind").setLevel(logging.CRITICAL)  # its retries are not the operator's business
     try:
         _check(args)
-        order = request_order(args.authorizer, args.admin_token, args.peer, args.at, args.ttl_s, args.timeout_s)
-        return asyncio.run(_write(args, order, life))
+        orders = [request_order(args.authorizer, args.admin_token, peer, args.at, args.ttl_s, args.timeout_s)
+                  for peer in dict.fromkeys(args.peer)]
+        return asyncio.run(_write(args, orders, life))
     except (ConfigError, AgoraError) as exc:
         code = ExitCode.USAGE if isinstance(exc, ConfigError) else getattr(exc, "exit_code", ExitCode.FAILURE)
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
@@ -142,7 +144,7 @@ def preempt_main(argv: list[str]) -> int:
         return ExitCode.INTERRUPTED
 
 
-async def _write(args: argparse.Namespace, out: PreemptOrderOut, life) -> int:
+async def _write(args: argparse.Namespace, orders: list[PreemptOrderOut], life) -> int:
     from node.lifecycle import reap_children
     from node.monitor_cli import MonitorTrustSettings
     from node.swarm import join_swarm_until_stopped
@@ -168,11 +170,15 @@ async def _write(args: argparse.Namespace, out: PreemptOrderOut, life) -> int:
             bootstrap_timeout_s=args.timeout_s, stop=stop, client_mode=True, auth_state=trust.auth_state,
             authorizer=trust.dht_authorizer)
         life.note_resources()
-        await _store(membership.dht, out, stop, args.timeout_s)
-        print(f"preempt order_id={out.order_id} peer={out.peer_id} at={out.moment.value} "
-              f"expires_in_s={max(0, out.expires_at - time.time()):.0f}", flush=True)
+        for out in orders:
+            await _store(membership.dht, out, stop, args.timeout_s)
+            print(f"preempt order_id={out.order_id} peer={out.peer_id} at={out.moment.value} "
+                  f"expires_in_s={max(0, out.expires_at - time.time()):.0f}", flush=True)
         if args.wait_s > 0:
-            await _wait_gone(membership.dht, identity, out, trust.run.num_stages, args.wait_s, stop)
+            deadline = time.monotonic() + args.wait_s
+            for out in orders:
+                await _wait_gone(membership.dht, identity, out, trust.run.num_stages,
+                                 max(0.0, deadline - time.monotonic()), stop)
         return ExitCode.OK
     finally:
         unregister()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -129,7 +130,6 @@ def run_preempt(out: Path, quick: bool, at_s: float) -> list[dict[str, Any]]:
         result = play("bench-preempt", {"events": [{"at_s": at_s, **event}]}, out / f"preempt-{slug}")
         preempted = set(event["preempt"])
         deaths = [d for d in result["deaths"] if d["node"] in preempted]
-        when = {d["node"]: d["t_s"] for d in deaths}
         rows.append({"case": label, "preempted": sorted(preempted), "died": deaths,
                      "survivors": _rounds_around(result, at_s), **_brief(result)})
     return rows
@@ -241,8 +241,13 @@ def main() -> int:
     parser.add_argument("--only", default="grid,preempt,churn", help="comma-separated parts to run")
     parser.add_argument("--quick", action="store_true", help="one grid point, one preemption case, a short churn")
     parser.add_argument("--churn-s", type=float, default=300.0, help="seconds of each churn run (default 300)")
-    parser.add_argument("--preempt-at-s", type=float, default=45.0, help="when the preemption orders are sent")
+    parser.add_argument("--preempt-at-s", type=float, default=40.0, help="when the preemption orders are sent")
     args = parser.parse_args()
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, interrupted)  # the labs' context managers tear everything down
     if os.geteuid() != 0:
         print("bench_network: the network lab needs root (namespaces, TUN devices)", file=sys.stderr)
         return 2
@@ -256,6 +261,21 @@ def main() -> int:
     report: dict[str, Any] = {"machine": machine_info(), "report": REPORT, "quick": args.quick}
     report["plan"] = plan_summary()
     started = time.monotonic()
+    try:
+        run_parts(parts, report, out, args)
+    except KeyboardInterrupt:
+        print("bench_network: interrupted; every lab torn down (partial results in "
+              f"{out / 'bench_network.partial.json'})", file=sys.stderr)
+        return 130
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    report["plots"] = plot(report, out)
+    text = json.dumps(report, indent=1, default=str)
+    (out / "bench_network.json").write_text(text)
+    print(text)
+    return 0
+
+
+def run_parts(parts: list[str], report: dict[str, Any], out: Path, args: argparse.Namespace) -> None:
     for part in parts:  # in the order given
         if part == "grid":
             report["grid"] = run_grid(out, args.quick)
@@ -264,12 +284,6 @@ def main() -> int:
         else:
             report["churn"] = run_churn(out, args.quick, args.churn_s)
         (out / "bench_network.partial.json").write_text(json.dumps(report, indent=1, default=str))
-    report["wall_s"] = round(time.monotonic() - started, 1)
-    report["plots"] = plot(report, out)
-    text = json.dumps(report, indent=1, default=str)
-    (out / "bench_network.json").write_text(text)
-    print(text)
-    return 0
 
 
 if __name__ == "__main__":

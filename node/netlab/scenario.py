@@ -102,6 +102,7 @@ class Scenario(BaseModel):
     events: list[EventModel] = Field(default_factory=list)
     churn: Optional[ChurnModel] = None
     torch_threads: int = Field(default=1, ge=1)
+    announce_period_s: float = Field(default=3.0, gt=0, description="--announce-period-s of every node")
 
     @model_validator(mode="after")
     def _check(self) -> "Scenario":
@@ -274,7 +275,8 @@ class ScenarioRunner:
                 self.say(f"link {link['a']}->{link['b']}: rtt {link['rtt_ms']:.1f} ms (nominal "
                          f"{link['nominal_rtt_ms']}), {link['throughput_mbit']:.1f} Mbit/s (nominal {link['nominal_mbit']})")
             counters_before = lab.counters()
-            self.swarm = LabSwarm(lab, self.out_dir, run_config_path, torch_threads=sc.torch_threads)
+            self.swarm = LabSwarm(lab, self.out_dir, run_config_path, torch_threads=sc.torch_threads,
+                                  announce_period_s=sc.announce_period_s)
             try:
                 result.update(self._play(lab))
             except BaseException:
@@ -384,25 +386,24 @@ class ScenarioRunner:
         """Send each node an operator preempt order with the real CLI, from the controller, all at
         once (each CLI joins the run as a temporary node, which takes seconds)."""
         swarm = self.swarm
-        running = []
+        peers = [swarm.processes[name].peer_id for name in names]
+        argv = [sys.executable, "-m", "node.cli", "preempt", "--authorizer", swarm.authorizer.url,
+                "--admin-token", swarm.admin_token, "--peer", *peers, "--at", moment, "--timeout-s", "120",
+                # the orders' writer joins the DHT from the controller, which the lab routes to every host
+                "--host-maddrs", f"/ip4/{swarm.lab.address('controller')}/tcp/0"]
+        if swarm.bootstrap:
+            argv += ["--initial-peers", *swarm.bootstrap]
         for name in names:
-            node = swarm.processes[name]
-            argv = [sys.executable, "-m", "node.cli", "preempt", "--authorizer", swarm.authorizer.url,
-                    "--admin-token", swarm.admin_token, "--peer", node.peer_id, "--at", moment,
-                    # the order's writer joins the DHT from the controller, which the lab routes to every host
-                    "--host-maddrs", f"/ip4/{swarm.lab.address('controller')}/tcp/0"]
-            if swarm.bootstrap:
-                argv += ["--initial-peers", *swarm.bootstrap]
-            running.append((name, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
             self._watch_for_death(name, "preempted", restart_after_s)
-        for name, proc in running:
-            try:
-                out, err = proc.communicate(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-            self._note("preempt order sent", node=name, moment=moment, exit=proc.returncode,
-                       said=(out or err).strip().splitlines()[-1:] or "")
+        sent = self._now()
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        self._note("preempt orders written", nodes=",".join(names), moment=moment, exit=proc.returncode,
+                   took_s=round(self._now() - sent, 1), said=(out or err).strip().splitlines()[-1:] or "")
 
     def _watch_for_death(self, name: str, how: str, restart_after_s: Optional[float]) -> None:
         with self._lock:
