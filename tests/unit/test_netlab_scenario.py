@@ -1,0 +1,122 @@
+"""Scenario files and the arithmetic of a scenario's result: what a bad file says, how links and
+overrides resolve, how samples and averaging rounds are tallied, and what the plan predicts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from node.netlab.scenario import LinkModel, _accounting, _averaging, load_scenario, merged
+from node.netlab.traffic_check import predicted_bytes
+from protocol.errors import ConfigError
+from protocol.run_config import load_run_config
+from roles.model.traffic_plan import plan_traffic
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCENARIOS = os.path.join(ROOT, "scenarios")
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(SCENARIOS) if f.endswith(".yaml")))
+def test_every_shipped_scenario_loads_and_its_run_config_validates(name):
+    scenario, base = load_scenario(os.path.join(SCENARIOS, name))
+    run = load_run_config(scenario.run.config, scenario.run.overrides)
+    for node in scenario.nodes:
+        if node.role == "worker":
+            assert node.stage < run.num_stages, f"{name}: {node.name} on stage {node.stage} of {run.num_stages}"
+    for stage in range(run.num_stages):
+        assert any(n.role == "worker" and n.stage == stage for n in scenario.nodes), f"{name}: stage {stage} empty"
+
+
+def _write(tmp_path, text: str) -> str:
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+BASE = """
+name: t
+run: {config: tiny}
+duration_s: 10
+nodes:
+  - {name: auth, role: authorizer}
+  - {name: w0, role: worker, stage: 0}
+"""
+
+
+@pytest.mark.parametrize("extra, phrase", [
+    ("  - {name: w0, role: worker, stage: 1}\n", "unique"),
+    ("  - {name: w1, role: worker}\n", "needs a stage"),
+    ("  - {name: a2, role: authorizer}\n", "exactly one authorizer"),
+    ("  - {name: w1, role: worker, stage: 0, link: nowhere}\n", "links does not define"),
+    ("  - {name: W_1, role: worker, stage: 0}\n", "name"),
+])
+def test_bad_scenarios_are_one_line_errors(tmp_path, extra, phrase):
+    with pytest.raises(ConfigError) as raised:
+        load_scenario(_write(tmp_path, BASE + extra))
+    assert phrase in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_an_event_naming_an_unknown_node_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="unknown node ghost"):
+        load_scenario(_write(tmp_path, BASE + "events:\n  - {at_s: 1, kill: [ghost]}\n"))
+
+
+def test_links_resolve_by_name_then_role_then_unshaped(tmp_path):
+    text = BASE + "  - {name: w1, role: worker, stage: 0, link: slow}\n  - {name: t0, role: trainer}\n" + \
+        "links:\n  slow: {up_mbit: 50, rtt_ms: 100}\n  worker: {rtt_ms: 20}\n"
+    scenario, _ = load_scenario(_write(tmp_path, text))
+    by_name = {n.name: scenario.link_of(n) for n in scenario.nodes}
+    assert by_name["w1"] == LinkModel(up_mbit=50, rtt_ms=100)
+    assert by_name["w0"] == LinkModel(rtt_ms=20)
+    assert by_name["t0"] == LinkModel()
+
+
+def test_overrides_merge_nested_and_dotted_keys():
+    base = {"links": {"c": {"rtt_ms": 1, "up_mbit": 5}}, "duration_s": 10}
+    out = merged(base, {"links.c.rtt_ms": 80, "duration_s": 20})
+    assert out == {"links": {"c": {"rtt_ms": 80, "up_mbit": 5}}, "duration_s": 20}
+    assert base["links"]["c"]["rtt_ms"] == 1  # the base is not changed
+
+
+def test_accounting_sums_every_trainer_incarnation_and_finds_the_unaccounted():
+    summaries = [
+        {"name": "t0", "role": "trainer", "summary": {"samples_started": 10, "samples_completed": 7,
+                                                     "samples_dropped": 2, "samples_in_flight": 0,
+                                                     "dropped_by_reason": {"no_workers": 2}}},
+        {"name": "t0.1", "role": "trainer", "summary": {"samples_started": 5, "samples_completed": 5,
+                                                       "samples_dropped": 0, "samples_in_flight": 0}},
+        {"name": "t1", "role": "trainer", "summary": None},
+        {"name": "w0", "role": "worker", "summary": {"samples_started": 99}},
+    ]
+    totals = _accounting(summaries)
+    assert totals["samples_started"] == 15 and totals["samples_completed"] == 12
+    assert totals["unaccounted"] == 1 and totals["trainers_without_summary"] == 1
+    assert totals["dropped_by_reason"] == {"no_workers": 2}
+
+
+def test_averaging_counts_a_round_below_full_completeness_as_failed():
+    def rounds(*values):
+        return [{"status": s, "averaging_success": a, "duration_s": d} for s, a, d in values]
+
+    summaries = [{"name": "w0", "stage": 1, "summary": {"averaging": {"rounds": rounds(
+        ("complete", 1.0, 2.0), ("partial", 0.9, 4.0), ("failed", None, 6.0), ("skipped", None, 0.0))}}}]
+    result = _averaging(summaries, [])
+    assert result["rounds"] == 3  # skipped rounds did not run
+    assert result["failed_pct"] == pytest.approx(66.67)
+    assert result["completeness_mean"] == pytest.approx((1.0 + 0.9 + 0.0) / 3, abs=1e-4)
+    assert result["duration_mean_s"] == 4.0
+
+
+def test_the_plan_predicts_pipeline_and_averaging_bytes_by_role():
+    body = plan_traffic(load_run_config("surrogate-8b")).stage(1)
+    counters = {"forward_requests": 10, "backward_requests": 10}
+    one_round = [{"status": "complete", "group_size": 4}]
+    contributor = predicted_bytes(body, counters, one_round, reducer=False, reducers=2)
+    assert contributor["sent"] == 10 * (body.forward_bytes_out + body.backward_bytes_out) + body.round_bytes(4)
+    reducer = predicted_bytes(body, counters, one_round, reducer=True, reducers=2)
+    # half the buffer to the other reducer, then its reduced half back to the three others
+    assert reducer["sent"] - 10 * (body.forward_bytes_out + body.backward_bytes_out) == \
+        round(body.round_bytes(4) / 2 + body.round_bytes(4) * 3 / 2)
+    failed = predicted_bytes(body, {}, [{"status": "failed", "group_size": 4}], reducer=True, reducers=2)
+    assert failed == {"sent": 0, "received": 0}
