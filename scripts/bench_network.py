@@ -130,14 +130,15 @@ def run_preempt(out: Path, quick: bool, at_s: float) -> list[dict[str, Any]]:
         result = play("bench-preempt", {"events": [{"at_s": at_s, **event}]}, out / f"preempt-{slug}")
         preempted = set(event["preempt"])
         deaths = [d for d in result["deaths"] if d["node"] in preempted]
+        died_at = min((d["t_s"] for d in deaths), default=at_s)
         rows.append({"case": label, "preempted": sorted(preempted), "died": deaths,
-                     "survivors": _rounds_around(result, at_s), **_brief(result)})
+                     "survivors": _rounds_around(result, died_at), **_brief(result)})
     return rows
 
 
 def _rounds_around(result: dict[str, Any], at_s: float) -> dict[str, Any]:
-    """Completeness the survivors saw in the first round that ended after the preemption, and in
-    the rounds after it."""
+    """Completeness the survivors saw in the first round that ended after the first victim died
+    (`at_s` after the trainers started), and in the rounds after it."""
     start = result.get("started_at_unix")
     rounds = sorted(result["averaging"]["detail"], key=lambda r: r.get("finished_at") or 0)
     if start is None:
