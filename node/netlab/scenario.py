@@ -103,6 +103,7 @@ class Scenario(BaseModel):
     churn: Optional[ChurnModel] = None
     torch_threads: int = Field(default=1, ge=1)
     announce_period_s: float = Field(default=3.0, gt=0, description="--announce-period-s of every node")
+    subnet: str = Field(default="10.77.0.0/16", description="the lab's addresses (two labs at once need two)")
 
     @model_validator(mode="after")
     def _check(self) -> "Scenario":
@@ -266,7 +267,7 @@ class ScenarioRunner:
                  for node in sc.nodes]
         run_config_path = self._run_config()
         result: dict[str, Any] = {"scenario": sc.name, "nodes": [n.model_dump() for n in sc.nodes]}
-        with Lab(hosts) as lab:
+        with Lab(hosts, subnet=sc.subnet) as lab:
             self.say(f"lab up: {len(hosts)} hosts (lab {lab.lab_id})")
             result["lab_id"] = lab.lab_id
             result["links"] = [{"a": a, "b": b, **lab.measure(a, b, seconds=sc.measure_seconds)}

@@ -30,7 +30,7 @@ def test_smoke_scenario_is_shaped_survives_a_preemption_and_leaves_nothing(tmp_p
     from node.netlab.cleanup import list_netns, list_root_devices, switch_processes
     from node.netlab.plan import PREFIX, lab_id_of
 
-    scenario, base = load_scenario(SMOKE)
+    scenario, base = load_scenario(SMOKE, {"subnet": "10.171.0.0/16"})  # beside a lab someone runs on 10.77
     result = ScenarioRunner(scenario, base, str(tmp_path / "out")).run()
 
     link = result["links"][0]
