@@ -151,24 +151,31 @@ class StageModel(nn.Module):
         return compress(hidden, tokens, self.fixed_embedding, self.basis)
 
     def _check_inputs(self, coords: Tensor | None, tokens: Tensor) -> None:
-        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(
-                f"tokens must be an int64 [B, T] tensor, got {tokens.dtype} {tuple(tokens.shape)}"
-            )
-        batch, seq_len = tokens.shape
-        if not 0 < seq_len <= self.max_seq_len or (self.kind == "tail" and seq_len < 2):
-            raise ValueError(
-                f"sequence length {seq_len} is outside 1..{self.max_seq_len} "
-                f"(the tail needs at least 2 tokens)"
-            )
-        if self.kind == "head":
-            if coords is not None:
-                raise ValueError("the head stage embeds tokens itself; pass coords=None")
-            return
-        expected = (batch, seq_len, self.subspace_rank)
-        if coords is None or tuple(coords.shape) != expected:
-            got = None if coords is None else tuple(coords.shape)
-            raise ValueError(f"{self.kind} stage expects coords of shape {expected}, got {got}")
+        check_stage_inputs(self.kind, coords, tokens, max_seq_len=self.max_seq_len, subspace_rank=self.subspace_rank)
+
+
+def check_stage_inputs(kind: str, coords: Tensor | None, tokens: Tensor, *, max_seq_len: int,
+                       subspace_rank: int) -> None:
+    """What every stage's `forward` accepts (a transformer's or a surrogate's): ValueError naming
+    the problem otherwise."""
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"tokens must be an int64 [B, T] tensor, got {tokens.dtype} {tuple(tokens.shape)}"
+        )
+    batch, seq_len = tokens.shape
+    if not 0 < seq_len <= max_seq_len or (kind == "tail" and seq_len < 2):
+        raise ValueError(
+            f"sequence length {seq_len} is outside 1..{max_seq_len} "
+            f"(the tail needs at least 2 tokens)"
+        )
+    if kind == "head":
+        if coords is not None:
+            raise ValueError("the head stage embeds tokens itself; pass coords=None")
+        return
+    expected = (batch, seq_len, subspace_rank)
+    if coords is None or tuple(coords.shape) != expected:
+        got = None if coords is None else tuple(coords.shape)
+        raise ValueError(f"{kind} stage expects coords of shape {expected}, got {got}")
 
 
 def build_stage_model(run: RunConfig, stage_index: int, device: torch.device | str = "cpu") -> nn.Module:

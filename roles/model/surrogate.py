@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from protocol.run_config import RunConfig
+from roles.model.stage import check_stage_inputs
 from roles.model.surrogate_sizes import surrogate_payload_count
 
 _INIT_STD = 0.02
@@ -126,17 +127,4 @@ class SurrogateStage(nn.Module):
         return hidden.float()
 
     def _check_inputs(self, coords: Tensor | None, tokens: Tensor) -> None:
-        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"tokens must be an int64 [B, T] tensor, got {tokens.dtype} {tuple(tokens.shape)}")
-        batch, seq_len = tokens.shape
-        if not 0 < seq_len <= self.max_seq_len or (self.kind == "tail" and seq_len < 2):
-            raise ValueError(f"sequence length {seq_len} is outside 1..{self.max_seq_len} "
-                             f"(the tail needs at least 2 tokens)")
-        if self.kind == "head":
-            if coords is not None:
-                raise ValueError("the head stage embeds tokens itself; pass coords=None")
-            return
-        expected = (batch, seq_len, self.subspace_rank)
-        if coords is None or tuple(coords.shape) != expected:
-            got = None if coords is None else tuple(coords.shape)
-            raise ValueError(f"{self.kind} stage expects coords of shape {expected}, got {got}")
+        check_stage_inputs(self.kind, coords, tokens, max_seq_len=self.max_seq_len, subspace_rank=self.subspace_rank)
