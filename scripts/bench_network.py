@@ -70,9 +70,23 @@ def plan_summary() -> dict[str, Any]:
     return out
 
 
-def play(name: str, overrides: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    from node.netlab.scenario import ScenarioRunner, load_scenario
+REUSE = False
+"""--reuse: a scenario whose directory already holds a result.json is re-read, not played again
+(its tallies are recomputed from the nodes' summaries, so a change to the analysis applies)."""
 
+
+def play(name: str, overrides: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    from node.netlab.scenario import ScenarioRunner, _accounting, _averaging, load_scenario
+    from node.netlab.traffic_check import traffic_vs_plan
+
+    saved = out_dir / "result.json"
+    if REUSE and saved.exists():
+        log(f"  reusing {saved}")
+        result = json.loads(saved.read_text())
+        result["accounting"] = _accounting(result["summaries"])
+        result["averaging"] = _averaging(result["summaries"], result.get("deaths", []))
+        result["traffic_vs_plan"] = traffic_vs_plan(result, str(out_dir / "run.yaml"))
+        return result
     scenario, base = load_scenario(str(SCENARIOS / f"{name}.yaml"), overrides)
     started = time.monotonic()
     result = ScenarioRunner(scenario, base, str(out_dir), say=lambda line: log(f"  {line}")).run()
@@ -89,6 +103,9 @@ def _brief(result: dict[str, Any]) -> dict[str, Any]:
         "failed_rounds_pct": averaging["failed_pct"],
         "completeness_pct": None if averaging["completeness_mean"] is None else round(100 * averaging["completeness_mean"], 2),
         "completeness_min_pct": None if averaging["completeness_min"] is None else round(100 * averaging["completeness_min"], 2),
+        "completeness_all_rounds_pct": None if averaging["completeness_mean_all"] is None
+        else round(100 * averaging["completeness_mean_all"], 2),
+        "rounds_without_group": averaging["no_group"],
         "round_duration_mean_s": averaging["duration_mean_s"],
         "links": result.get("links"),
         "accounting": result["accounting"],
@@ -242,8 +259,12 @@ def main() -> int:
     parser.add_argument("--only", default="grid,preempt,churn", help="comma-separated parts to run")
     parser.add_argument("--quick", action="store_true", help="one grid point, one preemption case, a short churn")
     parser.add_argument("--churn-s", type=float, default=300.0, help="seconds of each churn run (default 300)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="re-read the scenarios already played in --out instead of playing them again")
     parser.add_argument("--preempt-at-s", type=float, default=40.0, help="when the preemption orders are sent")
     args = parser.parse_args()
+    global REUSE
+    REUSE = args.reuse
 
     def interrupted(signum, frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)

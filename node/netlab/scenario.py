@@ -545,8 +545,11 @@ def _accounting(summaries: list[dict]) -> dict[str, Any]:
 
 
 def _averaging(summaries: list[dict], deaths: list[dict]) -> dict[str, Any]:
-    """Rounds as the workers that printed a summary saw them: failed % (completeness below 1, as
-    the report counts it), mean and lowest completeness, mean duration."""
+    """Rounds as the workers that printed a summary saw them, counted as the report does [3.5.2.2]:
+    a round failed when its completeness (the share of reduced chunks this peer got back) is below
+    100%, a round where this peer found no group included. `completeness_mean` is over the rounds
+    whose all-reduce ran (the report's "partial all-reduce completeness"); `completeness_mean_all`
+    counts the rounds without a group as 0."""
     rounds = []
     for item in summaries:
         summary = item["summary"] or {}
@@ -557,13 +560,16 @@ def _averaging(summaries: list[dict], deaths: list[dict]) -> dict[str, Any]:
     ran = len(rounds)
     completeness = [r["averaging_success"] if r.get("averaging_success") is not None else 0.0 for r in rounds]
     failed = sum(1 for c in completeness if c < 1.0)
+    allreduced = [c for r, c in zip(rounds, completeness) if (r.get("group_size") or 0) >= 1]
     durations = [r["duration_s"] for r in rounds]
     return {
         "rounds": ran,
         "by_status": {s: sum(1 for r in rounds if r["status"] == s) for s in ("complete", "partial", "failed")},
+        "no_group": ran - len(allreduced),
         "failed_pct": round(100.0 * failed / ran, 2) if ran else None,
-        "completeness_mean": round(sum(completeness) / ran, 4) if ran else None,
-        "completeness_min": round(min(completeness), 4) if ran else None,
+        "completeness_mean": round(sum(allreduced) / len(allreduced), 4) if allreduced else None,
+        "completeness_min": round(min(allreduced), 4) if allreduced else None,
+        "completeness_mean_all": round(sum(completeness) / ran, 4) if ran else None,
         "duration_mean_s": round(sum(durations) / ran, 2) if ran else None,
         "duration_max_s": round(max(durations), 2) if ran else None,
         "detail": [{k: r.get(k) for k in ("node", "stage", "round", "status", "averaging_success", "reduce_success",

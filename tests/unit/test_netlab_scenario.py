@@ -101,10 +101,13 @@ def test_averaging_counts_a_round_below_full_completeness_as_failed():
 
     summaries = [{"name": "w0", "stage": 1, "summary": {"averaging": {"rounds": rounds(
         ("complete", 1.0, 2.0), ("partial", 0.9, 4.0), ("failed", None, 6.0), ("skipped", None, 0.0))}}}]
+    summaries[0]["summary"]["averaging"]["rounds"][0]["group_size"] = 3
+    summaries[0]["summary"]["averaging"]["rounds"][1]["group_size"] = 2
     result = _averaging(summaries, [])
-    assert result["rounds"] == 3  # skipped rounds did not run
+    assert result["rounds"] == 3 and result["no_group"] == 1  # skipped rounds did not run
     assert result["failed_pct"] == pytest.approx(66.67)
-    assert result["completeness_mean"] == pytest.approx((1.0 + 0.9 + 0.0) / 3, abs=1e-4)
+    assert result["completeness_mean"] == pytest.approx(0.95)  # over the all-reduces that ran
+    assert result["completeness_mean_all"] == pytest.approx((1.0 + 0.9 + 0.0) / 3, abs=1e-4)
     assert result["duration_mean_s"] == 4.0
 
 
