@@ -30,7 +30,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import time
 from typing import Optional
 
 import psutil
@@ -84,7 +83,10 @@ class PreemptSwitch:
                 pass
         os.kill(self.node_pid, signal.SIGKILL)
         if os.getpid() != self.node_pid:
-            time.sleep(60)  # the averager process: the watchdog kills it with the node's other children
+            # The averager process goes down with its node, as on a preempted machine: alive, it
+            # would hold its all-reduce streams open and its peers would wait out their timeout
+            # (seen in the lab: a preempted reducer stalled its stage's round for allreduce_timeout_s).
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class PreemptionWatcher:
