@@ -86,21 +86,25 @@ def rounds_of(probe: DhtProbe, run_id: str, stage: int) -> dict[str, AveragingRe
     return probe.records(averaging_key(run_id, stage), AveragingRecord)
 
 
-@pytest.mark.timeout(150)
-def test_replicas_from_different_weights_agree_after_one_pass(make_swarm, run_config_path, tmp_path):
-    """Three reducers, no training, rounds on the idle clock: within 1e-4 after every segment
-    was averaged once by all three with weight 1."""
-    config = run_config_path(stages=TWO_STAGES, averaging=PATIENT_ROUNDS)
-    run = load_run_config(config)
+def _rounds_that_move_the_mean(summary: dict) -> list[dict]:
+    """Rounds after which the replicas' mean is no longer the mean they started from: a slice that
+    fell back to local values on one replica, a banned sender, or a round that failed on one
+    replica after its group formed (the others may have averaged its values). A round that ran
+    with fewer peers than the stage has, or formed no group, keeps the mean (equal weights)."""
+    return [r for r in summary["averaging"]["rounds"]
+            if r.get("failed_slices") or r.get("banned_senders") or (r["status"] == "failed" and r["group_size"] > 1)]
+
+
+def _one_pass_of_three_replicas(make_swarm, config, run, tmp_path, attempt: int):
+    """Three reducers from three seeds average on the idle clock until every segment had a
+    complete round of all three with weight 1; their initial and final weights and what moved the mean."""
     swarm = make_swarm(config, common_args=COMMON)
-    dirs = [str(tmp_path / f"ckpt{i}") for i in range(3)]
+    dirs = [str(tmp_path / f"attempt{attempt}" / f"ckpt{i}") for i in range(3)]
     workers = [swarm.start("worker", stage=0, wait_ready=i == 0,
                            args=["--reducer", "--checkpoint-dir", dirs[i], "--checkpoint-period-s", "3600"],
                            env={"AGORA_TEST_INIT_SEED_OFFSET": str(i + 1)}) for i in range(3)]
     for worker in workers[1:]:
         swarm.wait_ready(worker)
-    initial = [flat(StageModel(run.model_copy(update={"seed": i + 1}), 0).state_dict()) for i in range(3)]
-    assert (initial[0] - initial[1]).abs().max() > 1e-2, "the replicas must start apart"
     probe = DhtProbe(workers[0].maddrs, run.run_id, run.num_stages)
     try:
         def full_pass_done():
@@ -117,14 +121,36 @@ def test_replicas_from_different_weights_agree_after_one_pass(make_swarm, run_co
         poll_until(full_pass_done, 90, "a complete round of all three replicas on every segment", period_s=0.3)
     finally:
         probe.close()
+    disturbed = []
     for worker in workers:
         assert swarm.stop(worker, signal.SIGTERM) == 0, worker.log_tail()
-    final = [flat(load_weights(d)) for d in dirs]
-    spread = max(float((final[0] - other).abs().max()) for other in final[1:])
-    print(f"replica spread after one pass: {spread:.2e} (started {float((initial[0] - initial[1]).abs().max()):.2e})")
-    assert spread < 1e-4
+        disturbed += _rounds_that_move_the_mean(worker.summary())
+    swarm.stop_all()
+    return [flat(load_weights(d)) for d in dirs], disturbed
+
+
+@pytest.mark.timeout(420)
+def test_replicas_from_different_weights_agree_after_one_pass(make_swarm, run_config_path, tmp_path):
+    """Three reducers, no training, rounds on the idle clock: within 1e-4 after every segment
+    was averaged once by all three with weight 1, and at the plain mean of their starting weights
+    when no round lost a slice. On a loaded machine a reducer's slice can come back after its
+    timeout and stay local on one replica, which moves the mean for good; such a run is reported
+    by the replicas themselves and played again (three tries)."""
+    config = run_config_path(stages=TWO_STAGES, averaging=PATIENT_ROUNDS)
+    run = load_run_config(config)
+    initial = [flat(StageModel(run.model_copy(update={"seed": i + 1}), 0).state_dict()) for i in range(3)]
+    assert (initial[0] - initial[1]).abs().max() > 1e-2, "the replicas must start apart"
     mean = torch.stack(initial).mean(0)
-    assert float((final[0] - mean).abs().max()) < 1e-4, "weight 1 each: the plain mean of the three"
+    for attempt in range(3):
+        final, disturbed = _one_pass_of_three_replicas(make_swarm, config, run, tmp_path, attempt)
+        spread = max(float((final[0] - other).abs().max()) for other in final[1:])
+        print(f"attempt {attempt}: replica spread after one pass {spread:.2e} "
+              f"(started {float((initial[0] - initial[1]).abs().max()):.2e}); rounds that moved the mean: {disturbed}")
+        assert spread < 1e-4
+        if not disturbed:
+            assert float((final[0] - mean).abs().max()) < 1e-4, "weight 1 each: the plain mean of the three"
+            return
+    pytest.fail(f"every try had a round that lost a slice or failed on one replica; the last: {disturbed}")
 
 
 def _kill_mid_round(make_swarm, run_config_path, *, victim_reduces: bool):
