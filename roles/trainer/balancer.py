@@ -11,6 +11,11 @@ Placement rules that keep a fresh or recovering worker from being flooded:
 - a newly discovered worker enters level with the most-loaded worker already present [report 3.3.2.3];
 - a worker whose ban expires keeps its runtime but never falls below the current minimum.
 
+A failure bans a worker only while another worker of the stage stays usable: banning the last one
+would drop every sample of the stage as `no_workers` for the length of the ban, for what is often
+one lost call. The last usable worker is kept and the caller told how long to back off before it
+retries there (doubling with consecutive failures, like a ban, but in seconds rather than minutes).
+
 Which workers exist is decided elsewhere (discovery drops workers in a sync phase [report 3.3.2.2]); this
 module does no I/O and takes an injectable clock so tests can drive time.
 """
@@ -47,6 +52,8 @@ class _WorkerState:
     """Discovery order; breaks runtime ties so choices are deterministic."""
     measured: float | None = None
     banned_until: float | None = None
+    backoff_until: float | None = None
+    """Set instead of a ban on the stage's last usable worker: callers wait until then to retry it."""
     failures: int = 0
     """Consecutive failures, reset by a success; drives the ban backoff."""
     dispatched: int = 0
@@ -66,6 +73,8 @@ class StageBalancer:
         *,
         ban_s: float = 30.0,
         max_ban_s: float = 300.0,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 5.0,
         default_throughput: float = 10.0,
         ewma_alpha: float = 0.3,
         clock: Callable[[], float] = time.monotonic,
@@ -74,6 +83,8 @@ class StageBalancer:
             raise ConfigError(f"stage must be >= 0, got {stage}")
         if not ban_s > 0 or not max_ban_s >= ban_s:
             raise ConfigError(f"need 0 < ban_s <= max_ban_s, got ban_s={ban_s}, max_ban_s={max_ban_s}")
+        if not backoff_s > 0 or not max_backoff_s >= backoff_s:
+            raise ConfigError(f"need 0 < backoff_s <= max_backoff_s, got {backoff_s}, {max_backoff_s}")
         if not (default_throughput > 0 and math.isfinite(default_throughput)):
             raise ConfigError(f"default_throughput must be a positive number, got {default_throughput}")
         if not 0 < ewma_alpha <= 1:
@@ -81,6 +92,8 @@ class StageBalancer:
         self.stage = stage
         self._ban_s = ban_s
         self._max_ban_s = max_ban_s
+        self._backoff_s = backoff_s
+        self._max_backoff_s = max_backoff_s
         self._default_throughput = default_throughput
         self._alpha = ewma_alpha
         self._clock = clock
@@ -167,23 +180,37 @@ class StageBalancer:
                 return
             w.measured = rate if w.measured is None else self._alpha * rate + (1 - self._alpha) * w.measured
             w.failures = 0
+            w.backoff_until = None
             w.completed += 1
 
-    def report_failure(self, peer_id: str) -> None:
-        """Ban the worker for `ban_s`, doubling with each consecutive failure up to `max_ban_s`.
+    def report_failure(self, peer_id: str) -> float:
+        """Ban the worker for `ban_s`, doubling with each consecutive failure up to `max_ban_s`;
+        but never the stage's last usable worker: that one is kept, and the seconds to back off
+        before retrying it are returned (0.0 after a ban, or for an unknown worker).
 
-        Failures that arrive while the worker is already banned come from calls dispatched before
-        the ban, so they neither extend it nor count towards the backoff: several lanes losing one
-        worker at once is one failure, not eight.
+        Failures that arrive while the worker is already banned or backed off come from calls
+        dispatched before, so they neither extend it nor count towards the backoff: several lanes
+        losing one worker at once is one failure, not eight.
         """
         with self._lock:
             now = self._clock()
             self._expire_bans(now)
             w = self._workers.get(peer_id)
             if w is None or w.banned_until is not None:
-                return
-            w.failures += 1
-            w.banned_until = now + min(self._ban_s * 2.0 ** (w.failures - 1), self._max_ban_s)
+                return 0.0
+            others = any(o.banned_until is None for pid, o in self._workers.items() if pid != peer_id)
+            if w.backoff_until is not None and w.backoff_until > now:
+                if not others:
+                    return w.backoff_until - now
+            else:
+                w.failures += 1
+            if others:
+                w.backoff_until = None
+                w.banned_until = now + min(self._ban_s * 2.0 ** (w.failures - 1), self._max_ban_s)
+                return 0.0
+            wait = min(self._backoff_s * 2.0 ** (w.failures - 1), self._max_backoff_s)
+            w.backoff_until = now + wait
+            return wait
 
     def release(self, peer_id: str, cost: float) -> None:
         """Refund the up-front charge of a call that was chosen but never sent."""
@@ -228,6 +255,7 @@ class StageBalancer:
                     "measured_throughput": w.measured,
                     "banned_until": w.banned_until,
                     "ban_remaining_s": 0.0 if w.banned_until is None else w.banned_until - now,
+                    "backoff_remaining_s": 0.0 if w.backoff_until is None else max(0.0, w.backoff_until - now),
                     "failures": w.failures,
                     "dispatched": w.dispatched,
                     "completed": w.completed,

@@ -21,7 +21,8 @@ class TrainerConfig(BaseModel):
     announce_period_s: float = Field(default=5.0, gt=0, description="how often the node re-announces itself in the DHT")
     request_timeout_s: float = Field(default=30.0, gt=0, description="deadline for one request to a worker")
     max_attempts: int = Field(default=3, ge=1, description="workers tried per stage before a sample is dropped")
-    ban_s: float = Field(default=15.0, gt=0, description="how long a failed worker is avoided")
+    ban_s: float = Field(default=15.0, gt=0, description="how long a failed worker is avoided; the "
+                         "last usable worker of a stage is never avoided, only retried after a short backoff")
     drain_timeout_s: float = Field(default=15.0, ge=0, description="time in-flight work gets to finish on exit")
     wait_log_period_s: float = Field(default=5.0, gt=0, description="how often waiting for workers is reported")
     progress_log_period_s: float = Field(default=10.0, gt=0, description="how often training progress is logged")

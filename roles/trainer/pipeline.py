@@ -2,7 +2,8 @@
 the balancers, the tail's fused loss forward+backward, then backward tail → head, each stage
 pinned to the worker that ran its forward.
 
-Forward calls retry on another worker of the stage. A backward goes to another worker only if
+Forward calls retry on another worker of the stage, or, when it was the stage's last usable one,
+on the same worker after the balancer's backoff. A backward goes to another worker only if
 the pinned one is gone, and that fallback is counted: its gradient comes from other weights.
 A sample that cannot be completed raises SampleDropped with its reason; it is never lost silently.
 Requests and replies are the wire models the worker parses and answers with (protocol/messages.py);
@@ -11,6 +12,7 @@ a reply that does not validate drops the sample as `bad_reply`.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -131,11 +133,17 @@ class PipelineDriver:
             except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
                 if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
                     raise SampleDropped("rejected", f"stage {stage} worker {peer[-8:]}: {exc}") from exc
-                self.balancers[stage].report_failure(peer)
+                backoff_s = self.balancers[stage].report_failure(peer)
                 self.stats.forward_retries += 1
                 self.retries.count(_failure_reason(exc), f"stage {stage} worker {peer[-8:]}: {exc}")
                 last_error = str(exc)
-                logger.debug("stage %d worker %s failed (%s); retrying elsewhere", stage, peer[-8:], exc)
+                if backoff_s > 0:  # the stage's last usable worker: not banned, retried after a pause
+                    tried.remove(peer)
+                    logger.debug("stage %d worker %s failed (%s); it is the stage's last, retrying in %.1fs",
+                                 stage, peer[-8:], exc, backoff_s)
+                    await asyncio.sleep(backoff_s)
+                else:
+                    logger.debug("stage %d worker %s failed (%s); retrying elsewhere", stage, peer[-8:], exc)
         raise SampleDropped("worker_failures", f"stage {stage}: {self.max_attempts} attempts failed; last: {last_error}")
 
     async def train_sample(self, sample_id: str, tokens: torch.Tensor) -> SampleResult:
@@ -198,15 +206,25 @@ class PipelineDriver:
 
     async def _pinned_backward(self, stage: int, peer: str, request: BackwardRequest) -> tuple[BackwardReply, int]:
         """Backward must run on the forward's replica: replicas drift between averaging rounds,
-        so another replica would recompute different activations [report 4.2.1]."""
-        try:
-            return await self._call(stage, peer, version.BACKWARD, request, BackwardReply), 0
-        except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
-            if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
-                raise SampleDropped("rejected", f"stage {stage} backward: {exc}") from exc
-            self.balancers[stage].report_failure(peer)
-            self.retries.count(f"backward_fallback_{_failure_reason(exc)}",
-                               f"pinned backward worker {peer[-8:]} of stage {stage} is gone: {exc}")
+        so another replica would recompute different activations [report 4.2.1]. When that
+        replica is the stage's last usable worker it is retried after the balancer's backoff."""
+        for attempt in range(self.max_attempts):
+            try:
+                return await self._call(stage, peer, version.BACKWARD, request, BackwardReply), 0
+            except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
+                if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
+                    raise SampleDropped("rejected", f"stage {stage} backward: {exc}") from exc
+                backoff_s = self.balancers[stage].report_failure(peer)
+                if backoff_s <= 0:
+                    self.retries.count(f"backward_fallback_{_failure_reason(exc)}",
+                                       f"pinned backward worker {peer[-8:]} of stage {stage} is gone: {exc}")
+                    break
+                self.retries.count(f"backward_{_failure_reason(exc)}",
+                                   f"pinned backward worker {peer[-8:]}, the last of stage {stage}: {exc}")
+                if attempt + 1 == self.max_attempts:
+                    raise SampleDropped("backward_failed", f"stage {stage}: its last usable worker failed "
+                                        f"{self.max_attempts} backward attempts; last: {exc}") from exc
+                await asyncio.sleep(backoff_s)
         self.stats.backward_fallbacks += 1
         try:
             _, reply = await self._balanced(stage, version.BACKWARD, request, BackwardReply)

@@ -67,6 +67,9 @@ class WorkerConfig(BaseModel):
     test_averaging_poison: Literal["", "nan", "huge"] = Field(
         default="", json_schema_extra=HIDDEN,
         description="TESTS ONLY: send NaN or huge parts to the other reducers in every all-reduce (fault injection)")
+    test_fail_forwards: int = Field(
+        default=0, ge=0, json_schema_extra=HIDDEN,
+        description="TESTS ONLY: answer the first N forward requests with an internal error (failing calls)")
     test_state_chunk_delay_s: float = Field(
         default=0.0, ge=0, json_schema_extra=HIDDEN,
         description="TESTS ONLY: pause this long before serving each state chunk (a slow state download)")

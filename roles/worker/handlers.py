@@ -37,8 +37,11 @@ class NotServing(AgoraError):
 class WorkerHandlers:
     """Binds a StageRuntime to the RPC server. `serving()` gates requests while starting or leaving."""
 
-    def __init__(self, runtime: StageRuntime, info: Callable[[], InfoReply], serving: Callable[[], bool]):
+    def __init__(self, runtime: StageRuntime, info: Callable[[], InfoReply], serving: Callable[[], bool],
+                 fail_forwards: int = 0):
         self.runtime = runtime
+        self._fail_forwards = fail_forwards
+        """Test fault (AGORA_TEST_FAIL_FORWARDS): forwards still to answer with an internal error."""
         self.info_fn = info
         self.serving = serving
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -94,6 +97,9 @@ class WorkerHandlers:
     async def _forward(self, body: dict) -> ForwardReply:
         request = parse_model(ForwardRequest, body)
         self.runtime.check_forward(request)
+        if self._fail_forwards > 0:
+            self._fail_forwards -= 1
+            raise ProtocolError("test fault: this forward fails on purpose", ErrorCode.INTERNAL)
         return ForwardReply(coords=await self._run(TaskKind.FORWARD, request))
 
     async def backward(self, peer_id: PeerID, body: dict) -> BackwardReply:

@@ -98,7 +98,8 @@ class WorkerRole:
                            PreemptionWatcher(swarm, run_id=run.run_id, auth_state=auth_state, switch=self.preempt,
                                              reducer=config.reducer))
         self.server = RpcServer(p2p, authenticator=authenticator, limits=config.stream_limits())
-        self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches)
+        self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches,
+                                       fail_forwards=config.test_fail_forwards)
         self.announcer = Announcer(
             swarm, workers_key(run.run_id, config.stage), self._record, period_s=config.announce_period_s
         )
@@ -199,6 +200,7 @@ class WorkerRole:
             "local_step": self.optimizer.local_step,
             "phase": self.phase.value,
             "counters": dict(self.runtime.counters),
+            "requests": {f"{kind}_{outcome}": n for (kind, outcome), n in sorted(self.handlers.outcomes.items())},
             "rejected": dict(self.server.rejected),
             "auth_rejected": dict(self.server.auth_rejected),
             "streams_refused": dict(self.server.streams_refused),

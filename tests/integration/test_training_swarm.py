@@ -102,3 +102,23 @@ def test_sigterm_drains_a_trainer_and_its_counts_add_up(make_swarm, run_config_p
     assert summary["samples_completed"] > 0
     assert summary["samples_completed"] + summary["samples_dropped"] == summary["samples_started"]
     assert summary["samples_in_flight"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_single_worker_stage_that_fails_calls_is_not_banned(make_swarm, run_config_path):
+    """The only worker of stage 0 fails its first three forwards: the trainer backs off and
+    retries it instead of banning it (a 30 s ban would drop every sample as `no_workers`)."""
+    config = run_config_path(stages=TWO_STAGES, target_batch_size=8)
+    swarm = make_swarm(config)
+    head = swarm.start("worker", stage=0, env={"AGORA_TEST_FAIL_FORWARDS": "3"})
+    tail = swarm.start("worker", stage=1, wait_ready=False)
+    swarm.wait_ready(tail)
+    trainer = swarm.start("trainer", args=["--lanes", "2", "--max-samples", "40", "--discovery-period-s", "1"])
+    assert swarm.wait(trainer, 120) == 0, trainer.log_tail()
+    summary = trainer.summary()
+    assert summary["samples_dropped"] == 0, summary["dropped_by_reason"]
+    assert summary["samples_completed"] == 40
+    assert summary["forward_retries"] >= 3, summary
+    for node in (head, tail):
+        assert swarm.stop(node, signal.SIGTERM) == 0, node.log_tail()
+    assert head.summary()["requests"]["forward_internal"] == 3

@@ -137,12 +137,41 @@ def test_failures_during_a_ban_do_not_escalate_it():
     assert balancer.snapshot()["a"]["failures"] == 1
 
 
-def test_all_banned_raises_no_workers():
-    balancer = make("a", "b")
-    balancer.report_failure("a")
-    balancer.report_failure("b")
-    with pytest.raises(NoWorkersError, match="stage 0"):
+def test_the_last_usable_worker_is_backed_off_not_banned():
+    clock = FakeClock()
+    balancer = make("a", "b", clock=clock, ban_s=30.0, backoff_s=0.5, max_backoff_s=2.0)
+    assert balancer.report_failure("a") == 0.0
+    assert balancer.is_banned("a")
+    waits = []
+    for _ in range(4):
+        waits.append(balancer.report_failure("b"))
+        assert not balancer.is_banned("b")
+        assert balancer.choose() == "b"
+        assert balancer.report_failure("b") == pytest.approx(waits[-1]), "a failure during the backoff is the same one"
+        clock.advance(waits[-1])
+    assert waits == pytest.approx([0.5, 1.0, 2.0, 2.0])
+    balancer.report_success("b", 1.0, 0.1)
+    assert balancer.report_failure("b") == pytest.approx(0.5)
+
+
+def test_a_single_worker_stage_is_never_banned():
+    balancer = make("a")
+    for _ in range(5):
+        assert balancer.report_failure("a") > 0
         balancer.choose()
+    assert balancer.usable() == ["a"]
+
+
+def test_all_banned_raises_no_workers():
+    clock = FakeClock()
+    balancer = make("a", "b", clock=clock, ban_s=30.0)
+    balancer.report_failure("a")
+    balancer.update_workers([WorkerView("b", 10.0)])
+    balancer.update_workers([WorkerView("a", 10.0), WorkerView("b", 10.0)])
+    balancer.report_failure("b")
+    assert not balancer.is_banned("b")
+    with pytest.raises(NoWorkersError, match="stage 0"):
+        balancer.choose(exclude=["b"])
 
 
 def test_no_known_workers_raises():
@@ -254,8 +283,8 @@ PEERS = [f"p{i}" for i in range(5)]
 class BalancerMachine(RuleBasedStateMachine):
     """Random refreshes, choices, reports and clock steps: a choice is always known and unbanned.
 
-    The model tracks only what must hold whatever the backoff: a worker that failed less than
-    `ban_s` ago (while not already banned) must not be chosen.
+    The model tracks only what must hold whatever the backoff: a worker banned less than `ban_s`
+    ago must not be chosen, and a failure bans its worker unless no other worker was usable.
     """
 
     BAN_S = 5.0
@@ -289,7 +318,12 @@ class BalancerMachine(RuleBasedStateMachine):
     def fail(self, data):
         peer = data.draw(st.sampled_from(sorted(self.known)))
         was_banned = self.balancer.is_banned(peer)
-        self.balancer.report_failure(peer)
+        last = self.balancer.usable() == [peer]
+        backoff = self.balancer.report_failure(peer)
+        if last:
+            assert backoff > 0 and not self.balancer.is_banned(peer), "the last usable worker is never banned"
+            return
+        assert backoff == 0.0
         if not was_banned:
             self.failed_at[peer] = self.clock.now
         assert self.balancer.is_banned(peer)
