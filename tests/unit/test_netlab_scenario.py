@@ -8,7 +8,7 @@ import os
 import pytest
 
 from node.netlab.scenario import LinkModel, _accounting, _averaging, load_scenario, merged
-from node.netlab.traffic_check import predicted_bytes
+from node.netlab.traffic_check import predicted_bytes, rounds_cut_by_stop
 from protocol.errors import ConfigError
 from protocol.run_config import load_run_config
 from roles.model.traffic_plan import plan_traffic
@@ -123,3 +123,14 @@ def test_the_plan_predicts_pipeline_and_averaging_bytes_by_role():
         round(body.round_bytes(4) / 2 + body.round_bytes(4) * 3 / 2)
     failed = predicted_bytes(body, {}, [{"status": "failed", "group_size": 4}], reducer=True, reducers=2)
     assert failed == {"sent": 0, "received": 0}
+
+
+def test_a_step_round_cut_by_the_stop_is_predicted_as_a_round_of_the_group():
+    listed = [{"kind": "step", "status": "complete", "group_size": 4}] * 3
+    summary = {"local_step": 24, "averaging": {"rounds": listed}}
+    assert rounds_cut_by_stop(summary, 6) == [{"status": "cut_by_stop", "group_size": 4}]
+    assert rounds_cut_by_stop({**summary, "local_step": 23}, 6) == []  # round 4 was not due yet
+    assert rounds_cut_by_stop({"local_step": 24, "averaging": {"rounds": []}}, 6) == []  # no group ever formed
+    body = plan_traffic(load_run_config("surrogate-8b")).stage(1)
+    cut = predicted_bytes(body, {}, rounds_cut_by_stop(summary, 6), reducer=False, reducers=2)
+    assert cut == {"sent": body.round_bytes(4), "received": body.round_bytes(4)}
