@@ -258,6 +258,11 @@ class SyncConfig(BaseModel):
         description="Leave weight sync early once a full pass of rounds moved this replica by "
         "less than this relative L2 distance.",
     )
+    alone_exit_s: float = Field(
+        default=15.0, gt=0,
+        description="A worker in a sync phase that sees no active replica of its stage for this "
+        "long becomes active: nobody is left to sync with, and the stage would stand still.",
+    )
     state_chunk_elements: int = Field(
         default=1 << 20, gt=0, le=1 << 23, description="Parameters per state-transfer chunk."
     )

@@ -129,6 +129,8 @@ class WorkerRole:
                                                 layout=self.layout, store=self.optimizer)
         self.joined: dict = {}
         self._tasks: list[asyncio.Task] = []
+        self._alone_since: Optional[float] = None
+        """When this worker, in a sync phase, first saw no active replica of its stage (_check_alone)."""
 
     @property
     def phase(self) -> Phase:
@@ -265,9 +267,41 @@ class WorkerRole:
         self.optimizer.set_step(stage_step, stage_consumed or None)
         phase = self.sync.join_phase(stage_step, loaded_step)
         reason = f"loaded step {loaded_step} from {source}; the stage is at step {stage_step}"
+        if phase != Phase.ACTIVE and not await self._active_peers():
+            phase = Phase.ACTIVE
+            reason += "; no active replica of the stage is left to sync with, so this one carries it on"
         self.sync.begin(phase, stage_step, reason)
         self.joined = {"stage_step": stage_step, "loaded_step": loaded_step, "source": source, "phase": phase.value}
         logger.info("joined stage %d in %s: %s", self.config.stage, phase.value, reason)
+
+    async def _active_peers(self) -> list[str]:
+        """Other workers of this stage whose DHT record says they are active."""
+        workers = await self.swarm.get(workers_key(self.run_config.run_id, self.config.stage), WorkerRecord)
+        return [peer for peer, record in workers.items()
+                if peer != self.swarm.peer_id and record.phase == Phase.ACTIVE and record.stage == self.config.stage]
+
+    async def _check_alone(self) -> None:
+        """In a sync phase, become active once no other replica of the stage has been active for
+        `sync.alone_exit_s` (sync_phase.py): the stage steps only on active replicas' samples."""
+        if self.phase == Phase.ACTIVE:
+            self._alone_since = None
+            return
+        if await self._active_peers():
+            self._alone_since = None
+            return
+        now = time.monotonic()
+        if self._alone_since is None:
+            self._alone_since = now
+        waited = now - self._alone_since
+        if waited < self.run_config.sync.alone_exit_s:
+            return
+        counters = self.runtime.counters
+        transition = self.sync.go_active(
+            self.optimizer.local_step, counters["forward_requests"], counters["backward_requests"],
+            f"no active replica of the stage for {waited:.0f}s: nobody is left to sync with, so this one carries "
+            "the stage on")
+        if transition is not None:
+            self._log_transition(transition)
 
     async def _load_from_peers(self):
         workers = await self.swarm.get(workers_key(self.run_config.run_id, self.config.stage), WorkerRecord)
@@ -299,6 +333,10 @@ class WorkerRole:
             asyncio.create_task(every(None, self._update_phase, stop, name="sync phases",
                                       wake=self.runtime.stepped.listen()), name="sync-phases"),
         ]
+        if self.phase != Phase.ACTIVE:
+            period = min(self.config.announce_period_s, self.run_config.sync.alone_exit_s / 3)
+            self._tasks.append(asyncio.create_task(every(period, self._check_alone, stop, name="alone in sync"),
+                                                   name="alone-in-sync"))
         if self.preemption is not None:
             self._tasks.append(asyncio.create_task(self.preemption.run(stop), name="preempt-orders"))
         if self.checkpoints is not None and self.config.checkpoint_period_s:
@@ -320,11 +358,15 @@ class WorkerRole:
         transition = self.sync.update(self.optimizer.local_step, counters["forward_requests"],
                                       counters["backward_requests"])
         if transition is not None:
-            logger.info("sync phase %s -> %s at step %d: %s (served so far: %d forward, %d backward requests)",
-                        transition.old.value, transition.new.value, self.optimizer.local_step, transition.reason,
-                        counters["forward_requests"], counters["backward_requests"])
-            self.announcer.poke()
-            self.averaging.announcer.poke()
+            self._log_transition(transition)
+
+    def _log_transition(self, transition) -> None:
+        counters = self.runtime.counters
+        logger.info("sync phase %s -> %s at step %d: %s (served so far: %d forward, %d backward requests)",
+                    transition.old.value, transition.new.value, self.optimizer.local_step, transition.reason,
+                    counters["forward_requests"], counters["backward_requests"])
+        self.announcer.poke()
+        self.averaging.announcer.poke()
 
     # ---- shutdown ----
 

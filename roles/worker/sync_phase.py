@@ -11,7 +11,10 @@ averages with weight 0. Then it is active.
 
 Beyond the report: weight sync may end early once a full pass of rounds (every segment once)
 moved this replica by less than `weight_sync_exit_distance` (relative L2 of the deltas the
-rounds applied), i.e. once it already sits at the stage's average.
+rounds applied), i.e. once it already sits at the stage's average. And a joiner with no active
+replica of its stage to sync with (every replica died, or the last one did while it synced)
+becomes active (`go_active`): a stage served only by syncing replicas never steps, so their
+phases would never end.
 """
 
 from __future__ import annotations
@@ -98,13 +101,22 @@ class SyncPhases:
             transition, new = f"{elapsed} steps of optimizer sync done", Phase.ACTIVE
         if transition is None:
             return None
+        return self._move(new, step, forward_requests, backward_requests, transition)
+
+    def _move(self, new: Phase, step: int, forward_requests: int, backward_requests: int, reason: str) -> Transition:
         old = self.phase
         span = self.spans[-1] if self.spans else PhaseSpan(old.value, self.started_step)
         span.to_step, span.forward_requests, span.backward_requests = step, forward_requests, backward_requests
-        self.begin(new, step, transition)
+        self.begin(new, step, reason)
         self._moves.clear()
         self._converged = None
-        return Transition(old, new, transition)
+        return Transition(old, new, reason)
+
+    def go_active(self, step: int, forward_requests: int, backward_requests: int, reason: str) -> Optional[Transition]:
+        """End the sync phases now (there is nobody to sync with); None if already active."""
+        if self.phase == Phase.ACTIVE:
+            return None
+        return self._move(Phase.ACTIVE, step, forward_requests, backward_requests, reason)
 
     def summary(self) -> list[dict]:
         return [asdict(span) for span in self.spans]

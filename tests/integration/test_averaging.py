@@ -278,6 +278,40 @@ def test_a_joiner_passes_weight_sync_then_optimizer_sync_then_becomes_active(mak
 
 
 @pytest.mark.timeout(200)
+def test_a_joiner_whose_stage_lost_every_active_replica_carries_it_on(make_swarm, run_config_path):
+    """The only active replica of stage 0 dies while a joiner is in weight sync: with nobody left
+    to sync with, the joiner becomes active within `sync.alone_exit_s` after the dead replica's
+    record lapses, and the trainer completes samples through it (before, the stage stood still)."""
+    config = run_config_path(stages=TWO_STAGES, target_batch_size=4,
+                             sync={"max_stale_steps": 1, "weight_sync_steps": 10_000, "alone_exit_s": 3.0})
+    swarm = make_swarm(config, common_args=COMMON)
+    first = swarm.start("worker", stage=0)
+    tail = swarm.start("worker", stage=1, wait_ready=False)
+    swarm.wait_ready(tail)
+    trainer = swarm.start("trainer", args=["--lanes", "2", "--discovery-period-s", "1", "--request-timeout-s", "5"])
+    poll_until(lambda: log_has(first, "stage 0 step 3:"), 90, "stage 0 to step past max_stale_steps", period_s=0.3)
+    joiner = swarm.start("worker", stage=0, args=["--state-source", "none"])
+    assert log_has(joiner, "joined stage 0 in weight_sync"), joiner.log_tail()
+    swarm.stop(first, signal.SIGKILL)
+    poll_until(lambda: log_has(joiner, "sync phase weight_sync -> active"), 60,
+               "the joiner to become active once no active replica is left", period_s=0.3)
+
+    def stepped_after_going_active():
+        with open(joiner.log_path, errors="replace") as f:
+            return "stage 0 step" in f.read().split("sync phase weight_sync -> active", 1)[-1]
+
+    poll_until(stepped_after_going_active, 60, "the stage to step on the joiner", period_s=0.3)
+    assert swarm.stop(trainer, signal.SIGTERM) == 0, trainer.log_tail()
+    assert swarm.stop(joiner, signal.SIGTERM) == 0, joiner.log_tail()
+    summary = joiner.summary()
+    weight_sync, active = summary["sync_phases"]
+    assert weight_sync["phase"] == "weight_sync" and active["phase"] == "active"
+    assert "no active replica of the stage" in active["reason"], active
+    assert summary["counters"]["backward_requests"] > 0, "the trainer routed samples through it"
+    assert summary["local_step"] > active["from_step"], "the stage stepped again"
+
+
+@pytest.mark.timeout(200)
 def test_two_replicas_per_stage_train_with_averaging(make_swarm, run_config_path, tmp_path):
     """Loss falls, and each stage's two replicas stay far closer to each other than to where they
     started: with averaging about 0.1-0.2x of the distance each moved; a comparable run without

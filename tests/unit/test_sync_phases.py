@@ -27,6 +27,19 @@ def test_only_a_stale_joiner_syncs():
     assert nothing.join_phase(5, 0) == Phase.ACTIVE
 
 
+def test_a_joiner_with_nobody_to_sync_with_goes_active_from_either_sync_phase():
+    phases = SyncPhases(SyncConfig(weight_sync_steps=400, optimizer_sync_steps=100), segments=20)
+    phases.begin(Phase.WEIGHT_SYNC, 1000, "stale")
+    transition = phases.go_active(1000, 0, 0, "alone")
+    assert (transition.old, transition.new, transition.reason) == (Phase.WEIGHT_SYNC, Phase.ACTIVE, "alone")
+    assert phases.go_active(1001, 0, 0, "alone") is None, "already active"
+    phases.begin(Phase.OPTIMIZER_SYNC, 1000, "synced")
+    assert phases.go_active(1010, 5, 5, "alone").old == Phase.OPTIMIZER_SYNC
+    spans = phases.summary()
+    assert [s["phase"] for s in spans] == ["weight_sync", "active", "optimizer_sync", "active"]
+    assert spans[2]["to_step"] == 1010 and spans[2]["backward_requests"] == 5
+
+
 def test_weight_sync_then_optimizer_sync_then_active_by_steps():
     phases = SyncPhases(SyncConfig(weight_sync_steps=400, optimizer_sync_steps=100), segments=20)
     phases.begin(Phase.WEIGHT_SYNC, 1000, "stale")
