@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -1049,12 +1050,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--keep-logs", action="store_true", help="keep the node logs and print where they are")
     p.add_argument("--only", choices=("all", "metrics"), default="all",
                    help="metrics: only the metrics-on vs metrics-off comparison (a few minutes)")
+    p.add_argument("--metrics-pairs", type=int, metavar="N",
+                   help="pairs of metrics-on/off windows (default 3); more pairs average out a noisy machine")
+    p.add_argument("--metrics-window-s", type=float, metavar="S", help="seconds of each metrics window (default 10)")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     windows = QUICK if args.quick else FULL
+    if args.metrics_pairs is not None or args.metrics_window_s is not None:
+        windows = dataclasses.replace(windows, metrics_pairs=args.metrics_pairs or windows.metrics_pairs,
+                                      metrics_window_s=args.metrics_window_s or windows.metrics_window_s)
     started = time.monotonic()
 
     def on_sigterm(signum, frame):
