@@ -11,7 +11,8 @@ Placement rules that keep a fresh or recovering worker from being flooded:
 - a newly discovered worker enters level with the most-loaded worker already present [report 3.3.2.3];
 - a worker whose ban expires keeps its runtime but never falls below the current minimum.
 
-A failure bans a worker only while another worker of the stage stays usable: banning the last one
+A failure bans a worker only while another worker of the stage stays usable (and when bans still
+leave none, the one that ends first is lifted at the next choice): banning the last one
 would drop every sample of the stage as `no_workers` for the length of the ban, for what is often
 one lost call. The last usable worker is kept and the caller told how long to back off before it
 retries there (doubling with consecutive failures, like a ban, but in seconds rather than minutes).
@@ -143,8 +144,10 @@ class StageBalancer:
     def choose(self, cost: float = 1.0, exclude: Collection[str] = ()) -> str:
         """Take the least-loaded usable worker, charge it `cost` samples of work now, return its id.
 
-        `exclude` names workers this call must avoid (e.g. the one a retry just failed on).
-        Raises NoWorkersError when every known worker is banned or excluded, or none is known.
+        `exclude` names workers this call must avoid (e.g. the one a retry just failed on). When
+        every known worker is banned, the ban that ends first is lifted: a stage with a known
+        worker is never left without one. Raises NoWorkersError when every known worker is
+        excluded (or banned and excluded), or none is known.
         """
         if not cost > 0:
             raise ValueError(f"cost must be positive, got {cost}")
@@ -158,6 +161,15 @@ class StageBalancer:
                     continue
                 if best is None or (w.runtime, w.order) < (best.runtime, best.order):
                     best_id, best = pid, w
+            if best is None and not any(w.banned_until is None for w in self._workers.values()):
+                # Every worker of the stage is banned (bans outlive a worker's restart): the one
+                # whose ban ends first is tried again instead of dropping the sample, keeping its
+                # failure count so that a real fault bans it for longer next time.
+                banned = [(w.banned_until, w.order, pid) for pid, w in self._workers.items() if pid not in skip]
+                if banned:
+                    _, _, best_id = min(banned)
+                    best = self._workers[best_id]
+                    best.banned_until = None
             if best is None or best_id is None:
                 raise NoWorkersError(self._no_workers_message(skip))
             best.runtime += cost / best.throughput

@@ -162,6 +162,24 @@ def test_a_single_worker_stage_is_never_banned():
     assert balancer.usable() == ["a"]
 
 
+def test_when_every_worker_is_banned_the_ban_that_ends_first_is_lifted():
+    """Bans outlive a worker's drop and return (a restart): when they leave a stage with no
+    usable worker, the next choice tries the one whose ban ends first instead of dropping."""
+    clock = FakeClock()
+    balancer = make("a", "b", clock=clock, ban_s=10.0)
+    balancer.report_failure("a")  # a banned until 10
+    clock.advance(1.0)
+    balancer.update_workers([WorkerView("b", 10.0)])  # a restarts: gone from discovery, still banned
+    balancer.report_failure("b")  # b is now the last usable worker: backed off, not banned
+    balancer.update_workers([WorkerView("a", 10.0), WorkerView("b", 10.0)])
+    balancer.report_failure("b")  # a is back but banned: b stays usable
+    assert balancer.is_banned("a") and not balancer.is_banned("b")
+    balancer.update_workers([WorkerView("a", 10.0)])  # b restarts too
+    assert balancer.choose() == "a", "a known worker is tried rather than none"
+    assert not balancer.is_banned("a")
+    assert balancer.snapshot()["a"]["failures"] == 1, "its failures are kept: the next ban is longer"
+
+
 def test_all_banned_raises_no_workers():
     clock = FakeClock()
     balancer = make("a", "b", clock=clock, ban_s=30.0)
@@ -303,15 +321,20 @@ class BalancerMachine(RuleBasedStateMachine):
 
     @rule(cost=st.floats(0.1, 8), exclude=st.sets(st.sampled_from(PEERS), max_size=2))
     def choose(self, cost, exclude):
+        all_banned = bool(self.known) and all(self.balancer.is_banned(p) for p in self.known)
         try:
             peer = self.balancer.choose(cost, exclude=exclude)
         except NoWorkersError:
             recently_failed = {p for p, t in self.failed_at.items() if self.clock.now < t + self.BAN_S}
             assert all(p in exclude or p in recently_failed or self.balancer.is_banned(p) for p in self.known)
+            assert not all_banned or set(self.known) <= set(exclude), "every worker banned: one is tried again"
             return
         assert peer in self.known
         assert peer not in exclude
-        assert self.clock.now >= self.failed_at.get(peer, -1e9) + self.BAN_S
+        if all_banned:  # the ban that ended first was lifted; the worker counts as failed from now on
+            self.failed_at.pop(peer, None)
+        else:
+            assert self.clock.now >= self.failed_at.get(peer, -1e9) + self.BAN_S
 
     @precondition(lambda self: self.known)
     @rule(data=st.data())
