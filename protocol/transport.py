@@ -99,10 +99,17 @@ def hello_frame(handler: str, recipient: str, authenticator: Optional[PeerAuthen
 async def dial(p2p: P2P, peer_id: PeerID, maddrs: list[str], timeout_s: float = 10.0) -> None:
     """Open a libp2p connection to `peer_id` at its announced addresses, so a first call does
     not depend on the DHT having introduced the two peers. The daemon wants transport addresses
-    without the trailing /p2p/<id> part."""
+    without the trailing /p2p/<id> part. A peer that cannot be dialled is `PeerUnavailable`
+    (a state download then resumes on another replica instead of ending the node)."""
     addresses = [m.split("/p2p/")[0] for m in maddrs if m]
-    if addresses:
+    if not addresses:
+        return
+    try:
         await asyncio.wait_for(hivemind_adapter.connect(p2p, peer_id, addresses), timeout_s)
+    except asyncio.TimeoutError:
+        raise
+    except Exception as exc:  # the daemon's ControlFailure and friends: the peer is not there
+        raise PeerUnavailable(f"cannot reach {peer_id} at {', '.join(addresses)}: {exc}") from exc
 
 
 @dataclass(eq=False)

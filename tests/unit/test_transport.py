@@ -209,3 +209,23 @@ def test_both_sides_use_the_same_typed_models_and_the_bytes_stay_those_of_hand_b
             await server_p2p.shutdown()
 
     run(scenario())
+
+
+def test_dialling_a_peer_that_is_gone_is_a_typed_peer_unavailable():
+    """A state download dials the replica it loads from; one that died in between must be a
+    typed error (the loader resumes on another replica), not the daemon's ControlFailure."""
+    from protocol.errors import PeerUnavailable
+    from protocol.transport import dial
+
+    async def scenario():
+        gone = await P2P.create()
+        gone_id, gone_maddrs = gone.peer_id, [str(m) for m in await gone.get_visible_maddrs()]
+        await gone.shutdown()
+        p2p = await P2P.create()
+        try:
+            with pytest.raises(PeerUnavailable, match="cannot reach"):
+                await dial(p2p, gone_id, gone_maddrs, timeout_s=10.0)
+        finally:
+            await p2p.shutdown()
+
+    run(scenario())
