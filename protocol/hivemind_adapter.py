@@ -105,6 +105,10 @@ PRIVATE_API: tuple[PrivateName, ...] = (
     PrivateName("DecentralizedAverager", "_matchmaking.potential_leaders.target_group_size", "averager process",
                 "the same, for the leader election"),
     PrivateName("DecentralizedAverager", "_p2p", "averager process", "the runner's P2P"),
+    PrivateName("DecentralizedAverager", "client_mode", "instance", "promote a sender to a reducer"),
+    PrivateName("DecentralizedAverager", "mode", "instance", "promote a sender to a reducer (the gathered mode)"),
+    PrivateName("DecentralizedAverager", "_matchmaking.client_mode", "averager process",
+                "promote a sender to a reducer: it may lead groups and take join requests"),
     PrivateName("DecentralizedAverager", "_running_groups", "averager process", "register the runner for its group"),
     PrivateName("DecentralizedAverager", "_averaging_alpha", "averager process", "apply the averaged delta"),
     PrivateName("DecentralizedAverager", "serializer", "averager process", "decode the gathered metadata"),
@@ -556,6 +560,23 @@ class AdaptedAverager(DecentralizedAverager):
         pipe.send(("_agora_set_round_group", [], dict(group_bits=group_bits, size=target_group_size, future=future)))
         return future
 
+    def promote_to_reducer(self) -> MPFuture:
+        """Turn a client-mode averager (a sender) into a node-mode one (a reducer) from its next
+        step on: it serves the averaging RPCs, may lead a group, and gets a slice to reduce.
+        hivemind fixes the mode at construction; the stage's reducer election needs it later.
+        Returns the averager process's confirmation (True if it changed anything)."""
+        if not self.client_mode:
+            future = MPFuture()
+            future.set_result(False)
+            return future
+        _private(self, "client_mode", "DecentralizedAverager")
+        self.client_mode = False
+        self.mode = AveragingMode.NODE  # step() gathers the mode on this side of the pipe
+        future = MPFuture()
+        pipe = _private(self, "_outer_pipe", "DecentralizedAverager")
+        pipe.send(("_agora_promote", [], dict(future=future)))
+        return future
+
     @contextlib.contextmanager
     def tensors_locked(self, timeout_s: float) -> Iterator[bool]:
         """Hold the lock the averager process takes for a whole all-reduce; yields False (and
@@ -622,6 +643,19 @@ class AdaptedAverager(DecentralizedAverager):
             matchmaking.target_group_size = size
             matchmaking.potential_leaders.target_group_size = size
             future.set_result(None)
+        except Exception as exc:  # noqa: BLE001 - reported to the host process
+            future.set_exception(exc)
+
+    async def _agora_promote(self, future: MPFuture) -> None:
+        try:
+            if not self.client_mode:
+                future.set_result(False)
+                return
+            await self.add_p2p_handlers(_private(self, "_p2p", "DecentralizedAverager"), namespace=self.prefix)
+            self.client_mode = False
+            self.mode = AveragingMode.NODE
+            _private(self, "_matchmaking", "DecentralizedAverager").client_mode = False
+            future.set_result(True)
         except Exception as exc:  # noqa: BLE001 - reported to the host process
             future.set_exception(exc)
 

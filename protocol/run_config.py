@@ -220,6 +220,11 @@ class AveragingConfig(BaseModel):
         description="A reducer leaves out a sender whose weight (samples since its last round) "
         "is above this, or negative, or not finite.",
     )
+    min_reducers: int = Field(
+        default=1, ge=0,
+        description="A stage with fewer reducers than this (too few workers started with --reducer, "
+        "or they left) promotes its most stable active workers until it has this many; 0: never.",
+    )
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> AveragingConfig:

@@ -155,7 +155,10 @@ class WorkerRole:
         )
 
     def _on_round(self, outcome: RoundOutcome) -> None:
-        """Called on the event loop after each averaging round: a round can end weight sync."""
+        """Called on the event loop after each averaging round: a round can end weight sync, and
+        the stage may have elected this worker a reducer before it."""
+        if self.preemption is not None:
+            self.preemption.reducer = self.averaging.reducer
         self.sync.record_round(outcome.plan.segment, outcome.status, outcome.delta_sq, outcome.average_sq)
         self._update_phase()
 

@@ -438,3 +438,43 @@ def test_a_replica_sending_garbage_is_left_out_and_the_round_completes_for_the_o
         weights = flat(load_weights(directory))
         assert torch.isfinite(weights).all() and float(weights.abs().max()) < 100, "the garbage never got in"
     print(f"{poison}: {[s.failure_reason for s in reports.values()]}")
+
+
+@pytest.mark.timeout(240)
+def test_a_stage_started_without_reducers_elects_one_and_elects_again_when_it_dies(make_swarm, run_config_path):
+    """Three workers of a stage, none with --reducer (before: every round skipped, "no reducer in
+    the stage"): the stage elects one, the longest-running, which promotes itself and the rounds
+    complete with all three. SIGKILL the elected one: the two left elect the other of them and
+    keep averaging."""
+    config = run_config_path(stages=TWO_STAGES, averaging=IDLE_ROUNDS)
+    run = load_run_config(config)
+    swarm = make_swarm(config, common_args=COMMON)
+    workers = [swarm.start("worker", stage=0, wait_ready=i == 0) for i in range(3)]
+    for worker in workers[1:]:
+        swarm.wait_ready(worker)
+    probe = DhtProbe(workers[0].maddrs, run.run_id, run.num_stages)
+
+    def completed_with(size: int, exclude: frozenset = frozenset()):
+        records = {p: r for p, r in rounds_of(probe, run.run_id, 0).items() if p not in exclude}
+        elected = [p for p, r in records.items() if r.elected and r.reducer]
+        complete = [p for p, r in records.items()
+                    if any(s.status == RoundStatus.COMPLETE and s.group_size == size for s in r.recent)]
+        return elected if len(records) == size and len(complete) == size and elected else None
+
+    try:
+        [first] = poll_until(lambda: completed_with(3), 90, "a complete round of all three with an elected reducer",
+                             period_s=0.3)
+        victim = next(w for w in workers if w.peer_id == first)
+        assert log_has(victim, "this worker was elected"), victim.log_tail()
+        swarm.stop(victim, signal.SIGKILL)
+        [second] = poll_until(lambda: completed_with(2, frozenset({first})), 90,
+                              "the two left to elect another reducer and complete a round", period_s=0.3)
+        assert second != first
+    finally:
+        probe.close()
+    for worker in workers:
+        if worker is not victim:
+            assert swarm.stop(worker, signal.SIGTERM) == 0, worker.log_tail()
+            summary = worker.summary()["averaging"]
+            assert summary["elected"] == (worker.peer_id == second), summary
+            assert not [r for r in summary["rounds"] if "no reducer" in r["failure_reason"]], summary["rounds"]

@@ -14,6 +14,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
@@ -135,6 +136,40 @@ def test_the_averager_process_has_what_the_adapter_reaches_into():
     finally:
         averager.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_two_senders_find_no_group_until_one_is_promoted_to_reducer():
+    first = hivemind.DHT(start=True)
+    second = hivemind.DHT(initial_peers=first.get_visible_maddrs(), start=True)
+    averagers = [AdaptedAverager([torch.full((16,), float(i))], dht, prefix="promote_test", target_group_size=2,
+                                 min_matchmaking_time=2.0, request_timeout=1.0, client_mode=True, start=False,
+                                 daemon=True)
+                 for i, dht in enumerate((first, second))]
+    try:
+        for averager in averagers:
+            averager.start()
+            averager.wait_until_ready(30)
+        controls = [a.step(wait=False, timeout=4, allow_retries=False) for a in averagers]
+        for control in controls:
+            with pytest.raises(AllreduceException, match="could not find a group"):  # clients lead no group
+                control.result(30)
+        assert averagers[0].promote_to_reducer().result(30) is True
+        assert averagers[0].promote_to_reducer().result(30) is False, "promoting twice changes nothing"
+        assert averagers[0].mode.name == "NODE" and not averagers[0].client_mode
+        controls = [a.step(wait=False, timeout=10, allow_retries=False) for a in averagers]
+        for control in controls:
+            control.result(60)
+        tensors = []
+        for averager in averagers:
+            with averager.get_tensors() as local:
+                tensors.append(local[0].clone())
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        second.shutdown()
+        first.shutdown()
+    assert all(torch.allclose(t, torch.full((16,), 0.5)) for t in tensors), tensors
 
 
 def test_the_admission_wrapper_covers_every_rpc_the_averager_serves(monkeypatch):

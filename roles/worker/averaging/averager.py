@@ -204,6 +204,16 @@ class StageAverager:
         except Exception as exc:
             raise AveragingError(f"the averager process did not start within {timeout_s:.0f}s: {exc}") from exc
 
+    def promote(self, timeout_s: float = 10.0) -> bool:
+        """Become a reducer from the next round on (the stage elected this sender; election.py).
+        Returns whether anything changed."""
+        try:
+            changed = bool(self.process.promote_to_reducer().result(timeout_s))
+        except Exception as exc:
+            raise AveragingError(f"the averager process did not switch to reducing: {exc}") from exc
+        self.reducer = True
+        return changed
+
     def matchmaking_deadline_s(self) -> float:
         """How long a step looks for a group: the window (leaders assemble at its end), plus
         time for the followers' last requests. Kept short on purpose: a replica that found

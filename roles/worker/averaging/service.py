@@ -1,8 +1,10 @@
 """With whom a replica averages, at what weight, and how it reports it [report 4.2, 5.7].
 
 When a round is due (schedule.py), the service reads the stage from the DHT: its workers (the
-expected group size), who reduces, who is active. A replica alone in its stage, or in a stage
-without a reducer, skips the round and says why. A replica's weight is the number of samples it
+expected group size), who reduces, who is active. A stage with fewer reducers than
+`averaging.min_reducers` elects its most stable active workers (election.py), and an elected
+sender promotes itself before the round. A replica alone in its stage, or in a stage without a
+reducer (none could be elected), skips the round and says why. A replica's weight is the number of samples it
 processed since its last round, at least 1 while it is active (so an idle stage still averages),
 and 0 in a sync phase [report 3.3.1.1]. Each round's outcome goes to the log, to the
 `{run}/stage/{s}/averaging` record (with the last rounds and counters) and to the
@@ -19,6 +21,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -31,6 +34,7 @@ from roles.periodic import Signal, every
 from protocol.run_config import AveragingConfig
 from roles.worker.averaging.access import AveragingAccess
 from roles.worker.averaging.averager import StageAverager
+from roles.worker.averaging.election import Candidate, elect
 from roles.worker.averaging.health import RoundHealth, Verdict
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome, RoundPlan, SegmentRound
@@ -59,6 +63,8 @@ class StageView:
     reducers: set[str] = field(default_factory=set)
     active: set[str] = field(default_factory=set)
     records: dict[str, AveragingRecord] = field(default_factory=dict)
+    candidates: list[Candidate] = field(default_factory=list)
+    """Active workers that may be elected reducers (this one included), for election.py."""
 
 
 class _SerialThread:
@@ -109,6 +115,10 @@ class AveragingService:
         self.store = store
         self.index_sets = index_sets
         self.reducer = reducer
+        self.elected = False
+        """This replica reduces because the stage elected it (election.py), not by --reducer."""
+        self.started_at = time.time()
+        """When this replica's averaging began: its stability in the reducer election."""
         self.local_step = local_step
         self.phase = phase
         self.samples_processed = samples_processed
@@ -142,6 +152,8 @@ class AveragingService:
         self.bytes_sent = 0
         self.bytes_received = 0
         """All-reduce payload over every round (RoundOutcome.bytes_sent/received)."""
+        self._seconds_moving = 0.0
+        """Duration of the rounds that moved bytes: the denominator of `bandwidth`."""
 
     # ---- lifecycle ----
 
@@ -162,6 +174,7 @@ class AveragingService:
     def begin(self) -> None:
         """Start counting rounds from the current step (after state loading set it)."""
         self.schedule.begin(self.local_step())
+        self.started_at = time.time()
         self._samples_at_last_round = self.samples_processed()
         if self.state == AveragingState.CREATED and self.averager is not None:
             self.state = AveragingState.READY
@@ -244,6 +257,7 @@ class AveragingService:
             plan = RoundPlan(kind, round_id, segment, weight, view.expected, phase.value)
             self._current = (kind, round_id, segment, index_set.digest)
             self.announcer.poke()
+            await self._elect_reducers(view)
             skip = self._skip_reason(view)
             if skip:
                 outcome = RoundOutcome(plan, index_set.digest, RoundStatus.SKIPPED, failure_reason=skip)
@@ -277,13 +291,56 @@ class AveragingService:
         if phase == Phase.ACTIVE:
             active.add(me)
         records.pop(me, None)
-        return StageView(expected=len(live_ids), reducers=reducers, active=active, records=records)
+        candidates = [Candidate(peer, record.started_at, record.bandwidth) for peer, record in records.items()
+                      if peer in active and record.can_reduce and record.phase == Phase.ACTIVE]
+        if phase == Phase.ACTIVE and self.averager is not None:
+            candidates.append(Candidate(me, self.started_at, self.bandwidth))
+        return StageView(expected=len(live_ids), reducers=reducers, active=active, records=records,
+                         candidates=candidates)
+
+    async def _elect_reducers(self, view: StageView) -> None:
+        """Give a stage short of reducers its elected ones before the round (election.py): every
+        replica counts them as reducers, and an elected sender promotes itself."""
+        wanted = self.config.min_reducers
+        if wanted <= 0 or view.expected <= 1:
+            return
+        elected = elect(view.reducers, view.candidates, wanted)
+        if not elected:
+            return
+        me = self.swarm.peer_id
+        view.reducers.update(elected)
+        if me not in elected or self.reducer:
+            return
+        assert self.averager is not None and self._thread is not None
+        had = len(view.reducers) - len(elected)
+        try:
+            await self._thread.submit(self.averager.promote)
+        except Exception as exc:  # noqa: BLE001 - the round is skipped, the next one elects again
+            view.reducers.discard(me)
+            logger.error("stage %d elected this worker to reduce, but it could not switch: %s", self.stage, exc)
+            return
+        self.reducer = self.elected = True
+        self._counts["reducer_promotions"] += 1
+        logger.warning("stage %d had %d reducer(s), fewer than averaging.min_reducers %d: this worker was elected "
+                       "(the most stable active one: averaging since %s, %.1f MB/s measured) and reduces from now on; "
+                       "start stable workers with --reducer to choose them yourself", self.stage, had, wanted,
+                       time.strftime("%H:%M:%S", time.localtime(self.started_at)), self.bandwidth / 1e6)
+        self.announcer.poke()
+
+    @property
+    def bandwidth(self) -> float:
+        """All-reduce bytes per second over this replica's rounds so far (0 before any moved bytes)."""
+        if self._seconds_moving <= 0:
+            return 0.0
+        return (self.bytes_sent + self.bytes_received) / self._seconds_moving
 
     def _skip_reason(self, view: StageView) -> str:
         if view.expected <= 1:
             return "alone in the stage"
         if not view.reducers:
-            return "no reducer in the stage: at least one worker of each stage must run with --reducer"
+            why = ("and none could be elected" if self.config.min_reducers > 0
+                   else "and averaging.min_reducers is 0, so none is elected")
+            return f"no reducer in the stage {why}: start a worker of the stage with --reducer"
         if not view.active:
             return "no active replica in the stage to average with"
         return ""
@@ -336,6 +393,8 @@ class AveragingService:
             self.last_completeness = outcome.averaging_success or 0.0
             self.bytes_sent += outcome.bytes_sent
             self.bytes_received += outcome.bytes_received
+            if outcome.bytes_sent or outcome.bytes_received:
+                self._seconds_moving += max(0.0, outcome.duration_s)
         if outcome.status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL):
             self.health.record_success()
         elif outcome.status == RoundStatus.FAILED and not outcome.group_refused:
@@ -366,7 +425,8 @@ class AveragingService:
     def record(self) -> AveragingRecord:
         kind, round_id, segment, digest = self._current
         return AveragingRecord(
-            reducer=self.reducer, phase=self.phase(), round_kind=kind, round=round_id, segment=segment, digest=digest,
+            reducer=self.reducer, elected=self.elected, can_reduce=self.averager is not None,
+            started_at=self.started_at, bandwidth=self.bandwidth, phase=self.phase(), round_kind=kind, round=round_id, segment=segment, digest=digest,
             rounds_complete=self._counts["rounds_complete"], rounds_partial=self._counts["rounds_partial"],
             rounds_failed=self._counts["rounds_failed"], rounds_skipped=self._counts["rounds_skipped"],
             recent=[outcome.to_record() for outcome in self.recent],
@@ -377,6 +437,7 @@ class AveragingService:
         return {
             "state": self.state.value,
             "reducer": self.reducer,
+            "elected": self.elected,
             "counters": dict(self.counters),
             "refused": self.refusals(),
             "rounds": [{**outcome.to_record().model_dump(mode="json"), "rejected_senders": outcome.rejected_senders}
