@@ -69,6 +69,14 @@ def _trainer(s: dict, uptime_s: Optional[float]) -> list[str]:
         routing.append(f"{retries} forward retries")
     if fallbacks:
         routing.append(f"{fallbacks} backward fallbacks")
+    skipped = s.get("skipped_stages")
+    if isinstance(skipped, dict) and skipped:
+        per_stage = ", ".join(
+            f"stage {stage} {sum(v for v in passes.values() if isinstance(v, int))}"
+            for stage, passes in sorted(skipped.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0)
+            if isinstance(passes, dict))
+        if per_stage:
+            routing.append(f"skipped {per_stage} times")
     lines.append(", ".join(routing))
     by_reason = _counts(s.get("dropped_by_reason"))
     if by_reason:

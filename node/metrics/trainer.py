@@ -42,6 +42,10 @@ def _trainer(f: Families, role: TrainerRole) -> Iterable[Family]:
     yield f.counters("agora_trainer_retries_total", "calls retried on another worker, by cause (timeout, "
                      "unavailable, an error code; backward_fallback_* when a pinned backward had to move)",
                      ("reason", ), {(reason, ): n for reason, n in role.driver.retries.totals.items()})
+    yield f.counters("agora_trainer_skipped_stages_total", "samples routed around a body stage that had no "
+                     "reachable worker, by stage and pass (forward; backward when the stage's worker died "
+                     "after the sample's forward)", ("worker_stage", "pass"),
+                     {(str(stage), pass_): n for (stage, pass_), n in role.skipping.snapshot().items()})
     yield f.gauge("agora_trainer_global_step", "the latest global step a completed sample was tagged with",
                   a.last_step)
     yield f.gauges("agora_trainer_stage_workers", "workers this trainer can route to, per stage", "worker_stage",

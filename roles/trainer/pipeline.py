@@ -6,6 +6,9 @@ Forward calls retry on another worker of the stage, or, when it was the stage's 
 on the same worker after the balancer's backoff. A backward goes to another worker only if
 the pinned one is gone, and that fallback is counted: its gradient comes from other weights.
 A sample that cannot be completed raises SampleDropped with its reason; it is never lost silently.
+A body stage with no reachable worker is skipped instead, when the run config allows it
+(roles/trainer/skipping.py): the sample's coordinates go from the stage before it to the stage
+after it, and its gradient back the same way.
 Requests and replies are the wire models the worker parses and answers with (protocol/messages.py);
 a reply that does not validate drops the sample as `bad_reply`.
 """
@@ -44,6 +47,7 @@ from protocol.messages import (
 from protocol.transport import RpcClient
 from roles.event_log import EventAggregator
 from roles.trainer.balancer import StageBalancer
+from roles.trainer.skipping import StageSkipping, skippable
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=WireModel)
@@ -62,6 +66,8 @@ class SampleDropped(AgoraError):
         """The step the tail tagged the sample with, if it got that far."""
         self.unreached: list[tuple[int, str]] = []
         """(stage, worker) pairs whose backward the sample never reached: told to close its step without it."""
+        self.unreachable = False
+        """Every attempt found the stage's workers unreachable (gone), rather than busy, slow or wrong."""
 
 
 @dataclass
@@ -74,6 +80,10 @@ class SampleResult:
     """The global step the tail tagged the sample with; every stage accumulated it into that step."""
     versions: list[Optional[int]] = field(default_factory=list)
     """Per stage, the weight version its gradient was taken at (step - version = its delay)."""
+    skipped: list[int] = field(default_factory=list)
+    """Body stages the sample was routed around (forward, or backward after its worker died)."""
+    abandon_to: list[tuple[int, str]] = field(default_factory=list)
+    """(stage, worker) of skipped stages that still list a worker: told the sample will not come."""
 
 
 @dataclass
@@ -87,7 +97,8 @@ class PipelineDriver:
     def __init__(self, client: RpcClient, balancers: list[StageBalancer], *,
                  connect: Callable[[str], Awaitable[None]], id_prefix: str = "",
                  max_attempts: int = 3, timeout_s: float = 30.0,
-                 on_no_workers: Optional[Callable[[], None]] = None):
+                 on_no_workers: Optional[Callable[[], None]] = None,
+                 skipping: Optional[StageSkipping] = None):
         self.client = client
         self.balancers = balancers
         self.connect = connect
@@ -95,6 +106,7 @@ class PipelineDriver:
         self.max_attempts = max_attempts
         self.timeout_s = timeout_s
         self.on_no_workers = on_no_workers
+        self.skipping = skipping if skipping is not None else StageSkipping(len(balancers))
         self.stats = PipelineStats()
         self.retries = EventAggregator(logger, "retried", "request", interval_s=10.0, level=logging.INFO)
         """Calls retried on another worker, by cause; the role flushes it with its progress line."""
@@ -116,15 +128,22 @@ class PipelineDriver:
         self.balancers[stage].report_success(peer, 1.0, time.perf_counter() - started)
         return answer
 
-    async def _balanced(self, stage: int, handler: str, request: WireModel, reply: type[R]) -> tuple[str, R]:
-        """Call `handler` on the least-loaded worker of `stage`, retrying elsewhere on failure."""
+    async def _balanced(self, stage: int, handler: str, request: WireModel, reply: type[R], *,
+                        give_up_unreachable: bool = False) -> tuple[str, R]:
+        """Call `handler` on the least-loaded worker of `stage`, retrying elsewhere on failure.
+
+        `give_up_unreachable`: the stage is being skipped already, so a worker that cannot be
+        reached ends the attempts at once instead of being waited for (its record has not lapsed)."""
         tried: list[str] = []
         last_error = "no attempt made"
+        unreachable = True
         for _ in range(self.max_attempts):
             try:
                 peer = self.balancers[stage].choose(1.0, exclude=tried)
             except NoWorkersError as exc:
-                if self.on_no_workers is not None:
+                # While the stage is skipped, periodic discovery is enough to find its next worker;
+                # a refresh per sample would read the DHT at the lanes' pace.
+                if self.on_no_workers is not None and not self.skipping.active(stage):
                     self.on_no_workers()
                 raise SampleDropped("no_workers", str(exc)) from exc  # names its stage
             tried.append(peer)
@@ -133,6 +152,12 @@ class PipelineDriver:
             except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
                 if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
                     raise SampleDropped("rejected", f"stage {stage} worker {peer[-8:]}: {exc}") from exc
+                unreachable = unreachable and isinstance(exc, PeerUnavailable)
+                if give_up_unreachable and isinstance(exc, PeerUnavailable):
+                    self.balancers[stage].report_failure(peer)
+                    dropped = SampleDropped("worker_failures", f"stage {stage} worker {peer[-8:]}: {exc}")
+                    dropped.unreachable = unreachable
+                    raise dropped from exc
                 backoff_s = self.balancers[stage].report_failure(peer)
                 self.stats.forward_retries += 1
                 self.retries.count(_failure_reason(exc), f"stage {stage} worker {peer[-8:]}: {exc}")
@@ -144,18 +169,34 @@ class PipelineDriver:
                     await asyncio.sleep(backoff_s)
                 else:
                     logger.debug("stage %d worker %s failed (%s); retrying elsewhere", stage, peer[-8:], exc)
-        raise SampleDropped("worker_failures", f"stage {stage}: {self.max_attempts} attempts failed; last: {last_error}")
+        dropped = SampleDropped("worker_failures", f"stage {stage}: {self.max_attempts} attempts failed; "
+                                f"last: {last_error}")
+        dropped.unreachable = unreachable
+        raise dropped
 
     async def train_sample(self, sample_id: str, tokens: torch.Tensor) -> SampleResult:
         started = time.perf_counter()
         sample_id = f"{self.id_prefix}{sample_id}"
         inputs: list[Optional[torch.Tensor]] = [None] * self.num_stages
         route: list[str] = [""] * self.num_stages
+        """The worker that ran each stage's forward; "" for a stage the sample skipped."""
+        skipped: list[int] = []
         coords: Optional[torch.Tensor] = None
         for stage in range(self.num_stages - 1):
             inputs[stage] = coords
             request = ForwardRequest(stage=stage, sample_id=sample_id, tokens=tokens, coords=coords)
-            route[stage], forward = await self._balanced(stage, version.FORWARD, request, ForwardReply)
+            may_skip = self.skipping.may_skip(stage, _run_before(skipped, stage))
+            try:
+                route[stage], forward = await self._balanced(
+                    stage, version.FORWARD, request, ForwardReply,
+                    give_up_unreachable=may_skip and self.skipping.active(stage))
+            except SampleDropped as exc:
+                if not (may_skip and skippable(exc.reason, exc.unreachable)):
+                    raise
+                self.skipping.skipped(stage, "forward", exc.detail)
+                skipped.append(stage)
+                continue  # the same coordinates go on to the next stage
+            self.skipping.served(stage)
             coords = forward.coords
         tail = self.num_stages - 1
         request = BackwardRequest(stage=tail, sample_id=sample_id, tokens=tokens, coords=coords)
@@ -166,35 +207,69 @@ class PipelineDriver:
         if loss is None or grad is None:
             raise SampleDropped("bad_reply", f"tail worker {route[tail][-8:]} sent no loss or gradient")
         fallbacks = 0
+        reached = [s for s in range(self.num_stages) if s not in skipped]
+
+        def unreached_from(stage: int) -> list[tuple[int, str]]:
+            return [(s, route[s]) for s in range(stage, -1, -1) if s not in skipped]
+
         for stage in range(self.num_stages - 2, -1, -1):
+            if stage in skipped:
+                continue  # the gradient at the stage's output is the one at its input
             # The tail's tag makes every stage accumulate this sample into the same global step.
             request = BackwardRequest(stage=stage, sample_id=sample_id, tokens=tokens, coords=inputs[stage],
                                       grad_output=grad, step=step)
+            may_skip = self.skipping.may_skip(stage, _run_around(skipped, stage))
             try:
-                reply, used_fallback = await self._pinned_backward(stage, route[stage], request)
+                reply, used_fallback = await self._pinned_backward(stage, route[stage], request,
+                                                                   may_skip=may_skip)
             except SampleDropped as exc:
-                exc.step, exc.unreached = step, [(s, route[s]) for s in range(stage, -1, -1)]
-                raise
+                if not (may_skip and skippable(exc.reason, exc.unreachable)):
+                    exc.step, exc.unreached = step, unreached_from(stage)
+                    raise
+                # Its forward's worker died after the forward and no replica is left: the gradient
+                # passes through as if the stage were the identity (roles/trainer/skipping.py).
+                self.skipping.skipped(stage, "backward", exc.detail)
+                skipped.append(stage)
+                reached.remove(stage)
+                continue
             fallbacks += used_fallback
             grad = reply.grad_input
             versions[stage] = reply.version
             if stage > 0 and grad is None:
                 dropped = SampleDropped("bad_reply", f"stage {stage} worker sent no input gradient")
-                dropped.step, dropped.unreached = step, [(s, route[s]) for s in range(stage - 1, -1, -1)]
+                dropped.step, dropped.unreached = step, unreached_from(stage - 1)
                 raise dropped
-        for stage, peer in enumerate(route):
-            self.stats.served[(stage, peer)] += 1
+        for stage in reached:
+            self.stats.served[(stage, route[stage])] += 1
+        skipped.sort()
+        self.skipping.sample_done(skipped)
+        abandon_to = []
+        for stage in skipped:
+            known = self.balancers[stage].known()
+            if known:
+                abandon_to.append((stage, known[0]))
         return SampleResult(loss=loss, route=route, backward_fallbacks=fallbacks,
-                            elapsed_s=time.perf_counter() - started, step=step, versions=versions)
+                            elapsed_s=time.perf_counter() - started, step=step, versions=versions,
+                            skipped=skipped, abandon_to=abandon_to)
 
     async def abandon(self, sample_id: str, dropped: SampleDropped, timeout_s: float = 5.0) -> int:
         """Tell the stages a tagged sample never reached that it will not come, so they close its
         step now instead of after their timeout. Best effort: returns how many stages took it."""
         if dropped.step is None:
             return 0
+        return await self._abandon(sample_id, dropped.step, dropped.unreached, timeout_s)
+
+    async def abandon_skipped(self, sample_id: str, result: SampleResult, timeout_s: float = 2.0) -> int:
+        """Tell a skipped stage that still lists a worker (one the trainer could not reach, which
+        may yet be alive) that the sample will not come, so that its step does not wait for it."""
+        if result.step is None or not result.abandon_to:
+            return 0
+        return await self._abandon(sample_id, result.step, result.abandon_to, timeout_s)
+
+    async def _abandon(self, sample_id: str, step: int, to: list[tuple[int, str]], timeout_s: float) -> int:
         taken = 0
-        for stage, peer in dropped.unreached:
-            request = AbandonRequest(stage=stage, sample_id=f"{self.id_prefix}{sample_id}", step=dropped.step)
+        for stage, peer in to:
+            request = AbandonRequest(stage=stage, sample_id=f"{self.id_prefix}{sample_id}", step=step)
             try:
                 await self.connect(peer)
                 reply = await self.client.request(PeerID.from_base58(peer), version.ABANDON, request, AbandonReply,
@@ -204,16 +279,27 @@ class PipelineDriver:
                 logger.debug("stage %d worker %s did not take the abandon notice: %s", stage, peer[-8:], exc)
         return taken
 
-    async def _pinned_backward(self, stage: int, peer: str, request: BackwardRequest) -> tuple[BackwardReply, int]:
+    async def _pinned_backward(self, stage: int, peer: str, request: BackwardRequest, *,
+                               may_skip: bool = False) -> tuple[BackwardReply, int]:
         """Backward must run on the forward's replica: replicas drift between averaging rounds,
         so another replica would recompute different activations [report 4.2.1]. When that
-        replica is the stage's last usable worker it is retried after the balancer's backoff."""
+        replica is the stage's last usable worker it is retried after the balancer's backoff.
+
+        `may_skip`: the stage could be passed through, so a pinned worker that is unreachable
+        while the stage is already skipped (it died) is not waited for."""
+        unreachable = True
         for attempt in range(self.max_attempts):
             try:
                 return await self._call(stage, peer, version.BACKWARD, request, BackwardReply), 0
             except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
                 if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
                     raise SampleDropped("rejected", f"stage {stage} backward: {exc}") from exc
+                unreachable = unreachable and isinstance(exc, PeerUnavailable)
+                if may_skip and unreachable and self.skipping.active(stage):
+                    self.balancers[stage].report_failure(peer)
+                    dropped = SampleDropped("backward_failed", f"stage {stage} backward: {exc}")
+                    dropped.unreachable = True
+                    raise dropped from exc
                 backoff_s = self.balancers[stage].report_failure(peer)
                 if backoff_s <= 0:
                     self.retries.count(f"backward_fallback_{_failure_reason(exc)}",
@@ -222,15 +308,39 @@ class PipelineDriver:
                 self.retries.count(f"backward_{_failure_reason(exc)}",
                                    f"pinned backward worker {peer[-8:]}, the last of stage {stage}: {exc}")
                 if attempt + 1 == self.max_attempts:
-                    raise SampleDropped("backward_failed", f"stage {stage}: its last usable worker failed "
-                                        f"{self.max_attempts} backward attempts; last: {exc}") from exc
+                    dropped = SampleDropped("backward_failed", f"stage {stage}: its last usable worker failed "
+                                            f"{self.max_attempts} backward attempts; last: {exc}")
+                    dropped.unreachable = unreachable
+                    raise dropped from exc
                 await asyncio.sleep(backoff_s)
         self.stats.backward_fallbacks += 1
         try:
-            _, reply = await self._balanced(stage, version.BACKWARD, request, BackwardReply)
+            _, reply = await self._balanced(stage, version.BACKWARD, request, BackwardReply,
+                                            give_up_unreachable=may_skip and self.skipping.active(stage))
         except SampleDropped as exc:
-            raise SampleDropped("backward_failed", str(exc)) from exc
+            dropped = SampleDropped("backward_failed", exc.detail)
+            dropped.unreachable = skippable(exc.reason, exc.unreachable)
+            raise dropped from exc
         return reply, 1
+
+
+def _run_before(skipped: list[int], stage: int) -> int:
+    """How many stages right before `stage` the sample skips (forward order: none after it yet)."""
+    run = 0
+    while stage - run - 1 in skipped:
+        run += 1
+    return run
+
+
+def _run_around(skipped: list[int], stage: int) -> int:
+    """How many stages right next to `stage`, on either side, the sample skips."""
+    run, below = 0, stage - 1
+    while below in skipped:
+        run, below = run + 1, below - 1
+    above = stage + 1
+    while above in skipped:
+        run, above = run + 1, above + 1
+    return run
 
 
 def _failure_reason(exc: Exception) -> str:

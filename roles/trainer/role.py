@@ -28,6 +28,7 @@ from roles.trainer.config import TrainerConfig
 from roles.trainer.data import Sample, make_sample_stream
 from roles.trainer.discovery import WorkerDiscovery
 from roles.trainer.pipeline import PipelineDriver, SampleDropped
+from roles.trainer.skipping import StageSkipping
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +64,12 @@ class TrainerRole:
         self.client = RpcClient(p2p, timeout_s=config.request_timeout_s, authenticator=authenticator)
         self.balancers = [StageBalancer(s, ban_s=config.ban_s) for s in range(run.num_stages)]
         self.discovery = WorkerDiscovery(swarm, run.run_id, self.balancers, period_s=config.discovery_period_s)
+        self.skipping = StageSkipping(run.num_stages, run.skipping)
+        """Body stages routed around while they have no reachable worker (run config `skipping:`)."""
         self.driver = PipelineDriver(
             self.client, self.balancers, connect=self._connect, id_prefix=f"{swarm.peer_id[-8:]}-",
             max_attempts=config.max_attempts, timeout_s=config.request_timeout_s,
-            on_no_workers=self.discovery.request_refresh,
+            on_no_workers=self.discovery.request_refresh, skipping=self.skipping,
         )
         self.samples: Iterator[Sample] = iter(make_sample_stream(
             config.data, config.tokenizer, run.seq_len, config.shard_index, config.num_shards, run.seed, epochs=None,
@@ -79,7 +82,8 @@ class TrainerRole:
         self.live_trainers = 1
         self._slot_freed = asyncio.Event()
         # AGORA_SAMPLE_LOG names a file that gets one JSON line per completed sample (its id, the
-        # step it belonged to, its loss, each stage's gradient weight version): what
+        # step it belonged to, its loss, each stage's gradient weight version, the stages it
+        # skipped): what
         # scripts/bench_fidelity.py replays in one process.
         log_path = os.environ.get("AGORA_SAMPLE_LOG")
         self.sample_log: Optional[IO[str]] = open(log_path, "a", encoding="utf-8") if log_path else None
@@ -181,8 +185,11 @@ class TrainerRole:
             self._slot_freed.set()
             if self.sample_log is not None:
                 self.sample_log.write(json.dumps({"sample_id": sample.sample_id, "step": result.step,
-                                                  "loss": result.loss, "versions": result.versions}) + "\n")
+                                                  "loss": result.loss, "versions": result.versions,
+                                                  "skipped": result.skipped}) + "\n")
                 self.sample_log.flush()
+            if result.abandon_to:
+                await self.driver.abandon_skipped(sample.sample_id, result)
 
     async def _count_trainers(self, stop: asyncio.Event) -> None:
         """Keep `live_trainers` current: the in-flight cap is shared among the run's trainers."""
@@ -259,6 +266,7 @@ class TrainerRole:
             "forward_retries": self.driver.stats.forward_retries,
             "backward_fallbacks": self.driver.stats.backward_fallbacks,
             "served": served,
+            **self.skipping.summary(),
         }
 
     async def shutdown(self) -> None:
