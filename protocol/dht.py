@@ -17,6 +17,7 @@ from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
 from protocol.dht_schema import RecordModel, Tombstone
+from protocol.errors import PeerTimeout
 from protocol.stats import Distribution
 
 logger = logging.getLogger(__name__)
@@ -63,15 +64,18 @@ class SwarmDHT:
         """Overwrite our subkey with a tombstone: hivemind has no delete."""
         return await self.store(key, Tombstone(), ttl_s)
 
-    async def get(self, key: str, model: type[R], *, latest: bool = True) -> dict[str, R]:
-        """Every live, valid, non-tombstoned record under `key`, by peer id."""
+    async def get(self, key: str, model: type[R], *, latest: bool = True, strict: bool = False) -> dict[str, R]:
+        """Every live, valid, non-tombstoned record under `key`, by peer id. A timeout reads as
+        no records, or raises PeerTimeout with `strict` (for callers that must tell the two apart)."""
         started = time.perf_counter()
         future = self.dht.get(key, latest=latest, return_future=True)
         try:
             found = await asyncio.wait_for(future, self.timeout_s)
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError as exc:
             future.cancel()
             logger.warning("DHT get of %s timed out after %.1fs", key, self.timeout_s)
+            if strict:
+                raise PeerTimeout(f"DHT get of {key} timed out after {self.timeout_s:.1f}s") from exc
             return {}
         finally:
             self.latency["get"].observe(time.perf_counter() - started)

@@ -367,6 +367,94 @@ class SkippingConfig(BaseModel):
     )
 
 
+class SwitchRule(BaseModel):
+    """A self-termination rule with no threshold: it fires on its first cause."""
+
+    model_config = _FROZEN
+
+    enabled: bool = Field(default=True, description="Whether the rule is evaluated at all.")
+
+
+class ConsecutiveRule(SwitchRule):
+    """A rule that fires on the Nth consecutive occurrence of its cause."""
+
+    max_consecutive: int = Field(
+        default=2, ge=1,
+        description="Fire on this many consecutive occurrences (2: the step's retry failed too).",
+    )
+
+
+class SilenceRule(SwitchRule):
+    """A rule that fires once something has failed for a while without one success."""
+
+    after_s: float = Field(default=120.0, gt=0, description="Fire after this long without a success.")
+
+
+class MemoryRule(SwitchRule):
+    """A rule that fires when a memory reading exceeds a limit: bytes, a fraction of the total, or
+    whichever is lower when both are set."""
+
+    enabled: bool = Field(default=False, description="Whether the rule is evaluated at all.")
+    max_bytes: int | None = Field(default=None, gt=0, description="Fire above this many bytes.")
+    max_fraction: float | None = Field(
+        default=0.95, gt=0, le=1, description="Fire above this fraction of the total memory."
+    )
+
+    @model_validator(mode="after")
+    def _check_limit(self) -> MemoryRule:
+        if self.enabled and self.max_bytes is None and self.max_fraction is None:
+            raise ValueError("an enabled memory rule needs max_bytes or max_fraction")
+        return self
+
+
+class AveragingRule(SwitchRule):
+    """The averaging rule [report 3.3.1.6]: `max_failures` failed rounds among the last `window`
+    (a successful round resets the count)."""
+
+    max_failures: int = Field(default=2, ge=1, description="Failed rounds that make the worker leave.")
+    window: int = Field(default=3, ge=1, description="Rounds the failures are counted over.")
+
+    @model_validator(mode="after")
+    def _check_window(self) -> AveragingRule:
+        if self.max_failures > self.window:
+            raise ValueError(f"max_failures {self.max_failures} exceeds window {self.window}; it could never fire")
+        return self
+
+
+class TerminationConfig(BaseModel):
+    """A worker's self-termination rules [report 3.3.1.6]: conditions under which it leaves its
+    stage on its own, with the exit code and sentence roles/worker/termination.py gives each.
+    They are in the run config so the run owner sets them for every worker."""
+
+    model_config = _FROZEN
+
+    check_period_s: float = Field(
+        default=5.0, gt=0, description="How often memory and reachability are sampled and the timers checked."
+    )
+    device_fault: SwitchRule = Field(
+        default_factory=SwitchRule, description="Leave on a CUDA/device error raised by the compute."
+    )
+    non_finite: ConsecutiveRule = Field(
+        default_factory=ConsecutiveRule, description="Leave when consecutive steps had non-finite gradients."
+    )
+    connectivity: SilenceRule = Field(
+        default_factory=SilenceRule, description="Leave when no peer answered for after_s (once one had)."
+    )
+    progress: SilenceRule = Field(
+        default_factory=SilenceRule, description="Leave when the stage's progress records could not be read."
+    )
+    host_memory: MemoryRule = Field(
+        default_factory=MemoryRule, description="Leave when the process's resident memory exceeds a limit."
+    )
+    device_memory: MemoryRule = Field(
+        default_factory=lambda: MemoryRule(max_fraction=0.98),
+        description="Leave when the memory torch holds on the device exceeds a limit.",
+    )
+    averaging: AveragingRule = Field(
+        default_factory=AveragingRule, description="Leave after failing max_failures of the last window rounds."
+    )
+
+
 class RunConfig(BaseModel):
     """Everything the nodes of one training run must agree on."""
 
@@ -400,6 +488,11 @@ class RunConfig(BaseModel):
     skipping: SkippingConfig = Field(
         default_factory=SkippingConfig,
         description="Whether trainers route around a body stage with no reachable worker.",
+    )
+
+    termination: TerminationConfig = Field(
+        default_factory=TerminationConfig,
+        description="When a worker leaves its stage on its own (self-termination rules).",
     )
 
     @field_validator("run_id")

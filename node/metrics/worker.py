@@ -10,6 +10,7 @@ from node.metrics.registry import Families, Family, NodeMetrics
 from protocol.dht_schema import Phase, RoundStatus
 from roles.worker.queues import TaskKind
 from roles.worker.role import WorkerRole, WorkerState
+from roles.worker.termination import RULES
 
 PASSES = tuple(kind.value for kind in TaskKind)
 ROUND_OUTCOMES = tuple(status.value for status in RoundStatus)
@@ -65,6 +66,10 @@ def _worker(f: Families, role: WorkerRole) -> Iterable[Family]:
     current = Phase.LEAVING if role.state in (WorkerState.STOPPING, WorkerState.STOPPED) else role.phase
     yield f.gauges("agora_worker_sync_phase", "1 for the sync phase the worker is in, 0 for the others", "phase",
                    {phase.value: float(phase == current) for phase in Phase})
+    firing = role.termination.firing
+    yield f.gauges("agora_worker_self_termination", "1 for the self-termination rule that fired (the worker is "
+                   "leaving its stage), 0 for the others", "rule",
+                   {rule.name: float(firing is not None and firing.rule is rule) for rule in RULES})
 
 
 def _averaging(f: Families, role: WorkerRole) -> Iterable[Family]:

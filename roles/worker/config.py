@@ -70,6 +70,12 @@ class WorkerConfig(BaseModel):
     test_fail_forwards: int = Field(
         default=0, ge=0, json_schema_extra=HIDDEN,
         description="TESTS ONLY: answer the first N forward requests with an internal error (failing calls)")
+    test_device_fault_after_batches: int = Field(
+        default=0, ge=0, json_schema_extra=HIDDEN,
+        description="TESTS ONLY: after N batches every batch raises a CUDA-like error (a failing device)")
+    test_nan_gradients_after_steps: int = Field(
+        default=0, ge=0, json_schema_extra=HIDDEN,
+        description="TESTS ONLY: from local step N on, make every step's accumulated gradients NaN")
     test_state_chunk_delay_s: float = Field(
         default=0.0, ge=0, json_schema_extra=HIDDEN,
         description="TESTS ONLY: pause this long before serving each state chunk (a slow state download)")

@@ -6,7 +6,9 @@
         ├── StateLoadError       no peer or checkpoint gave this worker its stage's parameters
         ├── CheckpointError      a checkpoint is missing, unreadable or belongs to another run/stage
         └── WorkerLeftStage      the worker's own rules made it leave the stage [report 3.3.1.6];
-                                 the node exits with the code its daemon maps this to (3)
+            │                    the node exits with the code its daemon maps this to (3)
+            └── SelfTerminated   one named rule of roles/worker/termination.py fired; the node
+                                 exits with that rule's code
 """
 
 from __future__ import annotations
@@ -36,3 +38,13 @@ class WorkerLeftStage(WorkerError):
     A replica that keeps missing rounds drifts from the stage consensus and harms convergence
     [report 3.3.1.6]; it may rejoin through the normal path and its sync phases.
     """
+
+
+class SelfTerminated(WorkerLeftStage):
+    """A self-termination rule fired (roles/worker/termination.py): the worker leaves its stage
+    cleanly and the node exits with `exit_code`, the rule's documented code."""
+
+    def __init__(self, rule: str, exit_code: int, message: str):
+        super().__init__(message)
+        self.rule = rule
+        self.exit_code = exit_code

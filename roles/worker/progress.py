@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import ProgressRecord, progress_key
+from protocol.errors import PeerTimeout
 from roles.periodic import Signal, every
 from roles.worker.optimizer import StageOptimizer
 from roles.worker.step_ledger import PeerView, StepLedger
@@ -30,7 +31,8 @@ class StageProgress:
     def __init__(self, swarm: SwarmDHT, run_id: str, stage: int, optimizer: StageOptimizer, ledger: StepLedger,
                  *, period_s: float = 0.25, ttl_s: float = 30.0, min_interval_s: float = 0.02,
                  counts_towards_target: Callable[[], bool] = lambda: True,
-                 on_peers: Callable[[], None] = lambda: None, changed: Optional[Signal] = None):
+                 on_peers: Callable[[], None] = lambda: None, changed: Optional[Signal] = None,
+                 on_read: Callable[[bool, str], None] = lambda ok, why: None):
         self.swarm = swarm
         self.key = progress_key(run_id, stage)
         self.optimizer = optimizer
@@ -42,6 +44,8 @@ class StageProgress:
         self.on_peers = on_peers
         self.changed = changed
         """Fired (by the compute thread) when this worker's counts changed: publish soon."""
+        self.on_read = on_read
+        """Told whether each read of the stage's records came back (the progress rule)."""
         self._published: Optional[tuple] = None
         self._last_read = 0.0
         self._last_forced = float("-inf")
@@ -74,7 +78,16 @@ class StageProgress:
         if alone and not force and time.monotonic() - self._last_read < self.period_s:
             return
         self._last_read = time.monotonic()
-        peers = await self.swarm.get(self.key, ProgressRecord)
+        try:
+            peers = await self.swarm.get(self.key, ProgressRecord, strict=True)
+        except PeerTimeout as exc:  # the stage's progress is unreadable now
+            self.on_read(False, str(exc))
+            peers = {}  # read as before: no peer counts this time
+        except Exception as exc:
+            self.on_read(False, f"{type(exc).__name__}: {exc}")
+            raise
+        else:
+            self.on_read(True, "")
         peers.pop(self.swarm.peer_id, None)
         self.ledger.update_peers(peer_view(peers.values()))
         self.on_peers()

@@ -37,6 +37,8 @@ from roles.worker.averaging.service import AveragingService
 from roles.worker.checkpoint import StageCheckpoints
 from roles.worker.config import WorkerConfig
 from roles.worker.errors import CheckpointError, StateLoadError, WorkerLeftStage
+from roles.worker.reachability import Reachability
+from roles.worker.termination import SelfTermination, averaging_health
 from roles.worker.handlers import WorkerHandlers
 from roles.worker.layout import FlatLayout
 from roles.worker.optimizer import StageOptimizer
@@ -98,6 +100,13 @@ class WorkerRole:
                            PreemptionWatcher(swarm, run_id=run.run_id, auth_state=auth_state, switch=self.preempt,
                                              reducer=config.reducer))
         self.server = RpcServer(p2p, authenticator=authenticator, limits=config.stream_limits())
+        # Self-termination [report 3.3.1.6]: the compute thread reports batch errors and steps to
+        # the rules; the run loop samples memory and reachability (_watch) and leaves when one fires.
+        self.termination = SelfTermination(run.termination)
+        self.runtime.on_compute_error = self.termination.compute_error
+        self.runtime.on_step = self.termination.step_result
+        self.runtime.test_device_fault_after_batches = config.test_device_fault_after_batches
+        self.runtime.test_nan_gradients_after_steps = config.test_nan_gradients_after_steps
         self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches,
                                        fail_forwards=config.test_fail_forwards)
         self.announcer = Announcer(
@@ -106,7 +115,7 @@ class WorkerRole:
         self.progress = StageProgress(
             swarm, run.run_id, config.stage, self.optimizer, self.ledger,
             period_s=config.progress_period_s, counts_towards_target=self._counts_towards_target,
-            on_peers=self.runtime.wake, changed=self.runtime.changed,
+            on_peers=self.runtime.wake, changed=self.runtime.changed, on_read=self._progress_read,
         )
         self.averaging = AveragingService(
             run.averaging, swarm=swarm, run_id=run.run_id, stage=config.stage, store=self.optimizer,
@@ -117,6 +126,9 @@ class WorkerRole:
             stepped=self.runtime.stepped, auth_state=auth_state, poison=config.test_averaging_poison,
             preempt=self.preempt,
         )
+        self.averaging.health = averaging_health(run.termination)  # the averaging rule's thresholds
+        self._probe_client: Optional[RpcClient] = None
+        self.reachability: Optional[Reachability] = None
         self.state_server = StateServer(
             self.optimizer, self.layout, run_id=run.run_id, stage=config.stage,
             step=lambda: self.optimizer.local_step,
@@ -220,6 +232,7 @@ class WorkerRole:
             "sync_phases": self.sync.summary(),
             "averaging": self.averaging.summary(),
             "state_served": dict(self.state_server.counters),
+            "terminated_by": self.termination.summary(),
         }
 
     # ---- start ----
@@ -329,12 +342,22 @@ class WorkerRole:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, the compute thread dies or the worker must leave its stage."""
         crashed, left = self.runtime.crashed.listen(), self.averaging.left.listen()
+        fired = self.termination.fired.listen()
+        rules = self.run_config.termination
+        self._probe_client = RpcClient(self.p2p, timeout_s=rules.check_period_s,
+                                       authenticator=self.server.authenticator)
+        self.reachability = Reachability(
+            self.swarm, self.p2p, self._probe_client, run_id=self.run_config.run_id,
+            num_stages=self.run_config.num_stages, served=lambda: sum(self.handlers.outcomes.values()),
+            timeout_s=min(5.0, rules.check_period_s))
         self._tasks = [
             asyncio.create_task(self.announcer.run(stop), name="announce"),
             asyncio.create_task(self.progress.run(stop), name="progress"),
             asyncio.create_task(self.averaging.run(stop), name="averaging"),
             asyncio.create_task(every(None, self._update_phase, stop, name="sync phases",
                                       wake=self.runtime.stepped.listen()), name="sync-phases"),
+            asyncio.create_task(every(rules.check_period_s, self._watch, stop, name="self-termination rules"),
+                                name="self-termination"),
         ]
         if self.phase != Phase.ACTIVE:
             period = min(self.config.announce_period_s, self.run_config.sync.alone_exit_s / 3)
@@ -348,11 +371,29 @@ class WorkerRole:
                                      may_write=lambda: self.phase == Phase.ACTIVE),
                 name="checkpoints"))
         while not stop.is_set():
-            if self.runtime.failure is not None:
+            if self.runtime.failure is not None and not self.termination.compute_error(self.runtime.failure):
                 raise RuntimeError(f"compute thread failed: {self.runtime.failure}") from self.runtime.failure
             if self.averaging.leave_reason:
-                raise WorkerLeftStage(f"worker left stage {self.config.stage}: {self.averaging.leave_reason}")
-            await wait_any(stop, crashed, left)
+                self.termination.averaging_left(self.averaging.leave_reason)
+                if self.termination.firing is None:  # cannot happen while the rule is on (averaging_health)
+                    raise WorkerLeftStage(f"worker left stage {self.config.stage}: {self.averaging.leave_reason}")
+            self.termination.raise_if_fired()
+            await wait_any(stop, crashed, left, fired)
+
+    def _progress_read(self, ok: bool, why: str) -> None:
+        self.termination.progress_read(ok, why)
+        if not ok:
+            self.termination.check()
+
+    async def _watch(self) -> None:
+        """Sample what the thresholded and timed rules watch (once a check period)."""
+        used, total = device_memory(self.config.device)
+        self.termination.memory(host_rss=host_rss_bytes(), host_total=host_memory_total_bytes(),
+                                device_used=used, device_total=total)
+        if self.termination.firing is None and self.reachability is not None:
+            ok, why = await self.reachability.probe()
+            self.termination.reachability(ok, why)
+        self.termination.check()
 
     def _update_phase(self) -> None:
         """Advance the sync phase if it is done: called when the step moves and after each round,
@@ -395,6 +436,8 @@ class WorkerRole:
         if (self.checkpoints is not None and self.config.checkpoint_period_s and not self.averaging.leave_reason
                 and self.phase == Phase.ACTIVE):
             await self.checkpoints.save_logged(self.optimizer.local_step)
+        if self._probe_client is not None:
+            await self._probe_client.close()
         await self.server.shutdown()
         self.state = WorkerState.STOPPED
         discarded = self.runtime.discarded_at_shutdown

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -211,6 +212,17 @@ class StageRuntime:
         """Called by the compute thread mid batch ("forward" once the model ran, "backward" once the
         gradients are in), before any reply goes back: where an operator's preemption order
         strikes (roles/worker/preemption.py)."""
+        self.on_compute_error: Optional[Callable[[BaseException], None]] = None
+        """Called by the compute thread with each error a batch raised (before its requesters get
+        it): the self-termination rules tell a failing device from a bad request there."""
+        self.on_step: Optional[Callable[[bool, str], None]] = None
+        """Called by the compute thread after each step that had samples: (finite, what happened)."""
+        self.test_device_fault_after_batches = 0
+        """TESTS ONLY (AGORA_TEST_DEVICE_FAULT_AFTER_BATCHES): batches after which every batch raises
+        a CUDA-like error."""
+        self.test_nan_gradients_after_steps = 0
+        """TESTS ONLY (AGORA_TEST_NAN_GRADIENTS_AFTER_STEPS): from this local step on, every step's
+        accumulated gradients are made NaN before the step."""
 
     # ---- validation (called on the event loop, before queueing) ----
 
@@ -299,7 +311,7 @@ class StageRuntime:
                 compute = self._forward_batch if batch[0].kind == TaskKind.FORWARD else self._backward_batch
                 taken_at = time.monotonic()
                 started = time.perf_counter()
-                run_batch(batch, compute)
+                run_batch(batch, functools.partial(self._observed, compute))
                 ended = time.perf_counter()
                 elapsed = ended - started
                 self.compute_s += elapsed
@@ -310,6 +322,19 @@ class StageRuntime:
             logger.exception("compute thread crashed")
             self.failure = exc
             self.crashed.fire()
+
+    def _observed(self, compute, payloads):
+        """Run one batch, telling `on_compute_error` what it raised (run_batch hands it on)."""
+        try:
+            batches = self.counters["forward_batches"] + self.counters["backward_batches"]
+            if 0 < self.test_device_fault_after_batches <= batches:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (test fault: "
+                                   "AGORA_TEST_DEVICE_FAULT_AFTER_BATCHES)")
+            return compute(payloads)
+        except Exception as exc:
+            if self.on_compute_error is not None:
+                self.on_compute_error(exc)
+            raise
 
     def arrived(self) -> tuple[int, int]:
         """Samples of the open step and of the next that reached this replica: accumulated here, or
@@ -361,12 +386,20 @@ class StageRuntime:
             due = self.ledger.due(opt.local_step, open_samples, next_samples > 0 or held > 0, overtaken=held > 0)
             if due is None:
                 return
+            had_samples = opt.samples_accumulated > 0
+            if had_samples and 0 < self.test_nan_gradients_after_steps <= opt.local_step:
+                opt.poison_gradients()
             try:
                 report = opt.step(stage_samples=due.stage_samples)
             except NonFiniteGradients as exc:
                 self.counters["non_finite_steps"] += 1
                 logger.error("%s", exc)
                 report = None
+                if self.on_step is not None:
+                    self.on_step(False, str(exc))
+            else:
+                if had_samples and self.on_step is not None:
+                    self.on_step(True, "")
             self.ledger.stepped(opt.local_step - 1, due)
         if due.reason != "complete":
             why = {"peer_ahead": "a replica of this stage was ahead",

@@ -98,7 +98,7 @@ class FakeSwarm:
         self.stored[key] = record
         return True
 
-    async def get(self, key, model):
+    async def get(self, key, model, strict=False):
         return dict(self.peers)
 
 
