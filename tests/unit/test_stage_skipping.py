@@ -220,3 +220,21 @@ def test_run_config_defaults():
     run = load_run_config("tiny")
     assert run.skipping.enabled is True and run.skipping.max_consecutive == 1
     assert load_run_config("tiny", {"skipping": {"enabled": False}}).skipping.enabled is False
+
+
+def test_the_benchmarks_outages_cover_the_fraction_on_body_stages_and_skip_for_real():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    from bench_skipping import SkippingModel, build_stages, outage_schedule, run_config
+
+    down = outage_schedule(200, 0.1, 4, seed=3)
+    assert len(down) == 20 and set(down.values()) <= {1, 2}
+    assert outage_schedule(200, 0.1, 4, seed=3) == down
+    run = run_config(10, seed=0)
+    model = SkippingModel(build_stages(run))
+    tokens = torch.randint(0, run.model.vocab_size, (2, 8))
+    full = model(tokens)
+    model.skip = 1
+    assert model(tokens).shape == full.shape and not torch.allclose(model(tokens), full)
