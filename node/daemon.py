@@ -279,9 +279,10 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         logger.info("stopped %s", exc)
     except ConfigError:
         raise
-    except WorkerLeftStage as exc:
-        logger.error("%s; exiting with code %d", exc, ExitCode.LEFT_STAGE)
-        code = ExitCode.LEFT_STAGE
+    except WorkerLeftStage as exc:  # self-termination [report 3.3.1.6]: a rule's sentence, no traceback
+        code = getattr(exc, "exit_code", ExitCode.LEFT_STAGE)
+        logger.error("%s; leaving cleanly (records withdrawn, queued work handed back), then exiting with code %d",
+                     exc, code)
     except Exception:
         logger.exception("%s failed", settings.role)
         code = ExitCode.FAILURE

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Rewrite the generated blocks of the documentation from the code: the README's `--help`
-blocks and the policy-file schema in docs/operations.md. tests/unit/test_docs_in_sync.py fails
+blocks, and the policy-file schema and the self-termination rules in docs/operations.md. tests/unit/test_docs_in_sync.py fails
 when they differ, so the documents cannot drift from the code.
 
     .venv/bin/python scripts/sync_docs.py          # rewrite the blocks
@@ -73,10 +73,18 @@ def policy_schema() -> str:
     return "\n".join(lines) + "\n"
 
 
+def termination_rules() -> str:
+    sys.path.insert(0, ROOT)
+    from roles.worker.termination import rules_table
+
+    return rules_table()
+
+
 BLOCKS: dict[tuple[str, str], Callable[[], str]] = {
     ("README.md", "help:node"): lambda: help_text("--help"),
     ("README.md", "help:authorizer"): lambda: help_text("--role", "authorizer", "--help"),
     ("docs/operations.md", "policy-schema"): policy_schema,
+    ("docs/operations.md", "termination-rules"): termination_rules,
 }
 
 
