@@ -72,11 +72,11 @@ def _trainer(s: dict, uptime_s: Optional[float]) -> list[str]:
     skipped = s.get("skipped_stages")
     if isinstance(skipped, dict) and skipped:
         per_stage = ", ".join(
-            f"stage {stage} {sum(v for v in passes.values() if isinstance(v, int))}"
+            f"stage {stage} for {sum(v for v in passes.values() if isinstance(v, int))} samples"
             for stage, passes in sorted(skipped.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0)
             if isinstance(passes, dict))
         if per_stage:
-            routing.append(f"skipped {per_stage} times")
+            routing.append(f"skipped {per_stage}")
     lines.append(", ".join(routing))
     by_reason = _counts(s.get("dropped_by_reason"))
     if by_reason:
