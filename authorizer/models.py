@@ -103,6 +103,7 @@ class PolicyUpdate(BaseModel):
     queue_idle_timeout_s: Optional[float] = Field(default=None, ge=1, le=86400)
     dial_private_addresses: Optional[bool] = None
     honor_stage_preference: Optional[bool] = None
+    reducer_accounts: Optional[list[Annotated[str, Field(min_length=1, max_length=128)]]] = Field(default=None, max_length=256)
     bandwidth_floor_from_plan: Optional[Literal["off", "bf16", "fp32"]] = None
 
     def changes(self) -> dict:

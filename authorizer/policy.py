@@ -104,6 +104,11 @@ class Policy(BaseModel):
                                    "(agora-node plan: activations plus the averaging burst, with averaging in "
                                    "this dtype; our averager sends fp32)"
     )
+    reducer_accounts: list[str] = Field(
+        default_factory=list, max_length=256,
+        description="accounts whose workers are designated reducers at placement (the run owner's own stable, "
+                    "well-connected machines); other workers only send, unless their stage elects them",
+    )
     honor_stage_preference: bool = Field(
         default=False, description="place a worker on the stage it asks for (--stage) when it may serve it and "
                                    "the stage has room, instead of the stage furthest below its target (the run "
@@ -119,7 +124,7 @@ class Policy(BaseModel):
                 raise ValueError("stage_target needs one value per stage, like stage_capacity")
             if any(not 0 <= t <= _MAX_NODES for t in self.stage_target):
                 raise ValueError(f"stage_target values must lie in 0..{_MAX_NODES}")
-        for field in ("accelerators", "client_versions", "package_digests"):
+        for field in ("accelerators", "client_versions", "package_digests", "reducer_accounts"):
             if any(not 0 < len(v) <= 128 for v in getattr(self, field)):
                 raise ValueError(f"{field} entries must be 1-128 characters")
         return self

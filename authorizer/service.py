@@ -201,7 +201,14 @@ class Authorizer:
         return TicketOut(ticket=row.ticket, status=status, peer_id=row.peer_id, role=row.role,
                          run_id=self.run.run_id,
                          stage=None if row.pool in (None, TRAINER_POOL, MONITOR_POOL) else row.pool,
+                         reducer=self._designated_reducer(row),
                          **fields)
+
+    def _designated_reducer(self, row) -> bool:
+        """A worker of an account in the policy's `reducer_accounts` reduces in its stage's rounds.
+        (An unrecorded rejection reads like a row but carries no account.)"""
+        account = getattr(row, "account_id", None)
+        return row.role == "worker" and account is not None and account in self.policy.reducer_accounts
 
     def _credential_fields(self, blob: bytes) -> dict:
         signed = SignedCredential.from_bytes(blob)

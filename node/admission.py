@@ -116,6 +116,8 @@ class Admission:
     run_config: dict
     bootstrap_peers: list[str]
     root_public_key: bytes
+    reducer: bool = False
+    """The authorizer designated this worker a reducer of its stage."""
 
 
 def measured_hardware(device: str) -> Hardware:
@@ -300,6 +302,7 @@ async def join_run(client: AuthorizerClient, identity: Identity, role: str, *,
                     credential=admission.signed(), stage=ticket.stage, run_config=ticket.run_config or {},
                     bootstrap_peers=list(admission.bootstrap_peers),
                     root_public_key=base64.b64decode(admission.authorizer_public_key),
+                    reducer=ticket.reducer,
                 )
             if ticket.status not in LIVE_TICKET_STATUSES:
                 rejection = ticket.rejection

@@ -257,7 +257,7 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
             await until_stopped(check_identity_not_live(swarm, run.run_id, run.num_stages, membership.maddrs),
                                 stop, "while checking the identity")
         role = _build_role(settings, run, stage, device, swarm, p2p, membership.maddrs, trust.authenticator,
-                           trust.auth_state)
+                           trust.auth_state, designated_reducer=trust.reducer)
         if metrics is not None:
             metrics.attach(role)
         trust.start_background(stop, swarm)
@@ -310,12 +310,17 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
     return trust.failure_exit_code() or code
 
 
-def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator, auth_state=None):
-    """The role, given its own settings section with what the node resolved (stage, device)."""
+def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator, auth_state=None,
+                designated_reducer: bool = False):
+    """The role, given its own settings section with what the node resolved (stage, device, and
+    whether the authorizer designated it a reducer)."""
     if settings.role == "worker":
         from roles.worker.role import WorkerRole
 
-        config = settings.worker.model_copy(update={"stage": stage, "device": device})
+        if designated_reducer and not settings.worker.reducer:
+            logger.info("the authorizer designated this worker a reducer of stage %s", stage)
+        config = settings.worker.model_copy(update={"stage": stage, "device": device,
+                                                    "reducer": settings.worker.reducer or designated_reducer})
         return WorkerRole(config, run, swarm, p2p, maddrs, authenticator, auth_state)
     from roles.trainer.role import TrainerRole
 

@@ -72,6 +72,8 @@ class Trust:
     trust_dir: Optional[str] = None
     failure: Optional[CredentialLost] = None
     """Set when the node learns from the revocation list that it was banned or revoked."""
+    reducer: bool = False
+    """The authorizer designated this worker a reducer of its stage at placement."""
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _revocations_seen: Optional[tuple] = None
     _closed: bool = False
@@ -246,5 +248,5 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
         initial_peers=list(dict.fromkeys([*settings.initial_peers, *admission.bootstrap_peers])),
         auth_state=auth_state, authenticator=authenticator,
         dht_authorizer=CredentialDHTAuthorizer(identity, auth_state), client=client, keeper=keeper,
-        revocation_refresh_s=settings.revocation_refresh_s, trust_dir=trust_dir,
+        revocation_refresh_s=settings.revocation_refresh_s, trust_dir=trust_dir, reducer=admission.reducer,
     )

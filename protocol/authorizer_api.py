@@ -224,6 +224,8 @@ class TicketOut(BaseModel):
     role: str
     run_id: str
     stage: Optional[int] = Field(description="placed stage; known while queued, so stage state can be fetched early")
+    reducer: bool = Field(default=False, description="the authorizer designated this worker a reducer of its stage "
+                                                     "(policy reducer_accounts)")
     queue_position: Optional[int] = Field(default=None, description="0 = released next")
     estimated_wait_s: Optional[float] = None
     rejection: Optional[RejectionOut] = None

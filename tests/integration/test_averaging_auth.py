@@ -2,11 +2,13 @@
 (roles/worker/averaging/access.py): a peer with no credential, a credentialed worker of another
 stage and a trainer are refused by a reducer's averager before hivemind reads their requests, and
 counted by reason; a worker of the stage gets hivemind's own answer; the stage's credentialed
-replicas average with each other as before."""
+replicas average with each other as before. A worker of an account the policy lists in
+`reducer_accounts` is designated a reducer at placement, without --reducer."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import signal
 import uuid
 
@@ -25,9 +27,12 @@ IDLE_ROUNDS = {"average_every": 2, "segments": 4, "matchmaking_time_s": 1.5, "re
 @pytest.fixture
 def authorizer(tmp_path, run_config_path):
     config = run_config_path(stages=TWO_STAGES, run_id=f"avg-{uuid.uuid4().hex[:6]}", averaging=IDLE_ROUNDS)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"reducer_accounts: [{hashlib.sha256(b'alice').hexdigest()}]\n")
     process = AuthorizerProcess(
         ["--run-config", config, "--data-dir", str(tmp_path / "authorizer"), "--port", "0",
-         "--credential-ttl-s", "600", "--admin-token", "test-admin-token-0123456789", "--stage-capacity", "4"],
+         "--credential-ttl-s", "600", "--admin-token", "test-admin-token-0123456789", "--stage-capacity", "4",
+         "--policy-file", str(policy)],
         log_path=str(tmp_path / "authorizer.log"))
     process.start()
     yield process
@@ -127,8 +132,9 @@ def test_only_credentialed_workers_of_the_stage_reach_the_averager(make_swarm, a
 
     refused = (averaging_pb2.PROTOCOL_VIOLATION, averaging_pb2.PROTOCOL_VIOLATION, 0)
     swarm = make_swarm(None, common_args=["--announce-period-s", "1"])
-    workers = [swarm.start("worker", args=["--authorizer", authorizer.url, "--account-token", name, "--reducer"],
-                           wait_ready=False) for name in ("alice", "bob", "carol")]
+    workers = [swarm.start("worker", args=["--authorizer", authorizer.url, "--account-token", name]
+                           + ([] if name == "alice" else ["--reducer"]), wait_ready=False)
+               for name in ("alice", "bob", "carol")]
     for worker in workers:
         swarm.wait_ready(worker)
     stages = [w.stage for w in workers]
@@ -190,3 +196,8 @@ def test_only_credentialed_workers_of_the_stage_reach_the_averager(make_swarm, a
     assert averaging["counters"].get("rounds_complete", 0) >= 1, averaging["counters"]
     assert swarm.stop(lone, signal.SIGTERM) == 0
     assert lone.summary()["averaging"]["refused"] == {}, "the worker of its stage was admitted throughout"
+    alice = workers[0]  # no --reducer, but her account is in the policy's reducer_accounts
+    assert swarm.stop(alice, signal.SIGTERM) == 0, alice.log_tail()
+    designated = alice.summary()["averaging"]
+    assert designated["reducer"] and not designated["elected"], designated
+    assert _log_has(alice, "the authorizer designated this worker a reducer"), alice.log_tail()
