@@ -225,6 +225,15 @@ class AveragingConfig(BaseModel):
         description="A stage with fewer reducers than this (too few workers started with --reducer, "
         "or they left) promotes its most stable active workers until it has this many; 0: never.",
     )
+    max_divergence: float | None = Field(
+        default=0.25, gt=0,
+        description="A replica whose slice sits at least this far (relative L2) from the round's average is "
+        "reported; if it is also 1.5x farther than every other member, for divergence_rounds rounds in a "
+        "row, it rejoins through weight sync. None: never judged.",
+    )
+    divergence_rounds: int = Field(
+        default=2, ge=1, description="Rounds in a row a replica must be the outlier before it resyncs."
+    )
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> AveragingConfig:

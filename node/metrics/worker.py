@@ -83,3 +83,10 @@ def _averaging(f: Families, role: WorkerRole) -> Iterable[Family]:
                       {(): service.round_seconds.snapshot()})
     yield f.gauge("agora_averaging_completeness_ratio", "share of the buffer the last round that ran averaged "
                   "(its averaging success)", service.last_completeness)
+    yield f.gauges("agora_averaging_reducer", "1 if this replica reduces slices, by how it became a reducer",
+                   "how", {"flag": float(service.reducer and not service.elected), "elected": float(service.elected)})
+    judged = service.divergence.last
+    yield f.gauge("agora_averaging_relative_distance", "how far this replica sat from the average of the last "
+                  "round judged for divergence (relative L2)", judged.distance if judged is not None else None)
+    yield f.counter("agora_averaging_divergence_resyncs_total", "times this replica was its stage's outlier and "
+                    "went back to weight sync", counts.get("divergence_resyncs", 0))

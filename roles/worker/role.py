@@ -124,7 +124,7 @@ class WorkerRole:
             samples_processed=lambda: self.runtime.counters["backward_requests"], on_round=self._on_round,
             announce_period_s=config.announce_period_s, stall_s=config.test_averaging_stall_s,
             stepped=self.runtime.stepped, auth_state=auth_state, poison=config.test_averaging_poison,
-            preempt=self.preempt,
+            preempt=self.preempt, on_divergent=self._resync,
         )
         self.averaging.health = averaging_health(run.termination)  # the averaging rule's thresholds
         self._probe_client: Optional[RpcClient] = None
@@ -319,6 +319,16 @@ class WorkerRole:
         if transition is not None:
             self._log_transition(transition)
 
+    def _resync(self, reason: str) -> None:
+        """The averaging found this replica to be its stage's outlier: back to weight sync, hidden
+        from trainers and averaging with weight 0, until a full pass replaced its weights."""
+        counters = self.runtime.counters
+        transition = self.sync.resync(self.optimizer.local_step, counters["forward_requests"],
+                                      counters["backward_requests"], reason)
+        if transition is not None:
+            logger.warning("stage %d: %s; rejoining through weight sync", self.config.stage, reason)
+            self._log_transition(transition)
+
     async def _load_from_peers(self):
         workers = await self.swarm.get(workers_key(self.run_config.run_id, self.config.stage), WorkerRecord)
         candidates = sorted(
@@ -359,10 +369,10 @@ class WorkerRole:
             asyncio.create_task(every(rules.check_period_s, self._watch, stop, name="self-termination rules"),
                                 name="self-termination"),
         ]
-        if self.phase != Phase.ACTIVE:
-            period = min(self.config.announce_period_s, self.run_config.sync.alone_exit_s / 3)
-            self._tasks.append(asyncio.create_task(every(period, self._check_alone, stop, name="alone in sync"),
-                                                   name="alone-in-sync"))
+        # Always: an active replica can go back to weight sync (a resync after it diverged).
+        period = min(self.config.announce_period_s, self.run_config.sync.alone_exit_s / 3)
+        self._tasks.append(asyncio.create_task(every(period, self._check_alone, stop, name="alone in sync"),
+                                               name="alone-in-sync"))
         if self.preemption is not None:
             self._tasks.append(asyncio.create_task(self.preemption.run(stop), name="preempt-orders"))
         if self.checkpoints is not None and self.config.checkpoint_period_s:

@@ -15,6 +15,10 @@ rounds applied), i.e. once it already sits at the stage's average. And a joiner 
 replica of its stage to sync with (every replica died, or the last one did while it synced)
 becomes active (`go_active`): a stage served only by syncing replicas never steps, so their
 phases would never end.
+
+An active replica that the averaging found to be the stage's outlier (averaging/divergence.py)
+goes back to weight sync (`resync`); that weight sync ends after one full pass of complete rounds,
+each of which replaced a segment of its weights with the others' average (its weight is 0).
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ class SyncPhases:
         self.spans: list[PhaseSpan] = []
         self._moves: dict[int, tuple[float, float]] = {}
         self._converged: Optional[float] = None
+        self._resyncing = False
+        self._replaced: set[int] = set()
+        """Segments a complete round replaced since a resync began."""
 
     def join_phase(self, stage_step: int, loaded_step: int) -> Phase:
         """The phase a joiner starts in, from how far its state lags the stage."""
@@ -76,6 +83,8 @@ class SyncPhases:
 
     def record_round(self, segment: int, status: RoundStatus, delta_sq: float, average_sq: float) -> None:
         """Remember how far each segment's last round moved this replica (weight sync only)."""
+        if self.phase == Phase.WEIGHT_SYNC and self._resyncing and status == RoundStatus.COMPLETE:
+            self._replaced.add(segment)
         if self.phase != Phase.WEIGHT_SYNC or self.config.weight_sync_exit_distance is None:
             return
         if status not in (RoundStatus.COMPLETE, RoundStatus.PARTIAL) or average_sq <= 0:
@@ -91,7 +100,10 @@ class SyncPhases:
         elapsed = step - self.started_step
         transition = None
         if self.phase == Phase.WEIGHT_SYNC:
-            if self._converged is not None:
+            if self._resyncing and len(self._replaced) >= self.segments:
+                transition = (f"a full pass of complete rounds replaced the diverged weights with the stage's average "
+                              f"after {elapsed} steps")
+            elif self._converged is not None:
                 transition = (f"a full pass of rounds moved this replica by {self._converged:.2e} "
                               f"< {self.config.weight_sync_exit_distance:g} after {elapsed} steps")
             elif elapsed >= self.config.weight_sync_steps:
@@ -110,7 +122,17 @@ class SyncPhases:
         self.begin(new, step, reason)
         self._moves.clear()
         self._converged = None
+        self._resyncing = False
+        self._replaced.clear()
         return Transition(old, new, reason)
+
+    def resync(self, step: int, forward_requests: int, backward_requests: int, reason: str) -> Optional[Transition]:
+        """Go back to weight sync because this replica diverged from its stage; None unless active."""
+        if self.phase != Phase.ACTIVE:
+            return None
+        transition = self._move(Phase.WEIGHT_SYNC, step, forward_requests, backward_requests, reason)
+        self._resyncing = True
+        return transition
 
     def go_active(self, step: int, forward_requests: int, backward_requests: int, reason: str) -> Optional[Transition]:
         """End the sync phases now (there is nobody to sync with); None if already active."""

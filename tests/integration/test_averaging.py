@@ -482,3 +482,40 @@ def test_a_stage_started_without_reducers_elects_one_and_elects_again_when_it_di
             summary = worker.summary()["averaging"]
             assert summary["elected"] == (worker.peer_id == second), summary
             assert not [r for r in summary["rounds"] if "no reducer" in r["failure_reason"]], summary["rounds"]
+
+
+@pytest.mark.timeout(240)
+def test_a_replica_far_from_the_others_is_reported_and_rejoins_through_weight_sync(make_swarm, run_config_path):
+    """Three replicas on the idle clock, two from the run's seed and one from another seed: the
+    odd one sits about twice as far from each round's average as the others (1.3 vs 0.6,
+    relative L2), is judged the outlier two rounds in a row, goes back to weight sync (weight 0)
+    and leaves it once a full pass of complete rounds replaced its weights; its last rounds then
+    sit at the average."""
+    config = run_config_path(stages=TWO_STAGES, averaging=IDLE_ROUNDS, sync={"optimizer_sync_steps": 0})
+    swarm = make_swarm(config, common_args=COMMON)
+    workers = [swarm.start("worker", stage=0, args=["--reducer"], wait_ready=i == 0,
+                           env={"AGORA_TEST_INIT_SEED_OFFSET": "1"} if i == 2 else None) for i in range(3)]
+    for worker in workers[1:]:
+        swarm.wait_ready(worker)
+    odd = workers[2]
+    poll_until(lambda: log_has(odd, "rejoining through weight sync"), 120, "the odd replica to resync", period_s=0.3)
+    poll_until(lambda: log_has(odd, "sync phase weight_sync -> active"), 90,
+               "a full pass of rounds to bring it back", period_s=0.3)
+
+    def rounds_after_rejoining():
+        with open(odd.log_path, errors="replace") as f:
+            return f.read().split("sync phase weight_sync -> active", 1)[-1].count("complete, group 3/3")
+
+    poll_until(lambda: rounds_after_rejoining() >= 2, 60, "two complete rounds after it rejoined", period_s=0.3)
+    for worker in workers:
+        assert swarm.stop(worker, signal.SIGTERM) == 0, worker.log_tail()
+    summary = odd.summary()
+    counters = summary["averaging"]["counters"]
+    assert counters.get("divergence_resyncs") == 1 and counters.get("rounds_diverged", 0) >= 2, counters
+    phases = [span["phase"] for span in summary["sync_phases"]]
+    assert phases == ["active", "weight_sync", "active"], summary["sync_phases"]
+    assert "outlier" in summary["sync_phases"][1]["reason"]
+    last = [r for r in summary["averaging"]["rounds"] if r["status"] == "complete"][-1]
+    assert last["relative_distance"] < 0.05, last
+    for worker in workers[:2]:
+        assert worker.summary()["averaging"]["counters"].get("divergence_resyncs", 0) == 0, worker.name

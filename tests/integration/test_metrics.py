@@ -40,6 +40,8 @@ WORKER = {
     "agora_averaging_rounds": ("counter", {"outcome"}),
     "agora_averaging_round_seconds": ("histogram", set()),
     "agora_averaging_completeness_ratio": ("gauge", set()),
+    "agora_averaging_reducer": ("gauge", {"how"}),
+    "agora_averaging_divergence_resyncs": ("counter", set()),
 }
 TRAINER = {
     "agora_trainer_loss": ("gauge", set()),

@@ -40,6 +40,25 @@ def test_a_joiner_with_nobody_to_sync_with_goes_active_from_either_sync_phase():
     assert spans[2]["to_step"] == 1010 and spans[2]["backward_requests"] == 5
 
 
+def test_a_diverged_replica_resyncs_until_a_full_pass_of_complete_rounds_replaced_its_weights():
+    phases = SyncPhases(SyncConfig(weight_sync_steps=400, optimizer_sync_steps=0), segments=3)
+    phases.begin(Phase.ACTIVE, 0, "fresh")
+    transition = phases.resync(50, 10, 10, "outlier")
+    assert (transition.old, transition.new) == (Phase.ACTIVE, Phase.WEIGHT_SYNC)
+    assert phases.resync(51, 10, 10, "outlier") is None, "only an active replica resyncs"
+    phases.record_round(0, RoundStatus.COMPLETE, 1.0, 1.0)
+    phases.record_round(1, RoundStatus.PARTIAL, 1.0, 1.0)  # a slice stayed local: not replaced
+    phases.record_round(2, RoundStatus.COMPLETE, 1.0, 1.0)
+    assert phases.update(52, 10, 10) is None
+    phases.record_round(1, RoundStatus.COMPLETE, 1.0, 1.0)
+    done = phases.update(53, 10, 10)
+    assert done.new == Phase.ACTIVE and "replaced the diverged weights" in done.reason
+    phases.begin(Phase.WEIGHT_SYNC, 60, "stale joiner")
+    for segment in range(3):
+        phases.record_round(segment, RoundStatus.COMPLETE, 1.0, 1.0)
+    assert phases.update(61, 0, 0) is None, "a joiner's weight sync does not end on a pass"
+
+
 def test_weight_sync_then_optimizer_sync_then_active_by_steps():
     phases = SyncPhases(SyncConfig(weight_sync_steps=400, optimizer_sync_steps=100), segments=20)
     phases.begin(Phase.WEIGHT_SYNC, 1000, "stale")

@@ -34,6 +34,7 @@ from roles.periodic import Signal, every
 from protocol.run_config import AveragingConfig
 from roles.worker.averaging.access import AveragingAccess
 from roles.worker.averaging.averager import StageAverager
+from roles.worker.averaging.divergence import DivergenceWatch
 from roles.worker.averaging.election import Candidate, elect
 from roles.worker.averaging.health import RoundHealth, Verdict
 from roles.worker.averaging.index_sets import SegmentIndexSets
@@ -105,8 +106,11 @@ class AveragingService:
                  on_round: Callable[[RoundOutcome], None] = lambda outcome: None,
                  announce_period_s: float = 5.0, stall_s: float = 0.0, stepped: Optional[Signal] = None,
                  auth_state: Optional[SharedAuthState] = None, poison: str = "",
-                 preempt: Optional[PreemptSwitch] = None):
+                 preempt: Optional[PreemptSwitch] = None, on_divergent: Callable[[str], None] = lambda reason: None):
         self.config = config
+        self.on_divergent = on_divergent
+        """Called when this replica is the stage's outlier (divergence.py): it must resync."""
+        self.divergence = DivergenceWatch(config.max_divergence, config.divergence_rounds)
         self.preempt = preempt
         """Shared with the averager process, which dies on it mid-round (roles/worker/preemption.py)."""
         self.swarm = swarm
@@ -249,6 +253,7 @@ class AveragingService:
             phase = self.phase()
             view = await self._stage_view(phase)
             self._resolve_health(view)
+            self._judge_divergence(view, phase)
             if self.leave_reason:
                 return
             index_set = await self._thread.submit(self.index_sets.get, segment)
@@ -362,6 +367,30 @@ class AveragingService:
             logger.error("leaving stage %d: %s [report 3.3.1.6]", self.stage, self.leave_reason)
             self.left.fire()
 
+    def _judge_divergence(self, view: StageView, phase: Phase) -> None:
+        """Judge the last round's distance against the others' (divergence.py): report a replica
+        far off the average, and make the stage's outlier rejoin through weight sync."""
+        judgement = self.divergence.judge(view.records.values())
+        if judgement is None:
+            return
+        if judgement.diverged:
+            self._counts["rounds_diverged"] += 1
+            logger.warning("stage %d replicas diverge: in %s round %d this replica sat %.3f (relative L2) from the "
+                           "average, at or above averaging.max_divergence %g; the other members sat %s%s", self.stage,
+                           judgement.kind, judgement.round, judgement.distance, self.config.max_divergence,
+                           ", ".join(f"{d:.3f}" for d in judgement.others),
+                           " (this replica is the outlier)" if judgement.outlier else "")
+        if phase != Phase.ACTIVE or not self.divergence.must_resync():
+            return
+        reason = (f"this replica was the stage's outlier for {self.divergence.outlier_streak} rounds in a row "
+                  f"(last: {judgement.distance:.3f} from the average, the others at most {max(judgement.others):.3f})")
+        self.divergence.reset()
+        self._counts["divergence_resyncs"] += 1
+        try:
+            self.on_divergent(reason)
+        except Exception:  # noqa: BLE001 - a reporting hook must not break averaging
+            logger.exception("resync callback failed")
+
     async def _check_index_sets(self, outcome: RoundOutcome) -> None:
         """Peers announce the digest of the round they are in; one that announces this round with
         another digest computes other index sets (another config or version) and was kept out."""
@@ -395,6 +424,9 @@ class AveragingService:
             self.bytes_received += outcome.bytes_received
             if outcome.bytes_sent or outcome.bytes_received:
                 self._seconds_moving += max(0.0, outcome.duration_s)
+        if outcome.plan.phase == Phase.ACTIVE.value:
+            self.divergence.observe(outcome.plan.kind, outcome.plan.round, outcome.status,
+                                    outcome.relative_distance, len(outcome.group))
         if outcome.status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL):
             self.health.record_success()
         elif outcome.status == RoundStatus.FAILED and not outcome.group_refused:
