@@ -519,3 +519,31 @@ def test_a_replica_far_from_the_others_is_reported_and_rejoins_through_weight_sy
     assert last["relative_distance"] < 0.05, last
     for worker in workers[:2]:
         assert worker.summary()["averaging"]["counters"].get("divergence_resyncs", 0) == 0, worker.name
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_whose_averaging_stalls_leaves_its_stage_and_the_others_keep_averaging(make_swarm, run_config_path):
+    """A sender that stalls mid-round in every round (test fault, 8 s against a 2 s sender
+    timeout) is banned by the reducers, which complete the round without it; its own rounds
+    fail while the stage averages, so the averaging rule (2 of the last 3) makes it leave with
+    exit code 3 and its sentence, and the two others keep completing rounds."""
+    config = run_config_path(stages=TWO_STAGES, averaging=IDLE_ROUNDS)
+    swarm = make_swarm(config, common_args=COMMON)
+    good = [swarm.start("worker", stage=0, args=["--reducer"], wait_ready=i == 0) for i in range(2)]
+    swarm.wait_ready(good[1])
+    stalled = swarm.start("worker", stage=0, env={"AGORA_TEST_AVERAGING_STALL_S": "8"})
+    assert swarm.wait(stalled, 120) == 3, stalled.log_tail()
+    assert log_has(stalled, "self-termination rule averaging"), stalled.log_tail()
+    assert not log_has(stalled, "node: worker failed"), "a rule exit is no bug: " + stalled.log_tail(60)
+    terminated = poll_until(stalled.summary, 5, "the stalled worker's summary")["terminated_by"]
+    assert terminated["rule"] == "averaging" and terminated["exit_code"] == 3, terminated
+
+    def completed(worker):
+        with open(worker.log_path, errors="replace") as f:
+            return f.read().count("complete, group 2/2")
+
+    before = [completed(w) for w in good]
+    poll_until(lambda: all(completed(w) > b for w, b in zip(good, before)), 30,
+               "both others to complete a round after it left", period_s=0.3)
+    for worker in good:
+        assert swarm.stop(worker, signal.SIGTERM) == 0, worker.log_tail()
