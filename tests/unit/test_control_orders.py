@@ -240,6 +240,9 @@ def test_watcher_now_fires_at_once_and_reduced_send_falls_back_for_a_sender(watc
 
 
 def test_watcher_ignores_old_forged_and_foreign_orders(watcher, ids):
+    # The watcher dates "this process" by its start; a test process older than an order's ttl
+    # would see the earlier process's order as expired instead (a pytest worker lives long).
+    watcher.started_at = time.time() - 1
     watcher.consider(_order_value(ids, "now", issued_at=watcher.started_at - 5))  # for an earlier process
     forged = sign_order_as_operator(ids[2], _credential(ids[2], "worker", stage=0),
                                     new_order(run_id=RUN, peer_id=_target(ids), moment="now"))
