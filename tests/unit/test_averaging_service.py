@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 
+import pytest
 import torch
 
 from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, RoundSummaryRecord, WorkerRecord
@@ -175,3 +176,34 @@ def test_a_refused_group_does_not_count_against_the_replica():
                                      failure_reason="MatchmakingException: Unable to run All-Reduce: refused the "
                                                     "group"))
     assert service.health.pending == [] and service.counters["rounds_failed"] == 3
+
+
+def test_rounds_that_outlast_their_interval_make_the_stage_average_every_other_round_until_they_fit_again():
+    schedule = RoundSchedule(average_every=20)
+    schedule.begin(0)
+    for k in range(1, 4):
+        assert schedule.due(20 * k, now=10.0 * k) == ("step", k)
+    assert schedule.interval_s == pytest.approx(10.0)
+    assert all(schedule.runs(k) for k in range(8))
+    schedule.finished("step", 14.0)
+    schedule.overran()
+    assert schedule.stride == 2 and [k for k in range(8) if schedule.runs(k)] == [0, 2, 4, 6]
+    schedule.finished("step", 14.0)
+    assert schedule.stride == 2, "rounds still take longer than one interval"
+    for _ in range(10):
+        schedule.finished("step", 5.0)
+    assert schedule.stride == 1, "rounds fit one interval again"
+    for _ in range(10):
+        schedule.overran()
+    assert schedule.stride == 16, "at least every 16th round runs"
+    assert "every 16th round" in schedule.cadence()
+
+
+@pytest.mark.parametrize("stride", [1, 2, 4, 8, 16])
+def test_every_stride_reaches_every_segment(stride):
+    from roles.worker.averaging.schedule import segment_of
+
+    segments = 20
+    assert sorted(segment_of(k, segments) for k in range(segments)) == list(range(segments)), "a pass is a permutation"
+    reached = {segment_of(k, segments) for k in range(0, stride * segments * segments, stride)}
+    assert reached == set(range(segments))

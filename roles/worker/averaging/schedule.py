@@ -10,12 +10,34 @@ next one instead of looking for a group that formed long ago.
 A stage whose step does not move (no trainers; tests) may average on a wall-clock cadence
 instead (`idle_period_s`), with the tick number as the round; replicas agree on it as long as
 their clocks agree to well within the matchmaking window.
+
+Rounds that outlast the interval between them (slow links, large stages) would make replicas
+skip different rounds ("the previous round is still running") and never meet again. So the
+schedule runs only every `stride`-th round, a power of two, doubled when a round fell due while
+the previous one still ran, and halved again once half the stride's interval is 1.25x the
+rounds' measured duration. Replicas of a stage see nearly the same round durations and step pace, and two
+replicas with different strides still meet on every round the larger one runs. `segment_of`
+shifts the segment order by one after each pass, so a stride that shares a factor with
+`segments` still reaches every segment.
 """
 
 from __future__ import annotations
 
 import time
 from typing import Optional
+
+MAX_STRIDE = 16
+"""Run at least every 16th round, however long rounds take (a round alone past that is a
+misconfigured stage, which the round reports show)."""
+HEADROOM = 1.25
+"""A strided interval must exceed the rounds' duration by this factor."""
+_EMA = 0.3
+
+
+def segment_of(round_id: int, segments: int) -> int:
+    """The segment a round averages: round order within a pass, shifted by one per pass, so that
+    every stride reaches every segment (stride 1 still covers each once per pass)."""
+    return (round_id + round_id // segments) % segments
 
 
 class RoundSchedule:
@@ -26,6 +48,13 @@ class RoundSchedule:
         self.last_clock_tick = 0
         self._seen_step = -1
         self._step_changed_at = time.monotonic()
+        self.stride = 1
+        """Only rounds whose number is a multiple of this run (see module docstring)."""
+        self.round_s: Optional[float] = None
+        """Smoothed duration of the rounds that ran."""
+        self.interval_s: Optional[float] = None
+        """Smoothed wall time from one step round falling due to the next."""
+        self._last_due: Optional[tuple[int, float]] = None
 
     def begin(self, step: int) -> None:
         """Count rounds from `step` on (after state loading set it)."""
@@ -54,6 +83,9 @@ class RoundSchedule:
         if k > self.last_step_round:
             self.last_step_round = k
             if step - k * self.average_every <= max(1, self.average_every // 4):
+                if self._last_due is not None and k > self._last_due[0]:
+                    self.interval_s = _smooth(self.interval_s, (now - self._last_due[1]) / (k - self._last_due[0]))
+                self._last_due = (k, now)
                 return "step", k
         period = self.idle_period_s
         if period and now - self._step_changed_at >= period:
@@ -62,3 +94,29 @@ class RoundSchedule:
                 self.last_clock_tick = tick
                 return "clock", tick
         return None
+
+    def runs(self, round_id: int) -> bool:
+        """Whether this due round runs at the current stride."""
+        return round_id % self.stride == 0
+
+    def overran(self) -> None:
+        """A round fell due while the previous one still ran: run half as often from now on."""
+        self.stride = min(MAX_STRIDE, self.stride * 2)
+
+    def finished(self, kind: str, duration_s: float) -> None:
+        """A round ran for `duration_s`: run more often again if rounds got short enough."""
+        self.round_s = _smooth(self.round_s, max(0.0, duration_s))
+        interval = self.idle_period_s if kind == "clock" else self.interval_s
+        if self.stride > 1 and interval and (self.stride // 2) * interval >= HEADROOM * self.round_s:
+            self.stride //= 2
+
+    def cadence(self) -> str:
+        """Why rounds are skipped at this stride, for the skipped rounds' reason."""
+        took = f"{self.round_s:.1f}s" if self.round_s is not None else "long"
+        between = f"{self.interval_s:.1f}s" if self.interval_s is not None else "less"
+        return (f"cadence: rounds take {took} with {between} between them, so the stage averages every "
+                f"{self.stride}th round")
+
+
+def _smooth(previous: Optional[float], value: float) -> float:
+    return value if previous is None else (1 - _EMA) * previous + _EMA * value

@@ -39,7 +39,7 @@ from roles.worker.averaging.election import Candidate, elect
 from roles.worker.averaging.health import RoundHealth, Verdict
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome, RoundPlan, SegmentRound
-from roles.worker.averaging.schedule import RoundSchedule
+from roles.worker.averaging.schedule import RoundSchedule, segment_of
 from roles.worker.layout import ParameterStore
 from roles.worker.preemption import PreemptSwitch
 
@@ -182,7 +182,7 @@ class AveragingService:
         self._samples_at_last_round = self.samples_processed()
         if self.state == AveragingState.CREATED and self.averager is not None:
             self.state = AveragingState.READY
-            self.prefetch((self.schedule.last_step_round + 1) % self.index_sets.segments)
+            self.prefetch(segment_of(self.schedule.last_step_round + 1, self.index_sets.segments))
 
     async def run(self, stop: asyncio.Event) -> None:
         if self.state == AveragingState.DISABLED:
@@ -232,14 +232,21 @@ class AveragingService:
         if due is None:
             return
         kind, round_id = due
+        segment = segment_of(round_id, self.index_sets.segments)
+        plan = RoundPlan(kind, round_id, segment, 0.0, 0, self.phase().value)
         if self._round_task is not None and not self._round_task.done():
-            segment = round_id % self.index_sets.segments
-            plan = RoundPlan(kind, round_id, segment, 0.0, 0, self.phase().value)
-            # Replicas that skip different rounds fall out of step until a round boundary finds
-            # them all idle again: rounds must be shorter than the interval between them.
+            # Replicas that skip different rounds would fall out of step: run every other round
+            # from now on (schedule.py), which all replicas in this situation agree on.
+            self.schedule.overran()
+            self._counts["rounds_overran"] += 1
             self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED,
-                                      failure_reason="the previous round is still running: rounds take longer "
-                                                     "than average_every steps here; consider raising it"))
+                                      failure_reason=f"the previous round is still running: rounds take longer "
+                                                     f"than average_every steps here, so from now on the stage "
+                                                     f"averages every {self.schedule.stride}th round"))
+            return
+        if not self.schedule.runs(round_id):
+            self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED, failure_reason=self.schedule.cadence()),
+                         quiet=True)
             return
         self._round_task = asyncio.create_task(self._run_round(kind, round_id), name=f"averaging-{kind}-{round_id}")
 
@@ -249,7 +256,7 @@ class AveragingService:
         assert self.rounds is not None and self._thread is not None
         self.state = AveragingState.RUNNING
         try:
-            segment = round_id % self.index_sets.segments
+            segment = segment_of(round_id, self.index_sets.segments)
             phase = self.phase()
             view = await self._stage_view(phase)
             self._resolve_health(view)
@@ -271,7 +278,7 @@ class AveragingService:
                 self._samples_at_last_round = samples_now
                 await self._check_index_sets(outcome)
             self._finish(outcome)
-            self.prefetch((round_id + 1) % self.index_sets.segments)
+            self.prefetch(segment_of(round_id + self.schedule.stride, self.index_sets.segments))
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -411,13 +418,15 @@ class AveragingService:
                            "of the round: check that they run the same run config and agora-node version",
                            len(mismatched), self.stage, outcome.plan.kind, outcome.plan.round, ", ".join(mismatched))
 
-    def _finish(self, outcome: RoundOutcome) -> None:
+    def _finish(self, outcome: RoundOutcome, quiet: bool = False) -> None:
+        """Count, log (`quiet`: at DEBUG, for rounds the cadence leaves out), publish and report a round."""
         self._counts[f"rounds_{outcome.status.value}"] += 1
         if outcome.rejected_senders:
             self._counts["senders_rejected"] += len(outcome.rejected_senders)
         self.recent.append(outcome)
         self.history.append(outcome)
         if outcome.status != RoundStatus.SKIPPED:
+            self.schedule.finished(outcome.plan.kind, outcome.duration_s)
             self.round_seconds.observe(max(0.0, outcome.duration_s))
             self.last_completeness = outcome.averaging_success or 0.0
             self.bytes_sent += outcome.bytes_sent
@@ -434,6 +443,8 @@ class AveragingService:
             # leader must not be able to push honest replicas out of their stage.
             self.health.record_failure(outcome.plan.kind, outcome.plan.round)
         level = logging.INFO if outcome.status in (RoundStatus.COMPLETE, RoundStatus.SKIPPED) else logging.WARNING
+        if quiet:
+            level = logging.DEBUG
         logger.log(level, "averaging: %s", outcome.describe())
         try:
             self.on_round(outcome)
