@@ -86,7 +86,8 @@ class RoundSummaryRecord(RecordModel):
     group size against the stage's workers, duration and why it was not complete."""
 
     version: int = 1
-    kind: str = Field(max_length=8, description="'step' (every N optimizer steps) or 'clock' (idle stage)")
+    kind: str = Field(max_length=8, description="'step' (every N optimizer steps), 'clock' (idle stage) or 'repair' "
+                      "(a round's lost slice averaged again by the survivors)")
     round: int = Field(ge=0)
     segment: int = Field(ge=0)
     digest: str = Field(max_length=64, description="digest of the round's index set")

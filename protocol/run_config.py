@@ -234,6 +234,11 @@ class AveragingConfig(BaseModel):
     divergence_rounds: int = Field(
         default=2, ge=1, description="Rounds in a row a replica must be the outlier before it resyncs."
     )
+    repair_lost_slices: bool = Field(
+        default=True,
+        description="When a reducer dies mid-round, the survivors average the segment again at once among "
+        "themselves (a 'repair' round), so its slice is averaged after all instead of staying local.",
+    )
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> AveragingConfig:

@@ -167,11 +167,14 @@ def _rounds_around(result: dict[str, Any], at_s: float) -> dict[str, Any]:
     first = [rs[0] for rs in by_node.values() if rs]
     later = [r for rs in by_node.values() for r in rs[1:]]
 
-    def mean(rows):
-        values = [r["averaging_success"] or 0.0 for r in rows]
+    def mean(rows, key="averaging_success"):
+        values = [r.get(key, r["averaging_success"]) or 0.0 for r in rows]
         return round(100 * sum(values) / len(values), 2) if values else None
 
-    return {"round_of_preemption_completeness_pct": mean(first), "next_rounds_completeness_pct": mean(later),
+    return {"round_of_preemption_completeness_pct": mean(first),
+            "round_of_preemption_completeness_before_repair_pct": mean(first, "averaging_success_before_repair"),
+            "round_of_preemption_repaired": sum(1 for r in first if r.get("repair_status")),
+            "next_rounds_completeness_pct": mean(later),
             "next_rounds": len(later), "next_rounds_complete": sum(1 for r in later if r["status"] == "complete")}
 
 

@@ -549,16 +549,31 @@ def _averaging(summaries: list[dict], deaths: list[dict]) -> dict[str, Any]:
     a round failed when its completeness (the share of reduced chunks this peer got back) is below
     100%, a round where this peer found no group included. `completeness_mean` is over the rounds
     whose all-reduce ran (the report's "partial all-reduce completeness"); `completeness_mean_all`
-    counts the rounds without a group as 0."""
-    rounds = []
+    counts the rounds without a group as 0. A round whose lost slices the survivors averaged again
+    at once (a `repair` round, averaging/service.py) counts what the repair brought back:
+    completeness a + (1 - a) * repair's; `*_before_repair` leaves repairs out."""
+    rounds, repairs = [], {}
     for item in summaries:
         summary = item["summary"] or {}
         for record in (summary.get("averaging") or {}).get("rounds", []):
             if record.get("status") == "skipped":
                 continue
+            if record.get("kind") == "repair":
+                repairs[(item["name"], record.get("round"))] = record
+                continue
             rounds.append({"node": item["name"], "stage": item["stage"], **record})
+    for r in rounds:
+        repair = repairs.get((r["node"], r.get("round")))
+        own = r["averaging_success"] if r.get("averaging_success") is not None else 0.0
+        r["averaging_success_before_repair"] = own
+        if repair is not None:
+            r["repair_status"] = repair.get("status")
+            r["averaging_success"] = round(own + (1 - own) * (repair.get("averaging_success") or 0.0), 6)
+            if r["averaging_success"] >= 1.0 and r["status"] == "partial" and repair.get("status") == "complete":
+                r["status"] = "complete"
     ran = len(rounds)
     completeness = [r["averaging_success"] if r.get("averaging_success") is not None else 0.0 for r in rounds]
+    before = [r["averaging_success_before_repair"] for r in rounds]
     failed = sum(1 for c in completeness if c < 1.0)
     allreduced = [c for r, c in zip(rounds, completeness) if (r.get("group_size") or 0) >= 1]
     durations = [r["duration_s"] for r in rounds]
@@ -570,9 +585,13 @@ def _averaging(summaries: list[dict], deaths: list[dict]) -> dict[str, Any]:
         "completeness_mean": round(sum(allreduced) / len(allreduced), 4) if allreduced else None,
         "completeness_min": round(min(allreduced), 4) if allreduced else None,
         "completeness_mean_all": round(sum(completeness) / ran, 4) if ran else None,
+        "completeness_mean_before_repair": round(sum(before) / ran, 4) if ran else None,
+        "failed_pct_before_repair": round(100.0 * sum(1 for c in before if c < 1.0) / ran, 2) if ran else None,
+        "repairs": {s: sum(1 for r in repairs.values() if r.get("status") == s) for s in ("complete", "partial", "failed")},
         "duration_mean_s": round(sum(durations) / ran, 2) if ran else None,
         "duration_max_s": round(max(durations), 2) if ran else None,
-        "detail": [{k: r.get(k) for k in ("node", "stage", "round", "status", "averaging_success", "reduce_success",
+        "detail": [{k: r.get(k) for k in ("node", "stage", "round", "status", "averaging_success",
+                                          "averaging_success_before_repair", "repair_status", "reduce_success",
                                           "duration_s", "group_size", "expected_group_size", "finished_at",
                                           "failure_reason")} for r in rounds],
     }

@@ -168,16 +168,21 @@ def _kill_mid_round(make_swarm, run_config_path, *, victim_reduces: bool):
     swarm.stop(victim, signal.SIGKILL)
     probe = DhtProbe(survivors[0].maddrs, run.run_id, run.num_stages)
     try:
-        def outcome_of(round_id, status=None):
+        def outcome_of(round_id, status=None, repair=False):
             found = {}
             for peer, record in rounds_of(probe, run.run_id, 0).items():
                 for summary in record.recent:
-                    if summary.round == round_id and (status is None or summary.status == status):
+                    if (summary.round == round_id and (summary.kind == "repair") == repair
+                            and (status is None or summary.status == status)):
                         found[peer] = summary
             return found if set(found) >= {s.peer_id for s in survivors} else None
 
         killed = poll_until(lambda: outcome_of(stalled_round), 40, "the survivors' report of the stalled round",
                             period_s=0.3)
+        repaired = None
+        if victim_reduces:
+            repaired = poll_until(lambda: outcome_of(stalled_round, repair=True), 40,
+                                  "the survivors' repair of the stalled round", period_s=0.3)
 
         def later_complete():
             for record in rounds_of(probe, run.run_id, 0).values():
@@ -191,12 +196,12 @@ def _kill_mid_round(make_swarm, run_config_path, *, victim_reduces: bool):
         probe.close()
     for survivor in survivors:
         assert survivor.proc.poll() is None, "a survivor died:\n" + survivor.log_tail()
-    return victim, killed, recovered
+    return victim, killed, recovered, repaired
 
 
 @pytest.mark.timeout(150)
 def test_a_sender_killed_mid_round_gives_a_partial_round_then_complete_ones(make_swarm, run_config_path):
-    victim, killed, recovered = _kill_mid_round(make_swarm, run_config_path, victim_reduces=False)
+    victim, killed, recovered, _ = _kill_mid_round(make_swarm, run_config_path, victim_reduces=False)
     # On a loaded machine matchmaking may split the stage; the survivors the victim was grouped
     # with are the ones that banned it.
     with_victim = [s for s in killed.values() if victim.peer_id in s.banned_senders]
@@ -213,7 +218,9 @@ def test_a_sender_killed_mid_round_gives_a_partial_round_then_complete_ones(make
 
 @pytest.mark.timeout(150)
 def test_a_reducer_killed_mid_round_reports_its_slice_then_rounds_recover(make_swarm, run_config_path):
-    victim, killed, recovered = _kill_mid_round(make_swarm, run_config_path, victim_reduces=True)
+    """The dead reducer's slice stays local on every survivor; they repair it at once (the same
+    segment averaged again among the two of them), so the round's slice is averaged after all."""
+    victim, killed, recovered, repaired = _kill_mid_round(make_swarm, run_config_path, victim_reduces=True)
     with_victim = [s for s in killed.values() if s.failed_slices]
     assert with_victim, killed
     slices = set()
@@ -227,7 +234,11 @@ def test_a_reducer_killed_mid_round_reports_its_slice_then_rounds_recover(make_s
         slices.add((failed.start, failed.end))
     assert len(slices) == 1, "every survivor names the same slice for the dead reducer"
     assert all(s.status != RoundStatus.COMPLETE for s in killed.values()), killed
-    print(f"killed round: {[s.failure_reason for s in killed.values()]}; recovered: round {recovered.round}")
+    for summary in repaired.values():
+        assert summary.status == RoundStatus.COMPLETE and summary.averaging_success == 1.0, summary
+        assert summary.group_size == 2 and summary.expected_group_size == 2, summary
+    print(f"killed round: {[s.failure_reason for s in killed.values()]}; repaired: "
+          f"{[(s.status.value, s.averaging_success) for s in repaired.values()]}; recovered: round {recovered.round}")
 
 
 @pytest.mark.timeout(200)

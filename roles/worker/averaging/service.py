@@ -4,7 +4,8 @@ When a round is due (schedule.py), the service reads the stage from the DHT: its
 expected group size), who reduces, who is active. A stage with fewer reducers than
 `averaging.min_reducers` elects its most stable active workers (election.py), and an elected
 sender promotes itself before the round. A replica alone in its stage, or in a stage without a
-reducer (none could be elected), skips the round and says why. A replica's weight is the number of samples it
+reducer (none could be elected), skips the round and says why. A round that lost a dead reducer's
+slice is followed at once by a repair round among the survivors on the same segment. A replica's weight is the number of samples it
 processed since its last round, at least 1 while it is active (so an idle stage still averages),
 and 0 in a sync phase [report 3.3.1.1]. Each round's outcome goes to the log, to the
 `{run}/stage/{s}/averaging` record (with the last rounds and counters) and to the
@@ -278,6 +279,9 @@ class AveragingService:
                 self._samples_at_last_round = samples_now
                 await self._check_index_sets(outcome)
             self._finish(outcome)
+            repair = self._repair_plan(outcome)
+            if repair is not None:
+                self._finish(await self._thread.submit(self.rounds.run, repair))
             self.prefetch(segment_of(round_id + self.schedule.stride, self.index_sets.segments))
         except asyncio.CancelledError:
             raise
@@ -309,6 +313,25 @@ class AveragingService:
             candidates.append(Candidate(me, self.started_at, self.bandwidth))
         return StageView(expected=len(live_ids), reducers=reducers, active=active, records=records,
                          candidates=candidates)
+
+    def _repair_plan(self, outcome: RoundOutcome) -> Optional[RoundPlan]:
+        """After a round in which a reducer died: hivemind left its slice at local values on every
+        survivor, so the survivors (all of them saw the same slice fail) average the segment again,
+        among themselves, under the key `repair/<round>`. The slices that were averaged are equal
+        on every survivor but for the steps taken since, so averaging them again is harmless; the
+        lost one is averaged after all. None when there is nothing to repair."""
+        plan = outcome.plan
+        if (not self.config.repair_lost_slices or plan.kind == "repair" or outcome.status != RoundStatus.PARTIAL
+                or not outcome.failed_slices):
+            return None
+        lost = {failed.reducer for failed in outcome.failed_slices}
+        survivors = [peer for peer in outcome.group if peer not in lost]
+        if len(survivors) < 2 or self.swarm.peer_id not in survivors:
+            return None
+        logger.info("%s round %d lost the slice(s) of reducer(s) %s: repairing it with the %d survivors", plan.kind,
+                    plan.round, ", ".join(sorted(peer[-6:] for peer in lost)), len(survivors))
+        self._counts["rounds_repaired"] += 1
+        return RoundPlan("repair", plan.round, plan.segment, plan.weight, len(survivors), plan.phase)
 
     async def _elect_reducers(self, view: StageView) -> None:
         """Give a stage short of reducers its elected ones before the round (election.py): every
@@ -433,12 +456,13 @@ class AveragingService:
             self.bytes_received += outcome.bytes_received
             if outcome.bytes_sent or outcome.bytes_received:
                 self._seconds_moving += max(0.0, outcome.duration_s)
-        if outcome.plan.phase == Phase.ACTIVE.value:
+        repair = outcome.plan.kind == "repair"
+        if outcome.plan.phase == Phase.ACTIVE.value and not repair:
             self.divergence.observe(outcome.plan.kind, outcome.plan.round, outcome.status,
                                     outcome.relative_distance, len(outcome.group))
         if outcome.status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL):
             self.health.record_success()
-        elif outcome.status == RoundStatus.FAILED and not outcome.group_refused:
+        elif outcome.status == RoundStatus.FAILED and not outcome.group_refused and not repair:
             # A refused group is the group's fault: a credentialed non-worker posing as the stage's
             # leader must not be able to push honest replicas out of their stage.
             self.health.record_failure(outcome.plan.kind, outcome.plan.round)
