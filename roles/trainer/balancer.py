@@ -16,6 +16,9 @@ leave none, the one that ends first is lifted at the next choice): banning the l
 would drop every sample of the stage as `no_workers` for the length of the ban, for what is often
 one lost call. The last usable worker is kept and the caller told how long to back off before it
 retries there (doubling with consecutive failures, like a ban, but in seconds rather than minutes).
+A ban is for the process that failed: a worker that comes back as a new process (its record's
+`started_at` changed: it was restarted with the same identity) is usable again at once, keeping
+its failure count.
 
 Which workers exist is decided elsewhere (discovery drops workers in a sync phase [report 3.3.2.2]); this
 module does no I/O and takes an injectable clock so tests can drive time.
@@ -42,6 +45,8 @@ class WorkerView:
     throughput: float | None = None
     """Samples per second the worker announced; None, zero or nonsense means unknown."""
     max_batch: int = 1
+    incarnation: float | None = None
+    """When the worker's process started (its record's `started_at`): a new value is a restart."""
 
 
 @dataclass(slots=True)
@@ -57,6 +62,7 @@ class _WorkerState:
     """Set instead of a ban on the stage's last usable worker: callers wait until then to retry it."""
     failures: int = 0
     """Consecutive failures, reset by a success; drives the ban backoff."""
+    incarnation: float | None = None
     dispatched: int = 0
     completed: int = 0
 
@@ -101,8 +107,9 @@ class StageBalancer:
         self._lock = threading.Lock()
         self._workers: dict[str, _WorkerState] = {}
         self._next_order = 0
-        self._dropped_bans: dict[str, tuple[float, int]] = {}
-        """Bans of workers that left discovery while banned, so a quick re-announce cannot dodge them."""
+        self._dropped_bans: dict[str, tuple[float, int, float | None]] = {}
+        """Bans (until, failures, incarnation) of workers that left discovery while banned, so a quick
+        re-announce of the same process cannot dodge them."""
 
     def update_workers(self, workers: Iterable[WorkerView]) -> None:
         """Replace the known set from a discovery refresh.
@@ -112,6 +119,9 @@ class StageBalancer:
         missing from the refresh is dropped; one that stays keeps its runtime, measured throughput
         and ban, and takes the announced throughput and max batch of the refresh. A ban outlives a
         drop: a failing worker whose record lapsed and came back is still banned until it expires.
+        A worker that comes back as a new process (another `incarnation`: it was restarted) has its
+        ban lifted, since the ban was for the process that died; its failure count stays, so a
+        worker that keeps failing after restarts is banned for longer each time.
         """
         views = {view.peer_id: view for view in workers}
         with self._lock:
@@ -119,14 +129,16 @@ class StageBalancer:
             self._dropped_bans = {pid: ban for pid, ban in self._dropped_bans.items() if ban[0] > now}
             for pid, w in self._workers.items():
                 if pid not in views and w.banned_until is not None and w.banned_until > now:
-                    self._dropped_bans[pid] = (w.banned_until, w.failures)
+                    self._dropped_bans[pid] = (w.banned_until, w.failures, w.incarnation)
             kept = {pid: w for pid, w in self._workers.items() if pid in views}
             level = max((w.runtime for w in kept.values()), default=0.0)
             for pid, view in views.items():
                 announced = self._sanitize_throughput(view.throughput)
                 state = kept.get(pid)
                 if state is None:
-                    banned_until, failures = self._dropped_bans.pop(pid, (None, 0))
+                    banned_until, failures, incarnation = self._dropped_bans.pop(pid, (None, 0, None))
+                    if _restarted(incarnation, view.incarnation):
+                        banned_until = None
                     kept[pid] = _WorkerState(
                         runtime=level,
                         announced=announced,
@@ -134,11 +146,15 @@ class StageBalancer:
                         order=self._next_order,
                         banned_until=banned_until,
                         failures=failures,
+                        incarnation=view.incarnation,
                     )
                     self._next_order += 1
                 else:
                     state.announced = announced
                     state.max_batch = max(1, view.max_batch)
+                    if _restarted(state.incarnation, view.incarnation):
+                        state.banned_until = state.backoff_until = None
+                    state.incarnation = view.incarnation
             self._workers = kept
 
     def choose(self, cost: float = 1.0, exclude: Collection[str] = ()) -> str:
@@ -305,3 +321,8 @@ class StageBalancer:
             f"stage {self.stage}: all {len(self._workers)} known workers are unusable "
             f"({banned} banned after failures, {excluded} excluded by the caller)"
         )
+
+
+def _restarted(known: float | None, announced: float | None) -> bool:
+    """The worker's record names another process start than the one the ban was for."""
+    return known is not None and announced is not None and announced != known

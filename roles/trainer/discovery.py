@@ -42,7 +42,8 @@ class WorkerDiscovery:
             for peer, record in routable.items():
                 self.maddrs[peer] = record.maddrs
             self.balancers[stage].update_workers(
-                WorkerView(peer_id=peer, throughput=r.throughput, max_batch=r.max_batch) for peer, r in routable.items()
+                WorkerView(peer_id=peer, throughput=r.throughput, max_batch=r.max_batch, incarnation=r.started_at)
+                for peer, r in routable.items()
             )
         self._refreshed.set()
 

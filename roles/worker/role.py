@@ -72,6 +72,8 @@ class WorkerRole:
         self.p2p = p2p
         self.maddrs = maddrs
         self.state = WorkerState.STARTING
+        self._started_at = time.time()
+        """This process's start, announced so trainers tell a restart from the process that failed."""
         self.device = torch.device(config.device)
         init_run = run
         if config.test_init_seed_offset:
@@ -164,6 +166,7 @@ class WorkerRole:
             maddrs=self.maddrs, client_version=version.client_version(),
             host_rss_bytes=host_rss_bytes(), host_memory_total_bytes=host_memory_total_bytes(),
             device_memory_used_bytes=device_used, device_memory_total_bytes=device_total,
+            started_at=self._started_at,
         )
 
     def _on_round(self, outcome: RoundOutcome) -> None:

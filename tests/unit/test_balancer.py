@@ -373,3 +373,27 @@ class BalancerMachine(RuleBasedStateMachine):
 
 TestBalancerMachine = BalancerMachine.TestCase
 TestBalancerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_a_restarted_worker_is_no_longer_banned_but_keeps_its_failure_count():
+    """Seen in the lab's churn run: a worker SIGKILLed and restarted in seconds stayed banned
+    for the rest of its 30-60 s ban, so it served again only 65-96 s after its restart."""
+    clock = FakeClock()
+    balancer = StageBalancer(0, clock=clock, ban_s=30.0)
+    views = lambda a_started: [WorkerView("a", incarnation=a_started), WorkerView("b", incarnation=1.0)]  # noqa: E731
+    balancer.update_workers(views(1.0))
+    balancer.report_failure("a")
+    assert balancer.usable() == ["b"]
+    balancer.update_workers(views(1.0))
+    assert balancer.usable() == ["b"], "the same process: still banned"
+    balancer.update_workers(views(50.0))
+    assert sorted(balancer.usable()) == ["a", "b"], "a new process: the ban was for the one that died"
+    balancer.report_failure("a")
+    clock.advance(45.0)
+    assert balancer.usable() == ["b"], "its failures were kept: the second ban lasts 60 s"
+    balancer.update_workers([WorkerView("b", incarnation=1.0)])  # its record lapsed while banned
+    balancer.update_workers(views(50.0))
+    assert balancer.usable() == ["b"], "the same process back in discovery is still banned"
+    balancer.update_workers([WorkerView("b", incarnation=1.0)])
+    balancer.update_workers(views(90.0))
+    assert sorted(balancer.usable()) == ["a", "b"], "restarted while out of discovery"
