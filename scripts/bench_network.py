@@ -197,6 +197,7 @@ def run_churn(out: Path, quick: bool, seconds: float) -> dict[str, Any]:
         "restart_to_serving_s_max": max(serving) if serving else None,
         "restart_to_serving_s": serving,
         "never_served_again": sum(1 for r in churn["restarts"] if r.get("serving_s") is None),
+        "killed_again_before_serving": sum(1 for r in churn["restarts"] if r.get("killed_before_serving")),
         "accounting_without": calm["accounting"], "accounting_with": churn["accounting"],
         "cpu_percent": churn.get("cpu_percent"),
     }

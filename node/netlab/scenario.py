@@ -449,17 +449,19 @@ class ScenarioRunner:
             self._note("restart failed", node=name, error=str(exc).splitlines()[0][:120])
             return
         self._cpu_seen[name] = _group_cpu_s(node.pid)
-        serving_s = self._wait_serving(name, started)
+        serving_s = self._wait_serving(name, started, node)
         self.restarts.append({"node": name, "t_s": round(started, 2), "ready_s": round(ready_s, 2),
-                              "serving_s": serving_s})
+                              "serving_s": serving_s, "killed_before_serving": serving_s is None and node.proc.poll() is not None})
         self._note("restarted", node=name, ready_s=round(ready_s, 1), serving_s=serving_s)
 
-    def _wait_serving(self, name: str, started: float, timeout_s: float = 90.0) -> Optional[float]:
+    def _wait_serving(self, name: str, started: float, node, timeout_s: float = 90.0) -> Optional[float]:
         """Seconds from the restart until the node's worker has served a request again (its
-        forward counter moves), or None if it did not within `timeout_s`."""
+        forward counter moves), or None if it did not within `timeout_s` or the process restarted
+        died first (churn may kill it again; the next process answers on the same address, and its
+        serving must not count for this restart)."""
         url = self.swarm.metrics_url(name)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and node.proc.poll() is None:
             served = _sum(scrape(url), "agora_worker_requests_total", outcome="ok")
             if served > 0:
                 return round(self._now() - started, 2)
@@ -573,7 +575,7 @@ def _averaging(summaries: list[dict], deaths: list[dict]) -> dict[str, Any]:
                 r["status"] = "complete"
     ran = len(rounds)
     completeness = [r["averaging_success"] if r.get("averaging_success") is not None else 0.0 for r in rounds]
-    before = [r["averaging_success_before_repair"] for r in rounds]
+    before = [r["averaging_success_before_repair"] for r in rounds if (r.get("group_size") or 0) >= 1]
     failed = sum(1 for c in completeness if c < 1.0)
     allreduced = [c for r, c in zip(rounds, completeness) if (r.get("group_size") or 0) >= 1]
     durations = [r["duration_s"] for r in rounds]
@@ -585,8 +587,7 @@ def _averaging(summaries: list[dict], deaths: list[dict]) -> dict[str, Any]:
         "completeness_mean": round(sum(allreduced) / len(allreduced), 4) if allreduced else None,
         "completeness_min": round(min(allreduced), 4) if allreduced else None,
         "completeness_mean_all": round(sum(completeness) / ran, 4) if ran else None,
-        "completeness_mean_before_repair": round(sum(before) / ran, 4) if ran else None,
-        "failed_pct_before_repair": round(100.0 * sum(1 for c in before if c < 1.0) / ran, 2) if ran else None,
+        "completeness_mean_before_repair": round(sum(before) / len(before), 4) if before else None,
         "repairs": {s: sum(1 for r in repairs.values() if r.get("status") == s) for s in ("complete", "partial", "failed")},
         "duration_mean_s": round(sum(durations) / ran, 2) if ran else None,
         "duration_max_s": round(max(durations), 2) if ran else None,

@@ -19,8 +19,8 @@ four faulty ones, stage 1 one worker, and a trainer drives samples throughout.
   samples. (A network namespace would do too, but the whole swarm would then have to live in
   the network lab; stopping the peers cuts the same thing at a fraction of the cost.)
 
-The averaging rule (exit 3) is exercised by test_averaging.py's outsider test, which checks its
-sentence and `terminated_by` too; the progress and device-memory rules by the unit tests
+The averaging rule (exit 3) is exercised by test_averaging.py's outsider and stalled-averaging
+tests, which check its sentence and `terminated_by` too; the progress and device-memory rules by the unit tests
 (tests/unit/test_self_termination.py): there is no GPU here, and an unreadable DHT with every
 peer alive cannot be made without editing hivemind.
 """
