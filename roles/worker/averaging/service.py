@@ -5,11 +5,12 @@ expected group size), who reduces, who is active. A stage with fewer reducers th
 `averaging.min_reducers` elects its most stable active workers (election.py), and an elected
 sender promotes itself before the round. A replica alone in its stage, or in a stage without a
 reducer (none could be elected), skips the round and says why. A round that lost a dead reducer's
-slice is followed at once by a repair round among the survivors on the same segment. A replica's weight is the number of samples it
-processed since its last round, at least 1 while it is active (so an idle stage still averages),
-and 0 in a sync phase [report 3.3.1.1]. Each round's outcome goes to the log, to the
-`{run}/stage/{s}/averaging` record (with the last rounds and counters) and to the
-self-protection rule (health.py). In an authenticated run only the stage's credentialed workers
+slice is followed at once by a repair round among the survivors on the same segment. A
+replica's weight is the number of samples it processed since its last round, at least 1 while it
+is active (so an idle stage still averages), and 0 in a sync phase [report 3.3.1.1]. Each round's
+outcome goes to the log, to the `{run}/stage/{s}/averaging` record (with the last rounds and
+counters), to the self-protection rule (health.py) and to the divergence watch (divergence.py:
+the stage's outlier rejoins through weight sync). In an authenticated run only the stage's credentialed workers
 may average with the replica (access.py); the requests and groups it refused are counted.
 """
 
