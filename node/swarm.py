@@ -82,9 +82,15 @@ def _bootstrap_failed(error: BaseException, initial_peers: list[str], host_maddr
                       bootstrap_timeout_s: float) -> ConfigError:
     message = _first_line(error)
     if initial_peers:
+        hint = ""
+        if "can't access this node" in message:
+            # The initial peer could not dial us back: a firewall, or our peer id answers elsewhere
+            # (seen when a copy of a live node's key joins before the duplicate check can run).
+            hint = "; or another process already runs with this identity: stop it or start this one with another --identity"
         return ConfigError(
             f"could not reach any initial peer within {bootstrap_timeout_s:.0f}s ({message}); "
-            "check the --initial-peers multiaddrs (they must include /p2p/<peer id>) and that those nodes are up")
+            "check the --initial-peers multiaddrs (they must include /p2p/<peer id>) and that those nodes are up"
+            f"{hint}")
     return ConfigError(f"could not start the libp2p node on {host_maddrs}: {message}; check --host-maddrs")
 
 
