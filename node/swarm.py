@@ -86,7 +86,8 @@ def _bootstrap_failed(error: BaseException, initial_peers: list[str], host_maddr
         if "can't access this node" in message:
             # The initial peer could not dial us back: a firewall, or our peer id answers elsewhere
             # (seen when a copy of a live node's key joins before the duplicate check can run).
-            hint = "; or another process already runs with this identity: stop it or start this one with another --identity"
+            hint = ("; or another process already runs with this identity: stop it or start this one with "
+                    "another --identity")
         return ConfigError(
             f"could not reach any initial peer within {bootstrap_timeout_s:.0f}s ({message}); "
             "check the --initial-peers multiaddrs (they must include /p2p/<peer id>) and that those nodes are up"
