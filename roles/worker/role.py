@@ -259,9 +259,14 @@ class WorkerRole:
         """Load state if the stage has moved past its seeded start, and pick the sync phase from
         how far the loaded state lags [report 3.3.1.1]."""
         progress = await self.swarm.get(progress_key(self.run_config.run_id, self.config.stage), ProgressRecord)
-        progress.pop(self.swarm.peer_id, None)
+        own = progress.pop(self.swarm.peer_id, None)
         stage_step = max((record.local_step for record in progress.values()), default=0)
         stage_consumed = max((record.samples_consumed for record in progress.values()), default=0)
+        if stage_step == 0 and own is not None and own.local_step > 0:
+            # This identity's previous process was the stage's last replica: the stage is where it
+            # left it, not at the seed. State then comes from a checkpoint or, failing that, the
+            # seeded weights with a warning, instead of a silent restart of the stage from step 0.
+            stage_step, stage_consumed = own.local_step, own.samples_consumed
         if stage_step == 0:
             self.sync.begin(Phase.ACTIVE, 0, "the stage has not stepped yet: every replica starts from the seed")
             self.joined = {"stage_step": 0, "loaded_step": 0, "source": "seed", "phase": Phase.ACTIVE.value}
@@ -281,7 +286,9 @@ class WorkerRole:
             except CheckpointError as exc:
                 logger.warning("could not load the checkpoint: %s", exc)
         if loaded_step is None:
-            logger.warning("no state loaded: starting from the seeded weights, counted as step 0")
+            hint = ("" if self.checkpoints is not None else "; with --checkpoint-dir DIR --checkpoint-period-s S a "
+                    "restarted last replica of a stage resumes from its checkpoint")
+            logger.warning("no state loaded: starting from the seeded weights, counted as step 0%s", hint)
             loaded_step = 0
         self.optimizer.set_step(stage_step, stage_consumed or None)
         phase = self.sync.join_phase(stage_step, loaded_step)
