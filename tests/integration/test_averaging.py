@@ -532,7 +532,7 @@ def test_a_replica_far_from_the_others_is_reported_and_rejoins_through_weight_sy
         assert worker.summary()["averaging"]["counters"].get("divergence_resyncs", 0) == 0, worker.name
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_a_worker_whose_averaging_stalls_leaves_its_stage_and_the_others_keep_averaging(make_swarm, run_config_path):
     """A sender that stalls mid-round in every round (test fault, 8 s against a 2 s sender
     timeout) is banned by the reducers, which complete the round without it; its own rounds
@@ -543,7 +543,7 @@ def test_a_worker_whose_averaging_stalls_leaves_its_stage_and_the_others_keep_av
     good = [swarm.start("worker", stage=0, args=["--reducer"], wait_ready=i == 0) for i in range(2)]
     swarm.wait_ready(good[1])
     stalled = swarm.start("worker", stage=0, env={"AGORA_TEST_AVERAGING_STALL_S": "8"})
-    assert swarm.wait(stalled, 120) == 3, stalled.log_tail()
+    assert swarm.wait(stalled, 150) == 3, stalled.log_tail()
     assert log_has(stalled, "self-termination rule averaging"), stalled.log_tail()
     assert not log_has(stalled, "node: worker failed"), "a rule exit is no bug: " + stalled.log_tail(60)
     terminated = poll_until(stalled.summary, 5, "the stalled worker's summary")["terminated_by"]

@@ -149,6 +149,8 @@ class AveragingService:
         self._current = ("", 0, 0, "")
         self._thread: Optional[_SerialThread] = None
         self._round_task: Optional[asyncio.Task] = None
+        self._overran_current = False
+        """The running round already doubled the cadence stride."""
         self.schedule = RoundSchedule(config.average_every, config.idle_period_s)
         self._samples_at_last_round = 0
         self.round_seconds = Distribution()
@@ -238,8 +240,11 @@ class AveragingService:
         plan = RoundPlan(kind, round_id, segment, 0.0, 0, self.phase().value)
         if self._round_task is not None and not self._round_task.done():
             # Replicas that skip different rounds would fall out of step: run every other round
-            # from now on (schedule.py), which all replicas in this situation agree on.
-            self.schedule.overran()
+            # from now on (schedule.py), which all replicas in this situation agree on. One long
+            # round doubles the stride once, however many rounds fall due while it runs.
+            if not self._overran_current:
+                self._overran_current = True
+                self.schedule.overran()
             self._counts["rounds_overran"] += 1
             self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED,
                                       failure_reason=f"the previous round is still running: rounds take longer "
@@ -250,6 +255,7 @@ class AveragingService:
             self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED, failure_reason=self.schedule.cadence()),
                          quiet=True)
             return
+        self._overran_current = False
         self._round_task = asyncio.create_task(self._run_round(kind, round_id), name=f"averaging-{kind}-{round_id}")
 
     # ---- one round ----
@@ -444,6 +450,7 @@ class AveragingService:
 
     def _finish(self, outcome: RoundOutcome, quiet: bool = False) -> None:
         """Count, log (`quiet`: at DEBUG, for rounds the cadence leaves out), publish and report a round."""
+        repair = outcome.plan.kind == "repair"
         self._counts[f"rounds_{outcome.status.value}"] += 1
         if outcome.rejected_senders:
             self._counts["senders_rejected"] += len(outcome.rejected_senders)
@@ -452,12 +459,15 @@ class AveragingService:
         if outcome.status != RoundStatus.SKIPPED:
             self.schedule.finished(outcome.plan.kind, outcome.duration_s)
             self.round_seconds.observe(max(0.0, outcome.duration_s))
-            self.last_completeness = outcome.averaging_success or 0.0
+            if repair:  # what the repair brought back of the slices the round lost
+                last = self.last_completeness or 0.0
+                self.last_completeness = last + (1.0 - last) * (outcome.averaging_success or 0.0)
+            else:
+                self.last_completeness = outcome.averaging_success or 0.0
             self.bytes_sent += outcome.bytes_sent
             self.bytes_received += outcome.bytes_received
             if outcome.bytes_sent or outcome.bytes_received:
                 self._seconds_moving += max(0.0, outcome.duration_s)
-        repair = outcome.plan.kind == "repair"
         if outcome.plan.phase == Phase.ACTIVE.value and not repair:
             self.divergence.observe(outcome.plan.kind, outcome.plan.round, outcome.status,
                                     outcome.relative_distance, len(outcome.group))
