@@ -118,8 +118,9 @@ class AveragingRecord(RecordModel):
     elected: bool = Field(default=False, description="a reducer by the stage's election, not by --reducer")
     can_reduce: bool = Field(default=False, description="the worker promotes itself to reducer when elected "
                              "(nodes that predate the election cannot and are never elected)")
-    started_at: float = Field(default=0.0, ge=0.0, description="wall-clock time its averaging began")
-    bandwidth: float = Field(default=0.0, ge=0.0, description="all-reduce bytes/s it measured over its rounds")
+    started_at: float = Field(default=0.0, ge=0.0, le=1e11, description="wall-clock time its averaging began "
+                              "(bounded: the reducer election floors it, and infinity would crash that)")
+    bandwidth: float = Field(default=0.0, ge=0.0, le=1e15, description="all-reduce bytes/s it measured over its rounds")
     phase: Phase = Field(default=Phase.ACTIVE, strict=False)
     round_kind: str = Field(default="", max_length=8)
     round: int = Field(default=0, ge=0)

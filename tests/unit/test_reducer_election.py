@@ -37,3 +37,15 @@ def test_every_reading_order_elects_the_same_workers():
 def test_more_wanted_than_candidates_elects_them_all():
     assert elect(set(), [Candidate("a", T0, 0.0)], 3) == ["a"]
     assert elect(set(), [], 1) == []
+
+
+def test_a_record_claiming_an_infinite_start_or_bandwidth_is_rejected():
+    import pytest
+    from pydantic import ValidationError
+
+    from protocol.dht_schema import AveragingRecord
+
+    for field in ("started_at", "bandwidth"):
+        for value in (float("inf"), float("nan"), -1.0):
+            with pytest.raises(ValidationError):
+                AveragingRecord.model_validate({field: value})
