@@ -352,7 +352,8 @@ def test_two_replicas_per_stage_train_with_averaging(make_swarm, run_config_path
         assert done >= 3, worker.name
         assert metric_value(families, "agora_averaging_round_seconds", "_count") >= done, worker.name
         assert metric_value(families, "agora_averaging_round_seconds", "_sum") > 0, worker.name
-        assert 0 < metric_value(families, "agora_averaging_completeness_ratio") <= 1, worker.name
+        # the last round's share: 0 when that round failed (CI saw a last round fail under load)
+        assert 0 <= metric_value(families, "agora_averaging_completeness_ratio") <= 1, worker.name
         assert metric_value(families, "agora_bytes_sent", "_total", channel="averaging") > 0, worker.name
         assert metric_value(families, "agora_bytes_received", "_total", channel="averaging") > 0, worker.name
     for worker in workers:

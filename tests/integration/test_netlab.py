@@ -57,14 +57,16 @@ def _within(measured: float, nominal: float, tolerance: float = 0.2) -> bool:
 
 
 def test_lab_shapes_links_runs_processes_and_leaves_nothing():
-    shaped, plain = HostSpec("s", up_mbit=100, down_mbit=100, rtt_ms=40), HostSpec("u")
+    # 30 Mbit/s, not more: the switch is a Python process sharing two cores with the other test
+    # worker, and at 100 Mbit/s CI measured 58 (CPU-starved, not mis-shaped)
+    shaped, plain = HostSpec("s", up_mbit=30, down_mbit=30, rtt_ms=40), HostSpec("u")
     lab = Lab([shaped, plain], subnet=_free_subnet())
     with lab:
         upload = lab.measure("s", "u", seconds=2)  # s's tbf upload, 40 ms
         download = lab.measure("controller", "s", seconds=2)  # s's download queue in the switch
         for result in (upload, download):
             assert _within(result["rtt_ms"], 40), result
-            assert _within(result["throughput_mbit"], 100), result
+            assert _within(result["throughput_mbit"], 30), result
         plain_rtt = lab.measure("u", "controller", seconds=0.5)["rtt_ms"]
         assert plain_rtt < 5, f"an unshaped path has {plain_rtt:.1f} ms RTT"
 
@@ -80,7 +82,7 @@ def test_lab_shapes_links_runs_processes_and_leaves_nothing():
         assert server.stdout.readline().strip() == "hello"
         sleeper = lab.popen("u", ["sleep", "600"])
         counters = lab.counters()
-        assert counters["s"]["rx_bytes"] > 20e6 and counters["s"]["tx_bytes"] > 20e6, counters
+        assert counters["s"]["rx_bytes"] > 5e6 and counters["s"]["tx_bytes"] > 5e6, counters
         assert counters["u"]["drops_unroutable"] == 0
         pids = [server.pid, sleeper.pid, lab._switch.pid]
     lab.stop()  # idempotent
