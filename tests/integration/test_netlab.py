@@ -97,7 +97,7 @@ def _start_cli(tmp_path, subnet: str) -> tuple[subprocess.Popen, str]:
     topology.write_text(f"subnet: {subnet}\nhosts:\n  - {{name: a, up_mbit: 50, rtt_ms: 20}}\n  - {{name: b}}\n")
     cli = subprocess.Popen([os.path.join(ROOT, "scripts", "netlab"), "up", str(topology)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ready, _, _ = select.select([cli.stdout], [], [], 20)
+    ready, _, _ = select.select([cli.stdout], [], [], 60)  # a loaded machine starts Python slowly
     for line in cli.stdout if ready else []:
         if line.startswith("NETLAB-READY "):
             return cli, json.loads(line.split(" ", 1)[1])["lab_id"]
