@@ -138,8 +138,11 @@ PREEMPT_CASES = {
 }
 
 
-def run_preempt(out: Path, quick: bool, at_s: float) -> list[dict[str, Any]]:
+def run_preempt(out: Path, quick: bool, at_s: float, only_cases: str = "") -> list[dict[str, Any]]:
     cases = dict(list(PREEMPT_CASES.items())[:1]) if quick else PREEMPT_CASES
+    if only_cases:  # indices into PREEMPT_CASES, e.g. "2,5"
+        labels = list(PREEMPT_CASES)
+        cases = {labels[int(i) - 1]: PREEMPT_CASES[labels[int(i) - 1]] for i in only_cases.split(",")}
     rows = []
     for label, event in cases.items():
         log(f"preempt: {label}")
@@ -266,6 +269,7 @@ def main() -> int:
     parser.add_argument("--reuse", action="store_true",
                         help="re-read the scenarios already played in --out instead of playing them again")
     parser.add_argument("--preempt-at-s", type=float, default=40.0, help="when the preemption orders are sent")
+    parser.add_argument("--cases", default="", help="preemption cases to play, by number (1-6), e.g. 2,5; default all")
     args = parser.parse_args()
     global REUSE
     REUSE = args.reuse
@@ -284,6 +288,11 @@ def main() -> int:
     if unknown:
         print(f"bench_network: --only {','.join(sorted(unknown))}: parts are grid, preempt, churn", file=sys.stderr)
         return 2
+    numbers = [n.strip() for n in args.cases.split(",") if n.strip()]
+    if any(not n.isdigit() or not 1 <= int(n) <= len(PREEMPT_CASES) for n in numbers):
+        print(f"bench_network: --cases {args.cases}: give case numbers 1-{len(PREEMPT_CASES)}, e.g. 2,5", file=sys.stderr)
+        return 2
+    args.cases = ",".join(numbers)
     report: dict[str, Any] = {"machine": machine_info(), "report": REPORT, "quick": args.quick}
     report["plan"] = plan_summary()
     started = time.monotonic()
@@ -306,7 +315,7 @@ def run_parts(parts: list[str], report: dict[str, Any], out: Path, args: argpars
         if part == "grid":
             report["grid"] = run_grid(out, args.quick)
         elif part == "preempt":
-            report["preempt"] = run_preempt(out, args.quick, args.preempt_at_s)
+            report["preempt"] = run_preempt(out, args.quick, args.preempt_at_s, args.cases)
         else:
             report["churn"] = run_churn(out, args.quick, args.churn_s)
         (out / "bench_network.partial.json").write_text(json.dumps(report, indent=1, default=str))

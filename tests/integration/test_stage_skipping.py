@@ -107,7 +107,7 @@ def test_a_body_stage_whose_only_worker_dies_is_skipped_until_a_new_worker_serve
     assert served["forward_requests"] >= 24 and served["backward_requests"] >= 24, served
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(160)
 def test_with_skipping_disabled_an_empty_body_stage_drops_samples_as_no_workers(make_swarm, run_config_path):
     config = run_config_path(target_batch_size=8, skipping={"enabled": False})
     swarm = make_swarm(config)
@@ -121,8 +121,11 @@ def test_with_skipping_disabled_an_empty_body_stage_drops_samples_as_no_workers(
     poll_until(lambda: "samples completed" in open(trainer.log_path).read(), 60, "the trainer to train",
                period_s=0.2)
     swarm.stop(body, signal.SIGKILL)
-    poll_until(lambda: "no_workers" in open(trainer.log_path).read(), 60, "samples dropped as no_workers",
-               period_s=0.2)
+    try:  # about 5 s here; CI once saw none within 60 s, and printed nothing to tell why
+        poll_until(lambda: "no_workers" in open(trainer.log_path).read(), 90, "samples dropped as no_workers",
+                   period_s=0.2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- trainer ---\n{trainer.log_tail()}") from None
     assert swarm.stop(trainer, signal.SIGTERM) == 0, trainer.log_tail()
     summary = trainer.summary()
     assert summary["skipped_stages"] == {}
