@@ -115,6 +115,8 @@ PRIVATE_API: tuple[PrivateName, ...] = (
     PrivateName("DecentralizedAverager", "total_size", "averager process", "load balancing"),
     PrivateName("AllReduceRunner", "_generate_input_for_peer", "class", "overridden: a hook per part sent"),
     PrivateName("AllReduceRunner", "_accumulate_parts_streaming", "class", "overridden: a hook per part reduced"),
+    PrivateName("AllReduceRunner", "should_delay_results", "class",
+                "overridden: a client-mode sender reads results while it sends (a dead reducer fails fast)"),
     PrivateName("AllReduceRunner", "tensor_part_container", "instance", "slices per peer, failed reducers"),
     PrivateName("AllReduceRunner", "tensor_part_reducer", "instance",
                 "what each sender delivered; replaced by a HoldingReducer before the round starts"),
@@ -390,6 +392,14 @@ class AdaptedRunner(AllReduceRunner):
         stock = _private(self, "tensor_part_reducer", "AllReduceRunner")
         self.tensor_part_reducer = HoldingReducer(stock.part_shapes, stock.num_senders, screen=self.screen_parts)
         stock.finished.set()  # finalize() of an unused reducer would warn that it received 0% of its parts
+
+    def should_delay_results(self, peer_id: Any) -> bool:
+        """Never: read each reducer's averaged parts while still sending it our slice. hivemind
+        makes a client-mode sender finish sending first, and when the reducer dies mid-send the
+        failed write goes unseen (its task is awaited only after the reads), so the sender waits
+        out allreduce_timeout_s and loses the whole round, the live reducers' slices too. Reading
+        at once sees the closed stream, and only the dead reducer's slice stays local."""
+        return False
 
     # hooks
 

@@ -1,20 +1,24 @@
 """Real hivemind averagers in forked processes on loopback (no agora-node processes): replicas
-converge segment by segment, and a replica with another index set is left out of the round."""
+converge segment by segment, a replica with another index set is left out of the round, and a
+sender whose reducer dies mid-round keeps the other reducer's slice."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 
 import hivemind
 import pytest
 import torch
 
+from protocol.control_orders import PreemptMoment
 from protocol.dht_schema import RoundStatus
 from protocol.run_config import AveragingConfig
 from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundPlan, SegmentRound
 from roles.worker.layout import FlatLayout
+from roles.worker.preemption import PreemptSwitch
 
 CONFIG = AveragingConfig(matchmaking_time_s=2.0, request_timeout_s=1.0, sender_timeout_s=3.0,
                          allreduce_timeout_s=30.0, part_size_bytes=4096)
@@ -22,10 +26,10 @@ LAYOUT = FlatLayout(["w", "b"], [(40, 50), (300,)])
 
 
 class Store:
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, layout: FlatLayout = LAYOUT):
         generator = torch.Generator().manual_seed(seed)
         self.lock = threading.RLock()
-        self.master_params = [torch.randn(shape, generator=generator) for shape in LAYOUT.shapes]
+        self.master_params = [torch.randn(shape, generator=generator) for shape in layout.shapes]
 
     def push_master_to_device(self):
         pass
@@ -43,25 +47,28 @@ def dhts():
         node.shutdown()
 
 
-def _replica(dht, seed, *, reducer, run_seed=0):
-    store = Store(seed)
-    sets = SegmentIndexSets(LAYOUT, 3, seed=run_seed, stage=0)
-    averager = StageAverager(dht, sets.buffer_size, run_id="unit", stage=0, reducer=reducer, config=CONFIG)
+def _replica(dht, seed, *, reducer, run_seed=0, layout=LAYOUT, preempt=None, config=CONFIG):
+    store = Store(seed, layout)
+    sets = SegmentIndexSets(layout, 3, seed=run_seed, stage=0)
+    averager = StageAverager(dht, sets.buffer_size, run_id="unit", stage=0, reducer=reducer, config=config,
+                             preempt=preempt)
     averager.start()
     return store, sets, SegmentRound(store, sets, averager)
 
 
-def _round(rounds, plans):
+def _round(rounds, plans, wait_for=None):
+    """Run one round on every replica at once; wait for those in `wait_for` (default all)."""
     outcomes = [None] * len(rounds)
 
     def go(i):
         outcomes[i] = rounds[i].run(plans[i])
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(rounds))]
+    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(rounds))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(120)
+    for i, thread in enumerate(threads):
+        if wait_for is None or i in wait_for:
+            thread.join(120)
     return outcomes
 
 
@@ -103,5 +110,36 @@ def test_a_replica_with_another_index_set_is_left_out(dhts):
         assert outcomes[2].status == RoundStatus.FAILED, outcomes[2].describe()
         assert torch.equal(stores[2].flat(), outsider_before), "the outsider was not averaged blindly"
     finally:
+        for r in rounds:
+            r.averager.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_sender_whose_reducer_dies_mid_round_keeps_the_other_slice_without_waiting_out_the_round(dhts):
+    """A client-mode sender used to read a reducer's averaged parts only after it had sent that
+    reducer its whole slice (hivemind delays results for client-mode peers); when the reducer
+    died mid-send, the write failed where nobody looked, and the sender waited out
+    allreduce_timeout_s (30 s here) and lost the whole round, the live reducer's slice too."""
+    # 8 MB a round, 4 MB per reducer's slice: more than the sockets buffer, so the sender is still
+    # sending when the reducer dies (with a small slice it was done, and read the results after)
+    layout = FlatLayout(["w"], [(2000, 3000)])
+    config = CONFIG.model_copy(update={"part_size_bytes": 1 << 16})
+    victim = subprocess.Popen(["sleep", "600"])  # stands in for the preempted reducer's node process
+    switch = PreemptSwitch(node_pid=victim.pid)
+    replicas = [_replica(dhts[0], 0, reducer=True, layout=layout, config=config),
+                _replica(dhts[1], 1, reducer=True, layout=layout, preempt=switch, config=config),
+                _replica(dhts[2], 2, reducer=False, layout=layout, config=config)]
+    rounds = [r for _, _, r in replicas]
+    try:
+        switch.arm(PreemptMoment.CHUNK_SEND, "unit-test")  # the reducer dies after its first part sent
+        # the dead reducer's own round waits out its step; nobody needs its outcome
+        outcomes = _round(rounds, [RoundPlan("step", 11, 0, 1.0, 3, "active")] * 3, wait_for=(0, 2))
+        assert victim.wait(10) == -9, "the switch fired"
+        for outcome in (outcomes[0], outcomes[2]):  # the live reducer, and the client-mode sender
+            assert outcome.status == RoundStatus.PARTIAL, outcome.describe()
+            assert 0 < outcome.averaging_success < 1, outcome.describe()
+            assert outcome.duration_s < config.allreduce_timeout_s * 0.75, outcome.describe()
+    finally:
+        victim.kill()
         for r in rounds:
             r.averager.shutdown()
