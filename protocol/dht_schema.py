@@ -121,6 +121,8 @@ class AveragingRecord(RecordModel):
     started_at: float = Field(default=0.0, ge=0.0, le=1e11, description="wall-clock time its averaging began "
                               "(bounded: the reducer election floors it, and infinity would crash that)")
     bandwidth: float = Field(default=0.0, ge=0.0, le=1e15, description="all-reduce bytes/s it measured over its rounds")
+    stride: int = Field(default=1, ge=1, le=1024, description="it runs only the rounds whose number this divides "
+                        "(its cadence, roles/worker/averaging/schedule.py): the others do not wait for it in the rest")
     phase: Phase = Field(default=Phase.ACTIVE, strict=False)
     round_kind: str = Field(default="", max_length=8)
     round: int = Field(default=0, ge=0)

@@ -112,6 +112,34 @@ def test_rounds_are_skipped_with_a_reason():
     assert asyncio.run(service._stage_view(Phase.ACTIVE)).expected == 2, "leaving workers are not expected"
 
 
+def test_a_round_the_others_skip_at_their_stride_is_skipped_and_not_waited_for():
+    """Replicas whose rounds ran long publish a stride (every 2nd, 4th.. round). In the lab's reducer
+    preemption, the surviving reducer ran the rounds its contributors skipped, alone, and reported
+    each as a failed round after a matchmaking window spent waiting for them."""
+    swarm = FakeSwarm()
+    service, _ = _service(swarm, reducer=True)
+    swarm.workers = {"me": _worker(), "a": _worker(), "b": _worker(), "new": _worker()}
+    swarm.averaging = {"a": AveragingRecord(stride=4), "b": AveragingRecord(stride=2)}  # "new": no record yet
+    odd = asyncio.run(service._stage_view(Phase.ACTIVE, 3))
+    assert odd.off_cadence == {"a", "b"} and odd.running == 2, "nobody waits for a and b in round 3"
+    assert service._skip_reason(odd) == "", "the worker without a record yet counts as running it"
+    del swarm.workers["new"]
+    odd = asyncio.run(service._stage_view(Phase.ACTIVE, 3))
+    assert service._skip_reason(odd) == "every other replica of the stage skips this round at its cadence"
+    two = asyncio.run(service._stage_view(Phase.ACTIVE, 2))
+    assert two.off_cadence == {"a"} and two.running == 2 and service._skip_reason(two) == ""
+    assert asyncio.run(service._stage_view(Phase.ACTIVE, 4)).running == 3
+    assert asyncio.run(service._stage_view(Phase.ACTIVE)).running == 3, "a repair round is not strided"
+
+    sender, _ = _service(swarm, reducer=False)
+    swarm.averaging = {"a": AveragingRecord(reducer=True, stride=2), "b": AveragingRecord()}
+    odd = asyncio.run(sender._stage_view(Phase.ACTIVE, 3))
+    assert sender._skip_reason(odd) == "every reducer of the stage skips this round at its cadence"
+    assert sender.record().stride == 1
+    sender.schedule.overran()
+    assert sender.record().stride == 2, "the stride is published"
+
+
 def _failed(round_id):
     return RoundOutcome(RoundPlan("step", round_id, round_id % 4, 1.0, 2, "active"), "d", RoundStatus.FAILED,
                         failure_reason="no group formed within the matchmaking window")

@@ -47,6 +47,10 @@ from roles.worker.preemption import PreemptSwitch
 
 logger = logging.getLogger(__name__)
 
+CADENCE_SKIP = "skips this round at its cadence"
+"""The end of the skip reason of a round the others leave out at their stride (logged at DEBUG,
+like the rounds this replica's own stride leaves out)."""
+
 RECENT_ROUNDS = 8
 
 
@@ -68,6 +72,13 @@ class StageView:
     records: dict[str, AveragingRecord] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)
     """Active workers that may be elected reducers (this one included), for election.py."""
+    off_cadence: set[str] = field(default_factory=set)
+    """Workers whose published stride skips this round: nobody waits for them in it."""
+
+    @property
+    def running(self) -> int:
+        """Workers that run this round (this one included): the group it can form."""
+        return self.expected - len(self.off_cadence)
 
 
 class _SerialThread:
@@ -266,7 +277,7 @@ class AveragingService:
         try:
             segment = segment_of(round_id, self.index_sets.segments)
             phase = self.phase()
-            view = await self._stage_view(phase)
+            view = await self._stage_view(phase, round_id if kind in ("step", "clock") else None)
             self._resolve_health(view)
             self._judge_divergence(view, phase)
             if self.leave_reason:
@@ -274,7 +285,7 @@ class AveragingService:
             index_set = await self._thread.submit(self.index_sets.get, segment)
             samples_now = self.samples_processed()
             weight = 0.0 if phase != Phase.ACTIVE else float(max(1, samples_now - self._samples_at_last_round))
-            plan = RoundPlan(kind, round_id, segment, weight, view.expected, phase.value)
+            plan = RoundPlan(kind, round_id, segment, weight, view.running, phase.value)
             self._current = (kind, round_id, segment, index_set.digest)
             self.announcer.poke()
             await self._elect_reducers(view)
@@ -285,7 +296,7 @@ class AveragingService:
                 outcome = await self._thread.submit(self.rounds.run, plan)
                 self._samples_at_last_round = samples_now
                 await self._check_index_sets(outcome)
-            self._finish(outcome)
+            self._finish(outcome, quiet=skip.endswith(CADENCE_SKIP))
             repair = self._repair_plan(outcome)
             if repair is not None:
                 self._finish(await self._thread.submit(self.rounds.run, repair))
@@ -299,7 +310,9 @@ class AveragingService:
             if self.state == AveragingState.RUNNING:
                 self.state = AveragingState.READY
 
-    async def _stage_view(self, phase: Phase) -> StageView:
+    async def _stage_view(self, phase: Phase, round_id: Optional[int] = None) -> StageView:
+        """The stage before a round; with `round_id`, also which workers skip that round at
+        the stride they published (a worker without a record yet counts as running it)."""
         me = self.swarm.peer_id
         workers, records = await asyncio.gather(
             self.swarm.get(workers_key(self.run_id, self.stage), WorkerRecord),
@@ -314,12 +327,14 @@ class AveragingService:
         if phase == Phase.ACTIVE:
             active.add(me)
         records.pop(me, None)
+        off_cadence = set() if round_id is None else {
+            peer for peer, record in records.items() if peer in live_ids and round_id % record.stride != 0}
         candidates = [Candidate(peer, record.started_at, record.bandwidth) for peer, record in records.items()
                       if peer in active and record.can_reduce and record.phase == Phase.ACTIVE]
         if phase == Phase.ACTIVE and self.averager is not None:
             candidates.append(Candidate(me, self.started_at, self.bandwidth))
         return StageView(expected=len(live_ids), reducers=reducers, active=active, records=records,
-                         candidates=candidates)
+                         candidates=candidates, off_cadence=off_cadence)
 
     def _repair_plan(self, outcome: RoundOutcome) -> Optional[RoundPlan]:
         """After a round in which a reducer died: hivemind left its slice at local values on every
@@ -385,6 +400,12 @@ class AveragingService:
             return f"no reducer in the stage {why}: start a worker of the stage with --reducer"
         if not view.active:
             return "no active replica in the stage to average with"
+        # Replicas whose rounds ran long average every 2nd, 4th.. round (schedule.py). A round that
+        # they all skip would be a matchmaking window spent alone and reported as failed.
+        if view.running <= 1:
+            return f"every other replica of the stage {CADENCE_SKIP}"
+        if not view.reducers - view.off_cadence:
+            return f"every reducer of the stage {CADENCE_SKIP}"
         return ""
 
     def _resolve_health(self, view: StageView) -> None:
@@ -504,7 +525,8 @@ class AveragingService:
         kind, round_id, segment, digest = self._current
         return AveragingRecord(
             reducer=self.reducer, elected=self.elected, can_reduce=self.averager is not None,
-            started_at=self.started_at, bandwidth=self.bandwidth, phase=self.phase(), round_kind=kind, round=round_id, segment=segment, digest=digest,
+            started_at=self.started_at, bandwidth=self.bandwidth, stride=self.schedule.stride, phase=self.phase(),
+            round_kind=kind, round=round_id, segment=segment, digest=digest,
             rounds_complete=self._counts["rounds_complete"], rounds_partial=self._counts["rounds_partial"],
             rounds_failed=self._counts["rounds_failed"], rounds_skipped=self._counts["rounds_skipped"],
             recent=[outcome.to_record() for outcome in self.recent],
