@@ -117,6 +117,8 @@ PRIVATE_API: tuple[PrivateName, ...] = (
     PrivateName("AllReduceRunner", "_accumulate_parts_streaming", "class", "overridden: a hook per part reduced"),
     PrivateName("AllReduceRunner", "should_delay_results", "class",
                 "overridden: a client-mode sender reads results while it sends (a dead reducer fails fast)"),
+    PrivateName("AllReduceRunner", "reducer_timeout", "instance",
+                "off for a client-mode sender, whose first result waits for its own upload"),
     PrivateName("AllReduceRunner", "tensor_part_container", "instance", "slices per peer, failed reducers"),
     PrivateName("AllReduceRunner", "tensor_part_reducer", "instance",
                 "what each sender delivered; replaced by a HoldingReducer before the round starts"),
@@ -388,18 +390,28 @@ class AdaptedRunner(AllReduceRunner):
             self.on_reducer_failed(peer_index, container.failed_size - before)
 
         container.register_failed_reducer = register_failed_reducer
+        if super().should_delay_results(self.peer_id):
+            # A client-mode sender's first averaged part comes only once a reducer has its whole
+            # slice (see should_delay_results), so the per-chunk reducer_timeout would count our own
+            # upload against the reducer. A dead reducer is seen as its closed stream instead, and
+            # allreduce_timeout_s still bounds the round.
+            self.reducer_timeout = None
         # No part has arrived yet (the round starts when the runner is iterated): swap the reducer.
         stock = _private(self, "tensor_part_reducer", "AllReduceRunner")
         self.tensor_part_reducer = HoldingReducer(stock.part_shapes, stock.num_senders, screen=self.screen_parts)
         stock.finished.set()  # finalize() of an unused reducer would warn that it received 0% of its parts
 
     def should_delay_results(self, peer_id: Any) -> bool:
-        """Never: read each reducer's averaged parts while still sending it our slice. hivemind
-        makes a client-mode sender finish sending first, and when the reducer dies mid-send the
-        failed write goes unseen (its task is awaited only after the reads), so the sender waits
-        out allreduce_timeout_s and loses the whole round, the live reducers' slices too. Reading
-        at once sees the closed stream, and only the dead reducer's slice stays local."""
-        return False
+        """As a sender (`peer_id` is this peer): never, read a reducer's averaged parts while still
+        sending it our slice. hivemind makes a client-mode sender finish sending first; when the
+        reducer died mid-send, the failed write went unseen (its task is awaited only after the
+        reads), and the sender waited out allreduce_timeout_s and lost the whole round, the live
+        reducers' slices too. Reading at once sees the closed stream. As a reducer: hivemind's
+        rule, which reads a client-mode sender's whole slice before answering (streaming the
+        answers part by part let one sender that stopped reading stall the reducer for everyone)."""
+        if peer_id == self.peer_id:
+            return False
+        return super().should_delay_results(peer_id)
 
     # hooks
 
