@@ -140,6 +140,15 @@ def test_a_slice_that_did_not_come_back_keeps_local_values_and_is_reported():
     assert "did not come back" in record.failure_reason
 
 
+def test_a_round_in_which_no_slice_came_back_whole_failed():
+    """A sender the reducers banned mid-send (it stalled) gets a few averaged parts back from each
+    before the ban; that is no round it took part in, and the averaging rule must count it."""
+    _, _, _, _, rounds = _setup(average_fn=lambda snap: snap + 1.0, fell_back={"me": 1, "other": 2})
+    outcome = rounds.run(RoundPlan("clock", 9, 4, 1.0, 2, "active"))
+    assert 0 < outcome.averaging_success < 1
+    assert outcome.status == RoundStatus.FAILED, outcome.describe()
+
+
 def test_a_sender_the_reducer_rejected_is_named_in_the_round_report():
     _, _, _, _, rounds = _setup(average_fn=lambda snap: snap, rejected={"other": "values that are not finite"})
     outcome = rounds.run(RoundPlan("clock", 9, 4, 1.0, 2, "active"))

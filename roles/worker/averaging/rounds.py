@@ -250,7 +250,10 @@ class SegmentRound:
         if len(peers) < plan.expected_group_size:
             reasons.append(f"group of {len(peers)}, {plan.expected_group_size} stage workers expected")
 
-        if len(index_set) and averaging_success == 0.0:
+        # Not one slice came back whole: this replica did not take part (the reducers banned it,
+        # e.g. it stalled mid-send), though it got a few parts back before the ban.
+        came_back = any(size and not telemetry["fell_back"].get(peer, 0) for peer, size in zip(peers, sizes))
+        if len(index_set) and (averaging_success == 0.0 or not came_back):
             status = RoundStatus.FAILED
         elif reasons:
             status = RoundStatus.PARTIAL
