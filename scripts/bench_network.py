@@ -168,6 +168,7 @@ def _rounds_around(result: dict[str, Any], at_s: float) -> dict[str, Any]:
     for r in after:
         by_node.setdefault(r["node"], []).append(r)
     first = [rs[0] for rs in by_node.values() if rs]
+    following = [rs[1] for rs in by_node.values() if len(rs) > 1]
     later = [r for rs in by_node.values() for r in rs[1:]]
 
     def mean(rows, key="averaging_success"):
@@ -177,6 +178,9 @@ def _rounds_around(result: dict[str, Any], at_s: float) -> dict[str, Any]:
     return {"round_of_preemption_completeness_pct": mean(first),
             "round_of_preemption_completeness_before_repair_pct": mean(first, "averaging_success_before_repair"),
             "round_of_preemption_repaired": sum(1 for r in first if r.get("repair_status")),
+            "next_round_completeness_pct": mean(following),
+            "next_round_all_chunks_back": sum(1 for r in following if (r["averaging_success"] or 0) >= 1.0),
+            "next_round_survivors": len(following),
             "next_rounds_completeness_pct": mean(later),
             "next_rounds": len(later), "next_rounds_complete": sum(1 for r in later if r["status"] == "complete")}
 
@@ -243,10 +247,12 @@ def plot(report: dict[str, Any], out: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(10, 4))
         labels = [c["case"] for c in cases]
         first = [c["survivors"].get("round_of_preemption_completeness_pct") or 0 for c in cases]
+        following = [c["survivors"].get("next_round_completeness_pct") or 0 for c in cases]
         later = [c["survivors"].get("next_rounds_completeness_pct") or 0 for c in cases]
         xs = range(len(labels))
-        ax.bar([x - 0.2 for x in xs], first, width=0.4, label="round of the preemption")
-        ax.bar([x + 0.2 for x in xs], later, width=0.4, label="next rounds")
+        ax.bar([x - 0.27 for x in xs], first, width=0.27, label="round of the preemption")
+        ax.bar(list(xs), following, width=0.27, label="next round")
+        ax.bar([x + 0.27 for x in xs], later, width=0.27, label="all later rounds")
         ax.axhline(90, color="grey", ls="--", lw=1, label="target 90%")
         ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
         ax.set_ylabel("completeness seen by survivors (%)")

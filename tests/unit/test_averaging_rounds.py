@@ -63,7 +63,7 @@ class FakeAverager:
     def begin_step(self, weight, gather):
         return (weight, gather)
 
-    def finish_step(self, control):
+    def finish_step(self, control, abandon=None):
         return self.step(*control)
 
     def step(self, weight, gather):

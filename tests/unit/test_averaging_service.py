@@ -218,13 +218,84 @@ def test_rounds_that_outlast_their_interval_make_the_stage_average_every_other_r
     assert schedule.stride == 2 and [k for k in range(8) if schedule.runs(k)] == [0, 2, 4, 6]
     schedule.finished("step", 14.0)
     assert schedule.stride == 2, "rounds still take longer than one interval"
-    for _ in range(10):
+    for _ in range(3):
         schedule.finished("step", 5.0)
-    assert schedule.stride == 1, "rounds fit one interval again"
+    assert schedule.stride == 2, "the long rounds still count: the stride must not halve right after it doubled"
+    schedule.finished("step", 5.0)
+    assert schedule.stride == 1, "the last 4 rounds fit one interval again"
     for _ in range(10):
         schedule.overran()
     assert schedule.stride == 16, "at least every 16th round runs"
     assert "every 16th round" in schedule.cadence()
+
+
+class ScriptedRounds:
+    """Stands in for SegmentRound: a "lonely" round looks for a group until it is told to leave
+    (nobody comes), a "long" one is past matchmaking and runs until the test releases it."""
+
+    def __init__(self, script):
+        self.script = script
+        self.ran: list[int] = []
+        self.release = threading.Event()
+
+    def run(self, plan, abandon=None):
+        self.ran.append(plan.round)
+        if self.script[plan.round] == "lonely":
+            assert abandon is not None and abandon.wait(10), "never told to leave"
+            return RoundOutcome(plan, "d", RoundStatus.FAILED, 30.0, abandoned=True,
+                                failure_reason="no group had formed when the next round fell due: left for it")
+        assert self.release.wait(10)
+        return RoundOutcome(plan, "d", RoundStatus.COMPLETE, 12.0, group=["me", "peer"], averaging_success=1.0)
+
+
+async def _until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_a_round_still_looking_for_its_group_when_the_next_falls_due_is_left_for_it():
+    """In the lab's preemptions, a replica that missed a round's group kept looking until the next
+    round fell due, skipped that one as overran, and from then on ran every round alone, one behind
+    the others. It now leaves the lonely round for the next; a round past matchmaking runs on."""
+    from roles.worker.averaging.service import AveragingState, _SerialThread
+
+    async def main():
+        swarm = FakeSwarm()
+        swarm.workers = {"me": _worker(), "peer": _worker()}
+        swarm.averaging = {"peer": AveragingRecord(reducer=True)}
+        service, step = _service(swarm, average_every=10)
+        service.rounds = ScriptedRounds({1: "lonely", 2: "long", 3: "long"})
+        service._thread = _SerialThread("test-averaging")
+        service.state = AveragingState.READY
+        service.schedule.begin(0)
+        try:
+            step["value"] = 10
+            service._poll()
+            await _until(lambda: service.rounds.ran == [1])
+            step["value"] = 20
+            service._poll()
+            await _until(lambda: service.rounds.ran == [1, 2])
+            first = service.history[0]
+            assert first.plan.round == 1 and first.status == RoundStatus.FAILED and first.abandoned
+            assert service.counters["rounds_overran"] == 0 and service.schedule.stride == 1
+            assert service.schedule.round_s is None, "a round left for the next says nothing about round length"
+            step["value"] = 30
+            service._poll()  # asks round 2 to leave, but it is past matchmaking: round 3 overran
+            step["value"] = 40
+            service._poll()  # while round 3 still waits for round 2: overran at once
+            service.rounds.release.set()
+            await _until(lambda: len(service.history) == 4 and service._round_task.done())
+            assert [(o.plan.round, o.status) for o in service.history] == [
+                (1, RoundStatus.FAILED), (4, RoundStatus.SKIPPED), (2, RoundStatus.COMPLETE), (3, RoundStatus.SKIPPED)]
+            assert all("still running" in service.history[i].failure_reason for i in (1, 3))
+            assert service.schedule.stride == 2, "one long round doubles the stride once"
+            assert service.rounds.ran == [1, 2] and service.state == AveragingState.READY
+        finally:
+            service._thread.close()
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("stride", [1, 2, 4, 8, 16])

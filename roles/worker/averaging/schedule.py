@@ -14,8 +14,11 @@ their clocks agree to well within the matchmaking window.
 Rounds that outlast the interval between them (slow links, large stages) would make replicas
 skip different rounds ("the previous round is still running") and never meet again. So the
 schedule runs only every `stride`-th round, a power of two, doubled when a round fell due while
-the previous one still ran, and halved again once half the stride's interval is 1.25x the
-rounds' measured duration. Replicas of a stage see nearly the same round durations and step pace, and two
+the previous one still ran its all-reduce, and halved again once half the stride's interval is
+1.25x the longest of the last `RECENT` rounds (the longest, not an average: the round that made
+the stride double must not make it halve again at once). A round still looking for its group
+when the next one falls due is left for it instead (service.py), so a replica that missed its
+group does not run every later round alone, one behind the others. Replicas of a stage see nearly the same round durations and step pace, and two
 replicas with different strides still meet on every round the larger one runs. `segment_of`
 shifts the segment order by one after each pass, so a stride that shares a factor with
 `segments` still reaches every segment.
@@ -23,6 +26,7 @@ shifts the segment order by one after each pass, so a stride that shares a facto
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Optional
 
@@ -31,6 +35,8 @@ MAX_STRIDE = 16
 misconfigured stage, which the round reports show)."""
 HEADROOM = 1.25
 """A strided interval must exceed the rounds' duration by this factor."""
+RECENT = 4
+"""Rounds whose longest duration decides whether the stride may halve."""
 _EMA = 0.3
 
 
@@ -52,6 +58,7 @@ class RoundSchedule:
         """Only rounds whose number is a multiple of this run (see module docstring)."""
         self.round_s: Optional[float] = None
         """Smoothed duration of the rounds that ran."""
+        self._recent: collections.deque[float] = collections.deque(maxlen=RECENT)
         self.interval_s: Optional[float] = None
         """Smoothed wall time from one step round falling due to the next."""
         self._last_due: Optional[tuple[int, float]] = None
@@ -106,8 +113,9 @@ class RoundSchedule:
     def finished(self, kind: str, duration_s: float) -> None:
         """A round ran for `duration_s`: run more often again if rounds got short enough."""
         self.round_s = _smooth(self.round_s, max(0.0, duration_s))
+        self._recent.append(max(0.0, duration_s))
         interval = self.idle_period_s if kind == "clock" else self.interval_s
-        if self.stride > 1 and interval and (self.stride // 2) * interval >= HEADROOM * self.round_s:
+        if self.stride > 1 and interval and (self.stride // 2) * interval >= HEADROOM * max(self._recent):
             self.stride //= 2
 
     def cadence(self) -> str:

@@ -162,6 +162,9 @@ class AveragingService:
         self._round_task: Optional[asyncio.Task] = None
         self._overran_current = False
         """The running round already doubled the cadence stride."""
+        self._abandon: Optional[threading.Event] = None
+        """Set to make the running round give up looking for its group (the next one fell due);
+        None when no round runs or it was already asked."""
         self.schedule = RoundSchedule(config.average_every, config.idle_period_s)
         self._samples_at_last_round = 0
         self.round_seconds = Distribution()
@@ -249,30 +252,59 @@ class AveragingService:
         kind, round_id = due
         segment = segment_of(round_id, self.index_sets.segments)
         plan = RoundPlan(kind, round_id, segment, 0.0, 0, self.phase().value)
-        if self._round_task is not None and not self._round_task.done():
-            # Replicas that skip different rounds would fall out of step: run every other round
-            # from now on (schedule.py), which all replicas in this situation agree on. One long
-            # round doubles the stride once, however many rounds fall due while it runs.
-            if not self._overran_current:
-                self._overran_current = True
-                self.schedule.overran()
-            self._counts["rounds_overran"] += 1
-            self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED,
-                                      failure_reason=f"the previous round is still running: rounds take longer "
-                                                     f"than average_every steps here, so from now on the stage "
-                                                     f"averages every {self.schedule.stride}th round"))
+        previous = self._round_task if self._round_task is not None and not self._round_task.done() else None
+        if previous is not None and (self._abandon is None or not self.schedule.runs(round_id)):
+            self._skip_overran(plan)
             return
         if not self.schedule.runs(round_id):
             self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED, failure_reason=self.schedule.cadence()),
                          quiet=True)
             return
-        self._overran_current = False
-        self._round_task = asyncio.create_task(self._run_round(kind, round_id), name=f"averaging-{kind}-{round_id}")
+        if previous is not None:
+            # A replica still looking for the previous round's group while the others moved on
+            # would run every round alone, a round behind them: it leaves that round for this one
+            # (if the all-reduce already began, the previous round runs on and this one overran).
+            assert self._abandon is not None
+            self._abandon.set()
+            self._abandon = None
+        else:
+            self._overran_current = False
+        self._round_task = asyncio.create_task(self._run_round(kind, round_id, after=previous),
+                                               name=f"averaging-{kind}-{round_id}")
+
+    def _skip_overran(self, plan: RoundPlan) -> None:
+        """A round fell due while the previous one still ran its all-reduce. Replicas that skip
+        different rounds would fall out of step: run every other round from now on (schedule.py),
+        which all replicas in this situation agree on. One long round doubles the stride once,
+        however many rounds fall due while it runs."""
+        if not self._overran_current:
+            self._overran_current = True
+            self.schedule.overran()
+        self._counts["rounds_overran"] += 1
+        self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED,
+                                  failure_reason=f"the previous round is still running: rounds take longer "
+                                                 f"than average_every steps here, so from now on the stage "
+                                                 f"averages every {self.schedule.stride}th round"))
 
     # ---- one round ----
 
-    async def _run_round(self, kind: str, round_id: int) -> None:
+    async def _run_round(self, kind: str, round_id: int, after: Optional[asyncio.Task] = None) -> bool:
+        """One due round (and its repair). `after`: the round this one asked to leave, which must
+        end first. Returns whether the round ran on past matchmaking (was not skipped or left)."""
         assert self.rounds is not None and self._thread is not None
+        if after is not None:
+            try:
+                await asyncio.wait({after})
+            except asyncio.CancelledError:
+                after.cancel()
+                raise
+            if not after.cancelled() and after.exception() is None and after.result():
+                self._skip_overran(RoundPlan(kind, round_id, segment_of(round_id, self.index_sets.segments), 0.0, 0,
+                                             self.phase().value))
+                return False
+            self._overran_current = False
+        abandon = self._abandon = threading.Event()
+        ran_on = False
         self.state = AveragingState.RUNNING
         try:
             segment = segment_of(round_id, self.index_sets.segments)
@@ -293,8 +325,10 @@ class AveragingService:
             if skip:
                 outcome = RoundOutcome(plan, index_set.digest, RoundStatus.SKIPPED, failure_reason=skip)
             else:
-                outcome = await self._thread.submit(self.rounds.run, plan)
-                self._samples_at_last_round = samples_now
+                outcome = await self._thread.submit(self.rounds.run, plan, abandon)
+                ran_on = not outcome.abandoned
+                if ran_on:
+                    self._samples_at_last_round = samples_now
                 await self._check_index_sets(outcome)
             self._finish(outcome, quiet=skip.endswith(CADENCE_SKIP))
             repair = self._repair_plan(outcome)
@@ -307,8 +341,11 @@ class AveragingService:
             logger.exception("averaging round %s %d crashed", kind, round_id)
             self._counts["rounds_crashed"] += 1
         finally:
+            if self._abandon is abandon:
+                self._abandon = None
             if self.state == AveragingState.RUNNING:
                 self.state = AveragingState.READY
+        return ran_on
 
     async def _stage_view(self, phase: Phase, round_id: Optional[int] = None) -> StageView:
         """The stage before a round; with `round_id`, also which workers skip that round at
@@ -478,7 +515,8 @@ class AveragingService:
         self.recent.append(outcome)
         self.history.append(outcome)
         if outcome.status != RoundStatus.SKIPPED:
-            self.schedule.finished(outcome.plan.kind, outcome.duration_s)
+            if not outcome.abandoned:  # its length is the interval between rounds, not a round's
+                self.schedule.finished(outcome.plan.kind, outcome.duration_s)
             self.round_seconds.observe(max(0.0, outcome.duration_s))
             if repair:  # what the repair brought back of the slices the round lost
                 last = self.last_completeness or 0.0
