@@ -63,8 +63,11 @@ class FakeAverager:
     def begin_step(self, weight, gather):
         return (weight, gather)
 
-    def finish_step(self, control, abandon=None):
+    def finish_step(self, control):
         return self.step(*control)
+
+    def began_allreduce(self, control):
+        return self.error is None
 
     def step(self, weight, gather):
         if self.train_fn is not None:

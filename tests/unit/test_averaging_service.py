@@ -230,22 +230,24 @@ def test_rounds_that_outlast_their_interval_make_the_stage_average_every_other_r
 
 
 class ScriptedRounds:
-    """Stands in for SegmentRound: a "lonely" round looks for a group until it is told to leave
-    (nobody comes), a "long" one is past matchmaking and runs until the test releases it."""
+    """Stands in for SegmentRound: a "lonely" round looks for a group nobody else is in until the
+    test ends its matchmaking window; a "long" one found its group and runs until released."""
 
     def __init__(self, script):
         self.script = script
         self.ran: list[int] = []
+        self.window_ends = threading.Event()
         self.release = threading.Event()
 
-    def run(self, plan, abandon=None):
+    def run(self, plan):
         self.ran.append(plan.round)
         if self.script[plan.round] == "lonely":
-            assert abandon is not None and abandon.wait(10), "never told to leave"
-            return RoundOutcome(plan, "d", RoundStatus.FAILED, 30.0, abandoned=True,
-                                failure_reason="no group had formed when the next round fell due: left for it")
+            assert self.window_ends.wait(10)
+            return RoundOutcome(plan, "d", RoundStatus.FAILED, 22.5,
+                                failure_reason="no group formed within the matchmaking window")
         assert self.release.wait(10)
-        return RoundOutcome(plan, "d", RoundStatus.COMPLETE, 12.0, group=["me", "peer"], averaging_success=1.0)
+        return RoundOutcome(plan, "d", RoundStatus.COMPLETE, 12.0, group=["me", "peer"], averaging_success=1.0,
+                            allreduce_began=True)
 
 
 async def _until(condition, timeout_s=10.0):
@@ -255,10 +257,12 @@ async def _until(condition, timeout_s=10.0):
         await asyncio.sleep(0.01)
 
 
-def test_a_round_still_looking_for_its_group_when_the_next_falls_due_is_left_for_it():
-    """In the lab's preemptions, a replica that missed a round's group kept looking until the next
-    round fell due, skipped that one as overran, and from then on ran every round alone, one behind
-    the others. It now leaves the lonely round for the next; a round past matchmaking runs on."""
+def test_a_round_that_falls_due_while_the_last_one_looks_for_its_group_runs_late_not_never():
+    """In the lab's preemptions, a replica that read a peer's stride a moment before the peer
+    doubled it ran a round alone for its whole matchmaking deadline, skipped the next round as
+    overran, and from then on ran every round alone, one behind its peer, which skipped those.
+    A round that falls due while the last one still looks for its group now runs after it; one
+    that falls due during an all-reduce is still skipped, and doubles the stride once."""
     from roles.worker.averaging.service import AveragingState, _SerialThread
 
     async def main():
@@ -275,14 +279,16 @@ def test_a_round_still_looking_for_its_group_when_the_next_falls_due_is_left_for
             service._poll()
             await _until(lambda: service.rounds.ran == [1])
             step["value"] = 20
-            service._poll()
+            service._poll()  # round 2 waits for round 1
+            assert service.counters["rounds_overran"] == 0 and service.rounds.ran == [1]
+            service.rounds.window_ends.set()
             await _until(lambda: service.rounds.ran == [1, 2])
             first = service.history[0]
-            assert first.plan.round == 1 and first.status == RoundStatus.FAILED and first.abandoned
+            assert first.plan.round == 1 and first.status == RoundStatus.FAILED
             assert service.counters["rounds_overran"] == 0 and service.schedule.stride == 1
-            assert service.schedule.round_s is None, "a round left for the next says nothing about round length"
+            assert service.schedule.round_s is None, "a round without a group says nothing about round length"
             step["value"] = 30
-            service._poll()  # asks round 2 to leave, but it is past matchmaking: round 3 overran
+            service._poll()  # waits for round 2, which is in its all-reduce: round 3 overran
             step["value"] = 40
             service._poll()  # while round 3 still waits for round 2: overran at once
             service.rounds.release.set()
@@ -292,10 +298,34 @@ def test_a_round_still_looking_for_its_group_when_the_next_falls_due_is_left_for
             assert all("still running" in service.history[i].failure_reason for i in (1, 3))
             assert service.schedule.stride == 2, "one long round doubles the stride once"
             assert service.rounds.ran == [1, 2] and service.state == AveragingState.READY
+            assert service.schedule.round_s == 12.0
         finally:
             service._thread.close()
 
     asyncio.run(main())
+
+
+def test_a_peer_with_another_index_set_is_named_even_when_it_announced_the_round_late():
+    """Peers with other index sets never meet this replica; it names them from the digests they
+    announce. An integration run caught a peer that reached each round after this replica had
+    looked, so the rounds it already finished count too."""
+    def summary(round_id, digest):
+        return RoundSummaryRecord(kind="clock", round=round_id, segment=0, digest=digest, status=RoundStatus.FAILED,
+                                  group_size=0, expected_group_size=3, duration_s=2.0, weight=1.0)
+
+    swarm = FakeSwarm()
+    service, _ = _service(swarm)
+    service._finish(RoundOutcome(RoundPlan("clock", 7, 3, 1.0, 3, "active"), "d7", RoundStatus.PARTIAL))
+    outcome = RoundOutcome(RoundPlan("clock", 8, 0, 1.0, 3, "active"), "d8", RoundStatus.PARTIAL)
+    swarm.averaging = {
+        "late": AveragingRecord(round_kind="clock", round=9, digest="x9", recent=[summary(7, "x7")]),
+        "now": AveragingRecord(round_kind="clock", round=8, digest="x8"),
+        "same": AveragingRecord(round_kind="clock", round=8, digest="d8", recent=[summary(7, "d7")]),
+        "fresh": AveragingRecord(),
+    }
+    asyncio.run(service._check_index_sets(outcome))
+    assert outcome.mismatched_peers == ["late", "now"]
+    assert service.counters["index_set_mismatches"] == 2
 
 
 @pytest.mark.parametrize("stride", [1, 2, 4, 8, 16])

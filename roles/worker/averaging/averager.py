@@ -23,16 +23,12 @@ Reducers (`--reducer`) run in hivemind's node mode; contributors in client mode 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import signal
-import threading
-import time
 from typing import Any, Iterator, Optional
 
 import torch
-from hivemind.averaging.control import AveragingStage
 from hivemind.utils import MPFuture
 
 from protocol.hivemind_adapter import AdaptedAverager
@@ -46,13 +42,6 @@ from roles.worker.errors import AveragingError
 from roles.worker.preemption import PreemptSwitch
 
 logger = logging.getLogger(__name__)
-
-ABANDON_POLL_S = 0.2
-"""How often a step waiting for its group looks whether it should give up for the next round."""
-
-
-class RoundAbandoned(AveragingError):
-    """The step gave up looking for a group because the schedule wants the next round instead."""
 
 
 class SpartaAverager(AdaptedAverager):
@@ -256,14 +245,12 @@ class StageAverager:
         return self.process.step(weight=float(weight), gather=gather, timeout=self.matchmaking_deadline_s(),
                                  allow_retries=False, require_trigger=True, wait=False)
 
-    def finish_step(self, control, abandon: Optional[threading.Event] = None) -> dict[str, Any]:
+    def finish_step(self, control) -> dict[str, Any]:
         """Let the all-reduce run on the buffer as it is now; returns `{"gathered", "telemetry"}`.
-        Raises whatever hivemind raised (no group, all-reduce broken, timeout), and
-        `RoundAbandoned` if `abandon` was set while the step still looked for its group (once the
-        all-reduce began, the step runs to its end: its group counts on this replica)."""
+        Raises whatever hivemind raised (no group, all-reduce broken, timeout)."""
         try:
             control.allow_allreduce()
-            result = self._wait(control, abandon, time.monotonic() + self.step_timeout_s() + 10)
+            result = control.result(self.step_timeout_s() + 10)
         except BaseException:
             control.cancel()
             raise
@@ -272,17 +259,9 @@ class StageAverager:
         return result
 
     @staticmethod
-    def _wait(control, abandon: Optional[threading.Event], deadline: float) -> Any:
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                return control.result(max(0.0, remaining if abandon is None else min(ABANDON_POLL_S, remaining)))
-            except concurrent.futures.TimeoutError:
-                if control.done() or remaining <= 0:
-                    raise  # hivemind's own timeout, or ours
-                if abandon is not None and abandon.is_set() and not control.began_allreduce \
-                        and control.stage == AveragingStage.LOOKING_FOR_GROUP:
-                    raise RoundAbandoned("no group had formed when the next round fell due: left for it") from None
+    def began_allreduce(control) -> bool:
+        """Whether a step found its group and started the all-reduce (so far, or before it ended)."""
+        return bool(control.began_allreduce)
 
     def step(self, weight: float, gather: dict[str, Any]) -> dict[str, Any]:
         """One round on the buffer as it is now (begin and finish at once)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -29,7 +28,7 @@ import torch
 
 from protocol.dht_schema import FailedSliceRecord, RoundStatus, RoundSummaryRecord
 from roles.worker.averaging.access import GROUP_REFUSED
-from roles.worker.averaging.averager import RoundAbandoned, StageAverager
+from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.index_sets import IndexSet, SegmentIndexSets
 from roles.worker.layout import FlatLayout, ParameterStore
 
@@ -78,9 +77,9 @@ class RoundOutcome:
     group_refused: bool = False
     """This replica refused the group its leader assembled (a member was no credentialed worker of
     the stage, access.py): the round failed, but not through any fault of this replica's."""
-    abandoned: bool = False
-    """No group had formed when the next round fell due, so this replica left the round for it
-    (the service's `abandon`): failed, but it says nothing about how long rounds take."""
+    allreduce_began: bool = False
+    """The round found its group and its all-reduce started (False: no group formed, or the round
+    failed before it looked for one)."""
     delta_sq: float = 0.0
     average_sq: float = 0.0
     allreduce_s: Optional[float] = None
@@ -146,8 +145,7 @@ class SegmentRound:
         self.averager = averager
         self.lock_timeout_s = lock_timeout_s
 
-    def run(self, plan: RoundPlan, abandon: Optional[threading.Event] = None) -> RoundOutcome:
-        """One round; setting `abandon` makes it give up while it still looks for a group."""
+    def run(self, plan: RoundPlan) -> RoundOutcome:
         index_set = self.index_sets.get(plan.segment)
         n = len(index_set)
         started = time.monotonic()
@@ -181,9 +179,10 @@ class SegmentRound:
         report: Optional[dict[str, Any]] = None
         error: Optional[BaseException] = None
         try:
-            report = self.averager.finish_step(control, abandon)
+            report = self.averager.finish_step(control)
         except Exception as exc:  # noqa: BLE001 - hivemind raises several unrelated types
             error = exc
+        began = self.averager.began_allreduce(control)
         mark = lap("step_s", mark)
         # Read back even after a failure: whatever the averager applied must reach the weights.
         try:
@@ -203,6 +202,7 @@ class SegmentRound:
         lap("apply_s", mark)
         outcome = self._describe(plan, index_set, report, error, time.monotonic() - started)
         outcome.delta_sq, outcome.average_sq, outcome.timings = delta_sq, average_sq, timings
+        outcome.allreduce_began = began or report is not None
         return outcome
 
     def _apply(self, index_set: IndexSet, delta: torch.Tensor) -> None:
@@ -215,7 +215,7 @@ class SegmentRound:
         if error is not None or report is None:
             reason = _reason(error)
             return RoundOutcome(plan, index_set.digest, RoundStatus.FAILED, duration_s, failure_reason=reason,
-                                group_refused=GROUP_REFUSED in reason, abandoned=isinstance(error, RoundAbandoned))
+                                group_refused=GROUP_REFUSED in reason)
         telemetry, gathered = report["telemetry"], report.get("gathered", {})
         peers: list[str] = list(telemetry["peers"])
         sizes: list[int] = list(telemetry["slice_sizes"])
@@ -297,8 +297,6 @@ def _reason(error: Optional[BaseException]) -> str:
     if error is None:
         return "the averager returned nothing"
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    if isinstance(error, RoundAbandoned):
-        return text
     if "could not find a group" in text:
         return "no group formed within the matchmaking window"
     if isinstance(error, TimeoutError) or type(error).__name__ == "TimeoutError":

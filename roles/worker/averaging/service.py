@@ -162,9 +162,8 @@ class AveragingService:
         self._round_task: Optional[asyncio.Task] = None
         self._overran_current = False
         """The running round already doubled the cadence stride."""
-        self._abandon: Optional[threading.Event] = None
-        """Set to make the running round give up looking for its group (the next one fell due);
-        None when no round runs or it was already asked."""
+        self._chained = False
+        """A due round waits for the running one, which was still looking for its group."""
         self.schedule = RoundSchedule(config.average_every, config.idle_period_s)
         self._samples_at_last_round = 0
         self.round_seconds = Distribution()
@@ -253,7 +252,7 @@ class AveragingService:
         segment = segment_of(round_id, self.index_sets.segments)
         plan = RoundPlan(kind, round_id, segment, 0.0, 0, self.phase().value)
         previous = self._round_task if self._round_task is not None and not self._round_task.done() else None
-        if previous is not None and (self._abandon is None or not self.schedule.runs(round_id)):
+        if previous is not None and (self._chained or not self.schedule.runs(round_id)):
             self._skip_overran(plan)
             return
         if not self.schedule.runs(round_id):
@@ -261,12 +260,12 @@ class AveragingService:
                          quiet=True)
             return
         if previous is not None:
-            # A replica still looking for the previous round's group while the others moved on
-            # would run every round alone, a round behind them: it leaves that round for this one
-            # (if the all-reduce already began, the previous round runs on and this one overran).
-            assert self._abandon is not None
-            self._abandon.set()
-            self._abandon = None
+            # The previous round may still be looking for a group nobody else is in (it read a
+            # stride a moment before its peer changed it). Skipping this round as overran would
+            # leave the replica a round behind its peers for good, each running the round the
+            # other skips, alone. So this round waits for the previous one to end, and runs, late
+            # by less than a matchmaking window, unless the previous round found its group.
+            self._chained = True
         else:
             self._overran_current = False
         self._round_task = asyncio.create_task(self._run_round(kind, round_id, after=previous),
@@ -289,8 +288,8 @@ class AveragingService:
     # ---- one round ----
 
     async def _run_round(self, kind: str, round_id: int, after: Optional[asyncio.Task] = None) -> bool:
-        """One due round (and its repair). `after`: the round this one asked to leave, which must
-        end first. Returns whether the round ran on past matchmaking (was not skipped or left)."""
+        """One due round (and its repair). `after`: the round still running when this one fell
+        due, which must end first. Returns whether the round's all-reduce began."""
         assert self.rounds is not None and self._thread is not None
         if after is not None:
             try:
@@ -298,13 +297,14 @@ class AveragingService:
             except asyncio.CancelledError:
                 after.cancel()
                 raise
+            finally:
+                self._chained = False
             if not after.cancelled() and after.exception() is None and after.result():
                 self._skip_overran(RoundPlan(kind, round_id, segment_of(round_id, self.index_sets.segments), 0.0, 0,
                                              self.phase().value))
                 return False
             self._overran_current = False
-        abandon = self._abandon = threading.Event()
-        ran_on = False
+        began = False
         self.state = AveragingState.RUNNING
         try:
             segment = segment_of(round_id, self.index_sets.segments)
@@ -325,10 +325,9 @@ class AveragingService:
             if skip:
                 outcome = RoundOutcome(plan, index_set.digest, RoundStatus.SKIPPED, failure_reason=skip)
             else:
-                outcome = await self._thread.submit(self.rounds.run, plan, abandon)
-                ran_on = not outcome.abandoned
-                if ran_on:
-                    self._samples_at_last_round = samples_now
+                outcome = await self._thread.submit(self.rounds.run, plan)
+                began = outcome.allreduce_began
+                self._samples_at_last_round = samples_now
                 await self._check_index_sets(outcome)
             self._finish(outcome, quiet=skip.endswith(CADENCE_SKIP))
             repair = self._repair_plan(outcome)
@@ -341,11 +340,9 @@ class AveragingService:
             logger.exception("averaging round %s %d crashed", kind, round_id)
             self._counts["rounds_crashed"] += 1
         finally:
-            if self._abandon is abandon:
-                self._abandon = None
             if self.state == AveragingState.RUNNING:
                 self.state = AveragingState.READY
-        return ran_on
+        return began
 
     async def _stage_view(self, phase: Phase, round_id: Optional[int] = None) -> StageView:
         """The stage before a round; with `round_id`, also which workers skip that round at
@@ -487,24 +484,31 @@ class AveragingService:
             logger.exception("resync callback failed")
 
     async def _check_index_sets(self, outcome: RoundOutcome) -> None:
-        """Peers announce the digest of the round they are in; one that announces this round with
-        another digest computes other index sets (another config or version) and was kept out."""
+        """Peers announce the digest of the round they are in and of their last rounds; one that
+        announces a round this replica also ran with another digest computes other index sets
+        (another config or version) and was kept out. The last rounds count too: a peer that
+        started the round late (it joined, or its previous round ran long) announces it only
+        after this replica looked."""
         try:
             records = await self.swarm.get(averaging_key(self.run_id, self.stage), AveragingRecord)
         except Exception:  # noqa: BLE001 - the check is best effort, the round itself is done
             logger.debug("could not read averaging records", exc_info=True)
             return
-        mismatched = sorted(
-            peer for peer, record in records.items()
-            if peer != self.swarm.peer_id and record.round_kind == outcome.plan.kind
-            and record.round == outcome.plan.round and record.digest and record.digest != outcome.digest
-        )
+        mine = {(o.plan.kind, o.plan.round): o.digest for o in self.history if o.digest}
+        mine[(outcome.plan.kind, outcome.plan.round)] = outcome.digest
+
+        def differs(record: AveragingRecord) -> bool:
+            announced = [(record.round_kind, record.round, record.digest)]
+            announced += [(summary.kind, summary.round, summary.digest) for summary in record.recent]
+            return any(digest and mine.get((kind, round_id), digest) != digest for kind, round_id, digest in announced)
+
+        mismatched = sorted(peer for peer, record in records.items() if peer != self.swarm.peer_id and differs(record))
         if mismatched:
             self._counts["index_set_mismatches"] += len(mismatched)
             outcome.mismatched_peers = sorted(set(outcome.mismatched_peers) | set(mismatched))
-            logger.warning("%d peer(s) of stage %d use another index set for %s round %d (%s); they were left out "
-                           "of the round: check that they run the same run config and agora-node version",
-                           len(mismatched), self.stage, outcome.plan.kind, outcome.plan.round, ", ".join(mismatched))
+            logger.warning("%d peer(s) of stage %d use another index set for rounds this worker ran (%s); they were "
+                           "left out of those rounds: check that they run the same run config and agora-node version",
+                           len(mismatched), self.stage, ", ".join(mismatched))
 
     def _finish(self, outcome: RoundOutcome, quiet: bool = False) -> None:
         """Count, log (`quiet`: at DEBUG, for rounds the cadence leaves out), publish and report a round."""
@@ -515,7 +519,7 @@ class AveragingService:
         self.recent.append(outcome)
         self.history.append(outcome)
         if outcome.status != RoundStatus.SKIPPED:
-            if not outcome.abandoned:  # its length is the interval between rounds, not a round's
+            if outcome.allreduce_began:  # a round without a group lasts the matchmaking deadline
                 self.schedule.finished(outcome.plan.kind, outcome.duration_s)
             self.round_seconds.observe(max(0.0, outcome.duration_s))
             if repair:  # what the repair brought back of the slices the round lost
