@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -260,7 +261,7 @@ class ScenarioRunner:
     def run(self) -> dict[str, Any]:
         from node.netlab.topology import HostSpec, Lab
 
-        os.makedirs(self.out_dir, exist_ok=True)
+        self._fresh_out_dir()
         sc = self.scenario
         hosts = [HostSpec(node.name, up_mbit=self.scenario.link_of(node).up_mbit,
                           down_mbit=self.scenario.link_of(node).down_mbit, rtt_ms=self.scenario.link_of(node).rtt_ms)
@@ -296,6 +297,22 @@ class ScenarioRunner:
         with open(os.path.join(self.out_dir, "result.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         return result
+
+    def _fresh_out_dir(self) -> None:
+        """Every node starts from nothing: an earlier run's identities, database and checkpoints
+        in the same directory belong to another run id (the authorizer refuses its database). A
+        directory with an earlier lab run in it is emptied; any other non-empty one is refused."""
+        out = Path(self.out_dir)
+        if out.exists() and any(out.iterdir()):
+            if not (out / "run.yaml").exists():
+                raise ConfigError(f"{out} is not empty and holds no earlier lab run: choose another output directory")
+            self.say(f"replacing the earlier run in {out}")
+            for entry in out.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        out.mkdir(parents=True, exist_ok=True)
 
     def _play(self, lab) -> dict[str, Any]:
         sc, swarm = self.scenario, self.swarm

@@ -134,3 +134,24 @@ def test_a_step_round_cut_by_the_stop_is_predicted_as_a_round_of_the_group():
     body = plan_traffic(load_run_config("surrogate-8b")).stage(1)
     cut = predicted_bytes(body, {}, rounds_cut_by_stop(summary, 6), reducer=False, reducers=2)
     assert cut == {"sent": body.round_bytes(4), "received": body.round_bytes(4)}
+
+
+def test_a_replay_into_the_same_directory_starts_from_nothing(tmp_path):
+    """A second play into the same directory used to reuse the first run's node data: the
+    authorizer refused its database ("belongs to run ...") and the lab stalled."""
+    from node.netlab.scenario import ScenarioRunner
+
+    scenario, base = load_scenario(os.path.join(SCENARIOS, "smoke.yaml"))
+    out = tmp_path / "out"
+    (out / "auth").mkdir(parents=True)
+    (out / "auth" / "authorizer.db").write_text("an earlier run's")
+    (out / "run.yaml").write_text("run_id: lab-smoke-1\n")
+    runner = ScenarioRunner(scenario, base, str(out), say=lambda line: None)
+    runner._fresh_out_dir()
+    assert out.is_dir() and list(out.iterdir()) == []
+    stranger = tmp_path / "notes"
+    stranger.mkdir()
+    (stranger / "mine.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="holds no earlier lab run"):
+        ScenarioRunner(scenario, base, str(stranger), say=lambda line: None)._fresh_out_dir()
+    assert (stranger / "mine.txt").read_text() == "keep"
