@@ -84,7 +84,7 @@ def play(name: str, overrides: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         log(f"  reusing {saved}")
         result = json.loads(saved.read_text())
         result["accounting"] = _accounting(result["summaries"])
-        result["averaging"] = _averaging(result["summaries"], result.get("deaths", []))
+        result["averaging"] = _averaging(result["summaries"], result.get("deaths", []), result.get("stopped_at_unix"))
         result["traffic_vs_plan"] = traffic_vs_plan(result, str(out_dir / "run.yaml"))
         return result
     scenario, base = load_scenario(str(SCENARIOS / f"{name}.yaml"), overrides)
@@ -106,6 +106,7 @@ def _brief(result: dict[str, Any]) -> dict[str, Any]:
         "completeness_all_rounds_pct": None if averaging["completeness_mean_all"] is None
         else round(100 * averaging["completeness_mean_all"], 2),
         "rounds_without_group": averaging["no_group"],
+        "rounds_cut_by_stop": averaging.get("cut_by_stop", 0),
         "round_duration_mean_s": averaging["duration_mean_s"],
         "links": result.get("links"),
         "accounting": result["accounting"],

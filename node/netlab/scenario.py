@@ -289,7 +289,7 @@ class ScenarioRunner:
                 result["traffic"] = _traffic(counters_before, lab.counters(), result.get("measured_s", 0.0))
         result["summaries"] = self._summaries()
         result["accounting"] = _accounting(result["summaries"])
-        result["averaging"] = _averaging(result["summaries"], self.deaths)
+        result["averaging"] = _averaging(result["summaries"], self.deaths, result.get("stopped_at_unix"))
         from node.netlab.traffic_check import traffic_vs_plan
 
         result["traffic_vs_plan"] = traffic_vs_plan(result, run_config_path)
@@ -372,7 +372,8 @@ class ScenarioRunner:
         measured_s = self._now() - (warm_t if tokens_at_warmup is not None else 0.0)
         tokens = final["tokens"] - (tokens_at_warmup or 0.0)
         self._collect_cpu()
-        return {"started_at_unix": self.started_at_unix, "measured_s": round(measured_s, 2), "tokens_per_s": round(tokens / max(measured_s, 1e-9), 2),
+        return {"started_at_unix": self.started_at_unix, "stopped_at_unix": time.time(),
+                "measured_s": round(measured_s, 2), "tokens_per_s": round(tokens / max(measured_s, 1e-9), 2),
                 "restarts": self.restarts, "deaths": self.deaths, "scrapes": self.scrapes,
                 "never_died": sorted(self._expected_deaths),
                 "cpu_percent": {name: round(100 * s / max(self._now(), 1e-9), 1) for name, s in self._cpu_total.items()}}
@@ -563,15 +564,17 @@ def _accounting(summaries: list[dict]) -> dict[str, Any]:
     return totals
 
 
-def _averaging(summaries: list[dict], deaths: list[dict]) -> dict[str, Any]:
+def _averaging(summaries: list[dict], deaths: list[dict], stopped_at: Optional[float] = None) -> dict[str, Any]:
     """Rounds as the workers that printed a summary saw them, counted as the report does [3.5.2.2]:
     a round failed when its completeness (the share of reduced chunks this peer got back) is below
     100%, a round where this peer found no group included. `completeness_mean` is over the rounds
     whose all-reduce ran (the report's "partial all-reduce completeness"); `completeness_mean_all`
     counts the rounds without a group as 0. A round whose lost slices the survivors averaged again
     at once (a `repair` round, averaging/service.py) counts what the repair brought back:
-    completeness a + (1 - a) * repair's; `*_before_repair` leaves repairs out."""
-    rounds, repairs = [], {}
+    completeness a + (1 - a) * repair's; `*_before_repair` leaves repairs out. A round that was
+    not complete and ended after the scenario's stop (`stopped_at`, unix time) was cut by the
+    nodes' shutdown: it is counted as `cut_by_stop`, not judged."""
+    rounds, repairs, cut = [], {}, 0
     for item in summaries:
         summary = item["summary"] or {}
         for record in (summary.get("averaging") or {}).get("rounds", []):
@@ -579,6 +582,9 @@ def _averaging(summaries: list[dict], deaths: list[dict]) -> dict[str, Any]:
                 continue
             if record.get("kind") == "repair":
                 repairs[(item["name"], record.get("round"))] = record
+                continue
+            if stopped_at and record.get("status") != "complete" and (record.get("finished_at") or 0) > stopped_at:
+                cut += 1
                 continue
             rounds.append({"node": item["name"], "stage": item["stage"], **record})
     for r in rounds:
@@ -600,6 +606,7 @@ def _averaging(summaries: list[dict], deaths: list[dict]) -> dict[str, Any]:
         "rounds": ran,
         "by_status": {s: sum(1 for r in rounds if r["status"] == s) for s in ("complete", "partial", "failed")},
         "no_group": ran - len(allreduced),
+        "cut_by_stop": cut,
         "failed_pct": round(100.0 * failed / ran, 2) if ran else None,
         "completeness_mean": round(sum(allreduced) / len(allreduced), 4) if allreduced else None,
         "completeness_min": round(min(allreduced), 4) if allreduced else None,

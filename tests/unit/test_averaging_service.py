@@ -231,11 +231,13 @@ def test_rounds_that_outlast_their_interval_make_the_stage_average_every_other_r
 
 class ScriptedRounds:
     """Stands in for SegmentRound: a "lonely" round looks for a group nobody else is in until the
-    test ends its matchmaking window; a "long" one found its group and runs until released."""
+    test ends its matchmaking window; a "long" one found its group and runs its all-reduce until
+    the test releases it."""
 
     def __init__(self, script):
         self.script = script
         self.ran: list[int] = []
+        self.in_allreduce = False
         self.window_ends = threading.Event()
         self.release = threading.Event()
 
@@ -245,7 +247,9 @@ class ScriptedRounds:
             assert self.window_ends.wait(10)
             return RoundOutcome(plan, "d", RoundStatus.FAILED, 22.5,
                                 failure_reason="no group formed within the matchmaking window")
+        self.in_allreduce = True
         assert self.release.wait(10)
+        self.in_allreduce = False
         return RoundOutcome(plan, "d", RoundStatus.COMPLETE, 12.0, group=["me", "peer"], averaging_success=1.0,
                             allreduce_began=True)
 
@@ -259,10 +263,10 @@ async def _until(condition, timeout_s=10.0):
 
 def test_a_round_that_falls_due_while_the_last_one_looks_for_its_group_runs_late_not_never():
     """In the lab's preemptions, a replica that read a peer's stride a moment before the peer
-    doubled it ran a round alone for its whole matchmaking deadline, skipped the next round as
-    overran, and from then on ran every round alone, one behind its peer, which skipped those.
-    A round that falls due while the last one still looks for its group now runs after it; one
-    that falls due during an all-reduce is still skipped, and doubles the stride once."""
+    doubled it ran a round alone for its whole matchmaking deadline, skipped the next rounds as
+    overran (doubling its stride), and from then on ran rounds alone, out of step with its peers.
+    A round that falls due while the last one still looks for its group now runs after it, and
+    doubles nothing; one that falls due during an all-reduce is skipped and doubles the stride once."""
     from roles.worker.averaging.service import AveragingState, _SerialThread
 
     async def main():
@@ -270,35 +274,40 @@ def test_a_round_that_falls_due_while_the_last_one_looks_for_its_group_runs_late
         swarm.workers = {"me": _worker(), "peer": _worker()}
         swarm.averaging = {"peer": AveragingRecord(reducer=True)}
         service, step = _service(swarm, average_every=10)
-        service.rounds = ScriptedRounds({1: "lonely", 2: "long", 3: "long"})
+        rounds = service.rounds = ScriptedRounds({2: "lonely", 4: "long"})
         service._thread = _SerialThread("test-averaging")
         service.state = AveragingState.READY
         service.schedule.begin(0)
+        service.schedule.stride = 2
         try:
-            step["value"] = 10
-            service._poll()
-            await _until(lambda: service.rounds.ran == [1])
-            step["value"] = 20
-            service._poll()  # round 2 waits for round 1
-            assert service.counters["rounds_overran"] == 0 and service.rounds.ran == [1]
-            service.rounds.window_ends.set()
-            await _until(lambda: service.rounds.ran == [1, 2])
-            first = service.history[0]
-            assert first.plan.round == 1 and first.status == RoundStatus.FAILED
-            assert service.counters["rounds_overran"] == 0 and service.schedule.stride == 1
+            def due(k):
+                step["value"] = 10 * k
+                service._poll()
+
+            due(1)  # off the stride
+            due(2)
+            await _until(lambda: rounds.ran == [2])
+            due(3)  # off the stride while round 2 looks: skipped at the cadence, nothing overran
+            due(4)  # waits for round 2
+            due(5)
+            due(6)  # round 4 already waits: skipped
+            assert rounds.ran == [2] and service.counters["rounds_overran"] == 0 and service.schedule.stride == 2
+            rounds.window_ends.set()
+            await _until(lambda: rounds.in_allreduce)
+            assert rounds.ran == [2, 4]
             assert service.schedule.round_s is None, "a round without a group says nothing about round length"
-            step["value"] = 30
-            service._poll()  # waits for round 2, which is in its all-reduce: round 3 overran
-            step["value"] = 40
-            service._poll()  # while round 3 still waits for round 2: overran at once
-            service.rounds.release.set()
-            await _until(lambda: len(service.history) == 4 and service._round_task.done())
-            assert [(o.plan.round, o.status) for o in service.history] == [
-                (1, RoundStatus.FAILED), (4, RoundStatus.SKIPPED), (2, RoundStatus.COMPLETE), (3, RoundStatus.SKIPPED)]
-            assert all("still running" in service.history[i].failure_reason for i in (1, 3))
-            assert service.schedule.stride == 2, "one long round doubles the stride once"
-            assert service.rounds.ran == [1, 2] and service.state == AveragingState.READY
-            assert service.schedule.round_s == 12.0
+            due(8)  # during round 4's all-reduce: overran, the stride doubles
+            due(12)
+            rounds.release.set()
+            await _until(lambda: service._round_task.done() and service.state == AveragingState.READY)
+            ran = [(o.plan.round, o.status) for o in service.history if "cadence" not in o.failure_reason]
+            assert ran == [(6, RoundStatus.SKIPPED), (2, RoundStatus.FAILED), (8, RoundStatus.SKIPPED),
+                           (12, RoundStatus.SKIPPED), (4, RoundStatus.COMPLETE)], ran
+            reasons = {o.plan.round: o.failure_reason for o in service.history}
+            assert "still looking for its group" in reasons[6] and "cadence" in reasons[3] and "cadence" in reasons[5]
+            assert all("still running" in reasons[k] for k in (8, 12))
+            assert service.counters["rounds_overran"] == 2 and service.schedule.stride == 4, "doubled once"
+            assert rounds.ran == [2, 4] and service.schedule.round_s == 12.0
         finally:
             service._thread.close()
 

@@ -109,6 +109,11 @@ def test_averaging_counts_a_round_below_full_completeness_as_failed():
     assert result["completeness_mean"] == pytest.approx(0.95)  # over the all-reduces that ran
     assert result["completeness_mean_all"] == pytest.approx((1.0 + 0.9 + 0.0) / 3, abs=1e-4)
     assert result["duration_mean_s"] == 4.0
+    for i, finished in enumerate((100.0, 100.0, 111.0)):
+        summaries[0]["summary"]["averaging"]["rounds"][i]["finished_at"] = finished
+    cut = _averaging(summaries, [], stopped_at=110.0)
+    assert cut["rounds"] == 2 and cut["cut_by_stop"] == 1, "the failed round ended after the stop: not judged"
+    assert _averaging(summaries, [], stopped_at=90.0)["cut_by_stop"] == 2, "a complete round is never cut"
 
 
 def test_the_plan_predicts_pipeline_and_averaging_bytes_by_role():

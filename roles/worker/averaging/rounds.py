@@ -144,6 +144,15 @@ class SegmentRound:
         self.index_sets = index_sets
         self.averager = averager
         self.lock_timeout_s = lock_timeout_s
+        self._control = None
+        """The running round's step, from when it looks for its group until it ends."""
+
+    @property
+    def in_allreduce(self) -> bool:
+        """Whether a round is running its all-reduce now (not still preparing or looking for its
+        group); read from the event loop while the round runs on its thread."""
+        control = self._control
+        return control is not None and self.averager.began_allreduce(control)
 
     def run(self, plan: RoundPlan) -> RoundOutcome:
         index_set = self.index_sets.get(plan.segment)
@@ -178,10 +187,13 @@ class SegmentRound:
                                 failure_reason=f"could not prepare the round: {_reason(exc)}")
         report: Optional[dict[str, Any]] = None
         error: Optional[BaseException] = None
+        self._control = control
         try:
             report = self.averager.finish_step(control)
         except Exception as exc:  # noqa: BLE001 - hivemind raises several unrelated types
             error = exc
+        finally:
+            self._control = None
         began = self.averager.began_allreduce(control)
         mark = lap("step_s", mark)
         # Read back even after a failure: whatever the averager applied must reach the weights.

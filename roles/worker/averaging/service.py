@@ -252,7 +252,7 @@ class AveragingService:
         segment = segment_of(round_id, self.index_sets.segments)
         plan = RoundPlan(kind, round_id, segment, 0.0, 0, self.phase().value)
         previous = self._round_task if self._round_task is not None and not self._round_task.done() else None
-        if previous is not None and (self._chained or not self.schedule.runs(round_id)):
+        if previous is not None and self.rounds is not None and self.rounds.in_allreduce:
             self._skip_overran(plan)
             return
         if not self.schedule.runs(round_id):
@@ -260,11 +260,16 @@ class AveragingService:
                          quiet=True)
             return
         if previous is not None:
-            # The previous round may still be looking for a group nobody else is in (it read a
-            # stride a moment before its peer changed it). Skipping this round as overran would
-            # leave the replica a round behind its peers for good, each running the round the
-            # other skips, alone. So this round waits for the previous one to end, and runs, late
-            # by less than a matchmaking window, unless the previous round found its group.
+            # The previous round is still looking for its group, maybe one nobody else is in (it
+            # read a stride a moment before its peer changed it). Skipping this round as overran
+            # would leave the replica a round behind its peers for good, each running the round
+            # the other skips, alone. So this round waits for the previous one to end, and runs,
+            # late by less than a matchmaking window, unless the previous round found its group.
+            if self._chained:
+                self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED,
+                                          failure_reason="the previous round is still looking for its group, and "
+                                                         "the round due before this one waits for it"))
+                return
             self._chained = True
         else:
             self._overran_current = False
@@ -272,7 +277,7 @@ class AveragingService:
                                                name=f"averaging-{kind}-{round_id}")
 
     def _skip_overran(self, plan: RoundPlan) -> None:
-        """A round fell due while the previous one still ran its all-reduce. Replicas that skip
+        """A round fell due while the previous one ran its all-reduce. Replicas that skip
         different rounds would fall out of step: run every other round from now on (schedule.py),
         which all replicas in this situation agree on. One long round doubles the stride once,
         however many rounds fall due while it runs."""
