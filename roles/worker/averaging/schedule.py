@@ -18,8 +18,9 @@ the previous one still ran its all-reduce, and halved again once half the stride
 1.25x the longest of the last `RECENT` rounds (the longest, not an average: the round that made
 the stride double must not make it halve again at once). A round that falls due while the
 previous one still looks for its group runs after it instead (service.py), so a replica that
-missed its group does not run every later round alone, one behind the others. Replicas of a stage see nearly the same round durations and step pace, and two
-replicas with different strides still meet on every round the larger one runs. `segment_of`
+missed its group does not run every later round alone, one behind the others. Replicas of a
+stage see nearly the same round durations and step pace, and two replicas with different
+strides still meet on every round the larger one runs. `segment_of`
 shifts the segment order by one after each pass, so a stride that shares a factor with
 `segments` still reaches every segment.
 """
