@@ -256,9 +256,10 @@ def plot(report: dict[str, Any], out: Path) -> list[str]:
         ax.bar([x + 0.27 for x in xs], later, width=0.27, label="all later rounds")
         ax.axhline(90, color="grey", ls="--", lw=1, label="target 90%")
         ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
+        ax.set_ylim(0, 122)
         ax.set_ylabel("completeness seen by survivors (%)")
         ax.set_title("All-reduce fault tolerance (report §3.5.3)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", ncol=4)
         fig.tight_layout()
         path = out / "bench_network_preempt.png"
         fig.savefig(path, dpi=110)
