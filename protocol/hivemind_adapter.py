@@ -104,6 +104,8 @@ PRIVATE_API: tuple[PrivateName, ...] = (
                 "start the all-reduce once the stage's workers are in"),
     PrivateName("DecentralizedAverager", "_matchmaking.potential_leaders.target_group_size", "averager process",
                 "the same, for the leader election"),
+    PrivateName("DecentralizedAverager", "_matchmaking.potential_leaders.min_matchmaking_time", "averager process",
+                "a late leader's window ends with its followers'"),
     PrivateName("DecentralizedAverager", "_p2p", "averager process", "the runner's P2P"),
     PrivateName("DecentralizedAverager", "client_mode", "instance", "promote a sender to a reducer"),
     PrivateName("DecentralizedAverager", "mode", "instance", "promote a sender to a reducer (the gathered mode)"),
@@ -573,13 +575,16 @@ class AdaptedAverager(DecentralizedAverager):
 
     # host side
 
-    def set_round_group(self, group_bits: str, target_group_size: Optional[int]) -> MPFuture:
-        """Set the next round's group key bits and the group size at which a leader starts.
-        Returns the confirmation without waiting: the averager handles its pipe in order, so a
-        step sent after this runs with the new key."""
+    def set_round_group(self, group_bits: str, target_group_size: Optional[int],
+                        leader_window_s: Optional[float] = None) -> MPFuture:
+        """Set the next round's group key bits, the group size at which a leader starts and, if
+        given, how long the window a leader declares lasts (hivemind fixes it at construction;
+        a follower's own requests keep the constructed one). Returns the confirmation without
+        waiting: the averager handles its pipe in order, so a step sent after this runs with it."""
         future = MPFuture()
         pipe = _private(self, "_outer_pipe", "DecentralizedAverager")
-        pipe.send(("_agora_set_round_group", [], dict(group_bits=group_bits, size=target_group_size, future=future)))
+        pipe.send(("_agora_set_round_group", [], dict(group_bits=group_bits, size=target_group_size,
+                                                      leader_window_s=leader_window_s, future=future)))
         return future
 
     def promote_to_reducer(self) -> MPFuture:
@@ -658,12 +663,15 @@ class AdaptedAverager(DecentralizedAverager):
         await super().add_p2p_handlers(p2p, _AdmissionWrapper(self, wrapper or self), namespace=namespace,
                                        balanced=balanced)
 
-    async def _agora_set_round_group(self, group_bits: str, size: Optional[int], future: MPFuture) -> None:
+    async def _agora_set_round_group(self, group_bits: str, size: Optional[int], future: MPFuture,
+                                     leader_window_s: Optional[float] = None) -> None:
         try:
             matchmaking = _private(self, "_matchmaking", "DecentralizedAverager")
             matchmaking.group_key_manager.group_bits = group_bits
             matchmaking.target_group_size = size
             matchmaking.potential_leaders.target_group_size = size
+            if leader_window_s is not None:
+                matchmaking.potential_leaders.min_matchmaking_time = float(leader_window_s)
             future.set_result(None)
         except Exception as exc:  # noqa: BLE001 - reported to the host process
             future.set_exception(exc)

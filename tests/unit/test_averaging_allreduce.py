@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
 
 import hivemind
 import pytest
@@ -47,10 +48,12 @@ def dhts():
         node.shutdown()
 
 
-def _replica(dht, seed, *, reducer, run_seed=0, layout=LAYOUT, preempt=None, config=CONFIG):
+def _replica(dht, seed, *, reducer, run_seed=0, layout=LAYOUT, preempt=None, config=CONFIG, run_id="unit"):
+    """One replica; a test that needs averagers of its own passes a `run_id` (a preempted
+    averager leaves its handlers on its DHT's daemon)."""
     store = Store(seed, layout)
     sets = SegmentIndexSets(layout, 3, seed=run_seed, stage=0)
-    averager = StageAverager(dht, sets.buffer_size, run_id="unit", stage=0, reducer=reducer, config=config,
+    averager = StageAverager(dht, sets.buffer_size, run_id=run_id, stage=0, reducer=reducer, config=config,
                              preempt=preempt)
     averager.start()
     return store, sets, SegmentRound(store, sets, averager)
@@ -144,3 +147,39 @@ def test_a_sender_whose_reducer_dies_mid_round_keeps_the_other_slice_without_wai
         victim.kill()
         for r in rounds:
             r.averager.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_reducer_that_starts_a_round_late_still_leads_the_sender_that_started_on_time(dhts):
+    """hivemind lets a follower join only a leader whose window ends no later than its own. In the
+    lab, a reducer whose last round found nobody started the next one 10 s late with a whole
+    window, and the contributor that had started on time refused it: both lost the round. A late
+    reducer now declares a window that ends with the others'."""
+    config = CONFIG.model_copy(update={"matchmaking_time_s": 6.0, "request_timeout_s": 1.5})
+    reducer = _replica(dhts[0], 0, reducer=True, config=config, run_id="unit-late")
+    sender = _replica(dhts[1], 1, reducer=False, config=config, run_id="unit-late")
+    try:
+        assert reducer[2].averager.leader_window_s(time.time() - 4.5) == pytest.approx(1.5, abs=0.1)
+        assert reducer[2].averager.leader_window_s(time.time() - 1.0) == pytest.approx(5.0, abs=0.1)
+        assert sender[2].averager.leader_window_s(time.time() - 4.5) == 6.0, "a sender never leads"
+
+        def late_round(round_id, due_at):
+            outcomes = [None, None]
+
+            def lead():
+                time.sleep(4.5)
+                outcomes[0] = reducer[2].run(RoundPlan("step", round_id, 0, 1.0, 2, "active", due_at))
+
+            leader = threading.Thread(target=lead, daemon=True)
+            leader.start()
+            outcomes[1] = sender[2].run(RoundPlan("step", round_id, 0, 1.0, 2, "active", due_at))
+            leader.join(60)
+            return outcomes
+
+        refused = late_round(31, None)  # as before: the late reducer declares a whole window
+        assert [o.status for o in refused] == [RoundStatus.FAILED] * 2, [o.describe() for o in refused]
+        met = late_round(32, time.time())
+        assert [o.status for o in met] == [RoundStatus.COMPLETE] * 2, [o.describe() for o in met]
+    finally:
+        reducer[2].averager.shutdown()
+        sender[2].averager.shutdown()

@@ -50,7 +50,10 @@ class FakeAverager:
         self.rejected = rejected or {}
         self.prepared = None
 
-    def prepare_round(self, bits, target):
+    def leader_window_s(self, due_at):
+        return 5.0
+
+    def prepare_round(self, bits, target, leader_window_s=None):
         self.prepared = (bits, target)
         done = concurrent.futures.Future()
         done.set_result(None)
@@ -60,7 +63,7 @@ class FakeAverager:
     def locked_buffer(self, timeout_s):
         yield self.buffer
 
-    def begin_step(self, weight, gather):
+    def begin_step(self, weight, gather, leader_window_s=None):
         return (weight, gather)
 
     def finish_step(self, control):

@@ -26,10 +26,11 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from typing import Any, Iterator, Optional
 
 import torch
-from hivemind.utils import MPFuture
+from hivemind.utils import MPFuture, get_dht_time
 
 from protocol.hivemind_adapter import AdaptedAverager
 from protocol.run_config import AveragingConfig
@@ -225,25 +226,45 @@ class StageAverager:
         """Longest a step may take: matchmaking, then the all-reduce."""
         return self.matchmaking_deadline_s() + self.config.allreduce_timeout_s
 
-    def prepare_round(self, group_bits: str, target_group_size: Optional[int]) -> MPFuture:
-        """Set the next round's group key bits and the group size at which a leader starts.
-        Returns the confirmation without waiting for it: the averager handles its pipe in order,
-        so a step sent after this runs with the new key; check the future after sending it."""
+    def leader_window_s(self, due_at: Optional[float]) -> float:
+        """How long the window this replica declares as a group leader lasts, for a round that
+        fell due at `due_at` (unix time; None: now). hivemind lets a follower join only a leader
+        whose window ends no later than its own, so a reducer that starts a round late (its last
+        round ran long, or found nobody) would be refused by every follower that started on time:
+        its window ends when theirs does, but lasts at least `request_timeout_s`. A sender never
+        leads, and the requests any replica sends as a follower keep the whole window: a late
+        follower is welcome."""
+        window = self.config.matchmaking_time_s
+        if due_at is None or not self.reducer:
+            return window
+        late = max(0.0, time.time() - due_at)
+        return max(min(window, self.config.request_timeout_s), window - late)
+
+    def prepare_round(self, group_bits: str, target_group_size: Optional[int],
+                      leader_window_s: Optional[float] = None) -> MPFuture:
+        """Set the next round's group key bits, the group size at which a leader starts and the
+        window it declares. Returns the confirmation without waiting for it: the averager handles
+        its pipe in order, so a step sent after this runs with them; check the future after
+        sending it."""
         if not all(bit in "01" for bit in group_bits):
             raise AveragingError(f"group bits must be 0s and 1s, got {group_bits!r}")
-        return self.process.set_round_group(group_bits, target_group_size)
+        window = self.config.matchmaking_time_s if leader_window_s is None else leader_window_s
+        return self.process.set_round_group(group_bits, target_group_size, window)
 
-    def begin_step(self, weight: float, gather: dict[str, Any]):
+    def begin_step(self, weight: float, gather: dict[str, Any], leader_window_s: Optional[float] = None):
         """Start matchmaking for one round and return its control; the all-reduce waits for
-        `finish_step`, so the caller fills the buffer while the group forms. In an authenticated
-        run the gathered metadata also carries this node's credential (access.py)."""
+        `finish_step`, so the caller fills the buffer while the group forms. `leader_window_s`:
+        the window `prepare_round` set, when the all-reduce is scheduled. In an authenticated run
+        the gathered metadata also carries this node's credential (access.py)."""
         if self.access is not None:
             credential = self.access.credential_bytes()
             if not credential:
                 raise AveragingError("this node has no credential to average with (the trust directory lost it)")
             gather = {**gather, CREDENTIAL_KEY: credential}
-        return self.process.step(weight=float(weight), gather=gather, timeout=self.matchmaking_deadline_s(),
-                                 allow_retries=False, require_trigger=True, wait=False)
+        window = self.config.matchmaking_time_s if leader_window_s is None else leader_window_s
+        return self.process.step(weight=float(weight), gather=gather, scheduled_time=get_dht_time() + window,
+                                 timeout=self.matchmaking_deadline_s(), allow_retries=False, require_trigger=True,
+                                 wait=False)
 
     def finish_step(self, control) -> dict[str, Any]:
         """Let the all-reduce run on the buffer as it is now; returns `{"gathered", "telemetry"}`.

@@ -56,6 +56,9 @@ class RoundPlan:
     weight: float
     expected_group_size: int
     phase: str
+    due_at: Optional[float] = None
+    """Unix time the round fell due here (None: now); a reducer that starts it late shortens the
+    window it declares as a leader to end with the others' (StageAverager.leader_window_s)."""
 
 
 @dataclass
@@ -169,10 +172,11 @@ class SegmentRound:
                   "weight": float(plan.weight), "phase": plan.phase}
         control = None
         try:
+            window = self.averager.leader_window_s(plan.due_at)
             prepared = self.averager.prepare_round(round_key_bits(plan.kind, plan.round, index_set.digest),
-                                                   plan.expected_group_size)
+                                                   plan.expected_group_size, window)
             # The group forms while the snapshot is taken; the all-reduce starts once it is in the buffer.
-            control = self.averager.begin_step(plan.weight, gather)
+            control = self.averager.begin_step(plan.weight, gather, window)
             prepared.result(self.lock_timeout_s)
             mark = lap("prepare_s", started)
             with self.averager.locked_buffer(self.lock_timeout_s) as buffer, self.store.lock:

@@ -259,6 +259,7 @@ class AveragingService:
             self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED, failure_reason=self.schedule.cadence()),
                          quiet=True)
             return
+        due_at = time.time()
         if previous is not None:
             # The previous round is still looking for its group, maybe one nobody else is in (it
             # read a stride a moment before its peer changed it). Skipping this round as overran
@@ -273,7 +274,7 @@ class AveragingService:
             self._chained = True
         else:
             self._overran_current = False
-        self._round_task = asyncio.create_task(self._run_round(kind, round_id, after=previous),
+        self._round_task = asyncio.create_task(self._run_round(kind, round_id, due_at, after=previous),
                                                name=f"averaging-{kind}-{round_id}")
 
     def _skip_overran(self, plan: RoundPlan) -> None:
@@ -292,9 +293,11 @@ class AveragingService:
 
     # ---- one round ----
 
-    async def _run_round(self, kind: str, round_id: int, after: Optional[asyncio.Task] = None) -> bool:
-        """One due round (and its repair). `after`: the round still running when this one fell
-        due, which must end first. Returns whether the round's all-reduce began."""
+    async def _run_round(self, kind: str, round_id: int, due_at: Optional[float] = None,
+                         after: Optional[asyncio.Task] = None) -> bool:
+        """One due round (and its repair); `due_at`: when it fell due (unix time). `after`: the
+        round still running when this one fell due, which must end first. Returns whether the
+        round's all-reduce began."""
         assert self.rounds is not None and self._thread is not None
         if after is not None:
             try:
@@ -322,7 +325,7 @@ class AveragingService:
             index_set = await self._thread.submit(self.index_sets.get, segment)
             samples_now = self.samples_processed()
             weight = 0.0 if phase != Phase.ACTIVE else float(max(1, samples_now - self._samples_at_last_round))
-            plan = RoundPlan(kind, round_id, segment, weight, view.running, phase.value)
+            plan = RoundPlan(kind, round_id, segment, weight, view.running, phase.value, due_at)
             self._current = (kind, round_id, segment, index_set.digest)
             self.announcer.poke()
             await self._elect_reducers(view)
