@@ -314,6 +314,41 @@ def test_a_round_that_falls_due_while_the_last_one_looks_for_its_group_runs_late
     asyncio.run(main())
 
 
+def test_a_round_that_could_start_only_after_the_others_assembled_is_skipped_not_run_alone():
+    """A chained round that could start only once the others' groups have assembled would run
+    alone and push the next round late too: a sender that joined late ran two rounds that way and
+    left its stage by the averaging rule (CI). It is skipped instead, and nothing doubles."""
+    import types
+
+    from roles.worker.averaging.service import AveragingState, _SerialThread
+
+    async def main():
+        swarm = FakeSwarm()
+        swarm.workers = {"me": _worker(), "peer": _worker()}
+        swarm.averaging = {"peer": AveragingRecord(reducer=True)}
+        service, step = _service(swarm, average_every=10)
+        rounds = service.rounds = ScriptedRounds({1: "lonely"})
+        service.averager = types.SimpleNamespace(latest_start_s=lambda: 0.0)
+        service._thread = _SerialThread("test-averaging")
+        service.state = AveragingState.READY
+        service.schedule.begin(0)
+        try:
+            step["value"] = 10
+            service._poll()
+            await _until(lambda: rounds.ran == [1])
+            step["value"] = 20
+            service._poll()
+            rounds.window_ends.set()
+            await _until(lambda: service._round_task.done() and len(service.history) == 2)
+            late = service.history[-1]
+            assert late.plan.round == 2 and late.status == RoundStatus.SKIPPED and "too late" in late.failure_reason
+            assert rounds.ran == [1] and service.schedule.stride == 1 and service.counters["rounds_overran"] == 0
+        finally:
+            service._thread.close()
+
+    asyncio.run(main())
+
+
 def test_a_peer_with_another_index_set_is_named_even_when_it_announced_the_round_late():
     """Peers with other index sets never meet this replica; it names them from the digests they
     announce. An integration run caught a peer that reached each round after this replica had

@@ -222,6 +222,16 @@ class StageAverager:
         its peers for good (each would keep skipping the round the other runs)."""
         return self.config.matchmaking_time_s + max(self.config.request_timeout_s, self.config.matchmaking_time_s / 2)
 
+    def latest_start_s(self) -> float:
+        """How late (after it fell due) a round can still start and meet the replicas that
+        started it on time: a follower must reach a leader before the leader's window ends; a
+        reducer may also lead, and followers keep looking until their deadline (leader_window_s
+        ends its window with theirs), so one request before that."""
+        config = self.config
+        if self.reducer:
+            return self.matchmaking_deadline_s() - config.request_timeout_s
+        return max(0.0, config.matchmaking_time_s - config.request_timeout_s)
+
     def step_timeout_s(self) -> float:
         """Longest a step may take: matchmaking, then the all-reduce."""
         return self.matchmaking_deadline_s() + self.config.allreduce_timeout_s

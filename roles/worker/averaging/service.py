@@ -307,11 +307,20 @@ class AveragingService:
                 raise
             finally:
                 self._chained = False
+            plan = RoundPlan(kind, round_id, segment_of(round_id, self.index_sets.segments), 0.0, 0,
+                             self.phase().value)
             if not after.cancelled() and after.exception() is None and after.result():
-                self._skip_overran(RoundPlan(kind, round_id, segment_of(round_id, self.index_sets.segments), 0.0, 0,
-                                             self.phase().value))
+                self._skip_overran(plan)
                 return False
             self._overran_current = False
+            late = time.time() - (due_at or time.time())
+            if self.averager is not None and late > self.averager.latest_start_s():
+                # The others have assembled without this replica by now: running the round alone
+                # would only push the next one, which it can still meet on time, late as well.
+                self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED,
+                                          failure_reason=f"the previous round looked for its group until {late:.1f}s "
+                                                         f"after this one fell due, too late to meet the others"))
+                return False
         began = False
         self.state = AveragingState.RUNNING
         try:
