@@ -126,7 +126,11 @@ def _run_scenario(args: argparse.Namespace) -> int:
         print(f"netlab: {exc}", file=sys.stderr)
         return 2
     out = args.out or f"/tmp/netlab-{scenario.name}-{int(time.time())}"
-    result = ScenarioRunner(scenario, base, out).run()
+    try:
+        result = ScenarioRunner(scenario, base, out).run()
+    except ConfigError as exc:  # e.g. --out names a directory of someone else's files
+        print(f"netlab: {exc}", file=sys.stderr)
+        return 2
     brief = {k: result.get(k) for k in ("scenario", "links", "tokens_per_s", "accounting", "restarts", "deaths",
                                         "cpu_percent")}
     brief["averaging"] = {k: v for k, v in result["averaging"].items() if k != "detail"}

@@ -160,3 +160,13 @@ def test_a_replay_into_the_same_directory_starts_from_nothing(tmp_path):
     with pytest.raises(ConfigError, match="holds no earlier lab run"):
         ScenarioRunner(scenario, base, str(stranger), say=lambda line: None)._fresh_out_dir()
     assert (stranger / "mine.txt").read_text() == "keep"
+
+
+def test_the_cli_refuses_an_out_directory_of_other_files_in_one_line(tmp_path, capsys):
+    from node.netlab.cli import main
+
+    (tmp_path / "mine.txt").write_text("keep")
+    assert main(["run", os.path.join(SCENARIOS, "smoke.yaml"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("netlab: ") and "holds no earlier lab run" in err and "Traceback" not in err
+    assert (tmp_path / "mine.txt").read_text() == "keep"
