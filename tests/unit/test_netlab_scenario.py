@@ -163,10 +163,17 @@ def test_a_replay_into_the_same_directory_starts_from_nothing(tmp_path):
 
 
 def test_the_cli_refuses_an_out_directory_of_other_files_in_one_line(tmp_path, capsys):
+    import signal
+
     from node.netlab.cli import main
 
     (tmp_path / "mine.txt").write_text("keep")
-    assert main(["run", os.path.join(SCENARIOS, "smoke.yaml"), "--out", str(tmp_path)]) == 2
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:  # main() installs the lab's own handlers
+        assert main(["run", os.path.join(SCENARIOS, "smoke.yaml"), "--out", str(tmp_path)]) == 2
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     err = capsys.readouterr().err
     assert err.startswith("netlab: ") and "holds no earlier lab run" in err and "Traceback" not in err
     assert (tmp_path / "mine.txt").read_text() == "keep"
