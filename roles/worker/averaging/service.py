@@ -264,8 +264,9 @@ class AveragingService:
             # The previous round is still looking for its group, maybe one nobody else is in (it
             # read a stride a moment before its peer changed it). Skipping this round as overran
             # would leave the replica a round behind its peers for good, each running the round
-            # the other skips, alone. So this round waits for the previous one to end, and runs,
-            # late by less than a matchmaking window, unless the previous round found its group.
+            # the other skips, alone. So this round waits for the previous one to end, and runs
+            # late if the others are still assembling then (StageAverager.latest_start_s), unless
+            # the previous round found its group after all.
             if self._chained:
                 self._finish(RoundOutcome(plan, "", RoundStatus.SKIPPED,
                                           failure_reason="the previous round is still looking for its group, and "
