@@ -115,7 +115,8 @@ def test_each_rule_fires_on_its_cause_and_the_swarm_keeps_training(make_swarm, t
     assert "2 consecutive steps" in nan_left["detail"], nan_left
     print(f"host_memory, device_fault and non_finite fired within {time.monotonic() - started:.1f}s of the trainer's "
           f"start")
-    assert nan.summary()["counters"]["non_finite_steps"] == 2
+    # the rule fires at 2 in a row; a step already under way may add one more before the worker leaves
+    assert nan.summary()["counters"]["non_finite_steps"] in (2, 3)
 
     # The rest keeps training after those three left.
     before = _completed(trainer)
