@@ -62,6 +62,7 @@ class ProgressRecord(RecordModel):
     time: float
     next_samples: int = Field(default=0, ge=0, description="samples accumulated for local_step + 1")
     samples_consumed: int = Field(default=0, ge=0, description="samples the stage consumed in all its steps")
+    tagger: bool = Field(default=False, description="this tail replica hands out the stage's step tags")
 
 
 class RoundStatus(str, enum.Enum):

@@ -145,6 +145,53 @@ class AbandonReply(WireModel):
     """False when the step is already closed here (or implausibly far ahead)."""
 
 
+class TagRequest(WireModel):
+    """A tail replica asks its stage's tagger for step tags for `count` samples it is about to
+    compute [issue 20]."""
+
+    stage: int = Field(ge=0)
+    count: int = Field(ge=1, le=65536)
+    open_step: Optional[int] = Field(default=None, ge=0)
+    """The asker's open step: a replica that has not taken the tagger's step yet gets nothing (its
+    samples would run on weights a step old)."""
+
+
+class TagReply(WireModel):
+    """The tags, in order: `counts[i]` samples join `steps[i]`; fewer than asked when the next two
+    steps are full (the asker keeps the rest for later). `tagger` is False when the callee does not
+    tag for the stage (the asker looks again)."""
+
+    tagger: bool
+    steps: list[int] = Field(default_factory=list, max_length=4)
+    counts: list[int] = Field(default_factory=list, max_length=4)
+
+
+class StepGradientsRequest(WireModel):
+    """A replica's contribution to one step of its stage, pushed to the stage's other replicas
+    before it steps [issue 20]: the sum of its samples' gradients, flat float32 in layout order
+    (absent when it has no samples), and the dropped samples reported to it."""
+
+    stage: int = Field(ge=0)
+    step: int = Field(ge=0)
+    samples: int = Field(ge=0)
+    abandoned: int = Field(default=0, ge=0)
+    grad: Optional[WireTensor] = None
+    consumed: int = Field(default=0, ge=0)
+    """Samples the stage consumed before this step, as the sender counts them (its schedule position)."""
+
+
+class StepGradientsReply(WireModel):
+    """Empty when taken. When the receiver had already closed the step, `closed` and the sum it
+    applied, which the sender then applies as is."""
+
+    closed: bool = False
+    samples: int = Field(default=0, ge=0)
+    stage_samples: int = Field(default=0, ge=0)
+    grad: Optional[WireTensor] = None
+    members: list[str] = Field(default_factory=list, max_length=1024)
+    consumed: int = Field(default=0, ge=0)
+
+
 class InfoRequest(WireModel):
     pass
 

@@ -239,6 +239,23 @@ class AveragingConfig(BaseModel):
         description="When a reducer dies mid-round, the survivors average the segment again at once among "
         "themselves (a 'repair' round), so its slice is averaged after all instead of staying local.",
     )
+    gradients: Literal["auto", "every_step", "off"] = Field(
+        default="auto",
+        description="The replicas of a stage add up their gradients before every step, so they apply one "
+        "update and stay equal (every_step), or each steps on its own samples and only the weight averaging "
+        "pulls them together (off). auto: every_step where the bandwidth plan says two replicas' exchange "
+        "needs at most gradient_max_mbps.",
+    )
+    gradient_max_mbps: float = Field(
+        default=50.0, gt=0,
+        description="With gradients: auto, the most the per-step gradient exchange may need per replica "
+        "(agora-node plan, gradient_mbps) before the run relies on the weight averaging alone.",
+    )
+    gradient_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="A replica waits this long for the others' gradients of a step, then steps without the "
+        "missing ones (counted).",
+    )
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> AveragingConfig:

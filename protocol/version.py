@@ -16,6 +16,10 @@ STATE = HANDLER_PREFIX + "state"
 ABANDON = HANDLER_PREFIX + "abandon"
 """A trainer tells a stage that a sample tagged with a step will not reach it (it was dropped
 below a failed stage), so the stage closes that step without waiting for it."""
+TAGS = HANDLER_PREFIX + "tags"
+"""A tail replica asks the stage's tagger for the step tags of the samples it is about to compute."""
+STEP_GRADIENTS = HANDLER_PREFIX + "step_gradients"
+"""A replica's gradient sum for one step, pushed to the other replicas of its stage before it steps."""
 
 
 def client_version() -> str:

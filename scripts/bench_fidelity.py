@@ -2,12 +2,12 @@
 equal tokens? Prints ONE JSON object on stdout (progress goes to stderr); `--out PATH` also writes
 it to a file, `--quick` runs a short smoke version, `--setting demo|batch64|all` picks the runs.
 
-Settings (the tiny preset, 3 stages x 1 worker, 2 trainers x 4 lanes, lr schedule over the run):
+Settings (the tiny preset, 3 stages x R workers, 2 trainers x 4 lanes, lr schedule over the run):
   demo     target_batch_size 16, 150 steps = 2,400 samples; aim: held-out gap <= 3%
   batch64  target_batch_size 64,  60 steps = 3,840 samples; aim: held-out gap <= 1%
 
 For each setting the benchmark starts real agora-node processes on 127.0.0.1 (open run, the
-first worker is the bootstrap peer; averaging is off, since each stage has one replica). Each
+first worker is the bootstrap peer; averaging is off while each stage has one replica). Each
 trainer appends one line per completed sample to the file `AGORA_SAMPLE_LOG` names:
 `{"sample_id", "step", "loss"}`, `step` being the optimizer step the sample joined at every
 stage. When the trainers are done the workers get SIGTERM and write their final weights to
@@ -47,6 +47,15 @@ Measured on this 2-core machine (`--setting all` takes about 6 minutes; `--quick
   15% delayed, -0.6%; gate 4: 25% delayed, +10.5%. The gate costs the demo 14% of its tokens/s
   (1,900 against 2,220, same run), the drain of a 3-stage pipeline once per 16-sample step.
 - batch64 without the gate: +0.1%, -0.4%, +0.1% (about 7% of the head's gradients one step old).
+
+`--workers-per-stage R` (default 1) starts R replicas of every stage (`worker-s{s}-r{r}`, each
+writing its checkpoints to its own `checkpoints/r{r}`), with the preset's averaging on unless
+`--averaging-off`. The swarm's held-out loss is then that of the elementwise mean of the replicas'
+final weights, which the gaps and the setting's aim use; each replica's own model (stage s from
+replica r for every s) gets its held-out loss and gap too, aimed at <= 5% (`aim.replicas_met`).
+`swarm.replicas` gives, per stage, the pairwise L2 distance between the replicas' weights against
+the distance each moved from the seeded init (`relative_distance`), and `swarm.per_stage` the
+stage's steps over its replicas, its averaging rounds, and each replica's own figures.
 
 `--ablation` instead trains one-process variants that move one difference between the subspace
 model and a plain Llama at a time (scripts/_fidelity_ablation.py) and reports held-out losses over
@@ -88,6 +97,9 @@ from _bench_common import log, machine_info, rounded  # noqa: E402
 SAMPLE_LOG_ENV = "AGORA_SAMPLE_LOG"
 HELD_OUT_SAMPLES = 256
 STAGES, TRAINERS, LANES = 3, 2, 4
+REPLICA_GAP_MAX = 0.05
+"""The aim for each replica's own model; their mean is held to the setting's aim. Averaging syncs
+only a slice of the weights every few steps, so a replica may differ a little from the mean."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +119,8 @@ SETTINGS = {
 
 def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.Namespace):
     """The tiny preset at the setting's batch, its schedule spanning the run (never shorter than
-    the warmup), averaging off."""
+    the warmup). Averaging is off with one replica per stage (nothing to average) or with
+    --averaging-off; otherwise the preset's averaging runs, since that is what replicas train with."""
     from protocol.run_config import load_run_config
 
     warmup = load_run_config("tiny").optimizer.warmup_steps
@@ -115,8 +128,9 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
         "run_id": f"fidelity-{name}-{os.getpid()}",
         "target_batch_size": setting.target_batch_size,
         "optimizer": {"total_steps": max(steps, warmup)},
-        "averaging": {"enabled": False},
     }
+    if args.workers_per_stage == 1 or args.averaging_off:
+        overrides["averaging"] = {"enabled": False}
     staleness: dict[str, Any] = {}
     if args.max_in_flight_ratio is not None:
         staleness["max_in_flight_ratio"] = args.max_in_flight_ratio
@@ -135,23 +149,29 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
 # the swarm
 # ---------------------------------------------------------------------------------------------
 
-def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_samples: int) -> dict:
-    """Train `total_samples` with a local swarm; return its sample logs, summaries and
-    checkpoint directory, and its failure in "errors". Every process is stopped before this
-    returns (or an interrupt propagates)."""
+def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_samples: int, replicas: int) -> dict:
+    """Train `total_samples` with a local swarm of `replicas` workers per stage; return its sample
+    logs, summaries and one checkpoint directory per replica index (checkpoint files are named by
+    run and stage only, so replicas of a stage cannot share one), and its failure in "errors".
+    Every process is stopped before this returns (or an interrupt propagates)."""
     from node.launcher import LocalSwarm
 
-    checkpoints = os.path.join(workdir, "checkpoints")
+    checkpoint_dirs = [os.path.join(workdir, "checkpoints", f"r{r}") for r in range(replicas)]
     swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=1,
                        common_args=["--announce-period-s", "2"])
     logs = [os.path.join(workdir, f"samples-{k}.jsonl") for k in range(TRAINERS)]
-    out: dict[str, Any] = {"sample_logs": logs, "checkpoint_dir": checkpoints, "errors": []}
+    out: dict[str, Any] = {"sample_logs": logs, "checkpoint_dirs": checkpoint_dirs, "replica_of": {}, "errors": []}
     started = time.monotonic()
     try:
-        workers = [swarm.start("worker", stage=s, wait_ready=s == 0, timeout_s=120,
-                               args=["--max-batch", str(setting.worker_max_batch), "--checkpoint-dir", checkpoints,
-                                     "--checkpoint-period-s", "100000"])
-                   for s in range(STAGES)]
+        workers = []
+        for r, directory in enumerate(checkpoint_dirs):
+            for s in range(STAGES):
+                name = f"worker-s{s}-r{r}"
+                out["replica_of"][name] = r
+                # The first worker is the bootstrap peer: the others need its address to start.
+                workers.append(swarm.start("worker", stage=s, name=name, wait_ready=not workers, timeout_s=120,
+                                           args=["--max-batch", str(setting.worker_max_batch), "--checkpoint-dir",
+                                                 directory, "--checkpoint-period-s", "100000"]))
         for node in workers:
             swarm.wait_ready(node, timeout_s=120)
         out["startup_s"] = round(time.monotonic() - started, 1)
@@ -251,25 +271,88 @@ def read_sample_logs(paths: list[str]) -> tuple[dict[int, list[tuple[int, float,
     return {step: sorted(samples) for step, samples in sorted(steps.items())}, bad
 
 
-def read_checkpoints(run, directory: str):
-    """The swarm's final stages (None where a checkpoint is missing) and the step each was
-    written at."""
+def read_checkpoints(run, directory: str) -> tuple[dict, dict[int, Optional[int]]]:
+    """One replica's final stages, {stage: StageModel} for those it wrote a checkpoint of, and the
+    step each was written at (None where missing)."""
     from safetensors import safe_open
 
     from _fidelity_reference import build_stages, load_stage_weights
     from roles.worker.checkpoint import checkpoint_path
 
-    stages = build_stages(run)
-    written: dict[int, Optional[int]] = {}
-    for stage in stages:
+    stages, written = {}, {}
+    for stage in build_stages(run):
         path = checkpoint_path(directory, run.run_id, stage.stage_index)
-        if not path.is_file():
-            written[stage.stage_index] = None
+        written[stage.stage_index] = None
+        if path.is_file():
+            with safe_open(str(path), framework="pt") as handle:
+                load_stage_weights(stage, {name: handle.get_tensor(name) for name in handle.keys()})
+                written[stage.stage_index] = int((handle.metadata() or {}).get("step", "0"))
+            stages[stage.stage_index] = stage
+    return stages, written
+
+
+def mean_of_replicas(run, replicas: list[dict]) -> dict:
+    """Per stage, the elementwise mean of the weights of the replicas that have it: what a stage
+    whose replicas averaged fully would hold, and the model the swarm's held-out loss is taken of."""
+    import torch
+
+    from _fidelity_reference import build_stages
+
+    mean = {}
+    for stage in build_stages(run):
+        held = [r[stage.stage_index] for r in replicas if stage.stage_index in r]
+        if not held:
             continue
-        with safe_open(str(path), framework="pt") as handle:
-            written[stage.stage_index] = int((handle.metadata() or {}).get("step", "0"))
-            load_stage_weights(stage, {name: handle.get_tensor(name) for name in handle.keys()})
-    return (stages if all(v is not None for v in written.values()) else None), written
+        with torch.no_grad():
+            for k, param in enumerate(stage.trainable_parameters()):
+                param.copy_(torch.stack([r.trainable_parameters()[k].detach() for r in held]).mean(0))
+        mean[stage.stage_index] = stage
+    return mean
+
+
+def held_out_of(stages: dict, held_out) -> Optional[float]:
+    """Held-out loss of the model chained from `stages` ({index: StageModel}); None if one is missing."""
+    from _fidelity_reference import evaluate
+    from roles.model.stage import FullModel
+
+    if len(stages) < STAGES:
+        return None
+    return round(evaluate(FullModel.from_stages([stages[s] for s in range(STAGES)]), held_out), 4)
+
+
+def replica_distances(run, replicas: list[dict]) -> dict:
+    """Per stage, how far apart its replicas ended (pairwise L2 of the flattened weights) against
+    how far each moved from the seeded init: a relative_distance near 0 means averaging kept the
+    replicas one model, near 1 or above that they trained as separate ones."""
+    import itertools
+
+    import torch
+
+    from _fidelity_reference import build_stages
+
+    def flat(stage) -> torch.Tensor:
+        return torch.cat([p.detach().flatten().double() for p in stage.trainable_parameters()])
+
+    out = {}
+    for init in build_stages(run):
+        index = init.stage_index
+        weights = {r: flat(stages[index]) for r, stages in enumerate(replicas) if index in stages}
+        start = flat(init)
+        moved = {r: float(torch.linalg.vector_norm(w - start)) for r, w in weights.items()}
+        pairs = [float(torch.linalg.vector_norm(weights[a] - weights[b]))
+                 for a, b in itertools.combinations(sorted(weights), 2)]
+        mean_pair = statistics.fmean(pairs) if pairs else None
+        mean_moved = statistics.fmean(moved.values()) if moved else None
+        out[str(index)] = {
+            "replicas_with_checkpoint": sorted(weights),
+            "pairwise_distance_max": rounded(max(pairs), 6) if pairs else None,
+            "pairwise_distance_mean": rounded(mean_pair, 6),
+            "moved_from_init": [rounded(moved.get(r), 6) for r in range(len(replicas))],
+            "moved_from_init_mean": rounded(mean_moved, 6),
+            "relative_distance": (rounded(mean_pair / mean_moved, 4)
+                                  if mean_pair is not None and mean_moved else None),
+        }
+    return out
 
 
 def _stage_figures(summary: Optional[dict]) -> dict:
@@ -290,6 +373,43 @@ def _stage_figures(summary: Optional[dict]) -> dict:
                          if stale.get("samples") and stale.get("pinned") is not None else None),
         "mean_batch_size": summary.get("mean_batch_size"),
         "compute_s": summary.get("compute_s"),
+        "averaging_rounds": _round_counts(summary.get("averaging")),
+        "gradient_exchange": summary.get("gradient_exchange"),
+    }
+
+
+ROUND_STATUSES = ("complete", "partial", "failed", "skipped")
+
+
+def _round_counts(averaging: Optional[dict]) -> Optional[dict]:
+    """A worker's averaging rounds by outcome (its `rounds_*` counters); None if it reported none."""
+    if averaging is None:
+        return None
+    counters = averaging.get("counters") or {}
+    counts = {status: counters.get(f"rounds_{status}", 0) for status in ROUND_STATUSES}
+    counts.update({k.removeprefix("rounds_"): v for k, v in sorted(counters.items()) if k.startswith("rounds_")})
+    return counts
+
+
+def _stage_over_replicas(replicas: list[dict]) -> dict:
+    """A stage's step figures over its replicas, which each report their own: what the stage did
+    and whether any replica's steps strayed from the target."""
+    def combine(fn, key: str):
+        found = [r["steps"][key] for r in replicas if r["steps"][key] is not None]
+        return fn(found) if found else None
+
+    counted = [r["averaging_rounds"] for r in replicas if r["averaging_rounds"] is not None]
+    outcomes = dict.fromkeys(k for c in counted for k in c)
+    return {
+        "steps": {"taken": combine(max, "taken"),
+                  "samples_per_step_mean": combine(lambda v: rounded(statistics.fmean(v)), "samples_per_step_mean"),
+                  "samples_per_step_max": combine(max, "samples_per_step_max"),
+                  "samples_per_step_min": combine(min, "samples_per_step_min"),
+                  "short_steps": combine(sum, "short_steps"), "late_samples": combine(sum, "late_samples"),
+                  "discarded_at_shutdown": combine(sum, "discarded_at_shutdown")},
+        # Every member of a round counts it, so the stage ran as many as its busiest replica saw.
+        "averaging_rounds": {k: max(c.get(k, 0) for c in counted) for k in outcomes} if counted else None,
+        "replicas": replicas,
     }
 
 
@@ -384,7 +504,7 @@ def bench_setting(name: str, args: argparse.Namespace) -> dict:
 
 
 def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
-    from _fidelity_reference import OneProcessTrainer, SampleBank, StepRecord, evaluate, held_out_tokens, loss_figures
+    from _fidelity_reference import OneProcessTrainer, SampleBank, StepRecord, held_out_tokens, loss_figures
     from protocol.run_config import dump_run_config
     from roles.model.plain import PlainModel
 
@@ -394,36 +514,52 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     run = fidelity_run_config(name, setting, steps, args)
     config_path = os.path.join(workdir, "run.yaml")
     dump_run_config(run, config_path)
+    replicas = args.workers_per_stage
+    if run.averaging.enabled:
+        averaging: Any = run.averaging.model_dump(mode="json")
+    else:
+        averaging = "off (one replica per stage)" if replicas == 1 else "off (--averaging-off)"
     out: dict[str, Any] = {
-        "config": {"preset": "tiny", "stages": STAGES, "workers_per_stage": 1, "trainers": TRAINERS, "lanes": LANES,
-                   "target_batch_size": run.target_batch_size, "steps": steps, "samples": total,
+        "config": {"preset": "tiny", "stages": STAGES, "workers_per_stage": replicas, "trainers": TRAINERS,
+                   "lanes": LANES, "target_batch_size": run.target_batch_size, "steps": steps, "samples": total,
                    "seq_len": run.seq_len, "worker_max_batch": setting.worker_max_batch,
-                   "optimizer": run.optimizer.model_dump(mode="json"), "averaging": "off (one replica per stage)",
+                   "optimizer": run.optimizer.model_dump(mode="json"), "averaging": averaging,
                    "staleness": run.staleness.model_dump(mode="json")},
     }
     errors: list[str] = []
     started = time.monotonic()
-    log(f"[{name}] swarm: {STAGES} stages x 1 worker, {TRAINERS} trainers x {LANES} lanes, {steps} steps of "
+    log(f"[{name}] swarm: {STAGES} stages x {replicas} worker(s) (--workers-per-stage {replicas}, averaging "
+        f"{'on' if run.averaging.enabled else 'off'}), {TRAINERS} trainers x {LANES} lanes, {steps} steps of "
         f"{run.target_batch_size} = {total} samples")
-    swarm = run_swarm(run, config_path, workdir, setting, total)
+    swarm = run_swarm(run, config_path, workdir, setting, total, replicas)
     errors += swarm.pop("errors", [])
 
     held_out = held_out_tokens(run, HELD_OUT_SAMPLES)
     bank = SampleBank(run)
     logged, bad_lines = read_sample_logs(swarm.get("sample_logs", []))
-    try:
-        stages, written = read_checkpoints(run, swarm["checkpoint_dir"])
-    except Exception as exc:  # noqa: BLE001 - a garbled file: report it, keep the rest
-        stages, written = None, {}
-        errors.append(f"reading the swarm's checkpoints: {type(exc).__name__}: {exc}")
-    applied = min((v for v in written.values() if v is not None), default=None)
+    replica_stages: list[dict] = []
+    replica_written: list[dict[int, Optional[int]]] = []
+    for r, directory in enumerate(swarm["checkpoint_dirs"]):
+        try:
+            found, written = read_checkpoints(run, directory)
+        except Exception as exc:  # noqa: BLE001 - a garbled file: report it, keep the other replicas
+            found, written = {}, {s: None for s in range(STAGES)}
+            errors.append(f"reading replica {r}'s checkpoints: {type(exc).__name__}: {exc}")
+        if len(found) < STAGES:
+            errors.append(f"replica {r}: missing final checkpoints (step written per stage: {written})")
+        replica_stages.append(found)
+        replica_written.append(written)
+    # A step counts as applied only once every replica of every stage that wrote a checkpoint has it.
+    applied = min((v for w in replica_written for v in w.values() if v is not None), default=None)
     if not logged:
         errors.append(f"the trainers logged no samples to ${SAMPLE_LOG_ENV}; the swarm-order reference and the "
                       "swarm's training loss are missing")
     if logged and applied is not None and any(s >= applied for s in logged):
         errors.append(f"samples of steps >= {applied} were logged but not applied by every stage before shutdown")
-    if stages is None:
-        errors.append(f"missing final checkpoints (step written per stage: {written}); no swarm held-out loss")
+    mean_stages = mean_of_replicas(run, replica_stages)
+    if len(mean_stages) < STAGES:
+        errors.append(f"no replica has a final checkpoint of stage(s) "
+                      f"{sorted(set(range(STAGES)) - set(mean_stages))}; no swarm held-out loss")
     # Steps the workers did not apply before they stopped are not in the swarm's weights.
     swarm_steps = {s: samples for s, samples in logged.items() if applied is None or s < applied}
     unapplied = sum(len(v) for s, v in logged.items() if s not in swarm_steps)
@@ -432,22 +568,40 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     versioned = bool(swarm_steps) and all(
         versions is not None and len(versions) == run.num_stages for v in swarm_steps.values() for _, _, versions in v)
     swarm_figures = loss_figures(history)
-    swarm_figures["held_out_loss"] = None if stages is None else round(evaluate(
-        OneProcessTrainer.for_stages(run, stages).model, held_out), 4)
-    by_stage = {}
+    swarm_figures["held_out_loss"] = held_out_of(mean_stages, held_out)
+    per_replica_held_out = [held_out_of(stages, held_out) for stages in replica_stages]
+    distances = replica_distances(run, replica_stages)
+    for stage, figures in distances.items():
+        figures["checkpoint_steps"] = [w.get(int(stage)) for w in replica_written]
+    stage_replicas: dict[int, list[dict]] = defaultdict(list)
     for node_name, summary in swarm.get("summaries", {}).items():
-        if node_name.startswith("worker"):
-            by_stage[str(swarm["stages"][node_name])] = _stage_figures(summary)
+        if node_name in swarm["replica_of"]:
+            stage_replicas[swarm["stages"][node_name]].append(
+                {"name": node_name, "replica": swarm["replica_of"][node_name], **_stage_figures(summary)})
+    by_stage = {str(stage): _stage_over_replicas(sorted(found, key=lambda f: f["replica"]))
+                for stage, found in sorted(stage_replicas.items())}
     out["swarm"] = {
         **swarm_figures,
+        "held_out_loss_per_replica": per_replica_held_out,
+        "held_out_how_to_read": "held_out_loss: the model whose every stage is the elementwise mean of its "
+                                "replicas' final weights (with one replica, that replica); held_out_loss_per_replica: "
+                                "replica r's own model, stage s taken from replica r for every s",
+        "replicas": distances,
         "samples_logged": sum(len(v) for v in logged.values()), "samples_in_unapplied_steps": unapplied,
-        "unreadable_log_lines": bad_lines, "checkpoint_step_per_stage": written,
+        "unreadable_log_lines": bad_lines,
+        "checkpoint_step_per_stage": {s: min((w[s] for w in replica_written if w.get(s) is not None), default=None)
+                                      for s in range(STAGES)},
         "samples_per_step_from_log": {"mean": rounded(statistics.fmean(step_sizes)) if step_sizes else None,
                                       "max": max(step_sizes, default=None), "min": min(step_sizes, default=None),
                                       "steps_not_at_target": sum(1 for n in step_sizes if n != run.target_batch_size)},
         "per_stage": by_stage,
         "staleness_from_log": _log_staleness(swarm_steps, run.num_stages) if versioned else None,
-        "per_stage_how_to_read": "steps and staleness as each worker reports them. staleness.mean_gap, max_gap and "
+        "per_stage_how_to_read": "steps: over the stage's replicas (taken, samples_per_step_max: the most any "
+                                 "replica reported; samples_per_step_mean: the mean of their means; short_steps, "
+                                 "late_samples, discarded_at_shutdown: sums); averaging_rounds: per outcome, the "
+                                 "most any replica counted. replicas: steps, staleness, averaging rounds and "
+                                 "gradient_exchange (null if not reported) as each worker reports them. "
+                                 "staleness.mean_gap, max_gap and "
                                  "stale_share: version gaps between the weights a sample's forward saw and the ones "
                                  "its backward recomputed on (0 once pinned); mean_delay, max_delay, delayed_share: "
                                  "versions between the weights a gradient was taken at and the step it was applied "
@@ -466,10 +620,17 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
             order = [[index for index, _, _ in v] for v in swarm_steps.values()]
             reference["swarm_order"] = _trained(OneProcessTrainer.for_stages(run), order, bank, held_out,
                                                 "reference, swarm order")
-        reference["swarm_replay"] = _replayed(run, swarm_steps, bank, held_out) if versioned else None
+        reference["swarm_replay"] = None
         if not versioned:
             reference["swarm_replay_missing"] = ("the sample log has no per-stage 'versions' (the weight version "
                                                  "each stage's forward used), so staleness cannot be replayed")
+        else:
+            try:
+                reference["swarm_replay"] = _replayed(run, swarm_steps, bank, held_out)
+            except ValueError as exc:  # versions the log cannot have come from (one after its step): the
+                # swarm's fault, to report; the references after this one do not depend on it
+                reference["swarm_replay_missing"] = f"the replay failed: {exc}"
+                errors.append(f"swarm replay: {exc}")
         sequential = bank.sequential_steps(samples, run.target_batch_size)
         reference["sequential"] = _trained(OneProcessTrainer.for_stages(run), sequential, bank, held_out,
                                            "reference, sequential order")
@@ -489,9 +650,13 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     primary = reference["swarm_order"] or reference.get("sequential") or {}
     sequential_ref = reference.get("sequential") or {}
     held_gap = _gap(swarm_figures["held_out_loss"], primary.get("held_out_loss"))
+    replica_gaps = [_gap(loss, primary.get("held_out_loss")) for loss in per_replica_held_out]
+    worst_replica_gap = max((g for g in replica_gaps if g is not None), default=None)
     out["gaps"] = {
         "reference_used": "swarm_order" if reference["swarm_order"] else "sequential",
         "held_out": held_gap,
+        "held_out_per_replica": replica_gaps,
+        "held_out_worst_replica": worst_replica_gap,
         "final_train": _gap(swarm_figures["final_train_loss"], primary.get("final_train_loss")),
         "held_out_vs_sequential_reference": _gap(swarm_figures["held_out_loss"], sequential_ref.get("held_out_loss")),
         "order_alone_held_out": _gap((reference["swarm_order"] or {}).get("held_out_loss"),
@@ -502,7 +667,8 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
                                          (reference["swarm_order"] or {}).get("held_out_loss")),
         "subspace_constraint_held_out": _gap(primary.get("held_out_loss"),
                                              (out.get("unconstrained") or {}).get("held_out_loss")),
-        "how_to_read": "(a - b) / b; held_out and final_train: swarm against the reference; order_alone: the "
+        "how_to_read": "(a - b) / b; held_out and final_train: swarm against the reference (held_out: the mean of "
+                       "the replicas' weights; held_out_per_replica: each replica's own model); order_alone: the "
                        "reference on the swarm's steps against sequential order; staleness_alone: the replay (the swarm's "
                        "steps at the swarm's weight versions) against the reference; held_out_vs_replay: what the "
                        "swarm loses beyond staleness; subspace_constraint: the "
@@ -512,6 +678,9 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     out["aim"] = {"held_out_gap_max": setting.held_out_gap_max,
                   "met": None if held_gap is None else held_gap <= setting.held_out_gap_max,
                   "gap_in_noise_std": None if held_gap is None or not noise else round(held_gap / noise, 2)}
+    if replicas > 1:
+        out["aim"]["replica_gap_max"] = REPLICA_GAP_MAX
+        out["aim"]["replicas_met"] = None if worst_replica_gap is None else worst_replica_gap <= REPLICA_GAP_MAX
     out["errors"] = errors
     out["elapsed_s"] = round(time.monotonic() - started, 1)
     return out
@@ -576,11 +745,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="run config staleness.max_delayed_per_step = null (the head forwards freely)")
     p.add_argument("--no-pin-forward-weights", action="store_true",
                    help="run config staleness.pin_forward_weights = false")
+    p.add_argument("--workers-per-stage", type=int, default=1, metavar="R",
+                   help="replicas of every stage (default 1); with more than one, averaging runs as the preset says")
+    p.add_argument("--averaging-off", action="store_true",
+                   help="run config averaging.enabled = false even with replicas")
     p.add_argument("--noise-runs", type=int, default=None,
                    help="reshuffled reference runs that measure order noise (default 3, 0 with --quick)")
     p.add_argument("--out", metavar="PATH", help="also write the JSON result to PATH")
     p.add_argument("--keep-logs", action="store_true", help="keep node and sample logs and print where they are")
     args = p.parse_args(argv)
+    if args.workers_per_stage < 1:
+        p.error("--workers-per-stage must be at least 1")
     if args.noise_runs is None:
         args.noise_runs = 0 if args.quick else 3
     return args

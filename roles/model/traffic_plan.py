@@ -68,6 +68,8 @@ class StageTraffic:
     averaging_mbps_fp32: float  # 32 * AR_payload / AR_time
     wire_mbps_in: float  # the wire bytes above at a_f forwards and a_b backwards a second
     wire_mbps_out: float
+    gradient_values: int = 0  # values in one replica's per-step gradient (the stage's trainable parameters)
+    gradient_mbps: float = 0.0  # 32 * gradient_values * steps a second, two replicas at a_b backwards a second each
 
     @property
     def sample_bytes(self) -> int:
@@ -148,7 +150,19 @@ def _stage_traffic(run: RunConfig, index: int, a_f: float, a_b: float, ar_time_s
         averaging_mbps_fp32=32 * values / ar_time_s / _MEGA,
         wire_mbps_in=8 * (a_f * fwd_in + a_b * bwd_in) / _MEGA,
         wire_mbps_out=8 * (a_f * fwd_out + a_b * bwd_out) / _MEGA,
+        gradient_values=(grads := stage_parameter_count(run, index)),
+        gradient_mbps=32 * grads * 2 * a_b / run.target_batch_size / _MEGA,
     )
+
+
+def gradient_exchange_on(run: RunConfig, stage_index: int) -> bool:
+    """Whether the replicas of a stage add up their gradients every step (`averaging.gradients`):
+    always or never as the run says, else where the plan's exchange fits `gradient_max_mbps`
+    [issue 20]. Every replica of a stage decides alike, from the run config alone."""
+    mode = run.averaging.gradients
+    if mode != "auto":
+        return mode == "every_step"
+    return _stage_traffic(run, stage_index, 3.0, 3.0, 10.0).gradient_mbps <= run.averaging.gradient_max_mbps
 
 
 def plan_traffic(run: RunConfig, *, a_f: float = 3.0, a_b: float = 3.0, ar_time_s: float = 10.0,

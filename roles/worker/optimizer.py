@@ -231,6 +231,43 @@ class StageOptimizer:
             else:
                 self.next_accumulated += n
 
+    @property
+    def gradient_numel(self) -> int:
+        """Length of the flat gradient the replicas of a stage exchange (trainable parameters only)."""
+        return sum(p.numel() for p in self._params)
+
+    def open_gradient_sum(self) -> Optional[torch.Tensor]:
+        """The open step's summed gradients, flat float32 on the CPU in parameter order (zeros
+        where a parameter has none), or None when no sample is accumulated. Hold `lock`."""
+        if self.samples_accumulated == 0:
+            return None
+        with torch.no_grad():
+            parts = [torch.zeros(p.numel(), dtype=torch.float32, device=p.device) if p.grad is None
+                     else p.grad.detach().reshape(-1).float() for p in self._params]
+            return torch.cat(parts).cpu()
+
+    def set_open_gradient_sum(self, flat: Optional[torch.Tensor], samples: int) -> None:
+        """Replace the open step's gradients with `flat` (the stage's sum, as `open_gradient_sum`
+        lays it out) summed over `samples` samples, so that `step` applies the stage's update
+        [issue 20]. None with 0 samples: the step has no gradient. Hold `lock`."""
+        if (flat is None) != (samples == 0):
+            raise ValueError("a gradient sum comes with its samples, and only then")
+        if flat is not None and flat.numel() != self.gradient_numel:
+            raise ValueError(f"gradient sum has {flat.numel()} values; the stage has {self.gradient_numel}")
+        with torch.no_grad():
+            offset = 0
+            for p in self._params:
+                if flat is None:
+                    p.grad = None
+                    continue
+                part = flat[offset:offset + p.numel()].view(p.shape).to(p.device, p.dtype)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = part.clone()  # never a view of `flat`, which the caller may reuse
+                else:
+                    p.grad.copy_(part)
+        self.samples_accumulated = samples
+
     def set_step(self, step: int, samples_consumed: Optional[int] = None) -> None:
         """Jump the step and schedule position, for a replica whose stage stepped without it.
 

@@ -32,7 +32,8 @@ class StageProgress:
                  *, period_s: float = 0.25, ttl_s: float = 30.0, min_interval_s: float = 0.02,
                  counts_towards_target: Callable[[], bool] = lambda: True,
                  on_peers: Callable[[], None] = lambda: None, changed: Optional[Signal] = None,
-                 on_read: Callable[[bool, str], None] = lambda ok, why: None):
+                 on_read: Callable[[bool, str], None] = lambda ok, why: None,
+                 tagging: Callable[[], bool] = lambda: False):
         self.swarm = swarm
         self.key = progress_key(run_id, stage)
         self.optimizer = optimizer
@@ -46,6 +47,8 @@ class StageProgress:
         """Fired (by the compute thread) when this worker's counts changed: publish soon."""
         self.on_read = on_read
         """Told whether each read of the stage's records came back (the progress rule)."""
+        self.tagging = tagging
+        """Whether this replica tags for the stage (published, so the others ask it)."""
         self._published: Optional[tuple] = None
         self._last_read = 0.0
         self._last_forced = float("-inf")
@@ -60,6 +63,7 @@ class StageProgress:
             counts_towards_target=self.counts_towards_target(),
             samples_consumed=opt.samples_consumed,
             time=time.time(),
+            tagger=self.tagging(),
         )
 
     async def tick(self, force: bool = False) -> None:
@@ -69,10 +73,13 @@ class StageProgress:
         a peer arriving); with peers it publishes and reads on every change, since they wait on it.
         """
         record = self._own_record()
-        state = (record.local_step, record.samples_accumulated, record.next_samples, record.counts_towards_target)
+        state = (record.local_step, record.samples_accumulated, record.next_samples, record.counts_towards_target,
+                 record.tagger)
         alone = self.ledger.peers.alone
         published_step = self._published[0] if self._published else None
-        if force or (state != self._published and (not alone or record.local_step != published_step)):
+        published_tagger = self._published[4] if self._published else False
+        if force or (state != self._published and (not alone or record.local_step != published_step
+                                                   or record.tagger != published_tagger)):
             await self.swarm.store(self.key, record, self.ttl_s)
             self._published = state
         if alone and not force and time.monotonic() - self._last_read < self.period_s:
@@ -89,7 +96,7 @@ class StageProgress:
         else:
             self.on_read(True, "")
         peers.pop(self.swarm.peer_id, None)
-        self.ledger.update_peers(peer_view(peers.values()))
+        self.ledger.update_peers(peer_view(peers))
         self.on_peers()
 
     async def withdraw(self) -> None:
@@ -115,13 +122,14 @@ class StageProgress:
             self._last_forced = started
 
 
-def peer_view(records) -> PeerView:
-    """Sum what the other replicas hold per step. A syncing replica's samples are in the sums too:
-    the tail tagged them into the step, so the step is not complete without them."""
+def peer_view(records: dict[str, ProgressRecord]) -> PeerView:
+    """Sum what the other replicas (by peer id) hold per step. A syncing replica's samples are in
+    the sums too: the tail tagged them into the step, so the step is not complete without them."""
     counts: dict[int, int] = {}
     max_step: Optional[int] = None
-    for record in records:
+    for record in records.values():
         max_step = record.local_step if max_step is None else max(max_step, record.local_step)
         counts[record.local_step] = counts.get(record.local_step, 0) + record.samples_accumulated
         counts[record.local_step + 1] = counts.get(record.local_step + 1, 0) + record.next_samples
-    return PeerView(counts=counts, max_step=max_step)
+    return PeerView(counts=counts, max_step=max_step, members=tuple(sorted(records)),
+                    taggers=tuple(sorted(p for p, r in records.items() if r.tagger)))

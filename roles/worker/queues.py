@@ -95,6 +95,8 @@ class TaskQueues:
         }
         # Breaks ties between equal `enqueued_at` by arrival, so "oldest" is always well defined.
         self._seq = itertools.count()
+        self._front = itertools.count(-1, -1)
+        """Sequence numbers for requeued tasks: below every queued one, so they stay oldest."""
         self._max_pending = max_pending
         self._max_batch = 1
         self.max_batch = max_batch
@@ -198,6 +200,19 @@ class TaskQueues:
                 kept.append(entry)
         queue.extendleft(reversed(kept))
         return taken
+
+    def requeue(self, tasks: list[Task]) -> None:
+        """Put tasks the consumer took but cannot run yet back at the front, in their order (a
+        tail replica whose stage's tagger had no tag for them yet). Once closed, they are answered
+        as `close` answers queued work: the caller gets them back."""
+        if not tasks:
+            return
+        with self._cond:
+            if self._closed:
+                raise QueueClosed("this worker is shutting down; send the request to another worker")
+            for task in reversed(tasks):
+                self._queues[task.kind].appendleft((next(self._front), task))
+            self._cond.notify()
 
     def wake(self) -> None:
         """Make a waiting `next_batch` return at once, so the consumer re-reads what it may take."""

@@ -45,6 +45,7 @@ from roles.worker.optimizer import StageOptimizer
 from roles.worker.preemption import PreemptionWatcher, PreemptSwitch
 from roles.worker.progress import StageProgress
 from roles.worker.queues import TaskQueues
+from roles.worker.replicas import StageReplicas
 from roles.worker.runtime import StageRuntime
 from roles.worker.state_loader import StateLoader
 from roles.worker.state_server import StateServer
@@ -114,10 +115,12 @@ class WorkerRole:
         self.announcer = Announcer(
             swarm, workers_key(run.run_id, config.stage), self._record, period_s=config.announce_period_s
         )
+        self.replicas = StageReplicas(run, config.stage, swarm, p2p, self.runtime)
         self.progress = StageProgress(
             swarm, run.run_id, config.stage, self.optimizer, self.ledger,
             period_s=config.progress_period_s, counts_towards_target=self._counts_towards_target,
-            on_peers=self.runtime.wake, changed=self.runtime.changed, on_read=self._progress_read,
+            on_peers=self._on_peers, changed=self.runtime.changed, on_read=self._progress_read,
+            tagging=lambda: self.replicas.tagging,
         )
         self.averaging = AveragingService(
             run.averaging, swarm=swarm, run_id=run.run_id, stage=config.stage, store=self.optimizer,
@@ -168,6 +171,12 @@ class WorkerRole:
             device_memory_used_bytes=device_used, device_memory_total_bytes=device_total,
             started_at=self._started_at,
         )
+
+    def _on_peers(self) -> None:
+        """After each read of the stage's progress: the step decision may have changed, and so may
+        the stage's tagger."""
+        self.replicas.on_peers()
+        self.runtime.wake()
 
     def _on_round(self, outcome: RoundOutcome) -> None:
         """Called on the event loop after each averaging round: a round can end weight sync, and
@@ -234,6 +243,7 @@ class WorkerRole:
             "joined": self.joined,
             "sync_phases": self.sync.summary(),
             "averaging": self.averaging.summary(),
+            **self.replicas.summary(),
             "state_served": dict(self.state_server.counters),
             "terminated_by": self.termination.summary(),
         }
@@ -247,6 +257,7 @@ class WorkerRole:
         await self.server.add_handler(version.STATE, self.state_server.handle, roles=frozenset({"worker"}))
         await self._join_stage()
         self.averaging.begin()
+        await self.replicas.start(self.server)
         self.runtime.start()
         await self.server.add_handler(version.FORWARD, self.handlers.forward, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.BACKWARD, self.handlers.backward, roles=frozenset({"trainer"}))
@@ -453,6 +464,7 @@ class WorkerRole:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.progress.withdraw()
         await self.averaging.shutdown()
+        await self.replicas.close()
         if (self.checkpoints is not None and self.config.checkpoint_period_s and not self.averaging.leave_reason
                 and self.phase == Phase.ACTIVE):
             await self.checkpoints.save_logged(self.optimizer.local_step)

@@ -25,8 +25,10 @@ from protocol.stats import BusyWindow, Distribution, powers_of_two
 from roles.model.stage import StageModel
 from roles.periodic import Signal
 from roles.worker.optimizer import NonFiniteGradients, StageOptimizer, StepReport
-from roles.worker.step_ledger import StepLedger
-from roles.worker.queues import Task, TaskKind, TaskQueues, run_batch
+from roles.worker.step_ledger import StepDue, StepLedger
+from roles.worker.gradient_exchange import Contribution, StepSum
+from roles.worker.queues import QueueClosed, Task, TaskKind, TaskQueues, run_batch
+from roles.worker.step_tagger import TagGrant
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +219,16 @@ class StageRuntime:
         it): the self-termination rules tell a failing device from a bad request there."""
         self.on_step: Optional[Callable[[bool, str], None]] = None
         """Called by the compute thread after each step that had samples: (finite, what happened)."""
+        self.tagging: Optional[Callable[[int], Optional[list[TagGrant]]]] = None
+        """Tail with replicas: step tags for n untagged samples from the stage's tagger, in order
+        (roles/worker/step_tagger.py); fewer or none when it has none to give yet."""
+        self.forward_tickets: Optional[Callable[[int], Optional[int]]] = None
+        """Head with replicas: how many of n forwards the stage's gate lets start now (None: no
+        gate could be asked); used instead of the lone head's own count while it has peers."""
+        self._forwards_paused_until = 0.0
+        self.exchange_step: Optional[Callable[[Contribution], Optional[StepSum]]] = None
+        """With `averaging.gradients` on: hands this replica's contribution to the stage's step to
+        the exchange and returns the stage's total (blocking; None if the worker is stopping)."""
         self.test_device_fault_after_batches = 0
         """TESTS ONLY (AGORA_TEST_DEVICE_FAULT_AFTER_BATCHES): batches after which every batch raises
         a CUDA-like error."""
@@ -294,6 +306,10 @@ class StageRuntime:
         self._thread = threading.Thread(target=self._loop, name=f"stage{self.stage}-compute", daemon=True)
         self._thread.start()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def wake(self) -> None:
         """Something the step decision depends on changed (a peer's count): re-check it now."""
         self.queues.wake()
@@ -303,25 +319,80 @@ class StageRuntime:
             while not self._stop.is_set():
                 self._maybe_step()
                 open_step = self.optimizer.local_step
-                limit, _ = self._untagged_capacity()
+                limit = None if self.tagging is not None else self._untagged_capacity()[0]
+                ticketed = self.forward_tickets is not None and bool(self.ledger.peers.members)
+                if ticketed:
+                    forward_limit = 0 if time.monotonic() < self._forwards_paused_until else None
+                else:
+                    forward_limit = self._forward_allowance()
                 batch = self.queues.next_batch(timeout=0.1, hold_after=open_step + 1, untagged_limit=limit,
-                                               forward_limit=self._forward_allowance())
+                                               forward_limit=forward_limit)
                 if not batch:
                     continue
-                compute = self._forward_batch if batch[0].kind == TaskKind.FORWARD else self._backward_batch
-                taken_at = time.monotonic()
-                started = time.perf_counter()
-                run_batch(batch, functools.partial(self._observed, compute))
-                ended = time.perf_counter()
-                elapsed = ended - started
-                self.compute_s += elapsed
-                self.batch_stats.record(batch, taken_at, started, ended)
-                rate = len(batch) / max(elapsed, 1e-6)
-                self.throughput = rate if self.throughput == 0 else 0.9 * self.throughput + 0.1 * rate
+                if batch[0].kind == TaskKind.FORWARD and ticketed:
+                    self._run_ticketed(batch)
+                elif batch[0].kind == TaskKind.FORWARD:
+                    self._run(batch, self._forward_batch)
+                elif batch[0].step is None and self.tagging is not None:
+                    self._run_tagged(batch)
+                else:
+                    self._run(batch, self._backward_batch)
         except BaseException as exc:  # a dead compute thread must bring the node down, not hang it
             logger.exception("compute thread crashed")
             self.failure = exc
             self.crashed.fire()
+
+    def _run(self, batch: list[Task], compute) -> None:
+        taken_at = time.monotonic()
+        started = time.perf_counter()
+        run_batch(batch, functools.partial(self._observed, compute))
+        ended = time.perf_counter()
+        elapsed = ended - started
+        self.compute_s += elapsed
+        self.batch_stats.record(batch, taken_at, started, ended)
+        rate = len(batch) / max(elapsed, 1e-6)
+        self.throughput = rate if self.throughput == 0 else 0.9 * self.throughput + 0.1 * rate
+
+    def _run_tagged(self, batch: list[Task]) -> None:
+        """Tail: get the batch's step tags from the stage's tagger, run each step's part with its
+        tag, and put back what got no tag yet (the next two steps are full, or no tagger answered)."""
+        grants = self.tagging(len(batch)) or []
+        start = 0
+        for grant in grants:
+            part = batch[start:start + grant.count]
+            start += grant.count
+            self._run(part, functools.partial(self._backward_batch, tag=grant.step))
+        rest = batch[start:]
+        if not rest:
+            return
+        self.counters["tag_waits"] += 1
+        try:
+            self.queues.requeue(rest)
+        except QueueClosed as exc:
+            for task in rest:
+                task.on_done(None, exc)
+            return
+        if not grants:
+            self._stop.wait(0.01)  # nothing could be tagged: let the stage step before asking again
+
+    def _run_ticketed(self, batch: list[Task]) -> None:
+        """Head with replicas: run as many forwards as the stage's gate grants (step_tagger.py
+        `ForwardTickets`), put back the rest, and ask again a little later if none was granted."""
+        granted = self.forward_tickets(len(batch)) or 0
+        if granted:
+            self._run(batch[:granted], self._forward_batch)
+        rest = batch[granted:]
+        if not rest:
+            return
+        try:
+            self.queues.requeue(rest)
+        except QueueClosed as exc:
+            for task in rest:
+                task.on_done(None, exc)
+            return
+        if not granted:
+            self.counters["forward_gate_waits"] += 1
+            self._forwards_paused_until = time.monotonic() + 0.02  # backwards go on meanwhile
 
     def _observed(self, compute, payloads):
         """Run one batch, telling `on_compute_error` what it raised (run_batch hands it on)."""
@@ -386,6 +457,23 @@ class StageRuntime:
             due = self.ledger.due(opt.local_step, open_samples, next_samples > 0 or held > 0, overtaken=held > 0)
             if due is None:
                 return
+            own = None
+            if self.exchange_step is not None and self.ledger.peers.members:
+                step = opt.local_step
+                own = Contribution(peer="", step=step, samples=opt.samples_accumulated,
+                                   abandoned=self.ledger.abandoned(step), grad=opt.open_gradient_sum(),
+                                   consumed=opt.samples_consumed)
+        if own is not None:
+            # The exchange waits for the other replicas; the lock stays free meanwhile (the averager
+            # and the state server take it), and nothing accumulates since this thread waits.
+            total = self.exchange_step(own)
+            if total is None:  # stopping
+                return
+            due = StepDue(total.stage_samples, _exchange_reason(total, due, self.ledger.target))
+        with opt.lock:
+            if own is not None:
+                opt.set_open_gradient_sum(total.grad, total.samples)
+                opt.samples_consumed = max(opt.samples_consumed, total.consumed)
             had_samples = opt.samples_accumulated > 0
             if had_samples and 0 < self.test_nan_gradients_after_steps <= opt.local_step:
                 opt.poison_gradients()
@@ -403,6 +491,9 @@ class StageRuntime:
             self.ledger.stepped(opt.local_step - 1, due)
         if due.reason != "complete":
             why = {"peer_ahead": "a replica of this stage was ahead",
+                   "peer_due": "a replica of this stage closed it",
+                   "replica_lost": "a replica of this stage did not bring its gradients",
+                   "adopted": "this replica came late and applied the sum the others stepped on",
                    "overtaken": "samples two steps ahead arrived; the rest of it was lost",
                    "timeout": f"no sample of it for {self.ledger.close_timeout_s:.0f}s"}[due.reason]
             logger.info("stage %d closed step %d with %d of %d samples (%s)", self.stage, opt.local_step - 1,
@@ -472,7 +563,8 @@ class StageRuntime:
             return None
         return {name: t.detach().requires_grad_(True) for name, t in zip(self._param_names, opt.previous)}
 
-    def _backward_batch(self, requests: list[BackwardRequest]) -> list[BackwardResult]:
+    def _backward_batch(self, requests: list[BackwardRequest], tag: Optional[int] = None) -> list[BackwardResult]:
+        """`tag`: the step the stage's tagger gave these untagged tail samples (None: tag here)."""
         tokens, coords = self._inputs(requests)
         if coords is not None:
             coords.requires_grad_(True)
@@ -480,7 +572,7 @@ class StageRuntime:
         n = len(requests)
         versions = [self.forwarded.pop(r.sample_id) for r in requests] if self.kind != "tail" else []
         with opt.lock:
-            tag = requests[0].step
+            tag = requests[0].step if requests[0].step is not None else tag
             if tag is None:
                 limit, offset = self._untagged_capacity()
                 tag = opt.local_step + offset
@@ -538,3 +630,12 @@ class StageRuntime:
             BackwardResult(grad_input=None if grads is None else grads[i], loss=loss_values[i], step=tag, version=used)
             for i in range(n)
         ]
+
+
+def _exchange_reason(total: StepSum, due: StepDue, target: int) -> str:
+    """Why the stage's step closed, once the replicas' gradients are added up."""
+    if total.adopted_from is not None:
+        return "adopted"
+    if total.stage_samples >= target:
+        return "complete"
+    return "replica_lost" if total.missing else due.reason

@@ -42,6 +42,10 @@ class PeerView:
 
     counts: dict[int, int] = field(default_factory=dict)
     max_step: Optional[int] = None
+    members: tuple[str, ...] = ()
+    """Peer ids of the other replicas with a live progress record."""
+    taggers: tuple[str, ...] = ()
+    """Those of them that say they tag for the stage (the tail's tagger, roles/worker/step_tagger.py)."""
 
     @property
     def alone(self) -> bool:
@@ -53,7 +57,7 @@ class StepDue:
     """A step the stage must take now: `stage_samples` consumed by the stage in it, and why."""
 
     stage_samples: int
-    reason: str  # "complete", "peer_ahead", "overtaken", "timeout"
+    reason: str  # "complete", "peer_ahead", "peer_due", "overtaken", "timeout", "replica_lost"
 
 
 class StepLedger:
@@ -77,6 +81,8 @@ class StepLedger:
         self.steps_skipped = 0
         self._abandoned: dict[int, int] = {}
         self._abandoned_lock = threading.Lock()
+        self._peer_due: set[int] = set()
+        """Steps a replica already pushed its gradients for (roles/worker/gradient_exchange.py)."""
         self._open_since = time.monotonic()
 
     # ---- peers ----
@@ -118,6 +124,12 @@ class StepLedger:
         with self._abandoned_lock:
             return self._abandoned.get(step, 0)
 
+    def peer_due(self, step: int) -> None:
+        """A replica pushed its gradients for `step` (called on the event loop): it found the step
+        due, so it is due here too, and it waits for our gradients."""
+        with self._abandoned_lock:
+            self._peer_due.add(step)
+
     # ---- closing ----
 
     def due(self, open_step: int, open_samples: int, later_waiting: bool, overtaken: bool = False) -> Optional[StepDue]:
@@ -135,6 +147,10 @@ class StepLedger:
             return StepDue(total, "complete")
         if view.max_step is not None and view.max_step > open_step:
             return StepDue(max(total, self.target), "peer_ahead")
+        with self._abandoned_lock:
+            pushed = open_step in self._peer_due
+        if pushed:
+            return StepDue(total, "peer_due")
         if overtaken:
             return StepDue(total, "overtaken")
         if later_waiting and time.monotonic() - self._open_since > self.close_timeout_s:
@@ -151,6 +167,7 @@ class StepLedger:
         self._open_since = time.monotonic()
         with self._abandoned_lock:
             self._abandoned = {s: n for s, n in self._abandoned.items() if s > step}
+            self._peer_due = {s for s in self._peer_due if s > step}
 
     def skipped(self, steps: int) -> None:
         """The worker jumped `steps` steps it held no sample of (the run had moved on without it)."""

@@ -178,7 +178,8 @@ def test_replay_takes_stale_gradients_at_the_logged_versions(run):
                                                                   replayed.model.parameters()))
 
 
-def test_bench_reads_a_swarm_that_trained_exactly_like_the_reference(monkeypatch, tmp_path):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_bench_reads_a_swarm_that_trained_exactly_like_the_reference(monkeypatch, tmp_path, replicas):
     """A fake swarm (the reference itself, with its sample logs and final checkpoints) must come
     out with zero gaps: log parsing, step grouping, checkpoint loading and the replay agree."""
     import json
@@ -186,7 +187,7 @@ def test_bench_reads_a_swarm_that_trained_exactly_like_the_reference(monkeypatch
     import bench_fidelity
     from roles.worker.checkpoint import checkpoint_path, write_checkpoint
 
-    def fake_swarm(run, config_path, workdir, setting, total):
+    def fake_swarm(run, config_path, workdir, setting, total, replicas):
         bank = SampleBank(run)
         trainer = OneProcessTrainer.for_stages(run)
         steps = bank.sequential_steps(total, run.target_batch_size)
@@ -198,17 +199,21 @@ def test_bench_reads_a_swarm_that_trained_exactly_like_the_reference(monkeypatch
                     (a if index % 2 == 0 else b).write(json.dumps({
                         "sample_id": f"s{index % 2}-{index}", "step": number, "loss": trainer.history[-1].loss,
                         "versions": [number] * run.num_stages}) + "\n")
-        for stage in trainer.model.stages:
-            names = FlatLayout.of_module(stage).names
-            write_checkpoint(checkpoint_path(tmp_path, run.run_id, stage.stage_index),
-                             {n: p.detach().clone() for n, p in zip(names, stage.trainable_parameters())},
-                             {"step": str(len(steps))})
-        return {"sample_logs": logs, "checkpoint_dir": str(tmp_path), "errors": [], "summaries": {}, "stages": {}}
+        directories = [tmp_path / f"r{r}" for r in range(replicas)]
+        for directory in directories:  # replicas that stayed equal, as the gradient exchange keeps them
+            for stage in trainer.model.stages:
+                names = FlatLayout.of_module(stage).names
+                write_checkpoint(checkpoint_path(directory, run.run_id, stage.stage_index),
+                                 {n: p.detach().clone() for n, p in zip(names, stage.trainable_parameters())},
+                                 {"step": str(len(steps))})
+        return {"sample_logs": logs, "checkpoint_dirs": [str(d) for d in directories], "errors": [],
+                "summaries": {}, "stages": {}, "replica_of": {}}
 
     monkeypatch.setattr(bench_fidelity, "run_swarm", fake_swarm)
     monkeypatch.setitem(bench_fidelity.SETTINGS, "demo", bench_fidelity.Setting(
         target_batch_size=4, steps=3, quick_steps=3, worker_max_batch=4, held_out_gap_max=0.03))
-    args = bench_fidelity.parse_args(["--quick", "--setting", "demo", "--noise-runs", "1"])
+    args = bench_fidelity.parse_args(["--quick", "--setting", "demo", "--noise-runs", "1",
+                                      "--workers-per-stage", str(replicas)])
     result = bench_fidelity.bench_setting("demo", args)
     assert result["errors"] == []
     assert result["gaps"]["held_out"] == pytest.approx(0.0, abs=2e-4)
@@ -218,3 +223,7 @@ def test_bench_reads_a_swarm_that_trained_exactly_like_the_reference(monkeypatch
     assert result["swarm"]["samples_per_step_from_log"]["steps_not_at_target"] == 0
     noise = result["reference"]["order_noise"]
     assert len(noise["held_out_losses"]) == 2 and noise["relative_std"] > 0
+    assert len(result["swarm"]["held_out_loss_per_replica"]) == replicas
+    assert result["gaps"]["held_out_worst_replica"] == pytest.approx(0.0, abs=2e-4)
+    if replicas > 1:
+        assert result["swarm"]["replicas"]["0"]["relative_distance"] == pytest.approx(0.0, abs=1e-6)
