@@ -86,16 +86,18 @@ def render(plan) -> object:
     title = f"{plan.run_id}" + (f" (surrogate of {plan.mirrors})" if plan.mirrors else "")
     table = Table(title=f"bandwidth plan: {title}", title_justify="left")
     for name in ("stage", "kind", "activations Mbit/s", "averaging Mbit/s bf16 / fp32", "total Mbit/s bf16 / fp32",
-                 "bytes/sample", "values/round", "round fp32"):
+                 "bytes/sample", "values/round", "round fp32", "gradients Mbit/s"):
         table.add_column(name, justify="left" if name in ("stage", "kind") else "right")
     for s in plan.stages:
         table.add_row(str(s.stage), s.kind, f"{s.activation_mbps:.1f}",
                       f"{s.averaging_mbps_bf16:.1f} / {s.averaging_mbps_fp32:.1f}",
                       f"{s.total_mbps_bf16:.1f} / {s.total_mbps_fp32:.1f}",
-                      _mb(s.sample_bytes), f"{s.round_values / 1e6:.2f}M", _mb(s.round_bytes(4)))
+                      _mb(s.sample_bytes), f"{s.round_values / 1e6:.2f}M", _mb(s.round_bytes(4)),
+                      f"{s.gradient_mbps:.1f} ({'every step' if s.gradients_every_step else 'off'})")
     note = Text(f"a_f = {plan.a_f:g}, a_b = {plan.a_b:g} samples/s, one round in {plan.ar_time_s:g} s; "
                 f"seq_len {plan.seq_len} x k {plan.subspace_rank} per boundary tensor, averaging.segments "
-                f"{plan.segments}")
+                f"{plan.segments}; gradients: what two replicas' per-step exchange needs, and whether the "
+                f"run does it (averaging.gradients)")
     return Group(table, note, Text(_comparison(plan)))
 
 

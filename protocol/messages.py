@@ -166,6 +166,20 @@ class TagReply(WireModel):
     counts: list[int] = Field(default_factory=list, max_length=4)
 
 
+class StepCountsRequest(WireModel):
+    """A replica's counts for its open step and the next, pushed to the stage's other replicas on
+    every change, so they find a step complete without waiting for the DHT [issue 20]."""
+
+    stage: int = Field(ge=0)
+    local_step: int = Field(ge=0)
+    open_samples: int = Field(ge=0)
+    next_samples: int = Field(ge=0)
+
+
+class StepCountsReply(WireModel):
+    pass
+
+
 class StepGradientsRequest(WireModel):
     """A replica's contribution to one step of its stage, pushed to the stage's other replicas
     before it steps [issue 20]: the sum of its samples' gradients, flat float32 in layout order

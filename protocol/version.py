@@ -18,6 +18,8 @@ ABANDON = HANDLER_PREFIX + "abandon"
 below a failed stage), so the stage closes that step without waiting for it."""
 TAGS = HANDLER_PREFIX + "tags"
 """A tail replica asks the stage's tagger for the step tags of the samples it is about to compute."""
+STEP_COUNTS = HANDLER_PREFIX + "step_counts"
+"""A replica's sample counts, pushed to the other replicas of its stage on every change."""
 STEP_GRADIENTS = HANDLER_PREFIX + "step_gradients"
 """A replica's gradient sum for one step, pushed to the other replicas of its stage before it steps."""
 

@@ -70,6 +70,7 @@ class StageTraffic:
     wire_mbps_out: float
     gradient_values: int = 0  # values in one replica's per-step gradient (the stage's trainable parameters)
     gradient_mbps: float = 0.0  # 32 * gradient_values * steps a second, two replicas at a_b backwards a second each
+    gradients_every_step: bool = False  # whether the run's replicas of this stage exchange them (averaging.gradients)
 
     @property
     def sample_bytes(self) -> int:
@@ -150,9 +151,17 @@ def _stage_traffic(run: RunConfig, index: int, a_f: float, a_b: float, ar_time_s
         averaging_mbps_fp32=32 * values / ar_time_s / _MEGA,
         wire_mbps_in=8 * (a_f * fwd_in + a_b * bwd_in) / _MEGA,
         wire_mbps_out=8 * (a_f * fwd_out + a_b * bwd_out) / _MEGA,
-        gradient_values=(grads := stage_parameter_count(run, index)),
-        gradient_mbps=32 * grads * 2 * a_b / run.target_batch_size / _MEGA,
+        gradient_values=stage_parameter_count(run, index),
+        gradient_mbps=_gradient_mbps(run, index, a_b),
+        gradients_every_step=gradient_exchange_on(run, index),
     )
+
+
+def _gradient_mbps(run: RunConfig, index: int, a_b: float) -> float:
+    """Mbit/s one replica sends when two replicas of the stage push each other their float32
+    gradient every step, each at `a_b` backwards a second (so the stage steps 2 a_b / B times a
+    second). With R replicas it is (R - 1) R / 2 times that: every replica pushes to every other."""
+    return 32 * stage_parameter_count(run, index) * 2 * a_b / run.target_batch_size / _MEGA
 
 
 def gradient_exchange_on(run: RunConfig, stage_index: int) -> bool:
@@ -162,7 +171,7 @@ def gradient_exchange_on(run: RunConfig, stage_index: int) -> bool:
     mode = run.averaging.gradients
     if mode != "auto":
         return mode == "every_step"
-    return _stage_traffic(run, stage_index, 3.0, 3.0, 10.0).gradient_mbps <= run.averaging.gradient_max_mbps
+    return _gradient_mbps(run, stage_index, 3.0) <= run.averaging.gradient_max_mbps
 
 
 def plan_traffic(run: RunConfig, *, a_f: float = 3.0, a_b: float = 3.0, ar_time_s: float = 10.0,

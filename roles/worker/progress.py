@@ -132,4 +132,5 @@ def peer_view(records: dict[str, ProgressRecord]) -> PeerView:
         counts[record.local_step] = counts.get(record.local_step, 0) + record.samples_accumulated
         counts[record.local_step + 1] = counts.get(record.local_step + 1, 0) + record.next_samples
     return PeerView(counts=counts, max_step=max_step, members=tuple(sorted(records)),
-                    taggers=tuple(sorted(p for p, r in records.items() if r.tagger)))
+                    taggers=tuple(sorted(p for p, r in records.items() if r.tagger)),
+                    records={p: (r.local_step, r.samples_accumulated, r.next_samples) for p, r in records.items()})

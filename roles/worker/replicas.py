@@ -14,6 +14,7 @@ the stage's progress records (roles/worker/progress.py), which their owners sign
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -27,10 +28,19 @@ from protocol import version
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import WorkerRecord, workers_key
 from protocol.errors import AgoraError, ErrorCode, ProtocolError
-from protocol.messages import StepGradientsReply, StepGradientsRequest, TagReply, TagRequest, parse_model
+from protocol.messages import (
+    StepCountsReply,
+    StepCountsRequest,
+    StepGradientsReply,
+    StepGradientsRequest,
+    TagReply,
+    TagRequest,
+    parse_model,
+)
 from protocol.run_config import RunConfig
 from protocol.transport import RpcClient, RpcServer, dial
 from roles.model.traffic_plan import gradient_exchange_on
+from roles.periodic import every
 from roles.worker.gradient_exchange import Contribution, GradientExchange, StepSum
 from roles.worker.runtime import StageRuntime
 from roles.worker.step_tagger import ForwardTickets, StepTagger, TagGrant, Unreachable, elect_tagger
@@ -54,7 +64,9 @@ class StageReplicas:
         self.ledger = runtime.ledger
         self.self_id = swarm.peer_id
         self.request_timeout_s = max(run.averaging.request_timeout_s, 1.0)
-        self.tagger: Optional[StepTagger] = StepTagger(run.target_batch_size) if runtime.kind == "tail" else None
+        self.tagger: Optional[StepTagger] = None
+        if runtime.kind == "tail":
+            self.tagger = StepTagger(run.target_batch_size, ahead=0 if run.staleness.max_delayed_per_step == 0 else 1)
         self.tickets: Optional[ForwardTickets] = None
         if runtime.kind == "head" and runtime.max_delayed_per_step is not None:
             self.tickets = ForwardTickets(run.target_batch_size, runtime.max_delayed_per_step,
@@ -73,6 +85,8 @@ class StageReplicas:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._dialed: set[str] = set()
         self.tag_asks_failed = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._pushed_counts: Optional[tuple[int, int, int]] = None
         self._first_read: Optional[float] = None
 
     async def start(self, server: RpcServer) -> None:
@@ -85,12 +99,54 @@ class StageReplicas:
             self.runtime.tagging = self.take_tags
         if self.tickets is not None:
             self.runtime.forward_tickets = self.take_tickets
+        await server.add_handler(version.STEP_COUNTS, self.serve_step_counts, roles=_WORKER_ONLY)
         if self.exchange is not None:
             await server.add_handler(version.STEP_GRADIENTS, self.serve_step_gradients, roles=_WORKER_ONLY)
             self.runtime.exchange_step = self.exchange_step
         if self.exchange is not None:
             logger.info("stage %d: replicas add up their gradients before every step (averaging.gradients %s)",
                         self.stage, self.run_config.averaging.gradients)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Push this replica's counts to the stage's other replicas whenever they change."""
+        await every(None, self._push_counts, stop, name="step counts", wake=self.runtime.changed.listen(),
+                    min_interval_s=0.005)
+
+    async def _push_counts(self) -> None:
+        members = self.ledger.peers.members
+        if not members:
+            return
+        step = self.runtime.optimizer.local_step
+        open_samples, next_samples = self.runtime.arrived()
+        counts = (step, open_samples, next_samples)
+        if counts == self._pushed_counts:
+            return
+        self._pushed_counts = counts
+        request = StepCountsRequest(stage=self.stage, local_step=step, open_samples=open_samples,
+                                    next_samples=next_samples)
+
+        async def push(peer: str) -> None:
+            try:
+                await self._client.request(await self._peer(peer), version.STEP_COUNTS, request, StepCountsReply,
+                                           timeout_s=self.request_timeout_s)
+            except AgoraError:
+                self.counters["count_pushes_failed"] += 1  # the DHT record still carries the counts
+
+        await asyncio.gather(*(push(peer) for peer in members))
+
+    async def serve_step_counts(self, peer_id: PeerID, body: dict) -> StepCountsReply:
+        request = parse_model(StepCountsRequest, body)
+        if request.stage != self.stage:
+            raise ProtocolError(f"this worker serves stage {self.stage}, not {request.stage}", ErrorCode.WRONG_STAGE)
+        limit = 4 * self.run_config.target_batch_size
+        if request.open_samples > limit or request.next_samples > limit:
+            raise ProtocolError(f"counts above {limit} do not fit a step of {self.run_config.target_batch_size}",
+                                ErrorCode.INVALID_REQUEST)
+        peer = peer_id.to_base58()
+        if peer in self.ledger.peers.members:  # others: not (yet) a replica of this stage, ignored
+            self.ledger.update_direct(peer, request.local_step, request.open_samples, request.next_samples)
+            self.runtime.wake()
+        return StepCountsReply()
 
     async def close(self) -> None:
         if self._client is not None:
@@ -273,6 +329,8 @@ class StageReplicas:
 
     def summary(self) -> dict:
         out: dict = {"gradient_exchange": None if self.exchange is None else self.exchange.summary()}
+        if self.counters:
+            out["replica_messages"] = dict(self.counters)
         keeper = self.tagger or self.tickets
         if keeper is not None:
             out["tagging"] = {**keeper.summary(), "tagger": self.tagging, "asks_failed": self.tag_asks_failed}

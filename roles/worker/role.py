@@ -384,6 +384,7 @@ class WorkerRole:
         self._tasks = [
             asyncio.create_task(self.announcer.run(stop), name="announce"),
             asyncio.create_task(self.progress.run(stop), name="progress"),
+            asyncio.create_task(self.replicas.run(stop), name="step-counts"),
             asyncio.create_task(self.averaging.run(stop), name="averaging"),
             asyncio.create_task(every(None, self._update_phase, stop, name="sync phases",
                                       wake=self.runtime.stepped.listen()), name="sync-phases"),

@@ -29,6 +29,7 @@ one immutable snapshot.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ class PeerView:
     """Peer ids of the other replicas with a live progress record."""
     taggers: tuple[str, ...] = ()
     """Those of them that say they tag for the stage (the tail's tagger, roles/worker/step_tagger.py)."""
+    records: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """Per peer: (its open step, samples it holds for it, samples for the next one)."""
 
     @property
     def alone(self) -> bool:
@@ -82,13 +85,47 @@ class StepLedger:
         self._abandoned: dict[int, int] = {}
         self._abandoned_lock = threading.Lock()
         self._peer_due: set[int] = set()
+        self._published_view = PeerView()
+        self._direct: dict[str, tuple[int, int, int]] = {}
+        """Counts the other replicas pushed straight to us (roles/worker/replicas.py): fresher than
+        their DHT records, which lag by a DHT round trip, so a step is found complete at once."""
         """Steps a replica already pushed its gradients for (roles/worker/gradient_exchange.py)."""
         self._open_since = time.monotonic()
 
     # ---- peers ----
 
     def update_peers(self, view: PeerView) -> None:
-        self.peers = view
+        with self._abandoned_lock:
+            self._published_view = view
+            self.peers = self._merged()
+
+    def update_direct(self, peer: str, local_step: int, open_samples: int, next_samples: int) -> None:
+        """A replica pushed its counts (called on the event loop)."""
+        with self._abandoned_lock:
+            self._direct[peer] = (local_step, open_samples, next_samples)
+            self.peers = self._merged()
+
+    def _merged(self) -> PeerView:
+        """The published view with each peer's freshest counts: a pushed step later than its record
+        wins; within one step counts only grow, so the larger of each wins."""
+        view = self._published_view
+        self._direct = {p: d for p, d in self._direct.items() if p in view.records}
+        if not self._direct:
+            return view
+        counts: dict[int, int] = {}
+        max_step: Optional[int] = None
+        records = {}
+        for peer, (step, held, ahead) in view.records.items():
+            pushed = self._direct.get(peer)
+            if pushed is not None and pushed[0] > step:
+                step, held, ahead = pushed
+            elif pushed is not None and pushed[0] == step:
+                held, ahead = max(held, pushed[1]), max(ahead, pushed[2])
+            records[peer] = (step, held, ahead)
+            max_step = step if max_step is None else max(max_step, step)
+            counts[step] = counts.get(step, 0) + held
+            counts[step + 1] = counts.get(step + 1, 0) + ahead
+        return dataclasses.replace(view, counts=counts, max_step=max_step, records=records)
 
     # ---- tagging ----
 

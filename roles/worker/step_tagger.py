@@ -15,8 +15,10 @@ cannot be reached is passed over until its record goes away. A new tagger starts
 from what the stage is known to hold for its open step (its own count and its peers' published
 counts), which can be stale only at such a handover.
 
-The cursor never runs past the step after the tagger's open one: those samples would be held in
-the queues anyway, and the asking replica keeps them for later.
+The cursor never runs past the step after the tagger's open one (those samples would be held in
+the queues anyway), and with `staleness.max_delayed_per_step: 0` not past the open one: a sample
+tagged for the next step would be computed on weights a step old. The asking replica keeps what
+got no tag for later. A replica not yet at the tagger's step gets no tags, for the same reason.
 """
 
 from __future__ import annotations
@@ -40,10 +42,14 @@ class StepTagger:
     """The cursor of the replica that tags for its stage: the step tags go to and how many it has
     handed out. Called from the compute thread (own batches) and the event loop (peers' asks)."""
 
-    def __init__(self, target: int):
+    def __init__(self, target: int, ahead: int = 1):
         if target < 1:
             raise ValueError(f"target must be at least 1, got {target}")
         self.target = target
+        self.ahead = ahead
+        """Steps past the open one the cursor may tag: 1, or 0 when the run lets no gradient run a
+        step behind (`staleness.max_delayed_per_step: 0`): a sample tagged for the next step would
+        be computed on the open step's weights."""
         self._step: Optional[int] = None
         self._issued = 0
         self._lock = threading.Lock()
@@ -54,7 +60,7 @@ class StepTagger:
 
     def take(self, n: int, open_step: int, known: Callable[[int], int], *, for_peer: bool = False) -> list[TagGrant]:
         """Up to `n` tags, in order: the cursor's step first, then the next, never past
-        `open_step + 1`. `known(step)` is what the stage is known to hold for a step; it seeds the
+        `open_step + ahead`. `known(step)` is what the stage is known to hold for a step; it seeds the
         cursor when it (re)starts at the open step (first use, or the stage stepped past it)."""
         if n < 1:
             return []
@@ -65,7 +71,7 @@ class StepTagger:
             left = n
             while left > 0:
                 if self._issued >= self.target:
-                    if self._step >= open_step + 1:
+                    if self._step >= open_step + self.ahead:
                         break
                     self._step, self._issued = self._step + 1, 0
                     continue

@@ -1,0 +1,184 @@
+"""Several replicas per stage [issue 20]: one tagger per stage step, the head's stage-wide forward
+gate, and the per-step gradient exchange that keeps replicas equal."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from protocol.errors import PeerUnavailable, ProtocolError
+from roles.worker.gradient_exchange import Contribution, GradientExchange, add_up
+from roles.worker.step_tagger import ForwardTickets, StepTagger, elect_tagger
+
+TARGET = 16
+
+
+# ---- tags ----
+
+def test_asks_from_any_replica_in_any_order_fill_each_step_exactly():
+    tagger = StepTagger(TARGET)
+    rng = random.Random(0)
+    per_step: dict[int, int] = {}
+    open_step = 0
+    for _ in range(400):
+        n = rng.randint(1, 7)  # a batch at either replica: the tagger cannot tell them apart
+        grants = tagger.take(n, open_step, known=lambda step: 0)
+        assert sum(g.count for g in grants) <= n
+        for g in grants:
+            assert open_step <= g.step <= open_step + 1
+            per_step[g.step] = per_step.get(g.step, 0) + g.count
+        if per_step.get(open_step, 0) == TARGET and rng.random() < 0.5:
+            open_step += 1  # the stage stepped
+    assert all(count == TARGET for step, count in per_step.items() if step < open_step)
+    assert max(per_step.values()) == TARGET
+
+
+def test_the_tagger_never_runs_past_the_step_after_the_open_one():
+    tagger = StepTagger(TARGET)
+    grants = tagger.take(40, 3, known=lambda step: 0)
+    assert [(g.step, g.count) for g in grants] == [(3, 16), (4, 16)]
+    assert tagger.take(5, 3, known=lambda step: 0) == []
+    assert tagger.asks_held == 2
+    assert [(g.step, g.count) for g in tagger.take(5, 4, known=lambda step: 0)] == [(5, 5)]
+
+
+def test_a_new_tagger_starts_from_what_the_stage_is_known_to_hold():
+    tagger = StepTagger(TARGET)
+    grants = tagger.take(10, 7, known=lambda step: {7: 12}.get(step, 0))
+    assert [(g.step, g.count) for g in grants] == [(7, 4), (8, 6)]
+    # The stage closed step 8 short and moved to 9 (a replica died): the cursor follows.
+    assert [(g.step, g.count) for g in tagger.take(3, 9, known=lambda step: 2)] == [(9, 3)]
+
+
+def test_the_incumbent_keeps_tagging_and_two_claims_resolve_to_the_lowest():
+    assert elect_tagger("b", False, [("c", False)]) == "b"  # nobody tags: the lowest id
+    assert elect_tagger("c", False, [("b", False)]) == "b"  # ... which is another replica: wait for it
+    assert elect_tagger("a", False, [("c", True)]) == "c"  # a newcomer with a lower id defers
+    assert elect_tagger("c", True, [("a", True)]) == "a"  # split brain: the lowest claimant wins
+    assert elect_tagger("b", False, [("a", True)], unreachable=["a"]) == "b"  # a tagger that is gone
+
+
+# ---- the head's forward gate ----
+
+def test_forward_tickets_give_a_step_its_target_over_all_head_replicas():
+    clock = [0.0]
+    tickets = ForwardTickets(TARGET, max_delayed=0, timeout_s=5.0, clock=lambda: clock[0])
+    assert tickets.take(10, back_total=0, open_known=0) == 10  # replica A
+    assert tickets.take(10, back_total=0, open_known=0) == 6  # replica B: the step's rest
+    assert tickets.take(1, back_total=0, open_known=0) == 0
+    # 16 came back, the stage stepped: the next step's 16 may go.
+    assert tickets.take(20, back_total=16, open_known=0) == 16
+
+
+def test_forwards_started_before_the_step_hold_slots_of_it():
+    clock = [0.0]
+    tickets = ForwardTickets(TARGET, max_delayed=2, timeout_s=5.0, clock=lambda: clock[0])
+    assert tickets.take(18, back_total=0, open_known=0) == 18  # 16 and 2 running ahead
+    # The 16 came back and the stage stepped; the 2 that ran ahead are still out: 14 more, not 16.
+    assert tickets.take(20, back_total=16, open_known=0) == 14 + 2
+
+
+def test_a_ticket_out_longer_than_the_timeout_frees_its_slot():
+    clock = [0.0]
+    tickets = ForwardTickets(4, max_delayed=0, timeout_s=5.0, clock=lambda: clock[0])
+    assert tickets.take(4, back_total=0, open_known=0) == 4
+    clock[0] = 3.0
+    assert tickets.take(1, back_total=3, open_known=3) == 0  # 3 back, one still out
+    clock[0] = 6.0
+    assert tickets.take(1, back_total=3, open_known=3) == 1  # that one was lost: its slot is free
+
+
+# ---- the gradient exchange ----
+
+def _contribution(peer: str, step: int, samples: int, seed: int, numel: int = 64) -> Contribution:
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) if samples else None
+    return Contribution(peer=peer, step=step, samples=samples, abandoned=0, grad=grad, consumed=step * TARGET)
+
+
+def _pair(timeout_s: float = 5.0, fail: set[str] = frozenset()):
+    """Two replicas whose pushes call each other's `receive` directly (the RPC's two ends)."""
+    open_steps = {"a": 0, "b": 0}
+    exchanges: dict[str, GradientExchange] = {}
+
+    def pusher(sender: str):
+        async def push(peer: str, c: Contribution):
+            await asyncio.sleep(0.001)
+            if peer in fail:
+                raise PeerUnavailable(f"{peer} is gone")
+            return exchanges[peer].receive(c, open_steps[peer])
+        return push
+
+    for me, other in (("a", "b"), ("b", "a")):
+        exchanges[me] = GradientExchange(me, numel=64, target=TARGET, timeout_s=timeout_s, push=pusher(me),
+                                         members=lambda other=other: [other])
+    return exchanges, open_steps
+
+
+def test_two_replicas_apply_the_same_bits():
+    exchanges, _ = _pair()
+
+    async def main():
+        return await asyncio.gather(exchanges["a"].exchange(_contribution("a", 0, 9, 1)),
+                                    exchanges["b"].exchange(_contribution("b", 0, 7, 2)))
+
+    a, b = asyncio.run(main())
+    assert a.samples == b.samples == 16 and a.stage_samples == 16 and not a.missing
+    assert torch.equal(a.grad, b.grad)
+    expected = add_up(0, {"a": _contribution("a", 0, 9, 1), "b": _contribution("b", 0, 7, 2)})
+    assert torch.equal(a.grad, expected.grad) and a.members == ("a", "b")
+
+
+def test_a_replica_that_is_gone_is_left_out_and_counted():
+    exchanges, _ = _pair(fail={"b"})
+
+    async def main():
+        return await exchanges["a"].exchange(_contribution("a", 0, 9, 1))
+
+    total = asyncio.run(main())
+    assert total.missing == ("b",) and total.samples == 9
+    assert exchanges["a"].counters["steps_partial"] == 1
+
+
+def test_a_silent_replica_is_left_out_after_the_timeout():
+    exchanges, _ = _pair(timeout_s=0.3)
+    exchanges["b"].push = lambda peer, c: asyncio.sleep(10)  # b never answers a's push in time
+
+    async def main():
+        return await exchanges["a"].exchange(_contribution("a", 0, 9, 1))
+
+    total = asyncio.run(main())
+    assert total.missing == ("b",) and total.samples == 9
+
+
+def test_a_late_replica_applies_the_sum_the_others_stepped_on():
+    exchanges, open_steps = _pair(timeout_s=0.3)
+
+    async def main():
+        first = await exchanges["a"].exchange(_contribution("a", 0, 9, 1))  # b is late: a goes on alone
+        open_steps["a"] = 1
+        late = await exchanges["b"].exchange(_contribution("b", 0, 7, 2))
+        return first, late
+
+    first, late = asyncio.run(main())
+    assert late.adopted_from == "a" and torch.equal(late.grad, first.grad) and late.samples == first.samples
+    assert exchanges["b"].counters["samples_lost_late"] == 7
+
+
+def test_contributions_that_cannot_be_used_are_refused():
+    exchange = GradientExchange("a", numel=64, target=TARGET, timeout_s=1.0, push=None, members=lambda: ["b"])
+    bad = [
+        Contribution("b", 5, 3, 0, torch.zeros(64)),  # too far ahead of open step 0
+        Contribution("b", 0, 3, 0, torch.zeros(10)),  # wrong shape
+        Contribution("b", 0, 3, 0, torch.full((64,), float("nan"))),  # not finite
+        Contribution("b", 0, 3, 0, None),  # samples without a gradient
+        Contribution("b", 0, 10_000, 0, torch.zeros(64)),  # more samples than a step can hold
+    ]
+    for c in bad:
+        with pytest.raises(ProtocolError):
+            exchange.receive(c, open_step=0)
+    assert exchange.counters["refused_invalid"] + exchange.counters["refused_ahead"] == len(bad)
+    assert exchange.receive(Contribution("b", 0, 3, 0, torch.zeros(64)), open_step=0) is None
+    assert exchange.pushed(0)
