@@ -1,6 +1,6 @@
 """Divergence (roles/worker/averaging/divergence.py): a replica far from the average while the
-others are not is the outlier and must resync after `rounds` rounds in a row; a stage whose
-members are all far apart is reported, never resynced."""
+others are not is the outlier and must resync after `rounds` rounds in a row (of a diverged pair,
+the newcomer); a stage of three or more whose members are all far apart is reported, never resynced."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from protocol.dht_schema import AveragingRecord, RoundStatus, RoundSummaryRecord
 from roles.worker.averaging.divergence import DivergenceWatch
 
 
-def _record(round_id: int, distance, status=RoundStatus.COMPLETE, kind="step") -> AveragingRecord:
+def _record(round_id: int, distance, status=RoundStatus.COMPLETE, kind="step", started_at=0.0) -> AveragingRecord:
     summary = RoundSummaryRecord(kind=kind, round=round_id, segment=0, digest="d", status=status, group_size=3,
                                  expected_group_size=3, duration_s=1.0, weight=1.0, relative_distance=distance)
-    return AveragingRecord(recent=[summary])
+    return AveragingRecord(recent=[summary], started_at=started_at)
 
 
 def test_an_outlier_resyncs_after_two_rounds_in_a_row():
@@ -43,6 +43,20 @@ def test_a_stage_far_apart_everywhere_has_no_outlier():
     watch.observe("step", 1, RoundStatus.COMPLETE, 0.7, group_size=2)
     judged = watch.judge([_record(1, 0.7)])
     assert judged.diverged and not judged.outlier and not watch.must_resync()
+
+
+def test_of_two_diverged_replicas_the_newcomer_resyncs():
+    """Two replicas are symmetric, so the one whose averaging began later gives way [issue 20]."""
+    newcomer, elder = DivergenceWatch(0.25, rounds=1), DivergenceWatch(0.25, rounds=1)
+    newcomer.observe("step", 1, RoundStatus.COMPLETE, 0.7, group_size=2)
+    elder.observe("step", 1, RoundStatus.COMPLETE, 0.7, group_size=2)
+    assert newcomer.judge([_record(1, 0.7, started_at=100.0)], started_at=200.0).outlier
+    assert newcomer.must_resync()
+    assert not elder.judge([_record(1, 0.7, started_at=200.0)], started_at=100.0).outlier
+    assert not elder.must_resync()
+    close = DivergenceWatch(0.25, rounds=1)
+    close.observe("step", 2, RoundStatus.COMPLETE, 0.1, group_size=2)
+    assert not close.judge([_record(2, 0.1, started_at=100.0)], started_at=200.0).outlier, "not diverged"
 
 
 def test_only_rounds_the_others_reported_are_judged():

@@ -9,9 +9,10 @@ other members of the same round published. It is the outlier when its distance i
 `max_divergence` and at least `OUTLIER_RATIO` times every other member's, for
 `divergence_rounds` judged rounds in a row; it then rejoins through weight sync (sync_phase.py:
 hidden from trainers, averaging with weight 0, so a full pass of rounds replaces its weights with
-the others' average). A stage whose members are all far apart (two replicas are always
-symmetric: each is as far from their average as the other) has no outlier; it is reported, not
-acted on.
+the others' average). Two replicas are always symmetric (each is as far from their average as
+the other), so between two the newcomer is the outlier: the replica whose averaging began later,
+which has trained with the stage the shorter time [issue 20]. A stage of three or more whose
+members are all far apart has no outlier; it is reported, not acted on.
 
 A round is judged at the next round, when the other members' records for it have been announced.
 """
@@ -59,20 +60,24 @@ class DivergenceWatch:
         if status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL) and distance is not None and group_size > 1:
             self.pending = (kind, round_id, distance)
 
-    def judge(self, records: Iterable[AveragingRecord]) -> Optional[Judgement]:
+    def judge(self, records: Iterable[AveragingRecord], started_at: Optional[float] = None) -> Optional[Judgement]:
         """Judge the pending round against the other members' reports of it; None if there is
-        nothing to judge (no pending round, or nobody else reported it)."""
+        nothing to judge (no pending round, or nobody else reported it). `started_at`: when this
+        replica's averaging began, which settles a pair."""
         if self.pending is None or self.max_divergence is None:
             return None
         kind, round_id, distance = self.pending
-        others = [s.relative_distance for record in records for s in record.recent
-                  if s.kind == kind and s.round == round_id and s.relative_distance is not None
-                  and s.status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL)]
+        members = [(s.relative_distance, record.started_at) for record in records for s in record.recent
+                   if s.kind == kind and s.round == round_id and s.relative_distance is not None
+                   and s.status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL)]
+        others = [d for d, _ in members]
         if not others:
             return None
         self.pending = None
         diverged = distance >= self.max_divergence
         outlier = diverged and distance >= OUTLIER_RATIO * max(others)
+        if diverged and len(members) == 1 and started_at is not None and members[0][0] >= self.max_divergence:
+            outlier = started_at > members[0][1]  # a pair: the newcomer gives way
         self.outlier_streak = self.outlier_streak + 1 if outlier else 0
         self.judged += 1
         self.diverged_rounds += diverged
