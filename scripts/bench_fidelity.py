@@ -57,6 +57,19 @@ replica r for every s) gets its held-out loss and gap too, aimed at <= 5% (`aim.
 the distance each moved from the seeded init (`relative_distance`), and `swarm.per_stage` the
 stage's steps over its replicas, its averaging rounds, and each replica's own figures.
 
+`--churn` (with `--workers-per-stage` 2 or more) kills one replica mid-run and restarts it, for
+issue 20's check that the figures hold under churn. Every worker runs with its own `--identity`
+file, so the restart keeps its peer id. Once the sample logs hold 40% of the run's samples, replica
+1 of the middle stage (the last one with two stages) gets SIGKILL, then its process group (its DHT
+process and p2pd) too, as a crashed machine would; 5 s later the same command (stage, identity,
+checkpoint directory and every other argument) starts again as `worker-s1-r1-restart`, and its
+final checkpoint lands in the same `checkpoints/r1`. `swarm.churn` says when each happened and how
+long the restart took to announce itself ready; `swarm.per_stage` lists both processes (the killed
+one reports no summary). For every run, churn or not, `swarm.accounting` adds up the trainers'
+completed and dropped samples against the target (`unaccounted` should be 0), and each stage's
+`steps.closed_by` counts why its replicas closed their steps, so short steps can be told apart
+from samples really lost. No churn figures are quoted here until a run has measured them.
+
 `--ablation` instead trains one-process variants that move one difference between the subspace
 model and a plain Llama at a time (scripts/_fidelity_ablation.py) and reports held-out losses over
 three run seeds, plus a longer-horizon check (about 6 minutes on two cores). Measured here (tiny,
@@ -97,6 +110,9 @@ from _bench_common import log, machine_info, rounded  # noqa: E402
 SAMPLE_LOG_ENV = "AGORA_SAMPLE_LOG"
 HELD_OUT_SAMPLES = 256
 STAGES, TRAINERS, LANES = 3, 2, 4
+CHURN_AT_SHARE = 0.4
+"""--churn: kill the replica once the sample logs hold this share of the run's samples."""
+CHURN_RESTART_AFTER_S = 5.0
 REPLICA_GAP_MAX = 0.05
 """The aim for each replica's own model; their mean is held to the setting's aim. Averaging syncs
 only a slice of the weights every few steps, so a replica may differ a little from the mean."""
@@ -149,10 +165,12 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
 # the swarm
 # ---------------------------------------------------------------------------------------------
 
-def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_samples: int, replicas: int) -> dict:
+def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_samples: int, replicas: int,
+              churn: bool = False) -> dict:
     """Train `total_samples` with a local swarm of `replicas` workers per stage; return its sample
     logs, summaries and one checkpoint directory per replica index (checkpoint files are named by
     run and stage only, so replicas of a stage cannot share one), and its failure in "errors".
+    With `churn`, one replica is killed mid-run and restarted (`Churn`); "churn" says how it went.
     Every process is stopped before this returns (or an interrupt propagates)."""
     from node.launcher import LocalSwarm
 
@@ -160,18 +178,24 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
     swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=1,
                        common_args=["--announce-period-s", "2"])
     logs = [os.path.join(workdir, f"samples-{k}.jsonl") for k in range(TRAINERS)]
-    out: dict[str, Any] = {"sample_logs": logs, "checkpoint_dirs": checkpoint_dirs, "replica_of": {}, "errors": []}
+    out: dict[str, Any] = {"sample_logs": logs, "checkpoint_dirs": checkpoint_dirs, "replica_of": {}, "errors": [],
+                           "churned": {}}
     started = time.monotonic()
+    churner: Optional[Churn] = None
     try:
         workers = []
+        worker_args: dict[str, list[str]] = {}
         for r, directory in enumerate(checkpoint_dirs):
             for s in range(STAGES):
                 name = f"worker-s{s}-r{r}"
                 out["replica_of"][name] = r
+                # Its own identity file (the node creates it): a restart with it keeps the peer id.
+                worker_args[name] = ["--max-batch", str(setting.worker_max_batch), "--checkpoint-dir", directory,
+                                     "--checkpoint-period-s", "100000",
+                                     "--identity", os.path.join(workdir, f"identity-s{s}-r{r}.key")]
                 # The first worker is the bootstrap peer: the others need its address to start.
                 workers.append(swarm.start("worker", stage=s, name=name, wait_ready=not workers, timeout_s=120,
-                                           args=["--max-batch", str(setting.worker_max_batch), "--checkpoint-dir",
-                                                 directory, "--checkpoint-period-s", "100000"]))
+                                           args=worker_args[name]))
         for node in workers:
             swarm.wait_ready(node, timeout_s=120)
         out["startup_s"] = round(time.monotonic() - started, 1)
@@ -192,12 +216,22 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
         for node in trainers:
             swarm.wait_ready(node, timeout_s=120)
         train_started = time.monotonic()
+        if churn:
+            victim = next(n for n in workers if n.name == f"worker-s{CHURN_STAGE}-r1")
+            churner = Churn(swarm, victim, worker_args[victim.name], math.ceil(CHURN_AT_SHARE * total_samples),
+                            train_started)
         deadline = train_started + 300 + total_samples / 4
         last_report = train_started
         while any(t.proc.poll() is None for t in trainers):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"trainers still running after {time.monotonic() - train_started:.0f}s")
             time.sleep(0.5)
+            if churner is not None and churner.pending:
+                restarted = churner.tick(logs)
+                if restarted is not None:
+                    out["replica_of"][restarted.name] = out["replica_of"][churner.victim.name]
+                    out["churned"][restarted.name] = "restarted"
+                    out["churned"][churner.victim.name] = "killed"
             if time.monotonic() - last_report > 15:
                 last_report = time.monotonic()
                 log(f"  {sum(_count_lines(p) for p in logs)}/{total_samples} samples logged, "
@@ -210,6 +244,11 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
         out["errors"].append(f"swarm: {type(exc).__name__}: {exc}")
         log(traceback.format_exc())
     finally:
+        if churner is not None:
+            out["churn"] = churner.report()
+            if churner.victim.name not in out["churned"] and churner.killed_at is not None:
+                out["churned"][churner.victim.name] = "killed"
+            out["errors"] += churner.errors()
         swarm.stop_all(timeout_s=60)  # SIGTERM: workers write their final checkpoints
         out["wall_s"] = round(time.monotonic() - started, 1)
         out["survivors"] = swarm.survivors()
@@ -220,6 +259,96 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
         out["exit_codes"] = {node.name: node.proc.returncode for node in swarm.nodes}
         out["log_dir"] = swarm.workdir
     return out
+
+
+CHURN_STAGE = STAGES // 2
+"""The stage whose replica 1 --churn kills: the middle one (1 of 3), or the last of two."""
+
+
+class Churn:
+    """Kills `victim` (SIGKILL, then its process group: a crashed machine) once the sample logs
+    hold `at_samples`, and CHURN_RESTART_AFTER_S later starts the same command again under the
+    name `<victim>-restart`; `tick` advances it from the trainers' wait loop. Times are seconds
+    since `t0`, the trainers' start."""
+
+    def __init__(self, swarm, victim, args: list[str], at_samples: int, t0: float):
+        self.swarm, self.victim, self.args, self.at_samples, self.t0 = swarm, victim, list(args), at_samples, t0
+        self.killed_at: Optional[float] = None
+        self.killed_at_samples: Optional[int] = None
+        self.kill_exit_code: Optional[int] = None
+        self.restarted = None
+        self.restarted_at: Optional[float] = None
+        self.ready_after: Optional[float] = None
+        self.restart_error: Optional[str] = None
+        self._waiter: Optional[Any] = None
+
+    @property
+    def pending(self) -> bool:
+        return self.restarted is None
+
+    def tick(self, logs: list[str]):
+        """Kill or restart when due; returns the restarted node on the tick that started it."""
+        now = time.monotonic()
+        if self.killed_at is None:
+            logged = sum(_count_lines(p) for p in logs)
+            if logged < self.at_samples:
+                return None
+            log(f"  churn: SIGKILL {self.victim.name} at {logged} samples logged, {now - self.t0:.0f}s")
+            self.killed_at_samples = logged
+            # Sends the signal, waits for the node to exit, then kills what is left of its group
+            # (hivemind's DHT process and p2pd, which would otherwise keep its peer id alive).
+            self.kill_exit_code = self.swarm.stop(self.victim, sig=signal.SIGKILL, timeout_s=30)
+            self.killed_at = time.monotonic()
+            return None
+        if now - self.killed_at < CHURN_RESTART_AFTER_S:
+            return None
+        import threading
+
+        name = f"{self.victim.name}-restart"
+        log(f"  churn: restarting {self.victim.name} as {name}, {now - self.t0:.0f}s")
+        self.restarted = self.swarm.start("worker", stage=self.victim.stage, name=name, wait_ready=False,
+                                          args=self.args)
+        self.restarted_at = time.monotonic()
+        self._waiter = threading.Thread(target=self._wait_ready, daemon=True)
+        self._waiter.start()
+        return self.restarted
+
+    def _wait_ready(self) -> None:
+        try:
+            self.swarm.wait_ready(self.restarted, timeout_s=120)
+            self.ready_after = time.monotonic() - self.restarted_at
+            log(f"  churn: {self.restarted.name} ready after {self.ready_after:.1f}s")
+        except Exception as exc:  # noqa: BLE001 - reported in the churn figures and errors
+            self.restart_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+    def report(self) -> dict:
+        def since(t: Optional[float]) -> Optional[float]:
+            return None if t is None else round(t - self.t0, 1)
+
+        return {
+            "killed": self.victim.name if self.killed_at is not None else None,
+            "killed_at_samples": self.killed_at_samples,
+            "kill_at_samples_target": self.at_samples,
+            "killed_at_s": since(self.killed_at),
+            "kill_exit_code": self.kill_exit_code,
+            "restarted_at_s": since(self.restarted_at),
+            "restart_ready_s": rounded(self.ready_after, 1),
+            "restarted_name": self.restarted.name if self.restarted is not None else None,
+            "restart_error": self.restart_error,
+            "how_to_read": "seconds since the trainers started; the killed worker got SIGKILL, then its process "
+                           "group; the restart ran the same command (stage, --identity, --checkpoint-dir, ...) "
+                           f"{CHURN_RESTART_AFTER_S:.0f}s later; restart_ready_s: from its start to its readiness "
+                           "line (null if it never printed one before the trainers finished)",
+        }
+
+    def errors(self) -> list[str]:
+        if self.killed_at is None:
+            return [f"churn: the trainers finished before {self.at_samples} samples were logged; nothing was killed"]
+        if self.restarted is None:
+            return [f"churn: the trainers finished before {self.victim.name} was restarted"]
+        if self.restart_error is not None:
+            return [f"churn: {self.restarted.name} did not come back: {self.restart_error}"]
+        return []
 
 
 def _summary(node, wait_s: float = 3.0) -> Optional[dict]:
@@ -364,7 +493,9 @@ def _stage_figures(summary: Optional[dict]) -> dict:
         "local_step": summary.get("local_step"),
         "steps": {k: steps.get(k) for k in ("taken", "samples_per_step_mean", "samples_per_step_max",
                                            "samples_per_step_min", "short_steps", "late_samples",
-                                           "discarded_at_shutdown")},
+                                           "discarded_at_shutdown", "long_steps", "abandoned_samples",
+                                           "steps_skipped", "closed_by")},
+        "summary_reported": bool(summary),
         "staleness": {k: stale.get(k) for k in ("samples", "mean_gap", "max_gap", "stale_share", "pinned",
                                                 "mean_delay", "max_delay", "delayed_share")},
         # A pinned sample's forward ran before this stage's last step and its gradient joins a later
@@ -400,13 +531,23 @@ def _stage_over_replicas(replicas: list[dict]) -> dict:
 
     counted = [r["averaging_rounds"] for r in replicas if r["averaging_rounds"] is not None]
     outcomes = dict.fromkeys(k for c in counted for k in c)
+    reasons = [r["steps"].get("closed_by") for r in replicas if r["steps"].get("closed_by") is not None]
+    closed_by: Optional[dict] = None
+    if reasons:
+        closed_by = defaultdict(int)
+        for found in reasons:
+            for reason, count in found.items():
+                closed_by[reason] += count
+        closed_by = dict(sorted(closed_by.items()))
     return {
         "steps": {"taken": combine(max, "taken"),
                   "samples_per_step_mean": combine(lambda v: rounded(statistics.fmean(v)), "samples_per_step_mean"),
                   "samples_per_step_max": combine(max, "samples_per_step_max"),
                   "samples_per_step_min": combine(min, "samples_per_step_min"),
                   "short_steps": combine(sum, "short_steps"), "late_samples": combine(sum, "late_samples"),
-                  "discarded_at_shutdown": combine(sum, "discarded_at_shutdown")},
+                  "discarded_at_shutdown": combine(sum, "discarded_at_shutdown"),
+                  "long_steps": combine(sum, "long_steps"), "abandoned_samples": combine(sum, "abandoned_samples"),
+                  "closed_by": closed_by},
         # Every member of a round counts it, so the stage ran as many as its busiest replica saw.
         "averaging_rounds": {k: max(c.get(k, 0) for c in counted) for k in outcomes} if counted else None,
         "replicas": replicas,
@@ -487,6 +628,39 @@ def _log_staleness(swarm_steps: dict, stages: int) -> dict:
     return out
 
 
+def _accounting(trainers: dict[str, Optional[dict]], target: int, step_sizes: list[int], batch: int) -> dict:
+    """Every sample the trainers were asked for, completed or dropped (from their summaries), and
+    what the log's short steps lack, to set against the drops."""
+    reported = [s for s in trainers.values() if s]
+
+    def total(key: str) -> Optional[int]:
+        found = [s.get(key) for s in reported if s.get(key) is not None]
+        return sum(found) if found else None
+
+    completed, dropped = total("samples_completed"), total("samples_dropped")
+    by_reason: dict[str, int] = defaultdict(int)
+    for s in reported:
+        for reason, count in (s.get("dropped_by_reason") or {}).items():
+            by_reason[reason] += count
+    return {
+        "samples_target": target,
+        "completed": completed,
+        "dropped": dropped,
+        # a trainer without a summary (it crashed) leaves its samples unknown, not unaccounted
+        "unaccounted": (None if completed is None or dropped is None or len(reported) < len(trainers)
+                        else target - completed - dropped),
+        "in_flight_at_end": total("samples_in_flight"),
+        "dropped_by_reason": dict(sorted(by_reason.items())),
+        "trainers_without_summary": sorted(n for n, s in trainers.items() if not s),
+        "short_step_deficit_from_log": sum(batch - n for n in step_sizes if n < batch),
+        "how_to_read": "samples_target: what the trainers were asked for (--max-samples each); completed, dropped: "
+                       "sums of the trainers' summaries (null if none reported); unaccounted = target - completed - "
+                       "dropped, 0 when every sample is accounted for (null while a trainer reported no summary); "
+                       "short_step_deficit_from_log: samples the log's applied short steps lack against "
+                       "target_batch_size, to set against dropped",
+    }
+
+
 def bench_setting(name: str, args: argparse.Namespace) -> dict:
     """One setting: the swarm, then the references. Its logs are removed unless something failed
     (or --keep-logs), in which case their directory is printed, interrupts included."""
@@ -524,14 +698,16 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
                    "lanes": LANES, "target_batch_size": run.target_batch_size, "steps": steps, "samples": total,
                    "seq_len": run.seq_len, "worker_max_batch": setting.worker_max_batch,
                    "optimizer": run.optimizer.model_dump(mode="json"), "averaging": averaging,
-                   "staleness": run.staleness.model_dump(mode="json")},
+                   "staleness": run.staleness.model_dump(mode="json"), "churn": bool(args.churn)},
     }
     errors: list[str] = []
     started = time.monotonic()
     log(f"[{name}] swarm: {STAGES} stages x {replicas} worker(s) (--workers-per-stage {replicas}, averaging "
         f"{'on' if run.averaging.enabled else 'off'}), {TRAINERS} trainers x {LANES} lanes, {steps} steps of "
         f"{run.target_batch_size} = {total} samples")
-    swarm = run_swarm(run, config_path, workdir, setting, total, replicas)
+    # churn is passed only when set, so a run_swarm stand-in without the parameter (the tests') still fits
+    swarm = run_swarm(run, config_path, workdir, setting, total, replicas,
+                      **({"churn": True} if args.churn else {}))
     errors += swarm.pop("errors", [])
 
     held_out = held_out_tokens(run, HELD_OUT_SAMPLES)
@@ -577,7 +753,8 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     for node_name, summary in swarm.get("summaries", {}).items():
         if node_name in swarm["replica_of"]:
             stage_replicas[swarm["stages"][node_name]].append(
-                {"name": node_name, "replica": swarm["replica_of"][node_name], **_stage_figures(summary)})
+                {"name": node_name, "replica": swarm["replica_of"][node_name],
+                 "churn": swarm.get("churned", {}).get(node_name), **_stage_figures(summary)})
     by_stage = {str(stage): _stage_over_replicas(sorted(found, key=lambda f: f["replica"]))
                 for stage, found in sorted(stage_replicas.items())}
     out["swarm"] = {
@@ -599,15 +776,22 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
         "per_stage_how_to_read": "steps: over the stage's replicas (taken, samples_per_step_max: the most any "
                                  "replica reported; samples_per_step_mean: the mean of their means; short_steps, "
                                  "late_samples, discarded_at_shutdown: sums); averaging_rounds: per outcome, the "
-                                 "most any replica counted. replicas: steps, staleness, averaging rounds and "
+                                 "most any replica counted; closed_by: per reason (complete, peer_ahead, peer_due, "
+                                 "overtaken, timeout), summed over the replicas, so a short step says why it "
+                                 "closed; long_steps, abandoned_samples: sums. replicas: steps, staleness, "
+                                 "averaging rounds and "
                                  "gradient_exchange (null if not reported) as each worker reports them. "
                                  "staleness.mean_gap, max_gap and "
                                  "stale_share: version gaps between the weights a sample's forward saw and the ones "
                                  "its backward recomputed on (0 once pinned); mean_delay, max_delay, delayed_share: "
                                  "versions between the weights a gradient was taken at and the step it was applied "
                                  "in, where the reference has 0 for every sample; pinned: backwards recomputed on "
-                                 "the previous weights",
+                                 "the previous weights; churn: 'killed' or 'restarted' for the processes --churn "
+                                 "stopped and started (a killed one reports no summary: its figures are null)",
         "trainers": {n: s for n, s in swarm.get("summaries", {}).items() if n.startswith("trainer")},
+        "accounting": _accounting({n: s for n, s in swarm.get("summaries", {}).items() if n.startswith("trainer")},
+                                  math.ceil(total / TRAINERS) * TRAINERS, step_sizes, run.target_batch_size),
+        "churn": swarm.get("churn"),
         "startup_s": swarm.get("startup_s"), "train_wall_s": swarm.get("train_wall_s"), "wall_s": swarm.get("wall_s"),
         "exit_codes": swarm.get("exit_codes"), "survivors": swarm.get("survivors"),
     }
@@ -747,6 +931,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="run config staleness.pin_forward_weights = false")
     p.add_argument("--workers-per-stage", type=int, default=1, metavar="R",
                    help="replicas of every stage (default 1); with more than one, averaging runs as the preset says")
+    p.add_argument("--churn", action="store_true",
+                   help="kill replica 1 of the middle stage at 40%% of the samples and restart it 5 s later "
+                        "with the same identity and checkpoint directory (needs --workers-per-stage 2 or more)")
     p.add_argument("--averaging-off", action="store_true",
                    help="run config averaging.enabled = false even with replicas")
     p.add_argument("--noise-runs", type=int, default=None,
@@ -756,6 +943,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.workers_per_stage < 1:
         p.error("--workers-per-stage must be at least 1")
+    if args.churn and args.workers_per_stage < 2:
+        p.error("--churn needs --workers-per-stage 2 or more, so the killed replica's stage keeps a live one")
     if args.noise_runs is None:
         args.noise_runs = 0 if args.quick else 3
     return args

@@ -63,7 +63,7 @@ def test_two_replicas_per_stage_step_on_exact_batches_and_stay_equal(make_swarm,
         assert swarm.stop(worker, signal.SIGTERM) == 0, worker.log_tail()
     steps = _steps_from_log(log)
     assert steps and set(steps.values()) == {TARGET}, sorted(steps.items())  # every step: 16 over both replicas
-    taggers = []
+    served = collections.Counter()
     for worker in workers:
         found = worker.summary()
         assert found is not None, worker.log_tail()
@@ -73,10 +73,12 @@ def test_two_replicas_per_stage_step_on_exact_batches_and_stay_equal(make_swarm,
         exchange = found["gradient_exchange"]
         assert exchange["steps_complete"] >= len(steps) - 1 and not exchange.get("steps_partial"), (worker.name,
                                                                                                   exchange)
-        if "tagging" in found and found["tagging"]["tagger"]:
-            taggers.append(found["tagging"])
-    assert len(taggers) == 2, "one tagger in the tail and one forward gate in the head"
-    assert all(t.get("tags_issued_to_peers", t.get("tickets_to_peers", 0)) > 0 for t in taggers), taggers
+        tagging = found["tagging"]  # the tail's tags and the head's forward gate
+        if tagging.get("tags_issued_to_peers", tagging.get("tickets_to_peers", 0)) > 0:
+            served[worker.stage] += 1
+    # One replica of each stage tagged (or gated) for both: the other asked it. (Each may claim the
+    # role at the very end, once the first of them has left.)
+    assert served == {0: 1, 1: 1}, served
     for stage in (0, 1):  # the same updates on the same start: the same weights, bit for bit
         a, b = _weights(dirs[(stage, 0)]), _weights(dirs[(stage, 1)])
         assert all(torch.equal(a[name], b[name]) for name in a), f"stage {stage} replicas differ"
