@@ -85,15 +85,19 @@ def render(plan) -> object:
 
     title = f"{plan.run_id}" + (f" (surrogate of {plan.mirrors})" if plan.mirrors else "")
     table = Table(title=f"bandwidth plan: {title}", title_justify="left")
-    for name in ("stage", "kind", "activations Mbit/s", "averaging Mbit/s bf16 / fp32", "total Mbit/s bf16 / fp32",
-                 "bytes/sample", "values/round", "round fp32", "gradients Mbit/s"):
-        table.add_column(name, justify="left" if name in ("stage", "kind") else "right")
-    for s in plan.stages:
-        table.add_row(str(s.stage), s.kind, f"{s.activation_mbps:.1f}",
-                      f"{s.averaging_mbps_bf16:.1f} / {s.averaging_mbps_fp32:.1f}",
-                      f"{s.total_mbps_bf16:.1f} / {s.total_mbps_fp32:.1f}",
-                      _mb(s.sample_bytes), f"{s.round_values / 1e6:.2f}M", _mb(s.round_bytes(4)),
-                      f"{s.gradient_mbps:.1f} ({'every step' if s.gradients_every_step else 'off'})")
+    names = ("stage", "kind", "activations Mbit/s", "averaging Mbit/s bf16 / fp32", "total Mbit/s bf16 / fp32",
+             "bytes/sample", "values/round", "round fp32", "gradients Mbit/s")
+    rows = [(str(s.stage), s.kind, f"{s.activation_mbps:.1f}",
+             f"{s.averaging_mbps_bf16:.1f} / {s.averaging_mbps_fp32:.1f}",
+             f"{s.total_mbps_bf16:.1f} / {s.total_mbps_fp32:.1f}",
+             _mb(s.sample_bytes), f"{s.round_values / 1e6:.2f}M", _mb(s.round_bytes(4)),
+             f"{s.gradient_mbps:.1f} ({'every step' if s.gradients_every_step else 'off'})") for s in plan.stages]
+    for i, name in enumerate(names):
+        # Headers may wrap, values never do (people and scripts grep "110.9 / 181.7").
+        table.add_column(name, justify="left" if name in ("stage", "kind") else "right",
+                         min_width=max(len(row[i]) for row in rows))
+    for row in rows:
+        table.add_row(*row)
     note = Text(f"a_f = {plan.a_f:g}, a_b = {plan.a_b:g} samples/s, one round in {plan.ar_time_s:g} s; "
                 f"seq_len {plan.seq_len} x k {plan.subspace_rank} per boundary tensor, averaging.segments "
                 f"{plan.segments}; gradients: what two replicas' per-step exchange needs, and whether the "
@@ -114,5 +118,8 @@ def plan_main(argv: list[str]) -> int:
         return ExitCode.OK
     from rich.console import Console
 
-    Console(width=max(120, Console().width), soft_wrap=False).print(render(plan))
+    console = Console(soft_wrap=False)
+    renderable = render(plan)
+    table_width = console.measure(renderable.renderables[0], options=console.options.update(max_width=400)).maximum  # as wide as the table needs
+    Console(width=max(120, console.width, table_width), soft_wrap=False).print(renderable)
     return ExitCode.OK

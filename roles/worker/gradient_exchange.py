@@ -105,6 +105,11 @@ class GradientExchange:
         self._closed: collections.OrderedDict[int, StepSum] = collections.OrderedDict()
         self._keep_closed = keep_closed
         self._changed = asyncio.Event()
+        self._refused: dict[int, set[str]] = collections.defaultdict(set)
+        """Per step, peers whose contribution was refused as unusable: nobody waits for them."""
+        self._unreachable: dict[str, float] = {}
+        """Peers a push failed to reach, skipped until they push to us again or `timeout_s` x 3 pass
+        (a SIGKILLed replica's progress record outlives it by up to its TTL)."""
         self.counters: collections.Counter[str] = collections.Counter()
         self.wait_s = 0.0
 
@@ -127,26 +132,33 @@ class GradientExchange:
             self.counters["refused_ahead"] += 1
             raise ProtocolError(f"step {c.step} is too far ahead of this replica's open step {open_step}",
                                 ErrorCode.INVALID_REQUEST)
-        if not 0 <= c.samples <= 4 * self.target or not 0 <= c.abandoned <= 4 * self.target:
+        try:
+            self._check_content(c)
+        except ProtocolError:
             self.counters["refused_invalid"] += 1
-            raise ProtocolError(f"{c.samples} samples and {c.abandoned} dropped do not fit a step of "
-                                f"{self.target}", ErrorCode.INVALID_REQUEST)
-        if (c.grad is None) != (c.samples == 0):
-            self.counters["refused_invalid"] += 1
-            raise ProtocolError("a contribution has a gradient exactly when it has samples", ErrorCode.INVALID_REQUEST)
-        if c.grad is not None:
-            if c.grad.dtype != torch.float32 or c.grad.dim() != 1 or c.grad.numel() != self.numel:
-                self.counters["refused_invalid"] += 1
-                raise ProtocolError(f"gradient must be float32 of shape [{self.numel}]; got {c.grad.dtype} "
-                                    f"{list(c.grad.shape)}", ErrorCode.INVALID_TENSOR)
-            if not bool(torch.isfinite(c.grad).all()):
-                self.counters["refused_invalid"] += 1
-                raise ProtocolError("gradient contains non-finite values", ErrorCode.INVALID_TENSOR)
+            self._refused[c.step].add(c.peer)  # the step goes on without it, at once
+            self._changed.set()
+            raise
         self._inbox[c.step][c.peer] = c
+        self._unreachable.pop(c.peer, None)
         self.counters["contributions_received"] += 1
         self._changed.set()
         self.on_peer_due(c.step)
         return None
+
+    def _check_content(self, c: Contribution) -> None:
+        """Raise ProtocolError for counts or a gradient this stage cannot use."""
+        if not 0 <= c.samples <= 4 * self.target or not 0 <= c.abandoned <= 4 * self.target:
+            raise ProtocolError(f"{c.samples} samples and {c.abandoned} dropped do not fit a step of "
+                                f"{self.target}", ErrorCode.INVALID_REQUEST)
+        if (c.grad is None) != (c.samples == 0):
+            raise ProtocolError("a contribution has a gradient exactly when it has samples", ErrorCode.INVALID_REQUEST)
+        if c.grad is not None:
+            if c.grad.dtype != torch.float32 or c.grad.dim() != 1 or c.grad.numel() != self.numel:
+                raise ProtocolError(f"gradient must be float32 of shape [{self.numel}]; got {c.grad.dtype} "
+                                    f"{list(c.grad.shape)}", ErrorCode.INVALID_TENSOR)
+            if not bool(torch.isfinite(c.grad).all()):
+                raise ProtocolError("gradient contains non-finite values", ErrorCode.INVALID_TENSOR)
 
     def pushed(self, step: int) -> bool:
         """Whether a peer already pushed its contribution for `step` (so the step is due here)."""
@@ -159,7 +171,9 @@ class GradientExchange:
         step = own.step
         started = time.monotonic()
         self._inbox[step][self.self_id] = own
-        expected = set(self.members()) - {self.self_id}
+        now = time.monotonic()
+        self._unreachable = {p: t for p, t in self._unreachable.items() if t > now}
+        expected = set(self.members()) - {self.self_id} - set(self._unreachable)
         pushes = {peer: asyncio.create_task(self.push(peer, own), name=f"step-gradients-{step}")
                   for peer in sorted(expected)}
         missing: set[str] = set()
@@ -174,6 +188,7 @@ class GradientExchange:
                     if exc is not None:
                         if peer not in self._inbox[step]:
                             missing.add(peer)
+                            self._unreachable[peer] = time.monotonic() + 3 * self.timeout_s
                             logger.info("step %d: replica %s did not take this replica's gradients (%s); the step "
                                         "goes on without it", step, peer[-8:], exc)
                     elif task.result() is not None and adopted is None:
@@ -181,6 +196,7 @@ class GradientExchange:
                 if adopted is not None:
                     break
                 live = set(self.members())
+                missing |= self._refused.get(step, set()) & expected
                 waiting = [p for p in expected if p not in self._inbox[step] and p not in missing and p in live]
                 # Wait for the pushes' answers too: a peer that closed the step without us answers
                 # with the sum it applied, and we must apply the same one.
@@ -224,6 +240,8 @@ class GradientExchange:
             self._closed.popitem(last=False)
         for s in [s for s in self._inbox if s <= step]:
             del self._inbox[s]
+        for s in [s for s in self._refused if s <= step]:
+            del self._refused[s]
 
     def summary(self) -> dict:
         return {**dict(self.counters), "wait_s": round(self.wait_s, 3)}

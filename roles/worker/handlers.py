@@ -61,7 +61,7 @@ class WorkerHandlers:
         self.outcomes[(kind.value, "ok")] += 1
         return result
 
-    async def _run(self, kind: TaskKind, request) -> object:
+    async def _run(self, kind: TaskKind, request, caller: PeerID) -> object:
         if not self.serving():
             raise NotServing("worker is not serving requests right now; retry on another worker")
         loop = asyncio.get_running_loop()
@@ -79,7 +79,7 @@ class WorkerHandlers:
             loop.call_soon_threadsafe(settle, result, exc)
 
         try:
-            self.runtime.submit(kind, request, on_done)
+            self.runtime.submit(kind, request, on_done, caller=caller.to_base58())
         except QueueFull as exc:
             raise ProtocolError(str(exc), ErrorCode.OVERLOADED) from exc
         except QueueClosed as exc:
@@ -92,23 +92,23 @@ class WorkerHandlers:
             raise ProtocolError(f"stage computation failed: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL) from exc
 
     async def forward(self, peer_id: PeerID, body: dict) -> ForwardReply:
-        return await self._counted(TaskKind.FORWARD, self._forward(body))
+        return await self._counted(TaskKind.FORWARD, self._forward(peer_id, body))
 
-    async def _forward(self, body: dict) -> ForwardReply:
+    async def _forward(self, peer_id: PeerID, body: dict) -> ForwardReply:
         request = parse_model(ForwardRequest, body)
         self.runtime.check_forward(request)
         if self._fail_forwards > 0:
             self._fail_forwards -= 1
             raise ProtocolError("test fault: this forward fails on purpose", ErrorCode.INTERNAL)
-        return ForwardReply(coords=await self._run(TaskKind.FORWARD, request))
+        return ForwardReply(coords=await self._run(TaskKind.FORWARD, request, peer_id))
 
     async def backward(self, peer_id: PeerID, body: dict) -> BackwardReply:
-        return await self._counted(TaskKind.BACKWARD, self._backward(body))
+        return await self._counted(TaskKind.BACKWARD, self._backward(peer_id, body))
 
-    async def _backward(self, body: dict) -> BackwardReply:
+    async def _backward(self, peer_id: PeerID, body: dict) -> BackwardReply:
         request = parse_model(BackwardRequest, body)
         self.runtime.check_backward(request)
-        result: BackwardResult = await self._run(TaskKind.BACKWARD, request)
+        result: BackwardResult = await self._run(TaskKind.BACKWARD, request, peer_id)
         return BackwardReply(
             grad_input=result.grad_input,
             loss=None if result.loss is None else float(result.loss),

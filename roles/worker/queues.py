@@ -40,6 +40,13 @@ class QueueClosed(AgoraError):
     code = ErrorCode.NOT_READY
 
 
+class Superseded(AgoraError):
+    """A newer request for the same sample arrived while this one still waited: its caller gave
+    up on it (timed out and retried), so running it would only waste compute and a gate slot."""
+
+    code = ErrorCode.OVERLOADED
+
+
 class BatchResultMismatch(AgoraError):
     """The compute function returned a different number of results than it was given requests."""
 
@@ -67,6 +74,8 @@ class Task:
     enqueued_at: float = field(default_factory=time.monotonic)
     group_key: Hashable = None
     step: int | None = None
+    supersede_key: Hashable = None
+    """Queued tasks of the same kind with an equal key (not None) are dropped when this one arrives."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,7 @@ class TaskQueues:
         self._total_tasks = 0
         self._batches_by_kind = {kind: 0 for kind in TaskKind}
         self._batch_size_counts: collections.Counter[int] = collections.Counter()
+        self.superseded = 0
 
     @property
     def max_batch(self) -> int:
@@ -130,8 +140,25 @@ class TaskQueues:
                 raise QueueFull(
                     f"worker already holds {self._max_pending} pending requests; retry on another worker"
                 )
+            superseded = self._drop_superseded(task)
             self._queues[task.kind].append((next(self._seq), task))
             self._cond.notify()
+        for old in superseded:
+            old.on_done(None, Superseded("a newer request for this sample arrived; this one was dropped unrun"))
+
+    def _drop_superseded(self, task: Task) -> list[Task]:
+        """Remove and return the queued tasks `task` replaces (hold the condition's lock)."""
+        if task.supersede_key is None:
+            return []
+        queue = self._queues[task.kind]
+        kept = [(seq, t) for seq, t in queue if t.supersede_key != task.supersede_key]
+        if len(kept) == len(queue):
+            return []
+        dropped = [t for _, t in queue if t.supersede_key == task.supersede_key]
+        queue.clear()
+        queue.extend(kept)
+        self.superseded += len(dropped)
+        return dropped
 
     def next_batch(self, timeout: float | None = None, *, hold_after: int | None = None,
                    untagged_limit: int | None = None, forward_limit: int | None = None) -> list[Task]:

@@ -228,7 +228,7 @@ class WorkerRole:
             "stage": self.config.stage,
             "local_step": self.optimizer.local_step,
             "phase": self.phase.value,
-            "counters": dict(self.runtime.counters),
+            "counters": {**self.runtime.counters, "requests_superseded": self.runtime.queues.superseded},
             "requests": {f"{kind}_{outcome}": n for (kind, outcome), n in sorted(self.handlers.outcomes.items())},
             "rejected": dict(self.server.rejected),
             "auth_rejected": dict(self.server.auth_rejected),

@@ -290,7 +290,10 @@ class StageRuntime:
 
     # ---- submission ----
 
-    def submit(self, kind: TaskKind, request, on_done) -> None:
+    def submit(self, kind: TaskKind, request, on_done, caller: str | None = None) -> None:
+        """Queue one request. A retry from `caller` for a sample whose earlier request still waits
+        replaces it (the caller timed out on that one): a forward gate held by requests nobody
+        waits for any more would admit only those, one timeout after another."""
         step, version = None, None
         if kind == TaskKind.BACKWARD:
             step = request.step
@@ -298,7 +301,9 @@ class StageRuntime:
         # Only samples of one step, forwarded on one weight version, share a batch: a batch
         # accumulates into one step and recomputes on one set of weights.
         key = (request.tokens.numel(), step, version)
-        self.queues.submit(Task(kind=kind, payload=request, on_done=on_done, group_key=key, step=step))
+        supersede = None if caller is None else (caller, request.sample_id)
+        self.queues.submit(Task(kind=kind, payload=request, on_done=on_done, group_key=key, step=step,
+                                supersede_key=supersede))
 
     # ---- compute thread ----
 
@@ -454,7 +459,11 @@ class StageRuntime:
             if held and not open_samples and not next_samples and opt.samples_accumulated == 0:
                 self._jump_to(earliest)
                 return
-            due = self.ledger.due(opt.local_step, open_samples, next_samples > 0 or held > 0, overtaken=held > 0)
+            # A tail waiting with untagged samples queued is waiting on this step too: the stage's
+            # tagger gives them no tag until it closes (a tag handed to a replica that died leaves
+            # a hole only the close timeout ends).
+            waiting = held > 0 or (self.tagging is not None and self.queues.pending()[TaskKind.BACKWARD] > 0)
+            due = self.ledger.due(opt.local_step, open_samples, next_samples > 0 or waiting, overtaken=held > 0)
             if due is None:
                 return
             own = None

@@ -156,7 +156,9 @@ class ForwardTickets:
         `open_known`: those of the open step."""
         with self._lock:
             now = self._clock()
-            if self._back_seen is None:
+            if self._back_seen is None or back_total < self._back_seen:
+                # First call, or a replica left with samples it held: count from here (otherwise
+                # no ticket would come back until the stage made up the loss, and the gate stalls).
                 self._back_seen = back_total
             for _ in range(min(max(0, back_total - self._back_seen), len(self._out))):
                 self._out.popleft()

@@ -50,13 +50,18 @@ def test_of_two_diverged_replicas_the_newcomer_resyncs():
     newcomer, elder = DivergenceWatch(0.25, rounds=1), DivergenceWatch(0.25, rounds=1)
     newcomer.observe("step", 1, RoundStatus.COMPLETE, 0.7, group_size=2)
     elder.observe("step", 1, RoundStatus.COMPLETE, 0.7, group_size=2)
-    assert newcomer.judge([_record(1, 0.7, started_at=100.0)], started_at=200.0).outlier
+    assert newcomer.judge([_record(1, 0.7, started_at=100.0)], started_at=200.0, stage_size=2).outlier
     assert newcomer.must_resync()
-    assert not elder.judge([_record(1, 0.7, started_at=200.0)], started_at=100.0).outlier
+    assert not elder.judge([_record(1, 0.7, started_at=200.0)], started_at=100.0, stage_size=2).outlier
     assert not elder.must_resync()
     close = DivergenceWatch(0.25, rounds=1)
     close.observe("step", 2, RoundStatus.COMPLETE, 0.1, group_size=2)
-    assert not close.judge([_record(2, 0.1, started_at=100.0)], started_at=200.0).outlier, "not diverged"
+    assert not close.judge([_record(2, 0.1, started_at=100.0)], started_at=200.0, stage_size=2).outlier, \
+        "not diverged"
+    # A round of two in a stage of three is no pair: the third may side with either.
+    of_three = DivergenceWatch(0.25, rounds=1)
+    of_three.observe("step", 3, RoundStatus.COMPLETE, 0.7, group_size=2)
+    assert not of_three.judge([_record(3, 0.7, started_at=100.0)], started_at=200.0, stage_size=3).outlier
 
 
 def test_only_rounds_the_others_reported_are_judged():

@@ -286,3 +286,24 @@ def test_ungrouped_batches_match_oldest_head_model(max_batch, kinds):
         assert payloads(batch) == model[kind][:max_batch]
         del model[kind][:max_batch]
     assert model == {k: [] for k in TaskKind}
+
+
+def test_a_retry_replaces_its_sample_s_request_that_still_waits():
+    """A caller that timed out and retried does not wait for the first request any more: the worker
+    drops it unrun and answers it Superseded; requests of other samples or callers stay."""
+    from roles.worker.queues import Superseded
+
+    queues = TaskQueues(max_batch=8)
+    answers = []
+
+    def task(key, name):
+        return Task(kind=TaskKind.FORWARD, payload=name, on_done=lambda r, e: answers.append((name, e)),
+                    supersede_key=key)
+
+    queues.submit(task(("t1", "s1"), "first"))
+    queues.submit(task(("t2", "s1"), "other caller"))
+    queues.submit(task(None, "no key"))
+    queues.submit(task(("t1", "s1"), "retry"))
+    assert [(n, type(e)) for n, e in answers] == [("first", Superseded)]
+    assert [t.payload for t in queues.next_batch(timeout=0)] == ["other caller", "no key", "retry"]
+    assert queues.superseded == 1

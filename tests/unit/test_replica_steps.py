@@ -91,6 +91,21 @@ def test_a_ticket_out_longer_than_the_timeout_frees_its_slot():
     assert tickets.take(1, back_total=3, open_known=3) == 1  # that one was lost: its slot is free
 
 
+def test_a_replica_leaving_with_samples_does_not_stall_the_gate():
+    """The stage's known count drops when a replica leaves with the open step's samples; tickets
+    are counted back from the new count, not from the old high-water mark."""
+    clock = [0.0]
+    tickets = ForwardTickets(4, max_delayed=0, timeout_s=5.0, clock=lambda: clock[0])
+    assert tickets.take(4, back_total=0, open_known=0) == 4
+    clock[0] = 1.0
+    assert tickets.take(4, back_total=3, open_known=3) == 0  # 3 back (2 of them on the replica that leaves)
+    assert tickets.take(4, back_total=1, open_known=1) == 2  # it left: 1 known, 1 out, 2 to make up
+    clock[0] = 2.0
+    assert tickets.take(4, back_total=2, open_known=2) == 0  # the one out came back: 2 known, 2 out
+    assert tickets.take(4, back_total=4, open_known=4) == 0  # the step is whole again
+    assert tickets.take(4, back_total=8, open_known=0) == 4  # it stepped: the next step's 4
+
+
 # ---- the gradient exchange ----
 
 def _contribution(peer: str, step: int, samples: int, seed: int, numel: int = 64) -> Contribution:
@@ -182,3 +197,21 @@ def test_contributions_that_cannot_be_used_are_refused():
     assert exchange.counters["refused_invalid"] + exchange.counters["refused_ahead"] == len(bad)
     assert exchange.receive(Contribution("b", 0, 3, 0, torch.zeros(64)), open_step=0) is None
     assert exchange.pushed(0)
+
+
+def test_a_replica_whose_gradients_were_refused_is_not_waited_for():
+    """A NaN contribution is refused and its sender left out of the step at once, not after the
+    exchange's timeout (the others would stall a whole timeout for every step it spoils)."""
+
+    async def accepted(peer, c):
+        return None
+
+    exchange = GradientExchange("a", numel=64, target=TARGET, timeout_s=30.0, push=accepted, members=lambda: ["b"])
+    with pytest.raises(ProtocolError):
+        exchange.receive(Contribution("b", 0, 3, 0, torch.full((64,), float("nan"))), open_step=0)
+
+    async def main():
+        return await asyncio.wait_for(exchange.exchange(_contribution("a", 0, 9, 1)), 5.0)
+
+    total = asyncio.run(main())
+    assert total.missing == ("b",) and total.samples == 9

@@ -60,10 +60,12 @@ class DivergenceWatch:
         if status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL) and distance is not None and group_size > 1:
             self.pending = (kind, round_id, distance)
 
-    def judge(self, records: Iterable[AveragingRecord], started_at: Optional[float] = None) -> Optional[Judgement]:
+    def judge(self, records: Iterable[AveragingRecord], started_at: Optional[float] = None,
+              stage_size: Optional[int] = None) -> Optional[Judgement]:
         """Judge the pending round against the other members' reports of it; None if there is
         nothing to judge (no pending round, or nobody else reported it). `started_at`: when this
-        replica's averaging began, which settles a pair."""
+        replica's averaging began, which settles a pair; `stage_size`: the stage's live replicas,
+        this one included (a round of two in a larger stage is no pair: the others may disagree)."""
         if self.pending is None or self.max_divergence is None:
             return None
         kind, round_id, distance = self.pending
@@ -76,7 +78,8 @@ class DivergenceWatch:
         self.pending = None
         diverged = distance >= self.max_divergence
         outlier = diverged and distance >= OUTLIER_RATIO * max(others)
-        if diverged and len(members) == 1 and started_at is not None and members[0][0] >= self.max_divergence:
+        pair = len(members) == 1 and stage_size == 2
+        if diverged and pair and started_at is not None and members[0][0] >= self.max_divergence:
             outlier = started_at > members[0][1]  # a pair: the newcomer gives way
         self.outlier_streak = self.outlier_streak + 1 if outlier else 0
         self.judged += 1

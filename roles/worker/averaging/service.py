@@ -480,7 +480,8 @@ class AveragingService:
     def _judge_divergence(self, view: StageView, phase: Phase) -> None:
         """Judge the last round's distance against the others' (divergence.py): report a replica
         far off the average, and make the stage's outlier rejoin through weight sync."""
-        judgement = self.divergence.judge(view.records.values(), started_at=self.started_at)
+        judgement = self.divergence.judge(view.records.values(), started_at=self.started_at,
+                                          stage_size=view.expected)
         if judgement is None:
             return
         if judgement.diverged:
