@@ -132,6 +132,7 @@ class WorkerRole:
             preempt=self.preempt, on_divergent=self._resync,
         )
         self.averaging.health = averaging_health(run.termination)  # the averaging rule's thresholds
+        self.averaging.gradients_exchanged = self.replicas.exchange is not None
         self._probe_client: Optional[RpcClient] = None
         self.reachability: Optional[Reachability] = None
         self.state_server = StateServer(

@@ -379,10 +379,13 @@ def test_a_worker_with_another_index_set_is_reported_and_leaves_its_stage(make_s
     """A replica whose index sets differ (here: another `segments`) never meets the others; they
     report it, and since the stage keeps averaging without it, it fails 2 of its last 3 rounds and
     leaves with exit code 3 [report 3.3.1.6]."""
-    config = run_config_path(stages=TWO_STAGES, averaging=IDLE_ROUNDS)
+    # The rule applies where replicas do not add up their gradients every step (with them, a
+    # missed round costs no agreement and the worker only warns).
+    rounds_only = {**IDLE_ROUNDS, "gradients": "off"}
+    config = run_config_path(stages=TWO_STAGES, averaging=rounds_only)
     run = load_run_config(config)
     other = run_config_path(run_id=run.run_id + "x", stages=TWO_STAGES,
-                            averaging={**IDLE_ROUNDS, "segments": 5})
+                            averaging={**rounds_only, "segments": 5})
     outsider_config = os.path.join(os.path.dirname(other), "outsider.yaml")
     with open(other) as src, open(outsider_config, "w") as dst:
         dst.write(src.read().replace(f"run_id: {run.run_id}x", f"run_id: {run.run_id}"))
@@ -538,8 +541,9 @@ def test_a_worker_whose_averaging_stalls_leaves_its_stage_and_the_others_keep_av
     """A sender that stalls mid-round in every round (test fault, 8 s against a 2 s sender
     timeout) is banned by the reducers, which complete the round without it; its own rounds
     fail while the stage averages, so the averaging rule (2 of the last 3) makes it leave with
-    exit code 3 and its sentence, and the two others keep completing rounds."""
-    config = run_config_path(stages=TWO_STAGES, averaging=IDLE_ROUNDS)
+    exit code 3 and its sentence, and the two others keep completing rounds. (Where replicas add
+    up their gradients every step the rule only warns: `gradients: off` here.)"""
+    config = run_config_path(stages=TWO_STAGES, averaging={**IDLE_ROUNDS, "gradients": "off"})
     swarm = make_swarm(config, common_args=COMMON)
     good = [swarm.start("worker", stage=0, args=["--reducer"], wait_ready=i == 0) for i in range(2)]
     swarm.wait_ready(good[1])

@@ -148,6 +148,9 @@ class AveragingService:
         self.averager: Optional[StageAverager] = None
         self.rounds: Optional[SegmentRound] = None
         self.health = RoundHealth()
+        self.gradients_exchanged = False
+        """Set by the worker when its stage's replicas add up their gradients every step: the
+        averaging rule (exit 3) then only warns."""
         self.leave_reason: Optional[str] = None
         self.left = Signal()
         """Fired once `leave_reason` is set: the worker must leave its stage."""
@@ -472,7 +475,17 @@ class AveragingService:
         for (kind, round_id), verdict in self.health.resolve(survived):
             if verdict == Verdict.FAILURE:
                 logger.warning("%s round %d failed here while other workers of the stage averaged", kind, round_id)
-        self.leave_reason = self.health.should_leave()
+        reason = self.health.should_leave()
+        if reason and self.gradients_exchanged:
+            # The rule exists because a replica that misses rounds drifts from its stage; one
+            # whose stage adds up its gradients every step applies the same updates as the others.
+            logger.warning("stage %d: %s; the worker stays, since its stage's replicas add up their gradients "
+                           "every step (averaging.gradients) and missed rounds do not set it apart", self.stage,
+                           reason)
+            self._counts["averaging_rule_waived"] += 1
+            self.health.recent.clear()
+            return
+        self.leave_reason = reason
         if self.leave_reason:
             logger.error("leaving stage %d: %s [report 3.3.1.6]", self.stage, self.leave_reason)
             self.left.fire()
