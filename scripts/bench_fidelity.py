@@ -213,8 +213,11 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
                           "--num-shards", str(TRAINERS), "--discovery-period-s", "2"]))
             finally:
                 swarm.env = base_env
+        # 3 processes per worker share the machine's cores; with 4 replicas per stage on 2 cores a
+        # trainer took over 100 s just to join, so the patience grows with the swarm.
+        ready_timeout_s = 120 * max(1, replicas / 2)
         for node in trainers:
-            swarm.wait_ready(node, timeout_s=120)
+            swarm.wait_ready(node, timeout_s=ready_timeout_s)
         train_started = time.monotonic()
         if churn:
             victim = next(n for n in workers if n.name == f"worker-s{CHURN_STAGE}-r1")

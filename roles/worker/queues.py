@@ -62,8 +62,9 @@ class TaskKind(str, enum.Enum):
 class Task:
     """One single-sample request waiting for the compute thread.
 
-    `on_done` is called exactly once, from the compute thread, with `(result, None)` or
-    `(None, exc)`; the submitter makes it thread-safe (e.g. `loop.call_soon_threadsafe`).
+    `on_done` is called exactly once, from the compute thread (or from `submit`'s caller for a
+    task a retry superseded), with `(result, None)` or `(None, exc)`; the submitter makes it
+    thread-safe (e.g. `loop.call_soon_threadsafe`).
     Only tasks with equal `group_key` (e.g. the sequence length) are merged into one batch.
     `step` is a backward's global step tag (None: untagged, the worker tags it when it runs).
     """
