@@ -196,6 +196,12 @@ class GradientExchange:
                 if adopted is not None:
                     break
                 live = set(self.members())
+                # A peer passed over as unreachable that pushed this step after all is back: it
+                # sums our contribution, so we must sum its and send it ours.
+                for peer in sorted(set(self._inbox[step]) - expected - {self.self_id}):
+                    if peer in live:
+                        expected.add(peer)
+                        pushes[peer] = asyncio.create_task(self.push(peer, own), name=f"step-gradients-{step}")
                 missing |= self._refused.get(step, set()) & expected
                 waiting = [p for p in expected if p not in self._inbox[step] and p not in missing and p in live]
                 # Wait for the pushes' answers too: a peer that closed the step without us answers

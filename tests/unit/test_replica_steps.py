@@ -4,6 +4,7 @@ gate, and the per-step gradient exchange that keeps replicas equal."""
 from __future__ import annotations
 
 import asyncio
+import time
 import random
 
 import pytest
@@ -215,3 +216,29 @@ def test_a_replica_whose_gradients_were_refused_is_not_waited_for():
 
     total = asyncio.run(main())
     assert total.missing == ("b",) and total.samples == 9
+
+
+def test_a_replica_passed_over_as_unreachable_that_pushes_after_all_is_summed_and_answered():
+    """Replicas must apply the same sum: one that was unreachable at the last step but pushes
+    this one while the exchange still waits (here for c) is added to the sum, and gets this
+    replica's contribution in return."""
+    sent = []
+
+    async def accepted(peer, c):
+        sent.append(peer)
+        return None
+
+    exchange = GradientExchange("a", numel=64, target=TARGET, timeout_s=5.0, push=accepted,
+                                members=lambda: ["b", "c"])
+    exchange._unreachable["b"] = time.monotonic() + 60  # its push failed at the step before
+
+    async def main():
+        task = asyncio.create_task(exchange.exchange(_contribution("a", 0, 6, 1)))
+        await asyncio.sleep(0.05)
+        exchange.receive(_contribution("b", 0, 5, 2), open_step=0)
+        await asyncio.sleep(0.05)
+        exchange.receive(_contribution("c", 0, 5, 3), open_step=0)
+        return await asyncio.wait_for(task, 3.0)
+
+    total = asyncio.run(main())
+    assert total.samples == 16 and not total.missing and sorted(sent) == ["b", "c"]
