@@ -7,6 +7,7 @@ every child it started (hivemind's DHT process, p2pd) even if the node itself di
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+import psutil
 
 from node.lifecycle import descendant_pids, remove_shared_memory, shared_memory_files
 from protocol.readiness import parse_ready_line
@@ -62,6 +65,20 @@ class NodeProcess:
                 return "".join(f.readlines()[-lines:])
         except OSError:
             return ""
+
+
+def _dump_stacks(node: NodeProcess) -> None:
+    """Have a node that hangs, and its Python children, write their threads' stacks to its log
+    (SIGUSR1, node/lifecycle.py), so the error shows where it stood."""
+    try:
+        processes = [psutil.Process(node.proc.pid)]
+        processes += [child for child in processes[0].children(recursive=True) if "python" in child.name()]
+    except psutil.Error:
+        return
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signal.SIGUSR1)
+    time.sleep(1.0)
 
 
 def _pump_stdout(node: NodeProcess) -> None:
@@ -155,7 +172,8 @@ class LocalSwarm:
             if node.proc.poll() is not None:
                 raise NodeStartError(f"{node.name} exited with {node.proc.returncode}:\n{node.log_tail()}")
             if time.monotonic() > deadline:
-                raise NodeStartError(f"{node.name} not ready after {timeout_s:.0f}s:\n{node.log_tail()}")
+                _dump_stacks(node)
+                raise NodeStartError(f"{node.name} not ready after {timeout_s:.0f}s:\n{node.log_tail(200)}")
 
     def wait(self, node: NodeProcess, timeout_s: float) -> int:
         try:

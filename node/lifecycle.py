@@ -31,6 +31,7 @@ child at once and exits with ExitCode.INTERRUPTED.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import glob
 import logging
 import multiprocessing.util
@@ -112,6 +113,9 @@ class ProcessLifecycle:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._on_signal)
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        # `kill -USR1 PID` writes every thread's stack to the log (forked children inherit it):
+        # how a node that hangs can be looked into without stopping it.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         self._start_watchdog()
         self.remove_on_exit(multiprocessing.util.get_temp_dir())
         self._temp_prefix = os.path.join(tempfile.gettempdir(), "")

@@ -380,3 +380,65 @@ def test_every_stride_reaches_every_segment(stride):
     assert sorted(segment_of(k, segments) for k in range(segments)) == list(range(segments)), "a pass is a permutation"
     reached = {segment_of(k, segments) for k in range(0, stride * segments * segments, stride)}
     assert reached == set(range(segments))
+
+
+class _ForkThatMayHang:
+    """Stands in for the averager process: a real child that serves at once, or never."""
+
+    def __init__(self, hang: bool):
+        import multiprocessing as mp
+
+        self._ready = mp.get_context("fork").Event()
+        self.process = mp.get_context("fork").Process(target=self._serve, args=(hang,), daemon=True)
+
+    def _serve(self, hang: bool) -> None:
+        if not hang:
+            self._ready.set()
+        time.sleep(60)
+
+    def start(self):
+        self.process.start()
+
+    def wait_until_ready(self, timeout_s):
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError("not ready")
+
+    def is_alive(self):
+        return self.process.is_alive()
+
+    def kill(self):
+        self.process.kill()
+
+    def join(self, timeout_s):
+        self.process.join(timeout_s)
+
+
+def _averager_with_forks(monkeypatch, hangs):
+    from roles.worker.averaging.averager import StageAverager
+
+    forks = []
+
+    def new_process(self):
+        forks.append(_ForkThatMayHang(hangs[len(forks)]))
+        return forks[-1]
+
+    monkeypatch.setattr(StageAverager, "_new_process", new_process)
+    return StageAverager(None, 8, run_id="r", stage=0, reducer=False, config=AveragingConfig()), forks
+
+
+def test_an_averager_fork_that_hangs_is_killed_and_forked_again(monkeypatch):
+    averager, forks = _averager_with_forks(monkeypatch, [True, False])
+    averager.start(timeouts_s=(0.5, 10.0))
+    assert len(forks) == 2 and averager.process is forks[1]
+    assert forks[0].process.exitcode is not None, "the hung fork must be gone"
+    assert forks[1].is_alive()
+    forks[1].kill()
+
+
+def test_an_averager_that_never_serves_is_an_error_not_a_hang(monkeypatch):
+    from roles.worker.errors import AveragingError
+
+    averager, forks = _averager_with_forks(monkeypatch, [True, True])
+    with pytest.raises(AveragingError, match="attempt 2 of 2"):
+        averager.start(timeouts_s=(0.3, 0.3))
+    assert all(fork.process.exitcode is not None for fork in forks)

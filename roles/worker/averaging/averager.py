@@ -168,8 +168,7 @@ class StageAverager:
         self.reducer = reducer
         self.access = access
         self.buffer = torch.zeros(max(1, buffer_size), dtype=torch.float32)
-        self.process = SpartaAverager(
-            self.buffer, dht,
+        self._process_kwargs = dict(
             stall_s=stall_s,
             access=access,
             screen=PartScreen(config.max_norm_ratio, config.max_sender_weight),
@@ -191,19 +190,39 @@ class StageAverager:
             shutdown_timeout=5,
             daemon=True,
         )
+        self._dht = dht
+        self.process = self._new_process()
+
+    def _new_process(self) -> "SpartaAverager":
+        return SpartaAverager(self.buffer, self._dht, **self._process_kwargs)
 
     @property
     def pid(self) -> Optional[int]:
         return self.process.pid
 
-    def start(self, timeout_s: float = 60.0) -> None:
-        """Fork the averager process and wait until it serves. Not `run_in_background`: that
-        sets SIGINT to SIG_IGN in the calling process, which would make the node deaf to Ctrl-C."""
-        self.process.start()
-        try:
-            self.process.wait_until_ready(timeout_s)
-        except Exception as exc:
-            raise AveragingError(f"the averager process did not start within {timeout_s:.0f}s: {exc}") from exc
+    def start(self, timeouts_s: tuple[float, ...] = (20.0, 40.0)) -> None:
+        """Fork the averager process and wait until it serves; one that does not serve in time is
+        killed and forked again. It starts in about a second; a fork that hangs (seen once in
+        CI, under load, in ~50 s with no output) would otherwise keep the worker from ever
+        serving. Not `run_in_background`: that sets SIGINT to SIG_IGN in the calling process,
+        which would make the node deaf to Ctrl-C."""
+        for attempt, timeout_s in enumerate(timeouts_s, 1):
+            self.process.start()
+            try:
+                self.process.wait_until_ready(timeout_s)
+                return
+            except Exception as exc:  # noqa: BLE001 - a timeout or the child's own error: both end this fork
+                failure = f"the averager process did not start within {timeout_s:.0f}s: {exc!r}"
+            self._kill()
+            if attempt == len(timeouts_s):
+                raise AveragingError(f"{failure} (attempt {attempt} of {len(timeouts_s)})")
+            logger.warning("%s; forking it again (attempt %d of %d)", failure, attempt + 1, len(timeouts_s))
+            self.process = self._new_process()
+
+    def _kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
 
     def promote(self, timeout_s: float = 10.0) -> bool:
         """Become a reducer from the next round on (the stage elected this sender; election.py).
