@@ -23,12 +23,13 @@ SYNOPSIS = """
   agora-node --role monitor --authorizer URL --db URL [--account-token TOKEN] [...]
   agora-node status --authorizer URL | --initial-peers MADDR [--json] [--watch]
   agora-node plan --config PRESET|PATH [--stage N] [--json]
+  agora-node data prepare INPUT... --output DIR [--train-tokenizer SIZE] [...]
   agora-node preempt --authorizer URL --peer PEER_ID --at MOMENT [...]
   agora-node demo [--help]
   agora-node --version"""
 
 _METAVARS = {"config": "NAME|PATH", "authorizer": "URL", "initial_peers": "MADDR", "host_maddrs": "MADDR",
-             "announce_maddrs": "MADDR", "identity": "PATH", "account_token": "TOKEN", "data": "synthetic|PATH",
+             "announce_maddrs": "MADDR", "identity": "PATH", "account_token": "TOKEN", "data": "synthetic|PATH|URL", "data_dir": "DIR",
              "tokenizer": "PATH", "checkpoint_dir": "DIR", "gpu_memory": "SIZE", "metrics_push": "URL"}
 
 
@@ -83,6 +84,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from node.status_cli import status_main
 
             return status_main(argv[1:])
+        if argv and argv[0] == "data":
+            from node.data_cli import data_main
+
+            return data_main(argv[1:])
         if argv and argv[0] == "plan":
             from node.plan_cli import plan_main
 

@@ -95,10 +95,15 @@ def _gib(n: Optional[int]) -> str:
 def _check_trainer_data(settings: NodeSettings, run: Optional[RunConfig]) -> None:
     """Missing or empty data fails before anything is started; too little for this shard as soon
     as the run's sequence length is known (before admission with --config, else right after)."""
-    from roles.trainer.data import validate_data
+    from roles.trainer.data import trainer_data, validate_data
 
-    validate_data(settings.trainer.data, settings.trainer.tokenizer, run.seq_len if run is not None else None,
-                  settings.trainer.shard_index, settings.trainer.num_shards)
+    if run is None:
+        validate_data(settings.trainer.data, settings.trainer.tokenizer, None, settings.trainer.shard_index,
+                      settings.trainer.num_shards)
+        return
+    validate_data(trainer_data(settings.trainer.data, run), settings.trainer.tokenizer, run.seq_len,
+                  settings.trainer.shard_index, settings.trainer.num_shards, vocab_size=run.model.vocab_size,
+                  manifest_sha256=run.data.manifest_sha256)
 
 
 def run_node(settings: NodeSettings) -> int:

@@ -149,6 +149,9 @@ class TrainerRecord(RecordModel):
     time: float
     final: bool = Field(default=False, description="the trainer left and these are its last counters; written "
                         "in place of a tombstone, so whoever counts progress sees them once more")
+    data_manifest: Optional[str] = Field(default=None, max_length=64,
+                                         description="SHA-256 of the prepared corpus's manifest it reads")
+    data_position: Optional[int] = Field(default=None, ge=0, description="samples of its share that have ended")
 
 
 class Tombstone(RecordModel):

@@ -12,7 +12,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import (
@@ -377,6 +377,22 @@ class StageRange(BaseModel):
         return self.last_layer - self.first_layer
 
 
+class DataConfig(BaseModel):
+    """The prepared corpus a run trains on (`agora-node data prepare`); unset: each trainer's own data."""
+
+    model_config = _FROZEN
+
+    manifest_sha256: Optional[str] = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$",
+        description="SHA-256 of the corpus's manifest.json (prepare prints it); trainers with other data, "
+                    "another tokenizer or another held-out split are refused.",
+    )
+    location: Optional[str] = Field(
+        default=None,
+        description="Where trainers that pass no --data read it: a directory or a URL (s3://, gs://, https://).",
+    )
+
+
 class SkippingConfig(BaseModel):
     """Stage skipping [issue 12; Crucible notes on stage skipping]: when a body stage has no worker
     a trainer can reach, its samples go from the stage before it straight to the stage after it
@@ -524,6 +540,10 @@ class RunConfig(BaseModel):
     termination: TerminationConfig = Field(
         default_factory=TerminationConfig,
         description="When a worker leaves its stage on its own (self-termination rules).",
+    )
+    data: DataConfig = Field(
+        default_factory=DataConfig,
+        description="The prepared corpus the run trains on, by its manifest's hash.",
     )
 
     @field_validator("run_id")

@@ -12,7 +12,10 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     lanes: int = Field(default=4, ge=1, le=256, description="independent samples in flight at once")
-    data: str = Field(default="synthetic", description="'synthetic' or a path to .txt/.jsonl files")
+    data: str = Field(default="synthetic", description="'synthetic', a path to .txt/.jsonl files, or a corpus "
+                      "prepared with `agora-node data prepare` (its directory or URL: s3://, gs://, https://)")
+    data_dir: str = Field(default="~/.cache/agora-node/data", description="where a prepared corpus's fetched "
+                          "shards and this trainer's read position are kept")
     tokenizer: Optional[str] = Field(default=None, description="tokenizers JSON file; default is byte-level")
     max_samples: Optional[int] = Field(default=None, ge=1, description="stop after this many samples end")
     shard_index: int = Field(default=0, ge=0, description="this trainer's shard of the data")

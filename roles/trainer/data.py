@@ -17,7 +17,7 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
@@ -26,6 +26,7 @@ from roles.trainer.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "Sample",
+    "trainer_data",
     "SampleStream",
     "SyntheticCorpus",
     "TextFiles",
@@ -202,10 +203,12 @@ class TextFiles:
 
 @dataclass(frozen=True)
 class Sample:
-    """One training sample: `seq_len` token ids (int64) and an id no other trainer of the run uses."""
+    """One training sample: `seq_len` token ids (int64) and an id no other trainer of the run uses;
+    from a prepared corpus also its ordinal, its place in the trainer's walk through the data."""
 
     sample_id: str
     tokens: torch.Tensor
+    ordinal: Optional[int] = None
 
 
 class SampleStream:
@@ -302,8 +305,14 @@ def make_sample_stream(
     seed: int,
     *,
     epochs: int | None = 1,
-) -> SampleStream:
-    """Build a trainer's stream from its flags: `data` is "synthetic" or a file/directory path."""
+    data_dir: str | None = None,
+) -> Iterable[Sample]:
+    """Build a trainer's stream from its flags: `data` is "synthetic", a file/directory path, or a
+    prepared corpus (its directory or URL), read from the position `data_dir` keeps."""
+    from corpus.shards import is_prepared_location
+
+    if is_prepared_location(data):
+        return _prepared_stream(data, seq_len, shard_index, num_shards, seed, data_dir)
     tokenizer = load_tokenizer(tokenizer_path)
     source: TextSource = SyntheticCorpus(seed) if data == "synthetic" else TextFiles(data)
     return SampleStream(
@@ -311,18 +320,76 @@ def make_sample_stream(
     )
 
 
+def trainer_data(data: str, run) -> str:
+    """The data a trainer reads: its `--data`, or the run's corpus when it passed none (the
+    default, "synthetic") and the run config names where the corpus is."""
+    location = getattr(getattr(run, "data", None), "location", None)
+    if data == "synthetic" and location:
+        return location
+    return data
+
+
+def _prepared_stream(data: str, seq_len: int, shard_index: int, num_shards: int, seed: int,
+                     data_dir: str | None):
+    from corpus.data_position import DataPosition
+    from corpus.shards import PreparedCorpus, PreparedSampleStream
+
+    corpus = PreparedCorpus(data)
+    cache = Path(data_dir or "~/.cache/agora-node/data").expanduser() / corpus.sha256[:16]
+    key = {"manifest_sha256": corpus.sha256, "shard_index": shard_index, "num_shards": num_shards,
+           "seq_len": seq_len, "seed": seed}
+    position = DataPosition.load(cache / f"position-{shard_index}-of-{num_shards}.json", key)
+    stream = PreparedSampleStream(corpus, seq_len, shard_index=shard_index, num_shards=num_shards, seed=seed,
+                                  cache_dir=cache, position=position)
+    if stream.resumed_at:
+        log.info("data: resuming %s at sample %d of this trainer's walk (epoch %d; %d samples per epoch)",
+                 corpus.location, stream.resumed_at, stream.resumed_at // stream.samples_per_epoch,
+                 stream.samples_per_epoch)
+    return stream
+
+
+def _check_prepared(data: str, seq_len: int | None, shard_index: int, num_shards: int,
+                    vocab_size: int | None, manifest_sha256: str | None) -> None:
+    from corpus.shards import PreparedCorpus
+
+    corpus = PreparedCorpus(data)
+    shards = corpus.trainer_shards(shard_index, num_shards)
+    if manifest_sha256 is not None and corpus.sha256 != manifest_sha256:
+        raise ConfigError(f"the run trains on the corpus whose manifest hashes to {manifest_sha256[:16]}..., and "
+                          f"{data} is another ({corpus.sha256[:16]}...); pass the run's data")
+    if vocab_size is not None and corpus.manifest.tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"the corpus at {data} was tokenized with {corpus.manifest.tokenizer.vocab_size} tokens, "
+                          f"more than the model's vocab_size {vocab_size}")
+    if seq_len is not None and not any(entry.tokens >= seq_len for entry in shards):
+        raise ConfigError(f"trainer {shard_index} of {num_shards}'s shards of {data} hold fewer than {seq_len} "
+                          "tokens each; prepare with a larger --shard-tokens")
+
+
 def validate_data(
-    data: str, tokenizer_path: str | None, seq_len: int | None, shard_index: int, num_shards: int
+    data: str, tokenizer_path: str | None, seq_len: int | None, shard_index: int, num_shards: int,
+    *, vocab_size: int | None = None, manifest_sha256: str | None = None,
 ) -> None:
     """Check a trainer's `--data` before it joins anything; raise ConfigError with one sentence.
 
     Missing paths and empty data are found without the run config; with `seq_len`, the source is
     also read until this shard's first sample, so data too small for the shard fails here and not
-    after admission (that reads the whole source only when it is too small).
+    after admission (that reads the whole source only when it is too small). With the run config
+    also: the tokenizer fits the model's vocabulary, and a prepared corpus is the one the run names.
     """
     if num_shards < 1 or not 0 <= shard_index < num_shards:
         raise ConfigError(f"--shard-index must be in 0..{num_shards - 1} for --num-shards {num_shards}, "
                           f"got {shard_index}")
+    from corpus.shards import is_prepared_location
+
+    if is_prepared_location(data):
+        _check_prepared(data, seq_len, shard_index, num_shards, vocab_size, manifest_sha256)
+        return
+    if manifest_sha256 is not None:
+        raise ConfigError(f"the run trains on a prepared corpus (manifest {manifest_sha256[:16]}...); pass its "
+                          f"directory or URL with --data instead of {data}")
+    if vocab_size is not None and load_tokenizer(tokenizer_path).vocab_size > vocab_size:
+        raise ConfigError(f"the tokenizer {tokenizer_path} has {load_tokenizer(tokenizer_path).vocab_size} tokens, "
+                          f"more than the model's vocab_size {vocab_size}")
     if data == "synthetic":
         return
     source = TextFiles(data)

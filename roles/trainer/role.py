@@ -25,7 +25,7 @@ from roles.periodic import every, wait_any
 from roles.trainer.accounting import SampleAccounting
 from roles.trainer.balancer import StageBalancer
 from roles.trainer.config import TrainerConfig
-from roles.trainer.data import Sample, make_sample_stream
+from roles.trainer.data import Sample, make_sample_stream, trainer_data
 from roles.trainer.discovery import WorkerDiscovery
 from roles.trainer.pipeline import PipelineDriver, SampleDropped
 from roles.trainer.skipping import StageSkipping
@@ -71,9 +71,11 @@ class TrainerRole:
             max_attempts=config.max_attempts, timeout_s=config.request_timeout_s,
             on_no_workers=self.discovery.request_refresh, skipping=self.skipping,
         )
-        self.samples: Iterator[Sample] = iter(make_sample_stream(
-            config.data, config.tokenizer, run.seq_len, config.shard_index, config.num_shards, run.seed, epochs=None,
-        ))
+        self.stream = make_sample_stream(
+            trainer_data(config.data, run), config.tokenizer, run.seq_len, config.shard_index, config.num_shards,
+            run.seed, epochs=None, data_dir=config.data_dir,
+        )
+        self.samples: Iterator[Sample] = iter(self.stream)
         self.accounting = SampleAccounting()
         self.drops = EventAggregator(logger, "dropped", "sample", interval_s=config.progress_log_period_s)
         """Dropped samples, one line per reason per interval: a lost stage drops every sample."""
@@ -96,7 +98,21 @@ class TrainerRole:
         return TrainerRecord(
             samples_completed=a.completed, samples_dropped=a.dropped, tokens=a.tokens, last_loss=a.last_loss,
             first_loss=a.first_loss, recent_loss=a.recent_loss, time=time.time(), final=final,
+            **self._data_fields(),
         )
+
+    def _data_fields(self) -> dict:
+        describe = getattr(self.stream, "describe", None)
+        if describe is None:
+            return {}
+        data = describe()
+        return {"data_manifest": data["manifest_sha256"], "data_position": data["position"]}
+
+    def _ended(self, sample: Sample) -> None:
+        """The sample completed or was dropped and counted: a restart does not read it again."""
+        ended = getattr(self.stream, "ended", None)
+        if ended is not None:
+            ended(sample.ordinal)
 
     async def _leave_record(self) -> None:
         """Replace our record with a final one instead of a tombstone: readers drop us at once, and
@@ -166,6 +182,7 @@ class TrainerRole:
                 result = await self.driver.train_sample(sample.sample_id, sample.tokens)
             except SampleDropped as exc:
                 self.accounting.drop(exc.reason)
+                self._ended(sample)
                 self._slot_freed.set()
                 self.drops.count(exc.reason, exc.detail, subject=sample.sample_id)
                 if exc.unreached:
@@ -178,10 +195,12 @@ class TrainerRole:
                 raise
             except Exception as exc:  # a bug must cost one sample, counted, not the lane
                 self.accounting.drop("error")
+                self._ended(sample)
                 self._slot_freed.set()
                 logger.exception("lane %d: sample %s failed unexpectedly: %s", lane, sample.sample_id, exc)
                 continue
             self.accounting.complete(result.loss, int(sample.tokens.numel()), result.step)
+            self._ended(sample)
             self._slot_freed.set()
             if self.sample_log is not None:
                 self.sample_log.write(json.dumps({"sample_id": sample.sample_id, "step": result.step,
@@ -267,6 +286,7 @@ class TrainerRole:
             "backward_fallbacks": self.driver.stats.backward_fallbacks,
             "served": served,
             **self.skipping.summary(),
+            **({"data": self.stream.describe()} if hasattr(self.stream, "describe") else {}),
         }
 
     async def shutdown(self) -> None:
@@ -281,3 +301,6 @@ class TrainerRole:
         await self.client.close()
         if self.sample_log is not None:
             self.sample_log.close()
+        close = getattr(self.stream, "close", None)
+        if close is not None:
+            close()

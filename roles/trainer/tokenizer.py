@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 from protocol.errors import ConfigError
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
@@ -29,6 +31,10 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids of many texts at once (a `tokenizers` file uses every core for it)."""
+        ...
+
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -41,6 +47,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8", errors="replace"))
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8) for text in texts]
 
     def decode(self, ids: list[int]) -> str:
         """Decode ids, replacing invalid UTF-8 (as a model's samples may well be) with U+FFFD."""
@@ -79,6 +88,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
