@@ -24,6 +24,8 @@ SYNOPSIS = """
   agora-node status --authorizer URL | --initial-peers MADDR [--json] [--watch]
   agora-node plan --config PRESET|PATH [--stage N] [--json]
   agora-node data prepare INPUT... --output DIR [--train-tokenizer SIZE] [...]
+  agora-node export --config RUN --checkpoint FILE... --output DIR [--data PREPARED]
+  agora-node generate --model DIR --prompt TEXT
   agora-node preempt --authorizer URL --peer PEER_ID --at MOMENT [...]
   agora-node demo [--help]
   agora-node --version"""
@@ -84,6 +86,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from node.status_cli import status_main
 
             return status_main(argv[1:])
+        if argv and argv[0] == "export":
+            from node.export_cli import export_main
+
+            return export_main(argv[1:])
+        if argv and argv[0] == "generate":
+            from node.export_cli import generate_main
+
+            return generate_main(argv[1:])
         if argv and argv[0] == "data":
             from node.data_cli import data_main
 
