@@ -313,6 +313,9 @@ class _Preparation:
                       max_bytes=options.tokenizer_train_bytes)
             log.info("prepare: tokenizer trained in %.1f s", time.monotonic() - started)
         tokenizer = HFTokenizer(path)
+        if options.train_tokenizer is not None and tokenizer.vocab_size < options.train_tokenizer:
+            log.warning("prepare: the trained tokenizer has %d tokens, not %d: the corpus offers no more merges",
+                        tokenizer.vocab_size, options.train_tokenizer)
         if options.max_vocab is not None and tokenizer.vocab_size > options.max_vocab:
             raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the run config's "
                               f"model.vocab_size {options.max_vocab}; the model could not embed its tokens")

@@ -34,7 +34,7 @@ def data_parser() -> argparse.ArgumentParser:
                            description="Turn a corpus into the token shards trainers read, and look at them.")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineErrorParser)
     prep = commands.add_parser(
-        "prepare", help="corpus in, token shards and a manifest out",
+        "prepare", prog=f"{PROG} prepare", help="corpus in, token shards and a manifest out",
         description="Tokenize a corpus into fixed-size shards of token ids with a held-out split and a manifest.\n"
                     "Inputs: .txt (a document each), .jsonl / .jsonl.gz / .jsonl.zst, .parquet, a directory of\n"
                     "those, a `datasets` directory (save_to_disk), or hf:NAME[:SPLIT] (needs the network).\n"
@@ -61,7 +61,7 @@ def data_parser() -> argparse.ArgumentParser:
                       help="the run's config: a tokenizer larger than its model.vocab_size is refused")
     prep.add_argument("--json", action="store_true", help="print the result as one JSON object")
     prep.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
-    inspect = commands.add_parser("inspect", help="what a prepared corpus holds",
+    inspect = commands.add_parser("inspect", prog=f"{PROG} inspect", help="what a prepared corpus holds",
                                   description="Print a prepared corpus's manifest in short, and its hash.")
     inspect.add_argument("path", metavar="DIR", help="the prepared corpus (its directory or manifest.json)")
     inspect.add_argument("--json", action="store_true", help="print the manifest as JSON, with its hash")
