@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 _READER = """
-import json, resource, sys
+import json, sys
 from pathlib import Path
 from corpus.shards import PreparedCorpus, PreparedSampleStream
 corpus = PreparedCorpus(sys.argv[1])
@@ -37,8 +37,9 @@ stream = PreparedSampleStream(corpus, int(sys.argv[2]), shard_index=0, num_shard
 count, total = int(sys.argv[4]), 0
 for _, sample in zip(range(count), stream):
     total += int(sample.tokens[0])
-print(json.dumps({"samples": count, "shards": len(stream.shards),
-                  "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so it would report the parent's peak
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"samples": count, "shards": len(stream.shards), "max_rss_mb": round(hwm / 1024, 1)}))
 """
 
 
@@ -63,11 +64,16 @@ def _write_corpus(root: Path, megabytes: float, seed: int) -> list[str]:
 
 
 def _prepare(inputs: list[str], out: Path, *extra: str) -> dict:
+    started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "node.cli", "data", "prepare", *inputs, "--output", str(out),
                              "--json", *extra], capture_output=True, text=True, cwd=ROOT)
     if result.returncode != 0:
         raise SystemExit(f"prepare failed: {result.stderr}")
-    return json.loads(result.stdout)
+    report = json.loads(result.stdout)
+    wall = time.monotonic() - started
+    report["wall_s"] = round(wall, 2)  # the whole command: start-up, reading, tokenizer training, shards
+    report["wall_tokens_per_second_per_core"] = round(report["tokens_written"] / wall / report["cores"], 1)
+    return report
 
 
 def _read(corpus: Path, seq_len: int, samples: int, cache: Path) -> dict:
@@ -101,7 +107,8 @@ def main() -> None:
         big = _prepare(large, root / "byte-large", "--shard-tokens", shard_tokens)
         read_small = _read(root / "byte", args.seq_len, args.samples, root / "cache")
         read_large = _read(root / "byte-large", args.seq_len, args.samples, root / "cache")
-        keys = ("tokens_written", "seconds", "tokens_per_second", "tokens_per_second_per_core", "cores", "splits")
+        keys = ("tokens_written", "seconds", "tokens_per_second", "tokens_per_second_per_core", "wall_s",
+                "wall_tokens_per_second_per_core", "cores", "splits")
         print(json.dumps({
             "corpus_mb": args.mb, "corpus_write_s": round(written_s, 1),
             "prepare_byte": {k: byte[k] for k in keys},
