@@ -128,6 +128,12 @@ def export_main(argv: list[str]) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--output {out} exists and is not empty; pass a new directory")
     stages = load_stages(run, _checkpoint_files(args.checkpoint))
+    steps = [stage.checkpoint_step for stage in stages]
+    if len(set(steps)) > 1 or not any(steps):
+        why = ("every stage's checkpoint is at step 0: the seeded, untrained weights (a worker writes its last "
+               "checkpoint when it stops; wait for it)" if not any(steps) else
+               "the stages' checkpoints are from different steps")
+        print(f"agora-node export: warning: {why}; steps per stage: {steps}", file=sys.stderr, flush=True)
     tokenizer_file = _tokenizer_file(args, run)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -149,7 +155,8 @@ def export_main(argv: list[str]) -> int:
         shutil.rmtree(work, ignore_errors=True)
         raise
     params = sum(p.numel() for s in stages for p in s.parameters())
-    print(f"exported run {run.run_id} ({run.model.n_layers} layers, {params:,} trained parameters) to {out}: "
+    print(f"exported run {run.run_id} ({run.model.n_layers} layers, {params:,} trained parameters; stage steps "
+          f"{steps}) to {out}: "
           f"LlamaForCausalLM, {args.dtype}, {shards} weight file(s); load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return ExitCode.OK

@@ -674,6 +674,11 @@ def _read_source(source: str) -> dict[str, Any]:
             f"config {source}: top level must be a mapping of fields, got {type(data).__name__}"
         )
     data.pop("node", None)  # the node's own settings (flags' defaults), read by node/settings.py
+    preset = data.pop("preset", None)
+    if preset is not None:  # a preset and the fields this file changes, deep-merged on top
+        if preset not in PRESETS:
+            raise ConfigError(f"config {source}: preset {preset!r} does not exist; use one of {', '.join(PRESETS)}")
+        data = _deep_merge(copy.deepcopy(PRESETS[preset]), data)
     return data
 
 

@@ -68,6 +68,7 @@ def load_stages(run: RunConfig, files: list[Path]) -> list[StageModel]:
         with safe_open(str(path), framework="pt") as handle, torch.no_grad():
             for name in layout.names:
                 params[name].copy_(handle.get_tensor(name))
+        model.checkpoint_step = int(metadata.get("step", "0"))
         stages.append(model.eval())
     return stages
 

@@ -140,3 +140,18 @@ def test_learning_rate_schedule():
     assert opt.lr_at(opt.warmup_steps) == pytest.approx(opt.lr)
     assert opt.lr_at(opt.total_steps) == pytest.approx(opt.min_lr_ratio * opt.lr)
     assert opt.lr_at(10 * opt.total_steps) == pytest.approx(opt.min_lr_ratio * opt.lr)
+
+
+def test_a_yaml_config_may_start_from_a_preset(tmp_path):
+    from protocol.run_config import load_run_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: tiny\nrun_id: my-run\ntarget_batch_size: 32\ndata:\n  location: s3://bucket/corpus\n"
+                    "  manifest_sha256: " + "a" * 64 + "\n")
+    run = load_run_config(str(path))
+    tiny = load_run_config("tiny")
+    assert run.run_id == "my-run" and run.target_batch_size == 32 and run.data.location == "s3://bucket/corpus"
+    assert run.model == tiny.model and run.stages == tiny.stages and run.optimizer == tiny.optimizer
+    path.write_text("preset: huge\n")
+    with pytest.raises(ConfigError, match="preset 'huge' does not exist"):
+        load_run_config(str(path))
