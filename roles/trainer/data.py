@@ -345,6 +345,12 @@ def _prepared_stream(data: str, seq_len: int, shard_index: int, num_shards: int,
         log.info("data: resuming %s at sample %d of this trainer's walk (epoch %d; %d samples per epoch)",
                  corpus.location, stream.resumed_at, stream.resumed_at // stream.samples_per_epoch,
                  stream.samples_per_epoch)
+    else:
+        numbers = ", ".join(str(shard_index + k * num_shards) for k in range(min(3, len(stream.shards))))
+        log.info("data: reading %s from the start: %d of its %d training shards (%s%s), %d samples per epoch; "
+                 "position kept in %s", corpus.location, len(stream.shards),
+                 len(corpus.manifest.splits["train"].shards), numbers, ", ..." if len(stream.shards) > 3 else "",
+                 stream.samples_per_epoch, position.path)
     return stream
 
 
