@@ -33,19 +33,25 @@ class SwarmDHT:
         self.timeout_s = timeout_s
         self.latency: dict[str, Distribution] = {"get": Distribution(), "store": Distribution()}
         """Seconds each get and store took, timeouts included (for the node's metrics)."""
+        self._store_timed_out_at: float | None = None
+        """When our last store timed out; None once one succeeded since."""
 
-    async def store(self, key: str, record: RecordModel, ttl_s: float) -> bool:
+    async def store(self, key: str, record: RecordModel, ttl_s: float, *, timeout_s: float | None = None) -> bool:
         """Announce `record` under our own subkey of `key` for `ttl_s` seconds."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         value = record.model_dump(mode="json")
         started = time.perf_counter()
         future = self.dht.store(
             key, value, expiration_time=get_dht_time() + ttl_s, subkey=self.peer_id, return_future=True
         )
         try:
-            return bool(await asyncio.wait_for(future, self.timeout_s))
+            stored = bool(await asyncio.wait_for(future, timeout_s))
+            self._store_timed_out_at = None
+            return stored
         except asyncio.TimeoutError:
             future.cancel()
-            logger.warning("DHT store of %s timed out after %.1fs", key, self.timeout_s)
+            self._store_timed_out_at = time.monotonic()
+            logger.warning("DHT store of %s timed out after %.1fs", key, timeout_s)
             return False
         finally:
             self.latency["store"].observe(time.perf_counter() - started)
@@ -61,8 +67,12 @@ class SwarmDHT:
             return False
 
     async def withdraw(self, key: str, ttl_s: float = 60.0) -> bool:
-        """Overwrite our subkey with a tombstone: hivemind has no delete."""
-        return await self.store(key, Tombstone(), ttl_s)
+        """Overwrite our subkey with a tombstone: hivemind has no delete. Right after a store timed
+        out (no peer answered: typically the whole swarm is stopping with us), try only briefly:
+        the record lapses by itself, and a node leaving with three records to withdraw would
+        otherwise wait out three full timeouts."""
+        recent = self._store_timed_out_at is not None and time.monotonic() - self._store_timed_out_at < 60.0
+        return await self.store(key, Tombstone(), ttl_s, timeout_s=min(self.timeout_s, 1.0) if recent else None)
 
     async def get(self, key: str, model: type[R], *, latest: bool = True, strict: bool = False) -> dict[str, R]:
         """Every live, valid, non-tombstoned record under `key`, by peer id. A timeout reads as
