@@ -35,7 +35,7 @@ import numpy as np
 from corpus.manifest import MANIFEST_NAME, Manifest, ShardEntry, SplitEntry, TokenizerEntry
 from corpus.sources import Input, open_inputs
 from protocol.errors import ConfigError
-from roles.trainer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from corpus.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = ["PrepareOptions", "PrepareResult", "prepare"]
 

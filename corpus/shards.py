@@ -34,6 +34,7 @@ import torch
 
 from corpus.data_position import DataPosition
 from corpus.manifest import MANIFEST_NAME, Manifest, ShardEntry, manifest_hash
+from corpus.sample import Sample
 from protocol.errors import ConfigError
 
 __all__ = ["PreparedCorpus", "PreparedSampleStream", "is_prepared_location", "open_prepared"]
@@ -211,8 +212,6 @@ class PreparedSampleStream:
         return rng.permutation(self.counts[shard])
 
     def __iter__(self) -> Iterator:
-        from roles.trainer.data import Sample
-
         start = self.position.next if self.position is not None else 0
         epoch, offset = divmod(start, self.samples_per_epoch)
         while True:

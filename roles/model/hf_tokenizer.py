@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from roles.trainer.tokenizer import HFTokenizer
+from corpus.tokenizers import HFTokenizer
 
 __all__ = ["write_tokenizer_files"]
 

@@ -15,14 +15,14 @@ import json
 import logging
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 
 from protocol.errors import ConfigError
-from roles.trainer.tokenizer import Tokenizer, load_tokenizer
+from corpus.sample import Sample
+from corpus.tokenizers import Tokenizer, load_tokenizer
 
 __all__ = [
     "Sample",
@@ -199,16 +199,6 @@ class TextFiles:
             log.warning(
                 "skipped %d malformed line(s) of %s (each needs a JSON object with a string 'text')", bad, path
             )
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One training sample: `seq_len` token ids (int64) and an id no other trainer of the run uses;
-    from a prepared corpus also its ordinal, its place in the trainer's walk through the data."""
-
-    sample_id: str
-    tokens: torch.Tensor
-    ordinal: Optional[int] = None
 
 
 class SampleStream:

@@ -1,5 +1,5 @@
-"""Layers point one way: protocol/ imports nothing of ours, roles/ builds on protocol/,
-authorizer/ on both, node/ (the CLI and process code) on everything. A new import against the
+"""Layers point one way: protocol/ imports nothing of ours, corpus/ (data) builds on protocol/,
+roles/ on both, authorizer/ on those, node/ (the CLI and process code) on everything. A new import against the
 grain fails here with the file and line (docs/architecture.md, 'Layers')."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALLOWED = {
     "protocol": {"protocol"},
-    "roles": {"protocol", "roles"},
-    "authorizer": {"protocol", "roles", "authorizer"},
-    "node": {"protocol", "roles", "authorizer", "node"},
+    "corpus": {"protocol", "corpus"},
+    "roles": {"protocol", "corpus", "roles"},
+    "authorizer": {"protocol", "corpus", "roles", "authorizer"},
+    "node": {"protocol", "corpus", "roles", "authorizer", "node"},
 }
 
 
