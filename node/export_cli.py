@@ -74,7 +74,7 @@ def _checkpoint_files(args: list[str]) -> list[Path]:
     return files
 
 
-def _tokenizer_file(args: argparse.Namespace, run) -> str | None:
+def _tokenizer_file(args: argparse.Namespace, run, fetch_dir: Path) -> str | None:
     if args.tokenizer is not None:
         if not Path(args.tokenizer).is_file():
             raise ConfigError(f"tokenizer file {args.tokenizer} does not exist")
@@ -85,7 +85,7 @@ def _tokenizer_file(args: argparse.Namespace, run) -> str | None:
         corpus = PreparedCorpus(args.data)
         if run.data.manifest_sha256 and corpus.sha256 != run.data.manifest_sha256:
             raise ConfigError(f"{args.data} is not the corpus the run trained on (its manifest hash differs)")
-        return corpus.tokenizer_path(Path(tempfile.mkdtemp(prefix="agora-export-tok-")))
+        return corpus.tokenizer_path(fetch_dir)
     return None
 
 
@@ -134,11 +134,12 @@ def export_main(argv: list[str]) -> int:
                "checkpoint when it stops; wait for it)" if not any(steps) else
                "the stages' checkpoints are from different steps")
         print(f"agora-node export: warning: {why}; steps per stage: {steps}", file=sys.stderr, flush=True)
-    tokenizer_file = _tokenizer_file(args, run)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        eos = write_tokenizer_files(work, tokenizer_file, run.model.max_seq_len)
+        fetched = work / ".tokenizer-fetch"  # a remote corpus's tokenizer file, removed below
+        eos = write_tokenizer_files(work, _tokenizer_file(args, run, fetched), run.model.max_seq_len)
+        shutil.rmtree(fetched, ignore_errors=True)
         config = llama_config_dict(run, eos_token_id=eos)
         config["torch_dtype"] = args.dtype
         (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
