@@ -5,6 +5,7 @@ agora-node processes admitted by a real authorizer; the outsiders are plain libp
 from __future__ import annotations
 
 import asyncio
+import time
 
 import psutil
 import pytest
@@ -13,8 +14,8 @@ from tests.integration.test_auth_swarm import _admitted_identity, _node_args, au
 
 pytestmark = pytest.mark.integration
 
-# Longer than parking 1,000 streams takes on a loaded two-core machine (at 6 s, CI once saw the
-# first parked streams closed idle before the last were opened, and 144 accepted in all).
+# Longer than parking 1,000 streams takes here; under the full suite's load it took longer still
+# (CI saw 144, then 184 accepted), which the test allows for: see the budget's assertions.
 IDLE_S = 20.0
 FRAME = 60 << 20
 
@@ -104,13 +105,21 @@ async def _park_streams(worker, authorizer_url, tmp_path, trainer_done) -> dict:
                 ack = {"ok": False, "error": None}
             (accepted if ack["ok"] else refused).append((reader, writer, ack))
 
+        started = time.monotonic()
         for _ in range(1000 // 8):  # eight at a time: as many hellos as one peer may have pending
             await asyncio.gather(*(park() for _ in range(8)))
+        parking_s = time.monotonic() - started
         held_while_training = not trainer_done()
-        closed = await asyncio.gather(*(_closed_within(reader, IDLE_S + 15) for reader, _, _ in accepted))
+        # how many of the accepted streams the worker still holds now (the others it closed idle)
+        gone = await asyncio.gather(*(_closed_within(reader, 0.5) for reader, _, _ in accepted))
+        open_at_end = len(gone) - sum(gone)
+        closed = await asyncio.gather(*(_closed_within(reader, IDLE_S + 15) for (reader, _, _), early
+                                        in zip(accepted, gone) if not early))
+        closed = [*closed, *(True for early in gone if early)]
         info = await RpcClient(p2p, authenticator=auth, timeout_s=10).call(peer, version.INFO, {})
         return {"accepted": len(accepted), "refusals": [ack["error"] for _, _, ack in refused],
-                "closed": sum(closed), "held_while_training": held_while_training, "counters": info["counters"]}
+                "closed": sum(closed), "held_while_training": held_while_training, "counters": info["counters"],
+                "open_at_end": open_at_end, "parking_s": parking_s}
     finally:
         for _, writer, _ in accepted + refused:
             writer.close()
@@ -141,19 +150,26 @@ def test_outsiders_cannot_hold_a_workers_memory_or_streams(make_swarm, authorize
     trainer = swarm.start("trainer", args=[*_node_args(authorizer, "carol"), "--max-samples", "400", "--lanes", "2"])
     report = asyncio.run(asyncio.wait_for(
         _park_streams(head, authorizer.url, tmp_path, lambda: trainer.proc.poll() is not None), 240))
-    assert report["accepted"] == 128, report["accepted"]  # --max-streams-per-peer's default
-    assert len(report["refusals"]) == 1000 - 128
+    accepted, counters = report["accepted"], report["counters"]
+    print(f"1,000 parked streams in {report['parking_s']:.1f} s: {accepted} accepted, {len(report['refusals'])} "
+          f"refused, {report['open_at_end']} still held at the end, {report['closed']} closed when idle; worker "
+          f"counters { {k: v for k, v in counters.items() if k.startswith('streams_')} }")
+    # --max-streams-per-peer's default, 128, at any moment: exactly 128 accepted when parking took
+    # less than the idle timeout; on a loaded machine that took longer, streams the worker closed
+    # idle free their slots, and never more than 128 are held at once
+    assert report["open_at_end"] <= 128, report["open_at_end"]
+    if report["parking_s"] < IDLE_S:
+        assert accepted == 128, accepted
+    else:
+        assert 128 <= accepted < 1000, accepted
+    assert len(report["refusals"]) == 1000 - accepted
     # each got the typed refusal, or a reset when the refusal raced the hello it did not read
     assert all(e is None or e["code"] == ErrorCode.RATE_LIMITED for e in report["refusals"])
     assert any(e is not None for e in report["refusals"])
-    assert report["closed"] == 128, "idle streams must be closed after --stream-idle-timeout-s"
-    counters = report["counters"]
-    print(f"1,000 parked streams: {report['accepted']} accepted, {len(report['refusals'])} refused, "
-          f"{report['closed']} closed when idle; worker counters "
-          f"{ {k: v for k, v in counters.items() if k.startswith('streams_')} }")
+    assert report["closed"] == accepted, "idle streams must be closed after --stream-idle-timeout-s"
     assert counters["streams_refused_too_many_streams"] + counters.get("streams_refused_too_many_unauthenticated", 0) \
-        == 1000 - 128, counters
-    assert counters["streams_closed_idle_timeout"] >= 128, counters
+        == 1000 - accepted, counters
+    assert counters["streams_closed_idle_timeout"] >= accepted, counters
     assert counters["streams_refused_hello_too_large"] == 4, counters
     assert swarm.wait(trainer, 240) == 0, trainer.log_tail()
     summary = trainer.summary()
