@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from protocol.errors import ConfigError
 
-__all__ = ["FORMAT", "MANIFEST_NAME", "Manifest", "ShardEntry", "SplitEntry", "TokenizerEntry", "manifest_hash"]
+__all__ = ["FORMAT", "MANIFEST_NAME", "Manifest", "ShardEntry", "SplitEntry", "TokenizerEntry", "manifest_hash", "sha256_file"]
 
 FORMAT = "agora-token-shards/1"
 MANIFEST_NAME = "manifest.json"
@@ -74,6 +74,15 @@ class Manifest(BaseModel):
         except ValidationError as exc:
             first = exc.errors()[0]
             raise ConfigError(f"{where} is damaged: {'.'.join(map(str, first['loc']))}: {first['msg']}") from exc
+
+
+def sha256_file(path) -> str:
+    """SHA-256 of a file's bytes, read 1 MiB at a time (shards and tokenizer files)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def manifest_hash(text: str | bytes) -> str:

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from corpus.manifest import MANIFEST_NAME, Manifest, ShardEntry, SplitEntry, TokenizerEntry
+from corpus.manifest import MANIFEST_NAME, Manifest, ShardEntry, SplitEntry, TokenizerEntry, sha256_file
 from corpus.sources import Input, open_inputs
 from protocol.errors import ConfigError
 from corpus.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
@@ -101,16 +101,8 @@ def _atomic_write(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _fingerprint(options: PrepareOptions, inputs: list[Input]) -> str:
-    tokenizer = ({"file": _sha256_file(Path(options.tokenizer))} if options.tokenizer is not None
+    tokenizer = ({"file": sha256_file(Path(options.tokenizer))} if options.tokenizer is not None
                  else {"train": options.train_tokenizer, "train_bytes": options.tokenizer_train_bytes}
                  if options.train_tokenizer is not None else "byte")
     request = {"inputs": [source.fingerprint() for source in inputs], "tokenizer": tokenizer,
@@ -195,7 +187,7 @@ class _ShardWriter:
             os.fsync(f.fileno())
         tmp.replace(path)
         cursor.documents = self.flushed.documents + self.completed_docs
-        cursor.shards = [*self.flushed.shards, ShardEntry(file=name, tokens=self.fill, sha256=_sha256_file(path))]
+        cursor.shards = [*self.flushed.shards, ShardEntry(file=name, tokens=self.fill, sha256=sha256_file(path))]
         self.flushed = cursor
         self.fill = 0
         self.completed_docs = 0
@@ -297,7 +289,7 @@ class _Preparation:
             return tokenizer, TokenizerEntry(kind="byte", vocab_size=tokenizer.vocab_size,
                                              separator_id=tokenizer.separator_id)
         previous = state.get("tokenizer")
-        if previous is not None and path.exists() and previous.get("sha256") == _sha256_file(path):
+        if previous is not None and path.exists() and previous.get("sha256") == sha256_file(path):
             log.info("prepare: using the tokenizer %s from the interrupted run", path)
         elif options.tokenizer is not None:
             tmp = path.with_name(f".{path.name}.tmp")
@@ -319,7 +311,7 @@ class _Preparation:
         if options.max_vocab is not None and tokenizer.vocab_size > options.max_vocab:
             raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the run config's "
                               f"model.vocab_size {options.max_vocab}; the model could not embed its tokens")
-        return tokenizer, TokenizerEntry(kind="tokenizers", file=TOKENIZER_NAME, sha256=_sha256_file(path),
+        return tokenizer, TokenizerEntry(kind="tokenizers", file=TOKENIZER_NAME, sha256=sha256_file(path),
                                          vocab_size=tokenizer.vocab_size, separator_id=tokenizer.separator_id,
                                          trained=options.train_tokenizer is not None)
 

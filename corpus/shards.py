@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from corpus.data_position import DataPosition
-from corpus.manifest import MANIFEST_NAME, Manifest, ShardEntry, manifest_hash
+from corpus.manifest import MANIFEST_NAME, Manifest, ShardEntry, manifest_hash, sha256_file
 from corpus.sample import Sample
 from protocol.errors import ConfigError
 
@@ -169,11 +169,7 @@ class _ShardFiles:
         return str(local)
 
     def _check(self, path: str, entry: ShardEntry) -> None:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        if digest.hexdigest() != entry.sha256:
+        if sha256_file(path) != entry.sha256:
             raise ConfigError(f"shard {entry.file} of {self.corpus.location} does not match its manifest "
                               "checksum; the corpus is damaged or was changed after it was prepared")
         self._verified.add(entry.file)
@@ -228,13 +224,13 @@ class PreparedSampleStream:
                 if place + 1 < len(order):
                     self.files.prefetch(self.shards[order[place + 1]])
                 samples = self._sample_order(shard, epoch)
+                stem = entry.file.rsplit(".", 1)[0]
                 for k in range(offset, count):
                     ordinal = base + k
                     if self.position is not None and self.position.has_ended(ordinal):
                         continue
                     index = int(samples[k])
                     window = np.asarray(tokens[index * self.seq_len:(index + 1) * self.seq_len], dtype=np.int64)
-                    stem = entry.file.rsplit(".", 1)[0]
                     yield Sample(f"{stem}-{index}-e{epoch}", torch.from_numpy(window), ordinal)
                 offset = 0
                 base += count
