@@ -24,7 +24,7 @@ SYNOPSIS = """
   agora-node status --authorizer URL | --initial-peers MADDR [--json] [--watch]
   agora-node plan --config PRESET|PATH [--stage N] [--json]
   agora-node data prepare INPUT... --output DIR [--train-tokenizer SIZE] [...]
-  agora-node export --config RUN --checkpoint FILE... --output DIR [--data PREPARED]
+  agora-node export --config RUN --checkpoint-store URL|--checkpoint FILE... --output DIR [--data PREPARED]
   agora-node generate --model DIR --prompt TEXT
   agora-node preempt --authorizer URL --peer PEER_ID --at MOMENT [...]
   agora-node demo [--help]
@@ -32,7 +32,7 @@ SYNOPSIS = """
 
 _METAVARS = {"config": "NAME|PATH", "authorizer": "URL", "initial_peers": "MADDR", "host_maddrs": "MADDR",
              "announce_maddrs": "MADDR", "identity": "PATH", "account_token": "TOKEN", "data": "synthetic|PATH|URL", "data_dir": "DIR",
-             "tokenizer": "PATH", "checkpoint_dir": "DIR", "gpu_memory": "SIZE", "metrics_push": "URL"}
+             "tokenizer": "PATH", "checkpoint_dir": "DIR", "checkpoint_store": "URL", "gpu_memory": "SIZE", "metrics_push": "URL"}
 
 
 def _version() -> str:

@@ -2,9 +2,12 @@
 checkpoint that `transformers` (and the tools that read its format) load, and a quick look at it.
 
     agora-node export --config RUN --checkpoint STAGE_FILE... --output DIR [--data PREPARED | --tokenizer FILE]
+    agora-node export --config RUN --checkpoint-store URL [--step N] --output DIR [...]
     agora-node generate --model DIR --prompt TEXT [--max-new-tokens 64]
 
-The export reads one checkpoint file per stage (the workers' `--checkpoint-dir` files), folds the
+The export reads one complete run checkpoint from the checkpoint store (the newest, or the one at
+`--step`; default store: the run config's `checkpoints.store`), or one checkpoint file per stage
+(the workers' `--checkpoint-dir` files); it folds the
 subspace reparameterisation into dense weights (roles/model/hf_export.py) and writes
 `config.json`, `generation_config.json`, `model.safetensors` (sharded past `--max-shard-gb`) and
 the tokenizer files, into a new directory that appears whole or not at all.
@@ -26,6 +29,7 @@ from protocol.exit_codes import ExitCode
 
 USAGE = """
   agora-node export --config RUN --checkpoint FILE... --output DIR [--data PREPARED | --tokenizer FILE]
+  agora-node export --config RUN --checkpoint-store URL [--step N] --output DIR [...]
   agora-node generate --model DIR --prompt TEXT [--max-new-tokens 64] [--temperature 0.8]"""
 
 
@@ -34,8 +38,14 @@ def export_parser() -> argparse.ArgumentParser:
                            description="Write the run's model as a Hugging Face LlamaForCausalLM checkpoint.",
                            epilog="exit codes: 0 written; 2 bad input or flags.")
     p.add_argument("--config", required=True, metavar="PRESET|PATH", help="the run's config")
-    p.add_argument("--checkpoint", nargs="+", required=True, metavar="FILE",
-                   help="one stage checkpoint per stage (the workers' --checkpoint-dir files), or that directory")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint-store", metavar="URL",
+                        help="the run's checkpoint store (a directory, file:///dir, s3://bucket/prefix); default: the "
+                             "run config's checkpoints.store")
+    source.add_argument("--checkpoint", nargs="+", metavar="FILE",
+                        help="one stage checkpoint per stage (the workers' --checkpoint-dir files), or that directory")
+    p.add_argument("--step", type=int, metavar="N",
+                   help="with a checkpoint store: the complete checkpoint at step N (default: the newest)")
     p.add_argument("--output", "-o", required=True, type=Path, metavar="DIR", help="a new directory for the export")
     tok = p.add_mutually_exclusive_group()
     tok.add_argument("--data", metavar="DIR|URL", help="the prepared corpus the run trained on: its tokenizer goes along")
@@ -72,6 +82,33 @@ def _checkpoint_files(args: list[str]) -> list[Path]:
         else:
             raise ConfigError(f"checkpoint {path} does not exist")
     return files
+
+
+def _stage_files(args: argparse.Namespace, run, fetch_dir: Path) -> list[Path]:
+    """The stage files to export: named on the command line, or one complete run checkpoint's
+    objects, verified and (from an object store) downloaded into `fetch_dir`."""
+    if args.checkpoint is not None:
+        if args.step is not None:
+            raise ConfigError("--step picks a checkpoint in a store; with --checkpoint FILE... the files say their step")
+        return _checkpoint_files(args.checkpoint)
+    url = args.checkpoint_store or run.checkpoints.store
+    if url is None:
+        raise ConfigError("say what to export: --checkpoint-store URL (or checkpoints.store in the run config), or "
+                          "--checkpoint FILE... with one stage file per stage")
+    from roles.checkpoint_store import CheckpointStore, CheckpointStoreError
+
+    store = CheckpointStore(url, run.run_id, run.num_stages)
+    try:
+        if args.step is None:
+            manifest = store.latest()
+            if manifest is None:
+                raise ConfigError(f"{store.describe()} holds no complete checkpoint of run {run.run_id} (steps with "
+                                  f"a partial one: {store.steps() or 'none'})")
+        else:
+            manifest = store.manifest(args.step)
+        return [store.fetch_stage(manifest, stage, fetch_dir) for stage in range(run.num_stages)]
+    except CheckpointStoreError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _tokenizer_file(args: argparse.Namespace, run, fetch_dir: Path) -> str | None:
@@ -127,14 +164,18 @@ def export_main(argv: list[str]) -> int:
     out: Path = args.output
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--output {out} exists and is not empty; pass a new directory")
-    stages = load_stages(run, _checkpoint_files(args.checkpoint))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fetch_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.checkpoint.", dir=out.parent))
+    try:
+        stages = load_stages(run, _stage_files(args, run, fetch_dir))
+    finally:
+        shutil.rmtree(fetch_dir, ignore_errors=True)
     steps = [stage.checkpoint_step for stage in stages]
     if len(set(steps)) > 1 or not any(steps):
         why = ("every stage's checkpoint is at step 0: the seeded, untrained weights (a worker writes its last "
                "checkpoint when it stops; wait for it)" if not any(steps) else
                "the stages' checkpoints are from different steps")
         print(f"agora-node export: warning: {why}; steps per stage: {steps}", file=sys.stderr, flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         fetched = work / ".tokenizer-fetch"  # a remote corpus's tokenizer file, removed below

@@ -393,6 +393,41 @@ class DataConfig(BaseModel):
     )
 
 
+class EvaluationConfig(BaseModel):
+    """Held-out evaluation during the run: the evaluating trainer (trainer 0 of its data shard
+    assignment) sends the same held-out samples forward through the live stages, with no backward
+    and no effect on any optimizer, every `every_steps` stage steps."""
+
+    model_config = _FROZEN
+
+    every_steps: int = Field(
+        default=20, ge=0,
+        description="Evaluate when the stages have taken this many more steps; 0 turns evaluation off.",
+    )
+    samples: int = Field(
+        default=32, ge=1, le=4096,
+        description="Held-out samples per evaluation: the first of the held-out split, the same every time.",
+    )
+
+
+class CheckpointConfig(BaseModel):
+    """Run checkpoints in a store (a directory or an object-store URL): every stage's parameters and
+    optimizer state at one agreed step, complete only once the run manifest names them all."""
+
+    model_config = _FROZEN
+
+    store: Optional[str] = Field(
+        default=None,
+        description="Where checkpoints live: a directory, file:///dir, s3://bucket/prefix (fsspec). Joiners "
+                    "and restarted workers read it; workers started with --checkpoint-write write it.",
+    )
+    every_steps: int = Field(
+        default=50, gt=0,
+        description="Writers upload their stage at every multiple of this step: the step all stages agree on.",
+    )
+    keep: int = Field(default=3, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+
+
 class SkippingConfig(BaseModel):
     """Stage skipping [issue 12; Crucible notes on stage skipping]: when a body stage has no worker
     a trainer can reach, its samples go from the stage before it straight to the stage after it
@@ -544,6 +579,14 @@ class RunConfig(BaseModel):
     data: DataConfig = Field(
         default_factory=DataConfig,
         description="The prepared corpus the run trains on, by its manifest's hash.",
+    )
+    evaluation: EvaluationConfig = Field(
+        default_factory=EvaluationConfig,
+        description="Held-out loss during the run: how often, on how many samples.",
+    )
+    checkpoints: CheckpointConfig = Field(
+        default_factory=CheckpointConfig,
+        description="Run checkpoints (parameters and optimizer state) in a store, and resume from them.",
     )
 
     @field_validator("run_id")

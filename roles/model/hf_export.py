@@ -31,8 +31,10 @@ __all__ = ["full_logits", "llama_config_dict", "llama_state_dict", "load_stages"
 
 def load_stages(run: RunConfig, files: list[Path]) -> list[StageModel]:
     """Every stage of the run, built from the run config and loaded from one stage checkpoint
-    (safetensors, `roles/worker/checkpoint.py`'s format) per stage; refused in one sentence if a
-    stage is missing, doubled or from another run or layout."""
+    per stage (safetensors: a `--checkpoint-dir` file, roles/worker/checkpoint.py, or a run
+    checkpoint's stage object, roles/checkpoint_store.py); refused in one sentence if a stage is
+    missing, doubled or from another run or layout."""
+    from roles.checkpoint_store import FORMAT as RUN_FORMAT
     from roles.worker.checkpoint import FORMAT
     from roles.worker.layout import FlatLayout
 
@@ -45,7 +47,7 @@ def load_stages(run: RunConfig, files: list[Path]) -> list[StageModel]:
                 metadata = handle.metadata() or {}
         except Exception as exc:  # noqa: BLE001 - not safetensors, truncated, unreadable
             raise ConfigError(f"{path} is not a readable stage checkpoint: {exc}") from exc
-        if metadata.get("format") != FORMAT or metadata.get("run_id") != run.run_id:
+        if metadata.get("format") not in (FORMAT, RUN_FORMAT) or metadata.get("run_id") != run.run_id:
             raise ConfigError(f"{path} is not a checkpoint of run {run.run_id} (format {metadata.get('format')!r}, "
                               f"run {metadata.get('run_id')!r})")
         stage = int(metadata.get("stage", "-1"))

@@ -58,6 +58,15 @@ class WorkerConfig(BaseModel):
         default=None, description="directory of stage checkpoints: read by joiners, written by designated nodes")
     checkpoint_period_s: Optional[float] = Field(
         default=None, gt=0, description="write a checkpoint to checkpoint_dir at start, then every this many seconds")
+    checkpoint_store: Optional[str] = Field(
+        default=None, description="store of run checkpoints (a directory, file:///dir or s3://bucket/prefix); "
+        "default: the run config's checkpoints.store. Joiners and a restarted run load from it")
+    checkpoint_write: bool = Field(
+        default=False, description="upload this stage's parameters and optimizer state to the checkpoint store at "
+        "every checkpoints.every_steps step (the run owner's designated writers)")
+    test_checkpoint_upload_delay_s: float = Field(
+        default=0.0, ge=0, json_schema_extra=HIDDEN,
+        description="TESTS ONLY: pause this long before each checkpoint upload (an upload slow enough to be killed)")
     test_init_seed_offset: int = Field(
         default=0, ge=0, json_schema_extra=HIDDEN,
         description="TESTS ONLY: start from other initial weights than the run's seed gives")

@@ -1,0 +1,160 @@
+"""A worker's part in run checkpoints (roles/checkpoint_store.py): write its stage at every
+agreed step if it is a designated writer, and load a stage's state from the store.
+
+The stage object is serialized in the compute thread right after the step, under the optimizer's
+lock, straight from the live tensors (no copy of the stage in memory: compute pauses for the
+local write instead); a background thread uploads it, one at a time. A checkpoint that comes
+while the previous one is still uploading is skipped and counted: the store falls one checkpoint
+behind rather than the worker's memory or disk filling up. On shutdown the upload in progress
+gets `close`'s timeout; one cut short leaves an incomplete checkpoint, which no reader loads.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from roles.checkpoint_store import (FORMAT, CheckpointStore, CheckpointStoreError, RunManifest, StageState,
+                                    read_stage_state, stage_state_tensors, staging_dir, write_staged)
+from roles.worker.layout import FlatLayout
+
+logger = logging.getLogger(__name__)
+
+
+class RunCheckpointWriter:
+    def __init__(self, store: CheckpointStore, *, stage: int, writer: str, optimizer, layout: FlatLayout,
+                 every_steps: int, keep: int, may_write: Callable[[], bool], upload_delay_s: float = 0.0):
+        self.store = store
+        self.stage = stage
+        self.writer = writer
+        self.optimizer = optimizer
+        self.layout = layout
+        self.every_steps = every_steps
+        self.keep = keep
+        self.may_write = may_write
+        self.upload_delay_s = upload_delay_s
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.last_step: Optional[int] = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-upload")
+        self._pending: Optional[concurrent.futures.Future] = None
+        self._staging: Optional[Path] = None
+        self._lock = threading.Lock()
+
+    def after_step(self, step: int) -> None:
+        """Compute thread, optimizer lock held, `step` steps applied: serialize at an agreed step."""
+        if step <= 0 or step % self.every_steps:
+            return
+        if not self.may_write():
+            self.counters["checkpoints_skipped_syncing"] += 1
+            return
+        with self._lock:
+            if self._pending is not None and not self._pending.done():
+                self.counters["checkpoints_skipped_busy"] += 1
+                logger.warning("checkpoint of stage %d at step %d skipped: the upload of step %s is still running",
+                               self.stage, step, self.last_step)
+                return
+            if self._staging is None:
+                self._staging = staging_dir()
+            path = self._staging / f"stage-{self.stage}-step{step}.safetensors"
+            tensors, metadata = stage_state_tensors(self.layout.names, self.optimizer.master_params,
+                                                    self.optimizer.state_dict())
+            metadata.update({"format": FORMAT, "run_id": self.store.run_id, "stage": str(self.stage),
+                             "step": str(step), "layout": self.layout.digest, "writer": self.writer,
+                             "time": f"{time.time():.3f}"})
+            started = time.perf_counter()
+            try:
+                write_staged(path, tensors, metadata)
+            except Exception:  # noqa: BLE001 - a full disk must not stop the compute thread
+                self.counters["checkpoint_upload_failures"] += 1
+                logger.exception("writing the checkpoint of stage %d at step %d locally failed", self.stage, step)
+                path.unlink(missing_ok=True)
+                return
+            self.counters["checkpoint_pause_ms"] += int((time.perf_counter() - started) * 1000)
+            self.last_step = step
+            self._pending = self._pool.submit(self._upload, step, path)
+
+    def _upload(self, step: int, path: Path) -> None:
+        started = time.monotonic()
+        try:
+            if self.upload_delay_s:
+                time.sleep(self.upload_delay_s)  # TESTS ONLY: an upload slow enough to be killed
+            manifest = self.store.write_stage(step, self.stage, self.writer, path)
+            if manifest is not None:
+                self.store.prune(self.keep)
+        except CheckpointStoreError as exc:
+            self.counters["checkpoint_upload_failures"] += 1
+            logger.error("%s; the store keeps its previous checkpoints", exc)
+            return
+        except Exception:  # noqa: BLE001 - a failed upload must not take the worker down
+            self.counters["checkpoint_upload_failures"] += 1
+            logger.exception("uploading the checkpoint of stage %d at step %d failed", self.stage, step)
+            return
+        self.counters["checkpoints_uploaded"] += 1
+        logger.info("stage %d at step %d uploaded to %s in %.1fs%s", self.stage, step, self.store.describe(),
+                    time.monotonic() - started, "; the checkpoint is complete" if manifest is not None else "")
+
+    def close(self, timeout_s: float) -> None:
+        """Give the upload in progress `timeout_s` to finish, then drop it (it stays incomplete)."""
+        with self._lock:
+            pending = self._pending
+        if pending is not None and not pending.done():
+            logger.info("waiting up to %.0fs for the checkpoint upload of step %s", timeout_s, self.last_step)
+            try:
+                pending.result(timeout=timeout_s)
+            except concurrent.futures.TimeoutError:
+                logger.warning("the checkpoint upload of step %s did not finish; that checkpoint stays incomplete "
+                               "and is never loaded", self.last_step)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+
+    def summary(self) -> dict:
+        return {"store": self.store.describe(), "every_steps": self.every_steps, "last_step": self.last_step,
+                **dict(self.counters)}
+
+
+def load_latest(store: CheckpointStore, stage: int, layout: FlatLayout,
+                workdir: Path) -> Optional[tuple[RunManifest, StageState]]:
+    """The newest complete checkpoint's state of `stage`, or None when the store has none.
+    Refuses (CheckpointStoreError) an object whose layout is not this stage's."""
+    manifest = store.latest()
+    if manifest is None:
+        return None
+    path = store.fetch_stage(manifest, stage, workdir)
+    try:
+        state = read_stage_state(path, layout.names)
+    finally:
+        if not store.local:
+            path.unlink(missing_ok=True)
+    for key, expected in (("run_id", store.run_id), ("stage", str(stage)), ("layout", layout.digest),
+                          ("step", str(manifest.step))):
+        if state.metadata.get(key) != expected:
+            raise CheckpointStoreError(f"the stage {stage} object of step {manifest.step} in {store.describe()} has "
+                                       f"{key}={state.metadata.get(key)!r}, this worker needs {expected!r}")
+    return manifest, state
+
+
+def apply_state(state: StageState, store, layout: FlatLayout, optimizer, *, with_optimizer: bool) -> None:
+    """Copy a loaded state into the stage: parameters, and optimizer moments, step and schedule
+    position when `with_optimizer` (a resume; a joiner behind live peers takes their step instead)."""
+    with store.lock, torch.no_grad():
+        for name, target in zip(layout.names, store.master_params):
+            source = state.parameters[name]
+            if source.shape != target.shape:
+                raise CheckpointStoreError(f"{name} has shape {tuple(source.shape)} in the checkpoint, "
+                                           f"expected {tuple(target.shape)}")
+            target.copy_(source)
+        store.push_master_to_device()
+        if with_optimizer and state.optimizer is not None:
+            try:
+                optimizer.load_state_dict(state.optimizer)
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise CheckpointStoreError(f"the checkpoint's optimizer state does not fit this stage: {exc}") from exc
