@@ -106,7 +106,7 @@ class PreparedCorpus:
         return mine
 
 
-class _ShardFiles:
+class ShardFiles:
     """Shard arrays by entry: memory maps of local files, or of files fetched into the cache."""
 
     def __init__(self, corpus: PreparedCorpus, cache_dir: Path, keep: int = 2):
@@ -193,7 +193,7 @@ class PreparedSampleStream:
         if not self.samples_per_epoch:
             raise ConfigError(f"trainer {shard_index} of {num_shards}'s shards of {corpus.location} hold fewer than "
                               f"{seq_len} tokens each; prepare with a larger --shard-tokens or lower seq_len")
-        self.files = _ShardFiles(corpus, cache_dir)
+        self.files = ShardFiles(corpus, cache_dir)
         self.position = position
         self.resumed_at = position.next if position is not None and position.next else None
 

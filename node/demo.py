@@ -146,7 +146,7 @@ def demo_main(argv: list[str]) -> int:
         print(json.dumps(summary), flush=True)
     else:
         first, last = summary["first_loss"], summary["last_loss"]
-        print(f"done: loss {first:.3f} -> {last:.3f} ({(1 - last / first) * 100:.0f}% lower), "
+        print(f"done: loss {first:.3f} -> {last:.3f} ({(1 - last / first) * 100:.0f}% lower){_held_out(summary)}, "
               f"{summary['tokens_per_s']:.0f} tokens/s, {summary['samples_completed']} samples completed, "
               f"{summary['samples_dropped']} dropped", flush=True)
         steps = summary.get("steps_per_stage") or {}
@@ -155,6 +155,15 @@ def demo_main(argv: list[str]) -> int:
                   f"step (max {summary['samples_per_step_max']}, target {run.target_batch_size}), "
                   f"{summary['discarded_at_shutdown']} samples discarded at shutdown", flush=True)
     return 0
+
+
+def _held_out(summary: dict) -> str:
+    """", held-out loss 5.541 -> 2.210 (steps 0 -> 59)", or nothing when no evaluation ran."""
+    first, last = summary.get("first_eval_loss"), summary.get("last_eval_loss")
+    if first is None or last is None:
+        return ""
+    return (f", held-out loss {first:.3f} -> {last:.3f} "
+            f"(steps {summary['first_eval_step']} -> {summary['last_eval_step']})")
 
 
 def _summary_of(node, wait_s: float = 3.0) -> Optional[dict]:
@@ -193,9 +202,15 @@ def combine_summaries(summaries: list[dict]) -> dict:
 
     wall = max(s["wall_s"] for s in summaries)
     tokens = sum(s["tokens"] for s in summaries)
+    # one trainer evaluates (roles/trainer/evaluation.py); its evaluations in step order
+    evaluations = sorted((e for s in summaries for e in s.get("eval") or []), key=lambda e: e["step"])
     return {
         "first_loss": mean("first_loss"),
         "last_loss": mean("last_loss"),
+        "first_eval_loss": evaluations[0]["loss"] if evaluations else None,
+        "last_eval_loss": evaluations[-1]["loss"] if evaluations else None,
+        "first_eval_step": evaluations[0]["step"] if evaluations else None,
+        "last_eval_step": evaluations[-1]["step"] if evaluations else None,
         "tokens_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
         "samples_completed": sum(s["samples_completed"] for s in summaries),
         "samples_dropped": sum(s["samples_dropped"] for s in summaries),

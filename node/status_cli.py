@@ -163,6 +163,7 @@ class DhtSource:
             time.sleep(0.5)
 
     async def _read(self) -> dict:
+        from authorizer.monitor.progress import run_eval
         from protocol.dht import SwarmDHT
         from protocol.dht_schema import (AveragingRecord, Phase, ProgressRecord, TrainerRecord, WorkerRecord,
                                          averaging_key, progress_key, trainers_key, workers_key)
@@ -199,11 +200,12 @@ class DhtSource:
             rate = round((tokens - self.previous[1]) / (now - self.previous[0]), 1)
         self.previous = (now, tokens)
         losses = [t.recent_loss for t in trainers.values() if t.recent_loss is not None]
+        eval_loss, eval_step = run_eval(trainers, set(trainers))
         return {
             "run_id": self.run_id, "num_stages": n, "updated_at": now, "interval_s": 0.0, "stages": stages,
             "training": {"samples": sum(t.samples_completed for t in reports.values()), "tokens": tokens,
                          "loss": sum(losses) / len(losses) if losses else None, "tokens_per_s": rate,
-                         "trainers": len(trainers)},
+                         "trainers": len(trainers), "eval_loss": eval_loss, "eval_step": eval_step},
             "nodes": {"present": sum(len(w) for w in workers) + len(trainers), "gone": None, "admitted": None,
                       "queued": None},
             "alerts": [],
@@ -279,11 +281,21 @@ def summary_lines(overview: dict, now: Optional[float] = None) -> list[str]:
     return [_clean(line) for line in [
         f"run {overview.get('run_id')}  ({overview.get('num_stages')} stages; from {source}, "
         f"snapshot {_age(overview.get('updated_at'), now)})",
-        f"training: loss {'-' if loss is None else f'{loss:.3f}'}  tokens/s {_rate(t.get('tokens_per_s'))}  "
+        f"training: loss {'-' if loss is None else f'{loss:.3f}'}  {_held_out(t)}  "
+        f"tokens/s {_rate(t.get('tokens_per_s'))}  "
         f"samples {_num(t.get('samples'))}  tokens {_num(t.get('tokens'))}  trainers {_num(t.get('trainers'))}",
         f"nodes: {_num(n.get('present'))} present, {_num(n.get('gone'))} gone; {_num(n.get('admitted'))} admitted, "
         f"{_num(n.get('queued'))} queued",
     ]]
+
+
+def _held_out(training: dict) -> str:
+    """The held-out loss and the step it was taken at; '-' before the first evaluation (or from an
+    older authorizer, whose overview has neither)."""
+    loss, step = training.get("eval_loss"), training.get("eval_step")
+    if not isinstance(loss, (int, float)) or isinstance(loss, bool):
+        return "held-out -"
+    return f"held-out {loss:.3f}" + (f" @ step {step}" if isinstance(step, int) and not isinstance(step, bool) else "")
 
 
 def alert_lines(overview: dict) -> list[str]:

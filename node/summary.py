@@ -50,6 +50,11 @@ def _trainer(s: dict, uptime_s: Optional[float]) -> list[str]:
         progress.append(f"loss {first:.3f} -> {last:.3f}{change}")
     elif last is not None:
         progress.append(f"loss {last:.3f}")
+    evaluations = [e for e in s.get("eval") or [] if isinstance(e, dict) and _num(e, "loss") is not None]
+    if evaluations:
+        held_out = evaluations[-1]
+        progress.append(f"held-out loss {_num(held_out, 'loss'):.3f}" + (
+            f" at step {held_out['step']}" if _int(held_out, "step") is not None else ""))
     rate = _num(s, "tokens_per_s")
     if rate:
         progress.append(f"{rate:.0f} tokens/s")

@@ -152,6 +152,9 @@ class TrainerRecord(RecordModel):
     data_manifest: Optional[str] = Field(default=None, max_length=64,
                                          description="SHA-256 of the prepared corpus's manifest it reads")
     data_position: Optional[int] = Field(default=None, ge=0, description="samples of its share that have ended")
+    eval_loss: Optional[float] = Field(default=None, description="its latest held-out loss (the run's evaluator, "
+                                       "trainer 0, publishes one: roles/trainer/evaluation.py)")
+    eval_step: Optional[int] = Field(default=None, ge=0, description="the stage step that held-out loss was taken at")
 
 
 class Tombstone(RecordModel):

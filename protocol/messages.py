@@ -132,6 +132,26 @@ class BackwardReply(WireModel):
     """The weight version (optimizer steps applied) this stage's gradient was taken at."""
 
 
+class EvaluateRequest(WireModel):
+    """Run one stage's forward on one held-out sample, for evaluation only: the worker computes
+    without gradients and counts nothing towards a step, a gate or staleness. Like a forward, the
+    head gets tokens only and later stages also get the previous boundary's coordinates."""
+
+    stage: int = Field(ge=0)
+    sample_id: SampleId
+    tokens: WireTensor
+    coords: Optional[WireTensor] = None
+
+
+class EvaluateReply(WireModel):
+    """The boundary coordinates for the next stage, or at the tail the sample's mean loss; and the
+    weight version (optimizer steps applied) the stage computed with."""
+
+    coords: Optional[WireTensor] = None
+    loss: Optional[float] = None
+    version: int = Field(ge=0)
+
+
 class AbandonRequest(WireModel):
     """A sample tagged with `step` was dropped before its backward reached this stage."""
 

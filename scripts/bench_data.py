@@ -43,7 +43,7 @@ print(json.dumps({"samples": count, "shards": len(stream.shards), "max_rss_mb": 
 """
 
 
-def _write_corpus(root: Path, megabytes: float, seed: int) -> list[str]:
+def write_corpus(root: Path, megabytes: float, seed: int) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
@@ -98,8 +98,8 @@ def main() -> None:
         (root / "small").mkdir()
         (root / "large").mkdir()
         started = time.monotonic()
-        small = _write_corpus(root / "small", args.mb, seed=0)
-        large = _write_corpus(root / "large", args.mb * args.memory_factor, seed=1)
+        small = write_corpus(root / "small", args.mb, seed=0)
+        large = write_corpus(root / "large", args.mb * args.memory_factor, seed=1)
         written_s = time.monotonic() - started
         shard_tokens = str(1 << 20)
         byte = _prepare(small, root / "byte", "--shard-tokens", shard_tokens)

@@ -290,6 +290,8 @@
     document.title = 'agora run ' + String(o.run_id);
     const t = o.training || {};
     setText('total-loss', fmtFixed(t.loss, 3));
+    setText('total-eval-loss', fmtFixed(t.eval_loss, 3));
+    setText('total-eval-step', isNum(t.eval_step) ? 'at step ' + fmtInt(t.eval_step) : '');
     setText('total-tps', fmtRate(t.tokens_per_s));
     setText('total-samples', fmtInt(t.samples));
     setText('total-tokens', fmtInt(t.tokens));
@@ -387,8 +389,12 @@
 
   function drawCharts() {
     const loss = state.progress.filter(function (p) { return isNum(p.loss); }).map(function (p) { return [p.t, p.loss]; });
+    // The latest held-out loss at each snapshot: flat between two evaluations.
+    const heldOut = state.progress.filter(function (p) { return isNum(p.eval_loss); }).map(function (p) { return [p.t, p.eval_loss]; });
     const tps = state.progress.filter(function (p) { return isNum(p.tokens_per_s); }).map(function (p) { return [p.t, p.tokens_per_s]; });
-    drawChart($('loss-chart'), [{ points: loss }], 'no loss reported yet');
+    drawChart($('loss-chart'), heldOut.length
+      ? [{ points: loss, label: 'training' }, { points: heldOut, label: 'held-out' }]
+      : [{ points: loss }], 'no loss reported yet');
     drawChart($('tps-chart'), [{ points: tps }], 'no throughput yet');
   }
 

@@ -247,6 +247,11 @@ class _Collector:
                                      labels=["run"])
             loss.add_metric([run], progress["loss"])
             yield loss
+        if progress.get("eval_loss") is not None:
+            held_out = GaugeMetricFamily("agora_monitor_eval_loss", "the run's latest held-out loss (its evaluating "
+                                         "trainer's)", labels=["run"])
+            held_out.add_metric([run], progress["eval_loss"])
+            yield held_out
 
 
 @monitor_router.get("/metrics", include_in_schema=False)

@@ -11,6 +11,7 @@ new. Cursors and the run's totals are written in one transaction
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -71,3 +72,15 @@ def run_loss(reports: dict[str, TrainerRecord], present: set[str]) -> Optional[f
               for peer, r in reports.items() if peer in present]
     losses = [x for x in losses if x is not None and x == x]
     return sum(losses) / len(losses) if losses else None
+
+
+def run_eval(reports: dict[str, TrainerRecord], present: set[str]) -> tuple[Optional[float], Optional[int]]:
+    """The run's latest held-out loss and its step: from the present trainer that evaluated at
+    the highest step (one trainer evaluates, roles/trainer/evaluation.py; a restarted one may
+    briefly report beside its old record)."""
+    found = [(r.eval_step, r.eval_loss) for peer, r in reports.items()
+             if peer in present and r.eval_step is not None and r.eval_loss is not None and math.isfinite(r.eval_loss)]
+    if not found:
+        return None, None
+    step, loss = max(found)
+    return loss, step

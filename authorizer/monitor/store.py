@@ -22,8 +22,8 @@ from authorizer.monitor.health import Alert
 from authorizer.monitor.membership import NodeState, Placement
 from authorizer.monitor.progress import Cursor
 from authorizer.monitor.tables import (
-    monitor_alerts, monitor_metadata, monitor_node_samples, monitor_nodes, monitor_progress, monitor_stage_samples,
-    monitor_stages, monitor_state, monitor_trainer_cursors,
+    ADDED_COLUMNS, monitor_alerts, monitor_metadata, monitor_node_samples, monitor_nodes, monitor_progress,
+    monitor_stage_samples, monitor_stages, monitor_state, monitor_trainer_cursors,
 )
 from protocol.errors import ConfigError
 
@@ -85,6 +85,7 @@ class MonitorStore:
         try:
             monitor_metadata.create_all(self.write_engine)
             with self.write_engine.begin() as conn:
+                self._add_columns(conn)
                 owner = conn.execute(select(monitor_state.c.value).where(monitor_state.c.key == "run_id")).scalar()
                 if owner is None:
                     conn.execute(monitor_state.insert().values(key="run_id", value=json.dumps(run_id)))
@@ -93,6 +94,17 @@ class MonitorStore:
                                       f"not {run_id!r}; give the monitor a fresh --db")
         except SQLAlchemyError as exc:
             raise ConfigError(f"cannot open the monitor's tables: {exc.__class__.__name__}: {exc}; check --db") from exc
+
+    @staticmethod
+    def _add_columns(conn) -> None:
+        """Bring tables an older monitor created up to the current ones (nullable columns only)."""
+        for table_name, names in ADDED_COLUMNS.items():
+            present = {c["name"] for c in inspect(conn).get_columns(table_name)}
+            for name in names:
+                if name not in present:
+                    column = monitor_metadata.tables[table_name].c[name]
+                    conn.exec_driver_sql(f"ALTER TABLE {table_name} ADD COLUMN {name} "
+                                         f"{column.type.compile(conn.dialect)}")
 
     def load(self, recent_losses: int = 32) -> Loaded:
         loaded = Loaded()
@@ -218,7 +230,8 @@ class MonitorStore:
             "interval_s": state.get("interval_s"), "stages": stages,
             "training": {"samples": int(state.get("samples", 0)), "tokens": int(state.get("tokens", 0)),
                          "loss": last.loss if last else None, "tokens_per_s": last.tokens_per_s if last else None,
-                         "trainers": last.trainers if last else 0},
+                         "trainers": last.trainers if last else 0,
+                         "eval_loss": last.eval_loss if last else None, "eval_step": last.eval_step if last else None},
             "nodes": {"present": int(counts.get("present", 0)), "gone": int(counts.get("gone", 0))},
             "alerts": alerts,
         }
@@ -234,7 +247,7 @@ class MonitorStore:
             rows = conn.execute(query).mappings().all()  # mappings: Row.t is SQLAlchemy's own attribute
         rows = sorted(rows, key=lambda r: r["id"])
         return [dict(t=r["t"], samples=int(r["samples"]), tokens=int(r["tokens"]), loss=r["loss"],
-                     tokens_per_s=r["tokens_per_s"]) for r in rows]
+                     tokens_per_s=r["tokens_per_s"], eval_loss=r["eval_loss"], eval_step=r["eval_step"]) for r in rows]
 
     def nodes(self, limit: int = 100_000) -> list[dict]:
         with self.read_engine.connect() as conn:

@@ -92,8 +92,14 @@ monitor_progress = Table(
     Column("loss", Float),
     Column("tokens_per_s", Float),
     Column("trainers", Integer, nullable=False),
+    Column("eval_loss", Float, comment="the run's latest held-out loss (roles/trainer/evaluation.py)"),
+    Column("eval_step", BigInteger, comment="the stage step that held-out loss was taken at"),
     Index("monitor_progress_t", "t"),
 )
+
+ADDED_COLUMNS = {"monitor_progress": ("eval_loss", "eval_step")}
+"""Columns added since the tables were first released: a database an older monitor created gets
+them when the monitor opens it (authorizer.monitor.store)."""
 
 monitor_trainer_cursors = Table(
     "monitor_trainer_cursors", monitor_metadata,

@@ -1,5 +1,6 @@
-"""A trainer's metrics: loss, tokens, samples by outcome, lanes and retries, and the workers it
-can route to per stage [report 3.4.4]. All read from the role's own counters at scrape time."""
+"""A trainer's metrics: loss, tokens, samples by outcome, lanes and retries, the workers it can
+route to per stage [report 3.4.4], and the held-out loss. All read from the role's own counters at
+scrape time."""
 
 from __future__ import annotations
 
@@ -50,3 +51,18 @@ def _trainer(f: Families, role: TrainerRole) -> Iterable[Family]:
                   a.last_step)
     yield f.gauges("agora_trainer_stage_workers", "workers this trainer can route to, per stage", "worker_stage",
                    {str(stage): n for stage, n in enumerate(role.discovery.workers_per_stage())})
+    yield from _evaluation(f, role)
+
+
+def _evaluation(f: Families, role: TrainerRole) -> Iterable[Family]:
+    """The held-out loss: values on the evaluating trainer (trainer 0) once it has evaluated, no
+    samples elsewhere (roles/trainer/evaluation.py)."""
+    evaluator = role.evaluator
+    latest = evaluator.latest if evaluator is not None else None
+    yield f.gauge("agora_eval_loss", "mean loss on the held-out samples at the latest evaluation",
+                  latest.loss if latest is not None else None)
+    yield f.gauge("agora_eval_perplexity", "exp(agora_eval_loss)", latest.perplexity if latest is not None else None)
+    yield f.gauge("agora_eval_step", "the stage step the latest evaluation was taken at",
+                  latest.step if latest is not None else None)
+    yield f.counter("agora_evaluations_total", "held-out evaluations that produced a loss",
+                    evaluator.evaluations if evaluator is not None else None)

@@ -63,6 +63,17 @@ def _worker(f: Families, role: WorkerRole) -> Iterable[Family]:
     yield f.counter("agora_worker_optimizer_steps_total", "optimizer steps this replica took",
                     len(role.ledger.step_sizes))
     yield f.gauge("agora_worker_stage_step", "the stage step this replica is at", role.optimizer.local_step)
+    writer = role.checkpoint_writer
+    if writer is not None:
+        counts = writer.counters
+        yield f.gauge("agora_worker_checkpoint_step", "the step of this writer's last run checkpoint (serialized; "
+                      "uploading or uploaded)", writer.last_step)
+        yield f.counters("agora_worker_checkpoint_uploads_total", "this writer's run checkpoints by outcome: "
+                         "uploaded, failed, or skipped (the previous upload still running, or in weight sync)",
+                         ("outcome", ), {("uploaded", ): counts.get("checkpoints_uploaded", 0),
+                                         ("failed", ): counts.get("checkpoint_upload_failures", 0),
+                                         ("skipped", ): counts.get("checkpoints_skipped_busy", 0)
+                                         + counts.get("checkpoints_skipped_syncing", 0)})
     current = Phase.LEAVING if role.state in (WorkerState.STOPPING, WorkerState.STOPPED) else role.phase
     yield f.gauges("agora_worker_sync_phase", "1 for the sync phase the worker is in, 0 for the others", "phase",
                    {phase.value: float(phase == current) for phase in Phase})

@@ -77,7 +77,7 @@ class SyntheticCorpus:
     visibly learns within a few hundred steps, which is what the demo has to show.
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int | str = 0) -> None:
         self.seed = seed
         self.name = f"synthetic(seed={seed})"
 

@@ -40,6 +40,8 @@ from protocol.messages import (
     AbandonRequest,
     BackwardReply,
     BackwardRequest,
+    EvaluateReply,
+    EvaluateRequest,
     ForwardReply,
     ForwardRequest,
     WireModel,
@@ -84,6 +86,14 @@ class SampleResult:
     """Body stages the sample was routed around (forward, or backward after its worker died)."""
     abandon_to: list[tuple[int, str]] = field(default_factory=list)
     """(stage, worker) of skipped stages that still list a worker: told the sample will not come."""
+
+
+@dataclass(frozen=True)
+class EvaluatedSample:
+    """A held-out sample's loss at the tail, and the tail's weight version it was computed with."""
+
+    loss: float
+    version: int
 
 
 @dataclass
@@ -251,6 +261,47 @@ class PipelineDriver:
         return SampleResult(loss=loss, route=route, backward_fallbacks=fallbacks,
                             elapsed_s=time.perf_counter() - started, step=step, versions=versions,
                             skipped=skipped, abandon_to=abandon_to)
+
+    async def evaluate_sample(self, sample_id: str, tokens: torch.Tensor) -> EvaluatedSample:
+        """A held-out sample forward through every stage with `agora/v1/evaluate`: no backward, no
+        step tag, nothing any stage counts towards a step. Each hop goes to the least-loaded worker
+        of its stage and a failed one to another worker (`_evaluation_hop`). A stage without a
+        usable worker drops the sample (SampleDropped): evaluation never routes around a stage,
+        since the loss would then be another model's."""
+        sample_id = f"{self.id_prefix}{sample_id}"
+        coords: Optional[torch.Tensor] = None
+        tail = self.num_stages - 1
+        for stage in range(self.num_stages):
+            request = EvaluateRequest(stage=stage, sample_id=sample_id, tokens=tokens, coords=coords)
+            peer, reply = await self._evaluation_hop(stage, request)
+            if stage < tail:
+                if reply.coords is None:
+                    raise SampleDropped("bad_reply", f"stage {stage} worker {peer[-8:]} sent no coordinates")
+                coords = reply.coords
+        if reply.loss is None:
+            raise SampleDropped("bad_reply", f"tail worker {peer[-8:]} sent no loss")
+        return EvaluatedSample(loss=reply.loss, version=reply.version)
+
+    async def _evaluation_hop(self, stage: int, request: EvaluateRequest) -> tuple[str, EvaluateReply]:
+        """Up to `max_attempts` workers of the stage, each once. A failure is not reported to the
+        balancer: evaluation must not ban a worker that training uses (an older worker has no
+        evaluate handler at all)."""
+        tried: list[str] = []
+        last_error = "no attempt made"
+        for _ in range(self.max_attempts):
+            try:
+                peer = self.balancers[stage].choose(1.0, exclude=tried)
+            except NoWorkersError as exc:
+                if tried:
+                    break  # every usable worker of the stage failed once
+                raise SampleDropped("no_workers", str(exc)) from exc
+            tried.append(peer)
+            try:
+                return peer, await self._call(stage, peer, version.EVALUATE, request, EvaluateReply)
+            except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
+                last_error = f"worker {peer[-8:]}: {exc}"
+                logger.debug("stage %d evaluation hop failed on %s; trying another worker", stage, last_error)
+        raise SampleDropped("worker_failures", f"stage {stage}: {len(tried)} worker(s) failed; last: {last_error}")
 
     async def abandon(self, sample_id: str, dropped: SampleDropped, timeout_s: float = 5.0) -> int:
         """Tell the stages a tagged sample never reached that it will not come, so they close its

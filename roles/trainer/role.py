@@ -27,6 +27,7 @@ from roles.trainer.balancer import StageBalancer
 from roles.trainer.config import TrainerConfig
 from roles.trainer.data import Sample, make_sample_stream, trainer_data
 from roles.trainer.discovery import WorkerDiscovery
+from roles.trainer.evaluation import HeldOutEvaluator, HeldOutUnavailable, heldout_loader
 from roles.trainer.pipeline import PipelineDriver, SampleDropped
 from roles.trainer.skipping import StageSkipping
 
@@ -80,6 +81,7 @@ class TrainerRole:
         self.drops = EventAggregator(logger, "dropped", "sample", interval_s=config.progress_log_period_s)
         """Dropped samples, one line per reason per interval: a lost stage drops every sample."""
         self.announcer = Announcer(swarm, trainers_key(run.run_id), self._record, period_s=config.announce_period_s)
+        self.evaluator: Optional[HeldOutEvaluator] = self._make_evaluator()
         self._connected: set[str] = set()
         self.live_trainers = 1
         self._slot_freed = asyncio.Event()
@@ -93,12 +95,36 @@ class TrainerRole:
         self.finished_at: Optional[float] = None
         self._tasks: list[asyncio.Task] = []
 
+    def _make_evaluator(self) -> Optional[HeldOutEvaluator]:
+        """Trainer 0 (data shard 0 of n) evaluates on the held-out samples, if the data has any
+        (roles/trainer/evaluation.py); the others, and every trainer of a run with
+        `evaluation.every_steps: 0`, do not."""
+        evaluation = self.run_config.evaluation
+        if evaluation.every_steps == 0:
+            logger.info("held-out evaluation is off (evaluation.every_steps is 0)")
+            return None
+        if self.config.shard_index != 0:
+            return None
+        try:
+            load, described = heldout_loader(
+                trainer_data(self.config.data, self.run_config), tokenizer_path=self.config.tokenizer,
+                seq_len=self.run_config.seq_len, seed=self.run_config.seed, count=evaluation.samples,
+                data_dir=self.config.data_dir, corpus=getattr(self.stream, "corpus", None))
+        except HeldOutUnavailable as exc:
+            logger.info("held-out evaluation is off: %s", exc)
+            return None
+        logger.info("held-out evaluation: this trainer (data shard 0) evaluates every %d steps on %d samples of %s",
+                    evaluation.every_steps, evaluation.samples, described)
+        return HeldOutEvaluator(evaluation, self.driver, load, on_result=lambda _: self.announcer.poke())
+
     def _record(self, final: bool = False) -> TrainerRecord:
         a = self.accounting
+        latest = self.evaluator.latest if self.evaluator is not None else None
+        held_out = {"eval_loss": latest.loss, "eval_step": latest.step} if latest is not None else {}
         return TrainerRecord(
             samples_completed=a.completed, samples_dropped=a.dropped, tokens=a.tokens, last_loss=a.last_loss,
             first_loss=a.first_loss, recent_loss=a.recent_loss, time=time.time(), final=final,
-            **self._data_fields(),
+            **held_out, **self._data_fields(),
         )
 
     def _data_fields(self) -> dict:
@@ -202,6 +228,8 @@ class TrainerRole:
             self.accounting.complete(result.loss, int(sample.tokens.numel()), result.step)
             self._ended(sample)
             self._slot_freed.set()
+            if self.evaluator is not None:
+                self.evaluator.saw_step(result.step)
             if self.sample_log is not None:
                 self.sample_log.write(json.dumps({"sample_id": sample.sample_id, "step": result.step,
                                                   "loss": result.loss, "versions": result.versions,
@@ -260,12 +288,17 @@ class TrainerRole:
         stop_waiter.cancel()
         if stop.is_set():
             self.state = TrainerState.DRAINING
+            if self.evaluator is not None:
+                await self.evaluator.close()
             lane_stop.set()  # lanes finish the sample they hold, then exit
             done, pending = await asyncio.wait(lanes, timeout=self.config.drain_timeout_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         self.finished_at = time.monotonic()
+        if self.state != TrainerState.DRAINING and self.evaluator is not None:
+            # --max-samples reached: a last held-out loss at the final weights
+            await self.evaluator.conclude(stop, self.config.drain_timeout_s)
         self._flush_events()
         await self.announcer.announce_now()
 
@@ -285,6 +318,7 @@ class TrainerRole:
             "forward_retries": self.driver.stats.forward_retries,
             "backward_fallbacks": self.driver.stats.backward_fallbacks,
             "served": served,
+            "eval": self.evaluator.summary() if self.evaluator is not None else [],
             **self.skipping.summary(),
             **({"data": self.stream.describe()} if hasattr(self.stream, "describe") else {}),
         }
@@ -294,6 +328,8 @@ class TrainerRole:
             return
         self.state = TrainerState.STOPPED
         self._flush_events()
+        if self.evaluator is not None:
+            await self.evaluator.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,5 +1,6 @@
 """The worker's `agora/v1/*` handlers: parse, validate, queue, await the compute thread, reply
-with the typed reply the trainer parses (protocol/messages.py).
+with the typed reply the trainer parses (protocol/messages.py). A held-out evaluation skips the
+queues: it runs in a thread of its own beside the compute thread (StageRuntime.evaluate).
 
 Every failure here becomes a typed error reply through the RPC server; nothing a remote peer
 sends can reach the compute thread without passing the runtime's checks first.
@@ -19,6 +20,8 @@ from protocol.messages import (
     AbandonRequest,
     BackwardReply,
     BackwardRequest,
+    EvaluateReply,
+    EvaluateRequest,
     ForwardReply,
     ForwardRequest,
     InfoReply,
@@ -28,6 +31,11 @@ from roles.worker.queues import QueueClosed, QueueFull, TaskKind
 from roles.worker.runtime import BackwardResult, StageRuntime
 
 T = TypeVar("T")
+
+EVALUATIONS_AT_ONCE = 2
+"""Held-out forwards computing at once (each in a thread of its own, beside the compute thread)."""
+EVALUATIONS_WAITING_MAX = 16
+"""Held-out forwards that may wait for a slot; beyond that a caller is told the worker is overloaded."""
 
 
 class NotServing(AgoraError):
@@ -45,20 +53,22 @@ class WorkerHandlers:
         self.info_fn = info
         self.serving = serving
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
-        """Forward and backward requests by (pass, outcome): `ok`, or the error code the request
-        was answered with (`overloaded`, `not_ready`, `invalid_tensor`, ...). Streams refused
-        before a request was read are counted by the RPC server instead."""
+        """Forward, backward and evaluate requests by (pass, outcome): `ok`, or the error code the
+        request was answered with (`overloaded`, `not_ready`, `invalid_tensor`, ...). Streams
+        refused before a request was read are counted by the RPC server instead."""
+        self._evaluation_slots = asyncio.Semaphore(EVALUATIONS_AT_ONCE)
+        self._evaluations_waiting = 0
 
-    async def _counted(self, kind: TaskKind, call: Awaitable[T]) -> T:
+    async def _counted(self, kind: str, call: Awaitable[T]) -> T:
         try:
             result = await call
         except AgoraError as exc:
-            self.outcomes[(kind.value, ErrorCode(getattr(exc, "code", ErrorCode.NOT_READY)).name.lower())] += 1
+            self.outcomes[(kind, ErrorCode(getattr(exc, "code", ErrorCode.NOT_READY)).name.lower())] += 1
             raise
         except Exception:
-            self.outcomes[(kind.value, "internal")] += 1
+            self.outcomes[(kind, "internal")] += 1
             raise
-        self.outcomes[(kind.value, "ok")] += 1
+        self.outcomes[(kind, "ok")] += 1
         return result
 
     async def _run(self, kind: TaskKind, request, caller: PeerID) -> object:
@@ -92,7 +102,7 @@ class WorkerHandlers:
             raise ProtocolError(f"stage computation failed: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL) from exc
 
     async def forward(self, peer_id: PeerID, body: dict) -> ForwardReply:
-        return await self._counted(TaskKind.FORWARD, self._forward(peer_id, body))
+        return await self._counted(TaskKind.FORWARD.value, self._forward(peer_id, body))
 
     async def _forward(self, peer_id: PeerID, body: dict) -> ForwardReply:
         request = parse_model(ForwardRequest, body)
@@ -103,7 +113,7 @@ class WorkerHandlers:
         return ForwardReply(coords=await self._run(TaskKind.FORWARD, request, peer_id))
 
     async def backward(self, peer_id: PeerID, body: dict) -> BackwardReply:
-        return await self._counted(TaskKind.BACKWARD, self._backward(peer_id, body))
+        return await self._counted(TaskKind.BACKWARD.value, self._backward(peer_id, body))
 
     async def _backward(self, peer_id: PeerID, body: dict) -> BackwardReply:
         request = parse_model(BackwardRequest, body)
@@ -115,6 +125,39 @@ class WorkerHandlers:
             step=None if result.step is None else int(result.step),
             version=None if result.version is None else int(result.version),
         )
+
+    async def evaluate(self, peer_id: PeerID, body: dict) -> EvaluateReply:
+        return await self._counted("evaluate", self._evaluate(body))
+
+    async def _evaluate(self, body: dict) -> EvaluateReply:
+        """A held-out forward (StageRuntime.evaluate) in a thread of its own: at most
+        EVALUATIONS_AT_ONCE compute, at most EVALUATIONS_WAITING_MAX wait, so no caller can pile up
+        threads. A slot stays taken until its thread ends, even if the caller left meanwhile."""
+        request = parse_model(EvaluateRequest, body)
+        self.runtime.check_evaluate(request)
+        if not self.serving():
+            raise NotServing("worker is not serving requests right now; retry on another worker")
+        if self._evaluations_waiting >= EVALUATIONS_WAITING_MAX:
+            raise ProtocolError(f"{EVALUATIONS_WAITING_MAX} held-out evaluations already wait here; retry later or "
+                                "on another worker", ErrorCode.OVERLOADED)
+        self._evaluations_waiting += 1
+        try:
+            await self._evaluation_slots.acquire()
+        finally:
+            self._evaluations_waiting -= 1
+        work = asyncio.ensure_future(asyncio.to_thread(self.runtime.evaluate, request))
+        work.add_done_callback(self._evaluation_done)
+        try:
+            return await asyncio.shield(work)
+        except AgoraError:
+            raise
+        except Exception as exc:
+            raise ProtocolError(f"evaluation failed: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL) from exc
+
+    def _evaluation_done(self, work: asyncio.Future) -> None:
+        self._evaluation_slots.release()
+        if not work.cancelled():
+            work.exception()  # retrieved: a caller that left does not make asyncio log it as lost
 
     async def abandon(self, peer_id: PeerID, body: dict) -> AbandonReply:
         request = parse_model(AbandonRequest, body)

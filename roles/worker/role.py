@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import tempfile
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -23,10 +25,11 @@ from protocol.auth import PeerAuthenticator
 from protocol.auth_state import SharedAuthState
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import Phase, ProgressRecord, WorkerRecord, progress_key, workers_key
-from protocol.errors import ErrorCode, ProtocolError
+from protocol.errors import ConfigError, ErrorCode, ProtocolError
 from protocol.messages import InfoReply
 from protocol.transport import RpcClient, RpcServer
 from roles.announcer import Announcer
+from roles.checkpoint_store import CheckpointStore, CheckpointStoreError
 from roles.periodic import every, wait_any
 from roles.resources import device_memory, host_memory_total_bytes, host_rss_bytes
 from protocol.run_config import RunConfig
@@ -46,6 +49,7 @@ from roles.worker.preemption import PreemptionWatcher, PreemptSwitch
 from roles.worker.progress import StageProgress
 from roles.worker.queues import TaskQueues
 from roles.worker.replicas import StageReplicas
+from roles.worker.run_checkpoints import RunCheckpointWriter, apply_state, load_latest
 from roles.worker.runtime import StageRuntime
 from roles.worker.state_loader import StateLoader
 from roles.worker.state_server import StateServer
@@ -55,6 +59,8 @@ from roles.worker.sync_phase import SyncPhases
 logger = logging.getLogger(__name__)
 
 SERVING_PHASES = (Phase.ACTIVE, Phase.OPTIMIZER_SYNC)
+CHECKPOINT_UPLOAD_GRACE_S = 10.0
+"""How long a leaving writer waits for its checkpoint upload in progress (an unfinished one is never loaded)."""
 
 
 class WorkerState(enum.Enum):
@@ -145,6 +151,18 @@ class WorkerRole:
         if config.checkpoint_dir:
             self.checkpoints = StageCheckpoints(config.checkpoint_dir, run_id=run.run_id, stage=config.stage,
                                                 layout=self.layout, store=self.optimizer)
+        store_url = config.checkpoint_store or run.checkpoints.store
+        self.run_store = CheckpointStore(store_url, run.run_id, run.num_stages) if store_url else None
+        self.checkpoint_writer: Optional[RunCheckpointWriter] = None
+        if config.checkpoint_write:
+            if self.run_store is None:
+                raise ConfigError("--checkpoint-write needs a store: pass --checkpoint-store URL or set "
+                                  "checkpoints.store in the run config")
+            self.checkpoint_writer = RunCheckpointWriter(
+                self.run_store, stage=config.stage, writer=swarm.peer_id, optimizer=self.optimizer,
+                layout=self.layout, every_steps=run.checkpoints.every_steps, keep=run.checkpoints.keep,
+                may_write=lambda: self.phase == Phase.ACTIVE, upload_delay_s=config.test_checkpoint_upload_delay_s)
+            self.runtime.after_step = self.checkpoint_writer.after_step
         self.joined: dict = {}
         self._tasks: list[asyncio.Task] = []
         self._alone_since: Optional[float] = None
@@ -197,6 +215,8 @@ class WorkerRole:
         counters.update(self.state_server.counters)
         if self.checkpoints is not None:
             counters["checkpoints_written"] = self.checkpoints.written
+        if self.checkpoint_writer is not None:
+            counters.update(self.checkpoint_writer.counters)
         return InfoReply(
             peer_id=self.swarm.peer_id, role="worker", stage=self.config.stage, phase=self.phase.value,
             max_batch=self.config.max_batch, local_step=self.optimizer.local_step,
@@ -246,6 +266,7 @@ class WorkerRole:
             "averaging": self.averaging.summary(),
             **self.replicas.summary(),
             "state_served": dict(self.state_server.counters),
+            **({"checkpoints": self.checkpoint_writer.summary()} if self.checkpoint_writer is not None else {}),
             "terminated_by": self.termination.summary(),
         }
 
@@ -262,6 +283,7 @@ class WorkerRole:
         self.runtime.start()
         await self.server.add_handler(version.FORWARD, self.handlers.forward, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.BACKWARD, self.handlers.backward, roles=frozenset({"trainer"}))
+        await self.server.add_handler(version.EVALUATE, self.handlers.evaluate, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.ABANDON, self.handlers.abandon, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.INFO, self.handlers.info)
         self.state = WorkerState.ONLINE
@@ -279,6 +301,8 @@ class WorkerRole:
             # left it, not at the seed. State then comes from a checkpoint or, failing that, the
             # seeded weights with a warning, instead of a silent restart of the stage from step 0.
             stage_step, stage_consumed = own.local_step, own.samples_consumed
+        if stage_step == 0 and await self._resume_from_store():
+            return
         if stage_step == 0:
             self.sync.begin(Phase.ACTIVE, 0, "the stage has not stepped yet: every replica starts from the seed")
             self.joined = {"stage_step": 0, "loaded_step": 0, "source": "seed", "phase": Phase.ACTIVE.value}
@@ -297,6 +321,14 @@ class WorkerRole:
                 source = f"checkpoint {self.checkpoints.path}"
             except CheckpointError as exc:
                 logger.warning("could not load the checkpoint: %s", exc)
+        if loaded_step is None and self.run_store is not None and self.config.state_source in ("auto", "checkpoint"):
+            loaded = await self._load_from_store()
+            if loaded is not None:
+                manifest, state = loaded
+                # the moments too: older than the stage's weights, but far better than zeros
+                await asyncio.to_thread(apply_state, state, self.optimizer, self.layout, self.optimizer,
+                                        with_optimizer=True)
+                loaded_step, source = manifest.step, f"checkpoint store {self.run_store.describe()}"
         if loaded_step is None:
             hint = ("" if self.checkpoints is not None else "; with --checkpoint-dir DIR --checkpoint-period-s S a "
                     "restarted last replica of a stage resumes from its checkpoint")
@@ -311,6 +343,44 @@ class WorkerRole:
         self.sync.begin(phase, stage_step, reason)
         self.joined = {"stage_step": stage_step, "loaded_step": loaded_step, "source": source, "phase": phase.value}
         logger.info("joined stage %d in %s: %s", self.config.stage, phase.value, reason)
+
+    async def _load_from_store(self):
+        """The newest complete run checkpoint's state of this stage, or None (logged) if there is none."""
+        try:
+            loaded = await asyncio.to_thread(load_latest, self.run_store, self.config.stage, self.layout,
+                                             self._store_workdir())
+        except CheckpointStoreError as exc:
+            # not an empty store: starting from the seed here could restart a lost run from scratch
+            raise ConfigError(f"{exc}; fix the store or its credentials (AWS_* variables for s3://), or start "
+                              "without it (no checkpoints.store, no --checkpoint-store)") from exc
+        if loaded is None:
+            logger.info("the checkpoint store %s holds no complete checkpoint yet", self.run_store.describe())
+        return loaded
+
+    def _store_workdir(self) -> Path:
+        """Where a stage object downloaded from a remote store lies while it is read."""
+        return Path(tempfile.gettempdir()) / f"agora-checkpoint-{self.swarm.peer_id[-12:]}"
+
+    async def _resume_from_store(self) -> bool:
+        """A stage nobody has stepped in this DHT, with a complete checkpoint in the store: the run
+        was lost and restarts, so this stage continues from the checkpoint (weights, optimizer
+        moments, step and schedule position) instead of from the seed."""
+        if self.run_store is None or self.config.state_source not in ("auto", "checkpoint"):
+            return False
+        loaded = await self._load_from_store()
+        if loaded is None:
+            return False
+        manifest, state = loaded
+        await asyncio.to_thread(apply_state, state, self.optimizer, self.layout, self.optimizer, with_optimizer=True)
+        step = self.optimizer.local_step
+        reason = (f"resumed from the checkpoint at step {manifest.step} in {self.run_store.describe()}: the stage "
+                  "had no live replica")
+        self.sync.begin(Phase.ACTIVE, step, reason)
+        self.runtime.stepped.fire()
+        self.joined = {"stage_step": step, "loaded_step": manifest.step, "source": f"checkpoint store "
+                       f"{self.run_store.describe()}", "phase": Phase.ACTIVE.value, "resumed": True}
+        logger.info("joined stage %d: %s", self.config.stage, reason)
+        return True
 
     async def _active_peers(self) -> list[str]:
         """Other workers of this stage whose DHT record says they are active."""
@@ -470,6 +540,8 @@ class WorkerRole:
         if (self.checkpoints is not None and self.config.checkpoint_period_s and not self.averaging.leave_reason
                 and self.phase == Phase.ACTIVE):
             await self.checkpoints.save_logged(self.optimizer.local_step)
+        if self.checkpoint_writer is not None:
+            await asyncio.to_thread(self.checkpoint_writer.close, CHECKPOINT_UPLOAD_GRACE_S)
         if self._probe_client is not None:
             await self._probe_client.close()
         await self.server.shutdown()

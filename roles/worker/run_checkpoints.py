@@ -123,23 +123,30 @@ class RunCheckpointWriter:
 
 def load_latest(store: CheckpointStore, stage: int, layout: FlatLayout,
                 workdir: Path) -> Optional[tuple[RunManifest, StageState]]:
-    """The newest complete checkpoint's state of `stage`, or None when the store has none.
-    Refuses (CheckpointStoreError) an object whose layout is not this stage's."""
-    manifest = store.latest()
-    if manifest is None:
-        return None
-    path = store.fetch_stage(manifest, stage, workdir)
-    try:
-        state = read_stage_state(path, layout.names)
-    finally:
-        if not store.local:
-            path.unlink(missing_ok=True)
-    for key, expected in (("run_id", store.run_id), ("stage", str(stage)), ("layout", layout.digest),
-                          ("step", str(manifest.step))):
-        if state.metadata.get(key) != expected:
-            raise CheckpointStoreError(f"the stage {stage} object of step {manifest.step} in {store.describe()} has "
-                                       f"{key}={state.metadata.get(key)!r}, this worker needs {expected!r}")
-    return manifest, state
+    """The state of `stage` in the newest complete checkpoint whose object of this stage is intact
+    (a damaged one is logged and the next older tried), or None when the store has none. A store
+    that cannot be listed raises CheckpointStoreError: the caller must not mistake it for an
+    empty one."""
+    for step in reversed(store.complete_steps()):
+        try:
+            manifest = store.manifest(step)
+            path = store.fetch_stage(manifest, stage, workdir)
+            try:
+                state = read_stage_state(path, layout.names)
+            finally:
+                if not store.local:
+                    path.unlink(missing_ok=True)
+            for key, expected in (("run_id", store.run_id), ("stage", str(stage)), ("layout", layout.digest),
+                                  ("step", str(manifest.step))):
+                if state.metadata.get(key) != expected:
+                    raise CheckpointStoreError(
+                        f"the stage {stage} object of step {manifest.step} in {store.describe()} has "
+                        f"{key}={state.metadata.get(key)!r}, this worker needs {expected!r}")
+        except CheckpointStoreError as exc:
+            logger.warning("skipping the checkpoint at step %d: %s", step, exc)
+            continue
+        return manifest, state
+    return None
 
 
 def apply_state(state: StageState, store, layout: FlatLayout, optimizer, *, with_optimizer: bool) -> None:

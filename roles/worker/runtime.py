@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import BackwardRequest, ForwardRequest
+from protocol.messages import BackwardRequest, EvaluateReply, EvaluateRequest, ForwardRequest
 from protocol.stats import BusyWindow, Distribution, powers_of_two
 from roles.model.stage import StageModel
 from roles.periodic import Signal
@@ -218,6 +218,9 @@ class StageRuntime:
         """Called by the compute thread with each error a batch raised (before its requesters get
         it): the self-termination rules tell a failing device from a bad request there."""
         self.on_step: Optional[Callable[[bool, str], None]] = None
+        self.after_step: Optional[Callable[[int], None]] = None
+        """Called by the compute thread after every step, optimizer lock held, with the steps applied
+        (run checkpoints are written from here, at exactly the agreed step)."""
         """Called by the compute thread after each step that had samples: (finite, what happened)."""
         self.tagging: Optional[Callable[[int], Optional[list[TagGrant]]]] = None
         """Tail with replicas: step tags for n untagged samples from the stage's tagger, in order
@@ -261,6 +264,11 @@ class StageRuntime:
             raise ProtocolError(f"step {request.step} is implausibly far ahead of this stage's "
                                 f"{self.optimizer.local_step}", ErrorCode.INVALID_REQUEST)
 
+    def check_evaluate(self, request: EvaluateRequest) -> None:
+        seq_len = self._check_common(request.stage, request.tokens, request.coords)
+        if self.kind == "tail" and seq_len < 2:
+            raise ProtocolError("the tail needs at least 2 tokens", ErrorCode.INVALID_TENSOR)
+
     def _check_common(self, stage: int, tokens: torch.Tensor, coords: Optional[torch.Tensor]) -> int:
         if stage != self.stage:
             raise ProtocolError(f"this worker serves stage {self.stage}, not {stage}", ErrorCode.WRONG_STAGE)
@@ -287,6 +295,32 @@ class StageRuntime:
                 ErrorCode.INVALID_TENSOR)
         if not bool(torch.isfinite(tensor).all()):
             raise ProtocolError(f"{name} contains non-finite values", ErrorCode.INVALID_TENSOR)
+
+    # ---- evaluation (a handler's thread, not the compute thread) ----
+
+    def evaluate(self, request: EvaluateRequest) -> EvaluateReply:
+        """One held-out sample through this stage, checked with `check_evaluate` first. It runs
+        beside the compute thread, not in its queues, and touches nothing that counts samples (the
+        forward record behind the head's gate and staleness, the step ledger, the optimizer): an
+        evaluation must leave training exactly as it was. The optimizer lock keeps a step, a batch
+        or the averager from changing the weights halfway through."""
+        tokens = request.tokens.unsqueeze(0).to(self.device)
+        coords = None
+        if self.kind != "head":
+            coords = request.coords.unsqueeze(0).to(self.device, torch.float32)
+        try:
+            with torch.no_grad(), self.optimizer.lock, self._autocast():
+                version = self.optimizer.local_step
+                out = self.model(coords, tokens)
+                self.counters["eval_requests"] += 1
+        except Exception as exc:
+            if self.on_compute_error is not None:
+                self.on_compute_error(exc)
+            raise
+        out = out.float().cpu()
+        if self.kind == "tail":  # the model returns each sample's mean next-token loss
+            return EvaluateReply(loss=float(out[0]), version=version)
+        return EvaluateReply(coords=out[0], version=version)
 
     # ---- submission ----
 
@@ -498,6 +532,8 @@ class StageRuntime:
                 if had_samples and self.on_step is not None:
                     self.on_step(True, "")
             self.ledger.stepped(opt.local_step - 1, due)
+            if self.after_step is not None:
+                self.after_step(opt.local_step)
         if due.reason != "complete":
             why = {"peer_ahead": "a replica of this stage was ahead",
                    "peer_due": "a replica of this stage closed it",

@@ -107,6 +107,10 @@ def test_dashboard_shows_the_live_run_and_updates_without_reload(live_run, tmp_p
         assert "worker" in nodes and "trainer" in nodes
         assert text(driver, "run-id").startswith("run dash-")
         assert text(driver, "total-loss") not in ("", "–")
+        poll_until(lambda: text(driver, "total-eval-step").startswith("at step "), 90,
+                   "the held-out loss card (the trainer evaluates from step 0)", period_s=0.5)
+        poll_until(lambda: len(driver.find_elements("css selector", "#loss-chart path.line")) == 2, 60,
+                   "the held-out series beside the training loss")
 
         origin = navigations(driver)
         samples, stamp = text(driver, "total-samples"), text(driver, "connection")
@@ -152,12 +156,17 @@ def test_status_shows_the_monitors_overview(live_run):
     assert overview["num_stages"] == 3 and [s["stage"] for s in overview["stages"]] == [0, 1, 2]
     assert all(s["replicas"] >= 1 and s["phases"]["active"] >= 1 for s in overview["stages"])
     assert overview["training"]["trainers"] >= 1 and overview["training"]["samples"] > 0
+    overview = poll_until(lambda: (o := json.loads(status("--authorizer", authorizer.url, "--json").stdout))
+                          ["training"]["eval_loss"] is not None and o, 90, "the monitor to see the held-out loss",
+                          period_s=1)
+    assert overview["training"]["eval_step"] >= 0
 
     plain = status("--authorizer", authorizer.url)
     assert plain.returncode == 0, plain.stderr
     lines = plain.stdout.splitlines()
     assert lines[0].startswith(f"run {overview['run_id']}") and "from the health monitor" in lines[0]
     assert [line.split()[0] for line in lines if line[:2] in ("0 ", "1 ", "2 ")] == ["0", "1", "2"]
+    assert any(line.startswith("training: loss ") and "held-out " in line and "@ step" in line for line in lines)
     assert any(line.startswith("alerts:") or line.startswith(("WARNING", "CRITICAL")) for line in lines)
     assert "\x1b[" not in plain.stdout
 

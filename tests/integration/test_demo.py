@@ -37,4 +37,7 @@ def test_demo_trains_and_leaves_nothing_behind():
     assert summary["last_loss"] < 0.8 * summary["first_loss"], summary
     assert summary["samples_completed"] + summary["samples_dropped"] == 20 * 16
     assert summary["tokens_per_s"] > 0
+    # trainer 0 evaluated at the start (step 0) and once more at its last step
+    assert summary["first_eval_step"] == 0 and summary["last_eval_step"] > 0, summary
+    assert summary["last_eval_loss"] < summary["first_eval_loss"], summary
     assert _processes_with_marker(marker) == []

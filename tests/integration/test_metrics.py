@@ -51,6 +51,10 @@ TRAINER = {
     "agora_trainer_lanes": ("gauge", set()),
     "agora_trainer_lanes_busy": ("gauge", set()),
     "agora_trainer_retries": ("counter", {"reason"}),
+    "agora_eval_loss": ("gauge", set()),
+    "agora_eval_perplexity": ("gauge", set()),
+    "agora_eval_step": ("gauge", set()),
+    "agora_evaluations": ("counter", set()),
 }
 
 

@@ -36,6 +36,7 @@ def test_status_reads_an_open_runs_dht(make_swarm, run_config_path):
         assert done.returncode == 0, done.stderr
         found = json.loads(done.stdout)
         trained = found["training"]["samples"] > 0 and found["training"]["trainers"] == 1
+        trained = trained and found["training"]["eval_loss"] is not None  # trainer 0 evaluates from step 0
         return found if trained and [s["replicas"] for s in found["stages"]] == [1, 1] else None
 
     found = poll_until(overview, 240, "status to see both workers and the trainer's samples", period_s=1)
@@ -48,7 +49,7 @@ def test_status_reads_an_open_runs_dht(make_swarm, run_config_path):
     assert plain.returncode == 0, plain.stderr
     lines = plain.stdout.splitlines()
     assert lines[0].startswith("run ") and "from the DHT" in lines[0]
-    assert any(line.startswith("training: loss ") for line in lines)
+    assert any(line.startswith("training: loss ") and "held-out " in line and "@ step" in line for line in lines)
     assert [line.split()[:2] for line in lines if line[:2] in ("0 ", "1 ")] == [["0", "1/1"], ["1", "1/1"]]
     assert "\x1b[" not in plain.stdout, "no terminal codes when stdout is a pipe"
 

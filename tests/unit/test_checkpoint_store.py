@@ -75,7 +75,8 @@ def test_a_checkpoint_is_complete_only_with_every_stage_and_resumes_exactly(tmp_
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointStoreError, match="does not match its manifest"):
-        load_latest(store, 1, layouts[1], tmp_path / "work")
+        store.fetch_stage(latest, 1, tmp_path / "work")
+    assert load_latest(store, 1, layouts[1], tmp_path / "work") is None, "no intact checkpoint of stage 1 is left"
 
 
 def test_retention_keeps_the_newest_complete_checkpoints_and_drops_older_partial_ones(tmp_path):

@@ -9,7 +9,7 @@ from authorizer.monitor.health import (
 )
 from authorizer.monitor.membership import NodeState, Placement, is_stale, update_membership
 from authorizer.monitor.observation import Observation, Sighting
-from authorizer.monitor.progress import count_progress, run_loss
+from authorizer.monitor.progress import count_progress, run_eval, run_loss
 from protocol.dht_schema import AveragingRecord, ProgressRecord, RoundSummaryRecord, TrainerRecord, WorkerRecord
 from protocol.records import RecordRejection
 
@@ -114,6 +114,17 @@ def test_run_loss_is_the_mean_of_present_trainers():
     reports = {PEER: report(1, 1, 1.0, loss=2.0), OTHER: report(1, 1, 1.0, loss=4.0)}
     assert run_loss(reports, {PEER, OTHER}) == 3.0 and run_loss(reports, {PEER}) == 2.0
     assert run_loss(reports, set()) is None
+
+
+def test_run_eval_is_the_latest_heldout_loss_of_a_present_trainer():
+    old = report(10, 100, 1.0).model_copy(update={"eval_loss": 4.5, "eval_step": 20})
+    new = report(10, 100, 1.0).model_copy(update={"eval_loss": 4.0, "eval_step": 40})
+    plain = report(10, 100, 1.0)
+    assert run_eval({PEER: old, OTHER: new}, {PEER, OTHER}) == (4.0, 40)
+    assert run_eval({PEER: old, OTHER: new}, {PEER}) == (4.5, 20), "a trainer no longer present does not count"
+    assert run_eval({PEER: plain}, {PEER}) == (None, None), "no trainer evaluated (yet)"
+    broken = new.model_copy(update={"eval_loss": float("nan")})
+    assert run_eval({PEER: old, OTHER: broken}, {PEER, OTHER}) == (4.5, 20)
 
 
 # ---- health checks ----

@@ -25,7 +25,8 @@ OVERVIEW = {
          "step": None, "throughput": 0.0, "averaging": {"complete": 0, "partial": 0, "failed": 0, "skipped": 0,
                                                         "success_rate": None, "last_round_at": None}},
     ],
-    "training": {"samples": 1234, "tokens": 78976, "loss": 3.21, "tokens_per_s": 2821.4, "trainers": 2},
+    "training": {"samples": 1234, "tokens": 78976, "loss": 3.21, "tokens_per_s": 2821.4, "trainers": 2,
+                 "eval_loss": 3.4567, "eval_step": 40},
     "nodes": {"present": 4, "gone": 1, "admitted": 5, "queued": 0},
     "alerts": [{"id": 1, "kind": "stage_short", "severity": "critical", "subject": "stage 1",
                 "message": "no worker serves stage 1", "first_at": 990.0, "last_at": 999.0, "resolved_at": None}],
@@ -36,6 +37,9 @@ def test_plain_table_shows_stages_training_and_alerts():
     text = render_plain(OVERVIEW, now=1003.0)
     assert "run run-x" in text and "snapshot 3s ago" in text
     assert "loss 3.210" in text and "tokens/s 2,821" in text and "samples 1,234" in text and "trainers 2" in text
+    assert "held-out 3.457 @ step 40" in text
+    older = {**OVERVIEW, "training": {k: v for k, v in OVERVIEW["training"].items() if not k.startswith("eval_")}}
+    assert "held-out -" in render_plain(older, now=1003.0), "an older authorizer's overview has no held-out loss"
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("stage "))
     assert "replicas/min" in header and "avg success" in header

@@ -48,6 +48,13 @@ def test_trainer_summary_reads_as_a_few_lines():
     ]
 
 
+def test_trainer_summary_shows_the_last_heldout_loss():
+    summary = {**TRAINER, "eval": [{"step": 0, "loss": 5.6, "samples": 32}, {"step": 40, "loss": 4.25, "samples": 32}]}
+    lines = human_summary("trainer", summary).splitlines()
+    assert lines[1] == "  loss 5.576 -> 5.305 (5% lower), held-out loss 4.250 at step 40, 3343 tokens/s, last step 5"
+    assert all(len(line) <= 100 for line in lines)
+
+
 def test_trainer_summary_names_drops_by_reason_and_retries():
     summary = {**TRAINER, "samples_dropped": 109, "dropped_by_reason": {"timeout": 12, "no_workers": 97},
                "forward_retries": 7, "backward_fallbacks": 2, "samples_in_flight": 3}
@@ -86,6 +93,7 @@ def test_worker_summary_counts_averaging_rounds_and_rejections():
     ("trainer", {}), ("worker", {}), ("trainer", {"first_loss": None, "last_loss": None, "wall_s": 0.0}),
     ("worker", {"steps": None, "counters": None, "staleness": {"samples": 0}, "averaging": "?"}),
     ("trainer", {**TRAINER, "served": {"0": "?"}, "dropped_by_reason": None, "first_loss": 0.0}),
+    ("trainer", {**TRAINER, "eval": "?"}), ("trainer", {**TRAINER, "eval": [{"loss": None}, {"step": None, "loss": 2}]}),
     ("authorizer", {}),
 ])
 def test_partial_summaries_still_give_a_line(role, summary):
