@@ -149,8 +149,8 @@ class DhtSource:
         except ConfigError as exc:
             self.close()
             if "responded to a ping" in str(exc):  # hivemind's words when every peer refused us
-                raise ConfigError(f"the initial peers do not answer an unadmitted DHT client: this run is "
-                                  f"authenticated; use agora-node status --authorizer URL") from None
+                raise ConfigError("the initial peers do not answer an unadmitted DHT client: this run is "
+                                  "authenticated; use agora-node status --authorizer URL") from None
             raise
 
     def read(self) -> dict:
