@@ -162,7 +162,7 @@ def main() -> None:
         base = {"preset": "tiny", "run_id": run_id, "model": {"vocab_size": args.vocab}}
         config.write_text(json.dumps(base))  # YAML is a superset of JSON
         log("preparing the corpus ...")
-        prepared = json.loads(_cli("data", "prepare", *inputs, "--output", str(root / "prepared"), "--train-tokenizer",
+        prepared = json.loads(_cli("data", "prepare", *inputs, "--output", str(root / "prepared"), "--shard-tokens", "1048576", "--train-tokenizer",
                                    str(args.vocab), "--config", str(config), "--json", "--quiet").stdout)
         report["prepare"] = {k: prepared.get(k) for k in ("tokens_written", "seconds", "cores", "tokens_per_second",
                                                            "tokens_per_second_per_core", "vocab_size", "dtype",
@@ -176,8 +176,9 @@ def main() -> None:
                                       "evaluation": {"every_steps": 10, "samples": 32}}))
 
         # ---- 3-4: train, watch the held-out loss on the dashboard, kill everything
-        first = Run(root, config, env, args, "a").start()
+        first = Run(root, config, env, args, "a")
         runs.append(first)
+        first.start()
         log(f"dashboard: {first.authorizer.url}/  (training until an evaluation at step >= {args.kill_at_step})")
         before = _wait(f"a held-out evaluation at step >= {args.kill_at_step}",
                        lambda: (lambda e: e if e and e[-1][0] >= args.kill_at_step else None)(
@@ -194,8 +195,9 @@ def main() -> None:
         log(f"killed every node; held-out loss {before[-1][1]:.3f} at step {before[-1][0]}; checkpoints {complete}")
 
         # ---- 5: restart everything; the workers resume from the store
-        second = Run(root, config, env, args, "b").start()
+        second = Run(root, config, env, args, "b")
         runs.append(second)
+        second.start()
         resumed_lines = second.logs("resumed from the checkpoint at step")
         after = _wait(f"{args.after_evals} held-out evaluations after the restart",
                       lambda: (lambda e: e if len(e) >= args.after_evals else None)(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -326,7 +327,7 @@ class WorkerRole:
             if loaded is not None:
                 manifest, state = loaded
                 # the moments too: older than the stage's weights, but far better than zeros
-                await asyncio.to_thread(apply_state, state, self.optimizer, self.layout, self.optimizer,
+                await asyncio.to_thread(apply_state, state, self.optimizer, self.layout,
                                         with_optimizer=True)
                 loaded_step, source = manifest.step, f"checkpoint store {self.run_store.describe()}"
         if loaded_step is None:
@@ -346,20 +347,18 @@ class WorkerRole:
 
     async def _load_from_store(self):
         """The newest complete run checkpoint's state of this stage, or None (logged) if there is none."""
+        workdir = Path(tempfile.gettempdir()) / f"agora-checkpoint-{self.swarm.peer_id[-12:]}"
         try:
-            loaded = await asyncio.to_thread(load_latest, self.run_store, self.config.stage, self.layout,
-                                             self._store_workdir())
+            loaded = await asyncio.to_thread(load_latest, self.run_store, self.config.stage, self.layout, workdir)
         except CheckpointStoreError as exc:
             # not an empty store: starting from the seed here could restart a lost run from scratch
             raise ConfigError(f"{exc}; fix the store or its credentials (AWS_* variables for s3://), or start "
                               "without it (no checkpoints.store, no --checkpoint-store)") from exc
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)  # a remote object's download, read by now
         if loaded is None:
             logger.info("the checkpoint store %s holds no complete checkpoint yet", self.run_store.describe())
         return loaded
-
-    def _store_workdir(self) -> Path:
-        """Where a stage object downloaded from a remote store lies while it is read."""
-        return Path(tempfile.gettempdir()) / f"agora-checkpoint-{self.swarm.peer_id[-12:]}"
 
     async def _resume_from_store(self) -> bool:
         """A stage nobody has stepped in this DHT, with a complete checkpoint in the store: the run
@@ -371,7 +370,7 @@ class WorkerRole:
         if loaded is None:
             return False
         manifest, state = loaded
-        await asyncio.to_thread(apply_state, state, self.optimizer, self.layout, self.optimizer, with_optimizer=True)
+        await asyncio.to_thread(apply_state, state, self.optimizer, self.layout, with_optimizer=True)
         step = self.optimizer.local_step
         reason = (f"resumed from the checkpoint at step {manifest.step} in {self.run_store.describe()}: the stage "
                   "had no live replica")

@@ -149,17 +149,17 @@ def load_latest(store: CheckpointStore, stage: int, layout: FlatLayout,
     return None
 
 
-def apply_state(state: StageState, store, layout: FlatLayout, optimizer, *, with_optimizer: bool) -> None:
-    """Copy a loaded state into the stage: parameters, and optimizer moments, step and schedule
-    position when `with_optimizer` (a resume; a joiner behind live peers takes their step instead)."""
-    with store.lock, torch.no_grad():
-        for name, target in zip(layout.names, store.master_params):
+def apply_state(state: StageState, optimizer, layout: FlatLayout, *, with_optimizer: bool) -> None:
+    """Copy a loaded state into the stage's StageOptimizer (its master weights, then the device):
+    parameters, and the optimizer's moments, step and schedule position when `with_optimizer`."""
+    with optimizer.lock, torch.no_grad():
+        for name, target in zip(layout.names, optimizer.master_params):
             source = state.parameters[name]
             if source.shape != target.shape:
                 raise CheckpointStoreError(f"{name} has shape {tuple(source.shape)} in the checkpoint, "
                                            f"expected {tuple(target.shape)}")
             target.copy_(source)
-        store.push_master_to_device()
+        optimizer.push_master_to_device()
         if with_optimizer and state.optimizer is not None:
             try:
                 optimizer.load_state_dict(state.optimizer)

@@ -60,7 +60,7 @@ def test_a_checkpoint_is_complete_only_with_every_stage_and_resumes_exactly(tmp_
     # a fresh stage loads it: same weights, moments, step and schedule position; one more step agrees
     _, fresh, layout = _stage(run, 0)
     manifest, state = load_latest(store, 0, layout, tmp_path / "work")
-    apply_state(state, fresh, layout, fresh, with_optimizer=True)
+    apply_state(state, fresh, layout, with_optimizer=True)
     assert (fresh.local_step, fresh.samples_consumed) == (optimizers[0].local_step, optimizers[0].samples_consumed)
     for a, b in zip(fresh.master_params, optimizers[0].master_params):
         assert torch.equal(a, b)
