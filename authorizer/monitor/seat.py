@@ -7,7 +7,10 @@ inherit a lock some other thread held, forever. The fork returns at once; the au
 wait for the DHT to be ready (it starts p2pd, about a second), it only hands the DHT's addresses to
 nodes once it is, as their first bootstrap peer (authorizer.service): every node then meets the
 monitor, and the monitor sees every record. After a restart it bootstraps from the addresses of
-recently admitted nodes in the database (they keep running through an authorizer restart).
+recently admitted nodes in the database (they keep running through an authorizer restart), those
+that still accept a connection: after the whole run went down with it, none does, and the monitor
+starts the run's DHT afresh instead of failing to reach the dead (p2pd refuses to start when no
+bootstrap peer answers, and every node would then be handed only dead peers).
 
 Its identity is kept in `<data_dir>/monitor.key`, so it is the same peer (and sits at the same
 place in the DHT) after a restart. It needs no admission: the authorizer signs its credential
@@ -178,9 +181,13 @@ def start_in_process(*, data_dir: str, issuer, run_id: str, num_stages: int, hos
     return seat, credential
 
 
+REMEMBERED_PEER_TIMEOUT_S = 0.5
+"""How long the monitor waits for each remembered address to accept a connection at start."""
+
+
 def remembered_peers(db_url: str, limit: int = 8) -> list[str]:
-    """Addresses of recently seen admitted nodes, read with a throwaway connection (no pool
-    threads) before the monitor forks; [] on a fresh or unreadable database."""
+    """Addresses of recently seen admitted nodes that accept a connection, read with a throwaway
+    connection (no pool threads) before the monitor forks; [] on a fresh or unreadable database."""
     from sqlalchemy import create_engine, inspect, select
     from sqlalchemy.pool import NullPool
 
@@ -193,9 +200,32 @@ def remembered_peers(db_url: str, limit: int = 8) -> list[str]:
                 return []
             rows = conn.execute(select(participants.c.announce_maddrs).where(participants.c.status == ADMITTED)
                                 .order_by(participants.c.last_seen_at.desc()).limit(limit)).scalars()
-            return [addr for maddrs in rows for addr in (maddrs or [])[:2] if "/p2p/" in addr]
+            remembered = [addr for maddrs in rows for addr in (maddrs or [])[:2] if "/p2p/" in addr]
     except Exception as exc:  # a missing file, a server not up yet: the monitor starts alone
         logger.debug("no remembered peers (%s)", exc)
         return []
     finally:
         engine.dispose()
+    alive = [addr for addr in remembered if _accepts_connections(addr)]
+    if remembered and not alive:
+        logger.info("none of the %d remembered node addresses accepts a connection: the run's nodes are gone, so "
+                    "the monitor starts the run's DHT afresh", len(remembered))
+    return alive
+
+
+def _accepts_connections(maddr: str, timeout_s: float = REMEMBERED_PEER_TIMEOUT_S) -> bool:
+    """Whether a TCP multiaddr's port accepts a connection now (plain sockets: no thread, before the fork).
+    Addresses of other transports are kept as they are."""
+    import socket
+
+    parts = maddr.split("/")
+    try:
+        host = parts[parts.index(next(p for p in parts if p in ("ip4", "ip6", "dns", "dns4", "dns6"))) + 1]
+        port = int(parts[parts.index("tcp") + 1])
+    except (StopIteration, ValueError, IndexError):
+        return True
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
