@@ -58,10 +58,13 @@ def _progress(url: str) -> list[dict]:
         return []
 
 
-def _evaluations(url: str) -> list[tuple[int, float]]:
-    """(step, held-out loss) of every evaluation the dashboard has seen, by step."""
+def _evaluations(url: str, since: float = 0.0) -> list[tuple[int, float]]:
+    """(step, held-out loss) of every evaluation the dashboard has seen since `since` (unix time;
+    the dashboard keeps the run's whole history across restarts), by step."""
     seen: dict[int, float] = {}
     for point in _progress(url):
+        if point.get("t", 0) < since:
+            continue
         if point.get("eval_loss") is not None and point.get("eval_step") is not None:
             seen[int(point["eval_step"])] = float(point["eval_loss"])
     return sorted(seen.items())
@@ -195,13 +198,14 @@ def main() -> None:
         log(f"killed every node; held-out loss {before[-1][1]:.3f} at step {before[-1][0]}; checkpoints {complete}")
 
         # ---- 5: restart everything; the workers resume from the store
+        restarted_at = time.time()
         second = Run(root, config, env, args, "b")
         runs.append(second)
         second.start()
         resumed_lines = second.logs("resumed from the checkpoint at step")
         after = _wait(f"{args.after_evals} held-out evaluations after the restart",
                       lambda: (lambda e: e if len(e) >= args.after_evals else None)(
-                          [x for x in _evaluations(second.authorizer.url) if x[0] > 0]), 1800)
+                          _evaluations(second.authorizer.url, since=restarted_at)), 1800)
         second.stop()
         report["after_restart"] = {
             "workers_resumed": len(resumed_lines), "resumed_from_step": complete[-1] if complete else None,
