@@ -41,7 +41,7 @@ def export_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--checkpoint-store", metavar="URL",
                         help="the run's checkpoint store (a directory, file:///dir, s3://bucket/prefix); default: the "
-                             "run config's checkpoints.store")
+                             "run config's checkpoints.store, else ~/.cache/agora-node/checkpoints")
     source.add_argument("--checkpoint", nargs="+", metavar="FILE",
                         help="one stage checkpoint per stage (the workers' --checkpoint-dir files), or that directory")
     p.add_argument("--step", type=int, metavar="N",
@@ -91,19 +91,17 @@ def _stage_files(args: argparse.Namespace, run, fetch_dir: Path) -> list[Path]:
         if args.step is not None:
             raise ConfigError("--step picks a checkpoint in a store; with --checkpoint FILE... the files say their step")
         return _checkpoint_files(args.checkpoint)
-    url = args.checkpoint_store or run.checkpoints.store
-    if url is None:
-        raise ConfigError("say what to export: --checkpoint-store URL (or checkpoints.store in the run config), or "
-                          "--checkpoint FILE... with one stage file per stage")
-    from roles.checkpoint_store import CheckpointStore, CheckpointStoreError
+    from roles.checkpoint_store import CheckpointStore, CheckpointStoreError, resolve_store_url
 
-    store = CheckpointStore(url, run.run_id, run.num_stages)
+    store = CheckpointStore(resolve_store_url(args.checkpoint_store, run.checkpoints.store), run.run_id,
+                            run.num_stages)
     try:
         if args.step is None:
             manifest = store.latest()
             if manifest is None:
                 raise ConfigError(f"{store.describe()} holds no complete checkpoint of run {run.run_id} (steps with "
-                                  f"a partial one: {store.steps() or 'none'})")
+                                  f"a partial one: {store.steps() or 'none'}); name the store with --checkpoint-store "
+                                  "URL, or the stage files with --checkpoint FILE...")
         else:
             manifest = store.manifest(args.step)
         return [store.fetch_stage(manifest, stage, fetch_dir) for stage in range(run.num_stages)]

@@ -418,8 +418,9 @@ class CheckpointConfig(BaseModel):
 
     store: Optional[str] = Field(
         default=None,
-        description="Where checkpoints live: a directory, file:///dir, s3://bucket/prefix (fsspec). Joiners "
-                    "and restarted workers read it; workers started with --checkpoint-write write it.",
+        description="Where checkpoints live: a directory, file:///dir, s3://bucket/prefix (fsspec); unset: "
+                    "~/.cache/agora-node/checkpoints on each machine. Joiners and restarted workers read it; "
+                    "workers started with --checkpoint-write write it.",
     )
     every_steps: int = Field(
         default=50, gt=0,

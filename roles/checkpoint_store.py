@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from protocol.errors import AgoraError
 from protocol.files import atomic_write
 
-__all__ = ["CheckpointStore", "CheckpointStoreError", "RunManifest", "StageEntry", "StageState",
+__all__ = ["DEFAULT_STORE", "CheckpointStore", "CheckpointStoreError", "RunManifest", "StageEntry", "StageState",
            "read_stage_state", "stage_state_tensors"]
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,17 @@ MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 _SIDECAR = re.compile(r"^stage-(\d+)\.([A-Za-z0-9]{1,128})\.json$")
 _OPTIM_PREFIX = "optimizer.state."
+
+
+DEFAULT_STORE = "~/.cache/agora-node/checkpoints"
+"""The store when neither `--checkpoint-store` nor the run config's `checkpoints.store` names one: a
+local directory, so a writer's run resumes on the same machine without any setup."""
+
+
+def resolve_store_url(flag: Optional[str], configured: Optional[str]) -> str:
+    """The store a node uses: its flag, else the run config's, else the local default."""
+    url = flag or configured or DEFAULT_STORE
+    return os.path.expanduser(url) if url.startswith("~") else url
 
 
 class CheckpointStoreError(AgoraError):

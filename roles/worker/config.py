@@ -60,7 +60,8 @@ class WorkerConfig(BaseModel):
         default=None, gt=0, description="write a checkpoint to checkpoint_dir at start, then every this many seconds")
     checkpoint_store: Optional[str] = Field(
         default=None, description="store of run checkpoints (a directory, file:///dir or s3://bucket/prefix); "
-        "default: the run config's checkpoints.store. Joiners and a restarted run load from it")
+        "default: the run config's checkpoints.store, else ~/.cache/agora-node/checkpoints. Joiners and a "
+        "restarted run load from it")
     checkpoint_write: bool = Field(
         default=False, description="upload this stage's parameters and optimizer state to the checkpoint store at "
         "every checkpoints.every_steps step (the run owner's designated writers)")

@@ -30,7 +30,7 @@ from protocol.errors import ConfigError, ErrorCode, ProtocolError
 from protocol.messages import InfoReply
 from protocol.transport import RpcClient, RpcServer
 from roles.announcer import Announcer
-from roles.checkpoint_store import CheckpointStore, CheckpointStoreError
+from roles.checkpoint_store import CheckpointStore, CheckpointStoreError, resolve_store_url
 from roles.periodic import every, wait_any
 from roles.resources import device_memory, host_memory_total_bytes, host_rss_bytes
 from protocol.run_config import RunConfig
@@ -152,13 +152,10 @@ class WorkerRole:
         if config.checkpoint_dir:
             self.checkpoints = StageCheckpoints(config.checkpoint_dir, run_id=run.run_id, stage=config.stage,
                                                 layout=self.layout, store=self.optimizer)
-        store_url = config.checkpoint_store or run.checkpoints.store
-        self.run_store = CheckpointStore(store_url, run.run_id, run.num_stages) if store_url else None
+        self.run_store = CheckpointStore(resolve_store_url(config.checkpoint_store, run.checkpoints.store),
+                                         run.run_id, run.num_stages)
         self.checkpoint_writer: Optional[RunCheckpointWriter] = None
         if config.checkpoint_write:
-            if self.run_store is None:
-                raise ConfigError("--checkpoint-write needs a store: pass --checkpoint-store URL or set "
-                                  "checkpoints.store in the run config")
             self.checkpoint_writer = RunCheckpointWriter(
                 self.run_store, stage=config.stage, writer=swarm.peer_id, optimizer=self.optimizer,
                 layout=self.layout, every_steps=run.checkpoints.every_steps, keep=run.checkpoints.keep,
@@ -322,7 +319,7 @@ class WorkerRole:
                 source = f"checkpoint {self.checkpoints.path}"
             except CheckpointError as exc:
                 logger.warning("could not load the checkpoint: %s", exc)
-        if loaded_step is None and self.run_store is not None and self.config.state_source in ("auto", "checkpoint"):
+        if loaded_step is None and self.config.state_source in ("auto", "checkpoint"):
             loaded = await self._load_from_store()
             if loaded is not None:
                 manifest, state = loaded
@@ -364,7 +361,7 @@ class WorkerRole:
         """A stage nobody has stepped in this DHT, with a complete checkpoint in the store: the run
         was lost and restarts, so this stage continues from the checkpoint (weights, optimizer
         moments, step and schedule position) instead of from the seed."""
-        if self.run_store is None or self.config.state_source not in ("auto", "checkpoint"):
+        if self.config.state_source not in ("auto", "checkpoint"):
             return False
         loaded = await self._load_from_store()
         if loaded is None:
