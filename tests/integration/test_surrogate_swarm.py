@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 def _surrogate_config(tmp_path) -> str:
     run_id = f"test-surrogate-{uuid.uuid4().hex[:8]}"
     run = load_run_config("surrogate-1b", {
-        "run_id": run_id, "seq_len": 64, "target_batch_size": 8,
+        "run_id": run_id, "seq_len": 64, "target_batch_size": 8, "evaluation": {"every_steps": 0},
         "stages": [{"first_layer": 0, "last_layer": 4}, {"first_layer": 4, "last_layer": 12},
                    {"first_layer": 12, "last_layer": 16}],
         "optimizer": {"lr": 1e-2, "warmup_steps": 0, "total_steps": 1000, "weight_decay": 0.0},
