@@ -101,10 +101,6 @@ class StageState:
     optimizer: Optional[dict[str, Any]]
     metadata: dict[str, str]
 
-    @property
-    def step(self) -> int:
-        return int(self.metadata["step"])
-
 
 def stage_state_tensors(names: Sequence[str], params: Sequence[torch.Tensor],
                         optimizer_state: Optional[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -119,7 +115,7 @@ def stage_state_tensors(names: Sequence[str], params: Sequence[torch.Tensor],
         for index, values in torch_state["state"].items():
             for key, value in values.items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"{_OPTIM_PREFIX}{index}.{key}"] = value.detach().reshape(value.shape)
+                    tensors[f"{_OPTIM_PREFIX}{index}.{key}"] = value.detach()
                 else:
                     other.setdefault(str(index), {})[key] = value
         metadata["optimizer"] = json.dumps({

@@ -40,6 +40,25 @@ def make_swarm(tmp_path):
 
 
 @pytest.fixture
+def s3():
+    """A real S3-compatible server (moto, tests/support/s3.py) for one test. The AWS variables a
+    test sets in this process with `apply_env` are put back afterwards."""
+    from tests.support.s3 import S3Server
+
+    server = S3Server().start()
+    saved = {key: os.environ.get(key) for key in server.env}
+    try:
+        yield server
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
 def run_config_path(tmp_path):
     """Write a tiny run config with a unique run id and the given overrides; return its path."""
     from protocol.run_config import dump_run_config, load_run_config

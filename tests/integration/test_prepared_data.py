@@ -15,18 +15,8 @@ from corpus.prepare import PrepareOptions, prepare
 from corpus.shards import PreparedCorpus, PreparedSampleStream
 from tests.support.corpus import documents, write_jsonl
 from tests.support.polling import poll_until
-from tests.support.s3 import S3Server
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def s3():
-    server = S3Server().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _log(path: Path) -> list[dict]:

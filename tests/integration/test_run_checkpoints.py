@@ -16,20 +16,10 @@ import pytest
 import torch
 
 from tests.support.polling import poll_until
-from tests.support.s3 import S3Server
 
 pytestmark = pytest.mark.integration
 
 EVERY = 5
-
-
-@pytest.fixture
-def s3():
-    server = S3Server().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _losses(path: Path) -> list[float]:
