@@ -22,9 +22,12 @@ from protocol.run_config import RunConfig
 _GIB = float(1 << 30)
 
 MONITOR_POOL = -2
-"""Pool id of health monitors in the capacity counters (stages use their index, trainers -1)."""
-MAX_MONITORS = 8
-"""Monitors admitted at once: a monitor holds no stage or trainer slot, but each one is a DHT peer."""
+"""Pool id of the run owner's own nodes, health monitors and relays, in the capacity counters
+(stages use their index, trainers -1)."""
+MAX_MONITORS = 16
+"""Monitors and relays admitted at once: they hold no stage or trainer slot, but each one is a peer."""
+OWNER_ROLES = ("monitor", "relay")
+"""Roles only the run's owner may start (the admin token), placed in MONITOR_POOL."""
 MONITOR_ACCOUNT = "monitor"
 """The account monitors are recorded under: their token is the admin token, whose hash is never stored."""
 
@@ -170,11 +173,16 @@ def check_account_token(policy: Policy, token: str) -> Optional[Rejection]:
     return None
 
 
-def check_monitor_token(token: str, admin_token: Optional[str]) -> Optional[Rejection]:
-    """A monitor reads the whole run and is recorded as the operator's own node, so only the run's
-    owner may start one: its account token must be the authorizer's admin token."""
+def check_monitor_token(token: str, admin_token: Optional[str], role: str = "monitor") -> Optional[Rejection]:
+    """A monitor reads the whole run and a relay carries other nodes' traffic, and both are recorded
+    as the operator's own nodes, so only the run's owner may start one: its account token must be
+    the authorizer's admin token."""
     if admin_token and token and hmac.compare_digest(token.encode(), admin_token.encode()):
         return None
+    if role == "relay":
+        return Rejection(RejectReason.MONITOR_NOT_AUTHORIZED, (
+            "a relay must present the run owner's admin token as its account token; pass --account-token with "
+            "the authorizer's admin token (its admin.token file)"))
     return Rejection(RejectReason.MONITOR_NOT_AUTHORIZED, (
         "a health monitor must present the run owner's admin token as its account token; pass "
         "--account-token with the authorizer's admin token (its admin.token file), or run the monitor inside "

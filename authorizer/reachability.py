@@ -9,16 +9,27 @@ remote peer id, so a node that passes has proven it holds the key behind the pee
 The dialer is a `hivemind.p2p.P2P` (its own p2pd, listening nowhere) started on first use, so an
 authorizer with the check switched off never starts one. Loopback and private addresses may be
 refused by policy: a public authorizer should not be usable to probe its own network.
+
+Dial-backs are bounded in time and number: 64 at a time, and a join beyond `max_pending_per_source`
+dial-backs of its source address (in progress or waiting) or `max_pending` in all is answered 429
+at once. Measured before the bound (issue 22): joins announcing an address that accepts TCP and
+never speaks each held a slot for the whole timeout, so dial-backs drained at 64 / 5 s, about the
+per-source join refill (10 a second), and no join was refused; every join from any address waited
+in one queue behind the flood's, including joins whose clients had given up (the server does not
+cancel them), so a 2,000-join burst kept the door shut for minutes (an honest join waited 26 s with
+300 flood joins in flight).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 import logging
 from typing import Optional
 
 from authorizer.admission import Rejection, RejectReason
+from authorizer.errors import RateLimited
 
 logger = logging.getLogger("agora.authorizer.reachability")
 
@@ -78,11 +89,19 @@ def dialable(maddrs: list[str], *, allow_private: bool) -> tuple[list[str], list
 class Dialer:
     """Dials nodes back with a lazily started libp2p daemon; bounded fan-out, bounded time."""
 
-    def __init__(self, timeout_s: float, max_concurrent: int = 64):
+    def __init__(self, timeout_s: float, max_concurrent: int = 64, *, max_pending_per_source: int = 16,
+                 max_pending: int = 256):
         self.timeout_s = timeout_s
+        self.max_concurrent = max_concurrent
+        self.max_pending_per_source = max_pending_per_source
+        """Dial-backs of one source address (authorizer.ratelimit.source_of), in progress or waiting."""
+        self.max_pending = max_pending
+        """Dial-backs in progress or waiting in all: an honest join waits at most this many / 64 timeouts."""
         self._p2p = None
         self._lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(max_concurrent)
+        self._pending: collections.Counter[str] = collections.Counter()
+        self._pending_total = 0
 
     async def _dialer(self):
         async with self._lock:
@@ -99,14 +118,39 @@ class Dialer:
                 logger.info("libp2p dialer started for reachability checks")
             return self._p2p
 
-    async def check(self, peer_id: str, maddrs: list[str], *, allow_private: bool) -> Optional[Rejection]:
-        """None if the node answers a libp2p dial on one of `maddrs` as `peer_id` in time."""
+    async def check(self, peer_id: str, maddrs: list[str], *, allow_private: bool,
+                    source: str = "unknown") -> Optional[Rejection]:
+        """None if the node answers a libp2p dial on one of `maddrs` as `peer_id` in time. Raises
+        RateLimited (429) if `source` or everyone has too many dial-backs pending."""
         targets, refused = dialable(maddrs, allow_private=allow_private)
         if not targets:
             why = "; ".join(refused) if refused else "no address was announced"
             return Rejection(RejectReason.NO_DIALABLE_ADDRESS, (
                 f"the authorizer has no address to check that peers can reach this node ({why}); "
                 f"pass --announce-maddrs /ip4/<your public IP>/tcp/<open port>"))
+        self._reserve(source)
+        try:
+            return await self._dial(peer_id, targets)
+        finally:
+            self._pending_total -= 1
+            self._pending[source] -= 1
+            if self._pending[source] <= 0:
+                del self._pending[source]
+
+    def _reserve(self, source: str) -> None:
+        if self._pending[source] >= self.max_pending_per_source:
+            raise RateLimited(
+                f"{self._pending[source]} joins from {source} are already waiting for the authorizer to dial them "
+                f"back; retry after the Retry-After seconds, or start fewer nodes at once from this address",
+                self.timeout_s)
+        if self._pending_total >= self.max_pending:
+            raise RateLimited(
+                f"the authorizer is dialing back {self._pending_total} joining nodes; retry after the Retry-After "
+                f"seconds", self.timeout_s * self._pending_total / self.max_concurrent)
+        self._pending[source] += 1
+        self._pending_total += 1
+
+    async def _dial(self, peer_id: str, targets: list[str]) -> Optional[Rejection]:
         from hivemind.p2p import PeerID
 
         from protocol.hivemind_adapter import connect, disconnect

@@ -78,9 +78,23 @@ class StoreReads:
                       and_(participants.c.admitted_at == admitted_at, participants.c.id < participant_id))
         with self.read_engine.connect() as conn:
             rows = conn.execute(select(participants.c.announce_maddrs).where(
-                participants.c.status == ADMITTED, earlier)
+                participants.c.status == ADMITTED, participants.c.role != "relay", earlier)
                                 .order_by(participants.c.last_seen_at.desc()).limit(limit)).scalars()
             return [addr for maddrs in rows for addr in (maddrs or [])[:2]]
+
+    def relay_addresses(self, limit: int) -> list[str]:
+        """Announced addresses (with /p2p/<id>) of the run's admitted relays, newest first: every
+        admitted node is handed them (protocol/relays.py)."""
+        with self.read_engine.connect() as conn:
+            rows = conn.execute(select(participants.c.peer_id, participants.c.announce_maddrs).where(
+                participants.c.status == ADMITTED, participants.c.role == "relay")
+                                .order_by(participants.c.admitted_at.desc()).limit(limit)).all()
+        found = []
+        for peer_id, maddrs in rows:
+            for maddr in (maddrs or [])[:4]:
+                found.append(maddr if maddr.rstrip("/").endswith(f"/p2p/{peer_id}") else
+                             f"{maddr.rstrip('/')}/p2p/{peer_id}")
+        return found
 
     def list_participants(self, status: Optional[str], after_id: int, limit: int) -> list[Row]:
         with self.read_engine.connect() as conn:

@@ -57,7 +57,7 @@ accounts = Table(
     Column("label", String(128), nullable=False, server_default=text("''")),
     Column("revoked_at", Float, comment="when the owner revoked the token; its nodes were ended then"),
 )
-ADDED_COLUMNS: dict[str, list[str]] = {"accounts": ["issued", "label", "revoked_at"]}
+ADDED_COLUMNS: dict[str, list[str]] = {"accounts": ["issued", "label", "revoked_at"], "participants": ["reachability"]}
 """Columns added after a table was first released: Store.open adds them to older databases."""
 
 banned_peers = Table(
@@ -99,6 +99,9 @@ participants = Table(
     Column("expires_at", BigInteger, comment="expiry of the current credential, unix seconds"),
     Column("last_proof_at", Float,
            comment="signed_at of the last accepted join, renew or leave proof (replays refused)"),
+    Column("reachability", String(16),
+           comment="relayed: the authorizer could not dial the node and admitted it to serve through the run's "
+                   "relays; null: dialled directly (or not checked)"),
     Index(
         "participants_live_peer", "peer_id", unique=True,
         sqlite_where=text(LIVE_SQL), postgresql_where=text(LIVE_SQL),

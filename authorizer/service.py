@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import logging
 import secrets
 import time
@@ -24,9 +25,10 @@ from sqlalchemy.engine import Row
 from sqlalchemy.exc import SQLAlchemyError
 
 from authorizer import admission
-from authorizer.admission import MAX_MONITORS, MONITOR_ACCOUNT, MONITOR_POOL, HardwareClaim
+from authorizer.admission import MAX_MONITORS, MONITOR_ACCOUNT, MONITOR_POOL, OWNER_ROLES, HardwareClaim, RejectReason
 from authorizer.errors import (
-    DialerUnavailable, IdentityMismatch, NotFound, ProofRejected, ProofRequired, RenewalRefused, StoreUnavailable,
+    DialerUnavailable, IdentityMismatch, NotFound, ProofRejected, ProofRequired, RateLimited, RenewalRefused,
+    StoreUnavailable,
 )
 from authorizer.issuer import CredentialIssuer
 from authorizer.models import (
@@ -105,7 +107,7 @@ class Authorizer:
         policy, now = self.policy, time.time()
         if request.signature is not None:
             self._check_join_proof(request, public_key, now)
-        monitor = request.role == "monitor"
+        monitor = request.role in OWNER_ROLES
         new = NewParticipant(
             ticket=secrets.token_urlsafe(16), peer_id=request.peer_id, public_key=public_key,
             account_id=MONITOR_ACCOUNT if monitor else admission.account_id(request.account_token), role=request.role,
@@ -115,7 +117,8 @@ class Authorizer:
         )
         hw = HardwareClaim(**request.hardware.model_dump())
         if monitor:  # no stage, no floors: the run owner's own node, proven by the admin token
-            eligible, rejection = [], admission.check_monitor_token(request.account_token, self.admin_token)
+            eligible, rejection = [], admission.check_monitor_token(request.account_token, self.admin_token,
+                                                                    request.role)
         else:
             eligible, rejection = admission.check_capability(self.run, policy, request.role, hw)
             rejection = rejection or admission.check_account_token(policy, request.account_token)
@@ -125,11 +128,18 @@ class Authorizer:
             if rejection is None:
                 try:
                     rejection = await self.dialer.check(new.peer_id, new.announce_maddrs,
-                                                        allow_private=policy.dial_private_addresses)
+                                                        allow_private=policy.dial_private_addresses, source=source)
+                except RateLimited:
+                    self.rejections.count(source, RATE_LIMITED_REASON, now)
+                    raise
                 except ReachabilityUnavailable as exc:
                     logger.error("%s", exc)
                     raise DialerUnavailable("the authorizer cannot check reachability right now (its libp2p "
                                             "dialer did not start); retry in a minute") from exc
+                if rejection is not None and await self._may_relay(request, rejection):
+                    logger.info("%s %s cannot be dialled back (%s); admitting it to serve through the run's relays",
+                                request.role, request.peer_id, rejection.reason.value)
+                    rejection, new = None, dataclasses.replace(new, reachability="relayed")
         position = None
         if rejection is not None:
             if self.rejections.keep(source):
@@ -162,6 +172,15 @@ class Authorizer:
             self.queue_wakeup.set()
         return self._ticket_out(row, position=position, detailed=False)
 
+    async def _may_relay(self, request: JoinRequest, rejection) -> bool:
+        """A node the dial-back failed for is admitted as relayed if it can serve through relays
+        (`relay_ok`) and the run has one; owner nodes (monitors, relays) never."""
+        if not request.relay_ok or request.role in OWNER_ROLES:
+            return False
+        if rejection.reason not in (RejectReason.UNREACHABLE, RejectReason.NO_DIALABLE_ADDRESS):
+            return False
+        return bool(await self.read(self.store.relay_addresses, 1))
+
     async def poll(self, ticket: str) -> TicketOut:
         found = await self.read(self.store.ticket, ticket)
         if found is None:
@@ -178,10 +197,11 @@ class Authorizer:
             # the monitor's DHT node first: it is up before any node is admitted, so every node
             # meets it and it sees every record [report 3.6.2.1]
             bootstrap = self.monitor_maddrs + [addr for addr in recent if row.peer_id not in addr]
-        return self._ticket_out(row, position=ahead, detailed=True, bootstrap=bootstrap)
+        relays = await self.read(self.store.relay_addresses, 16) if row.status == ADMITTED else []
+        return self._ticket_out(row, position=ahead, detailed=True, bootstrap=bootstrap, relays=relays)
 
     def _ticket_out(self, row: Row, *, position: Optional[int], detailed: bool,
-                    bootstrap: Optional[list[str]] = None) -> TicketOut:
+                    bootstrap: Optional[list[str]] = None, relays: Optional[list[str]] = None) -> TicketOut:
         status = TicketStatus(row.status)
         fields: dict = {}
         if row.reason and status != TicketStatus.ADMITTED:
@@ -196,8 +216,12 @@ class Authorizer:
             fields["admission"] = AdmissionOut(
                 **self._credential_fields(row.credential),
                 bootstrap_peers=bootstrap or [],
+                relays=relays or [],
                 authorizer_public_key=self.public_key_b64,
             )
+        reachability = getattr(row, "reachability", None)
+        if status in LIVE_TICKET_STATUSES and row.role not in OWNER_ROLES:
+            fields["reachability"] = "relayed" if reachability == "relayed" else "direct"
         return TicketOut(ticket=row.ticket, status=status, peer_id=row.peer_id, role=row.role,
                          run_id=self.run.run_id,
                          stage=None if row.pool in (None, TRAINER_POOL, MONITOR_POOL) else row.pool,

@@ -29,7 +29,7 @@ _PARTICIPANT_VALUES = dict(
     hardware=bindparam("b_hardware"), client_version=bindparam("b_client_version"),
     package_digest=bindparam("b_package_digest"), announce_maddrs=bindparam("b_announce_maddrs"),
     created_at=bindparam("b_now"), updated_at=bindparam("b_now"), last_seen_at=bindparam("b_now"),
-    last_proof_at=bindparam("b_proof_at"),
+    last_proof_at=bindparam("b_proof_at"), reachability=bindparam("b_reachability"),
 )
 
 

@@ -64,6 +64,8 @@ class NewParticipant:
     announce_maddrs: list[str]
     proof_at: Optional[float] = None
     """signed_at of the join's proof of key possession; None for a client that sent none."""
+    reachability: Optional[str] = None
+    """"relayed" when the node is admitted to serve through the run's relays (not dialled back)."""
 
 
 @dataclass(frozen=True)
@@ -290,6 +292,7 @@ class Store(StoreReads):
             "b_message": rejection.message if rejection else None, "b_hardware": new.hardware,
             "b_client_version": new.client_version, "b_package_digest": new.package_digest,
             "b_announce_maddrs": new.announce_maddrs, "b_now": now, "b_proof_at": new.proof_at,
+            "b_reachability": new.reachability,
         }
 
     def _live_for_peer(self, conn: Connection, peer_id: str, *, lock: bool = False) -> Optional[Row]:

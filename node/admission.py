@@ -27,7 +27,7 @@ import platform
 import random
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, TypeVar, Union
 
 import httpx
@@ -118,6 +118,10 @@ class Admission:
     root_public_key: bytes
     reducer: bool = False
     """The authorizer designated this worker a reducer of its stage."""
+    relays: list[str] = field(default_factory=list)
+    """The run's relays (multiaddrs with /p2p/<id>), for a node behind NAT and for dialling one."""
+    relayed: bool = False
+    """The authorizer could not dial this node back and admitted it to serve through the relays."""
 
 
 def measured_hardware(device: str) -> Hardware:
@@ -222,7 +226,8 @@ class AuthorizerClient:
         return info
 
     async def join(self, identity: Identity, role: str, *, hardware: Hardware, announce_maddrs: list[str],
-                   account_token: str = "", preferred_stage: Optional[int] = None) -> TicketOut:
+                   account_token: str = "", preferred_stage: Optional[int] = None,
+                   relay_ok: bool = False) -> TicketOut:
         """Ask to join, signed with the node's key for the run (whose id GET /v1/run gives)."""
         if self._run_id is None:
             await self.run_info()
@@ -231,7 +236,7 @@ class AuthorizerClient:
             peer_id=proof.peer_id, public_key=identity.public_key, role=role, hardware=hardware,  # type: ignore[arg-type]
             client_version=version.client_version(), announce_maddrs=list(announce_maddrs),
             account_token=account_token, preferred_stage=preferred_stage, signed_at=proof.signed_at,
-            signature=proof.signature,
+            signature=proof.signature, relay_ok=relay_ok,
         )
         return await self._request("POST", "/v1/join", TicketOut, request)
 
@@ -279,7 +284,7 @@ async def leave_quietly(client: AuthorizerClient, identity: Identity, run_id: Op
 async def join_run(client: AuthorizerClient, identity: Identity, role: str, *,
                    hardware: Union[Hardware, dict], announce_maddrs: list[str], account_token: str = "",
                    preferred_stage: Optional[int] = None, timeout_s: float = DEFAULT_ADMISSION_TIMEOUT_S,
-                   on_wait: Callable[[TicketOut], None] = lambda ticket: None) -> Admission:
+                   on_wait: Callable[[TicketOut], None] = lambda ticket: None, relay_ok: bool = False) -> Admission:
     """Join and wait in the queue until admitted; AdmissionRejected says why not.
 
     While no authorizer answers, retries with exponential backoff and a countdown line on stderr,
@@ -291,7 +296,7 @@ async def join_run(client: AuthorizerClient, identity: Identity, role: str, *,
     try:
         ticket = await _retrying(client, lambda: client.join(
             identity, role, hardware=hardware, announce_maddrs=announce_maddrs, account_token=account_token,
-            preferred_stage=preferred_stage),
+            preferred_stage=preferred_stage, relay_ok=relay_ok),
             timeout_s)
         asked = True
         last_position: Optional[int] = None
@@ -302,7 +307,8 @@ async def join_run(client: AuthorizerClient, identity: Identity, role: str, *,
                     credential=admission.signed(), stage=ticket.stage, run_config=ticket.run_config or {},
                     bootstrap_peers=list(admission.bootstrap_peers),
                     root_public_key=base64.b64decode(admission.authorizer_public_key),
-                    reducer=ticket.reducer,
+                    reducer=ticket.reducer, relays=list(admission.relays),
+                    relayed=ticket.reachability == "relayed",
                 )
             if ticket.status not in LIVE_TICKET_STATUSES:
                 rejection = ticket.rejection

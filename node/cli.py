@@ -21,6 +21,7 @@ SYNOPSIS = """
   agora-node --role authorizer --config tiny|1b|8b|PATH.yaml [--port 8000] [...]
   agora-node --role worker --config 8b --stage N --dry-run [--gpu-memory 24GiB]
   agora-node --role monitor --authorizer URL --db URL [--account-token TOKEN] [...]
+  agora-node --role relay --authorizer URL --account-token ADMIN_TOKEN [--host-maddrs MADDR] [...]
   agora-node status --authorizer URL | --initial-peers MADDR [--json] [--watch]
   agora-node plan --config PRESET|PATH [--stage N] [--json]
   agora-node data prepare INPUT... --output DIR [--train-tokenizer SIZE] [...]
@@ -32,7 +33,8 @@ SYNOPSIS = """
 
 _METAVARS = {"config": "NAME|PATH", "authorizer": "URL", "initial_peers": "MADDR", "host_maddrs": "MADDR",
              "announce_maddrs": "MADDR", "identity": "PATH", "account_token": "TOKEN", "data": "synthetic|PATH|URL", "data_dir": "DIR",
-             "tokenizer": "PATH", "checkpoint_dir": "DIR", "checkpoint_store": "URL", "gpu_memory": "SIZE", "metrics_push": "URL"}
+             "tokenizer": "PATH", "checkpoint_dir": "DIR", "checkpoint_store": "URL", "gpu_memory": "SIZE", "metrics_push": "URL",
+             "relay": "auto|off|MADDR"}
 
 
 def _version() -> str:
@@ -55,7 +57,7 @@ def node_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=_version())
     node = p.add_argument_group("every node")
-    node.add_argument("--role", choices=["worker", "trainer", "authorizer", "monitor"], default=None,
+    node.add_argument("--role", choices=["worker", "trainer", "authorizer", "monitor", "relay"], default=None,
                       help="what this node does (authorizer, monitor: see agora-node --role authorizer|monitor "
                            "--help; the run's state: agora-node status --help)")
     add_model_flags(node, NodeSettings, [n for n in NodeSettings.model_fields if n in COMMON_FIELDS and n != "role"],
@@ -110,6 +112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _run_authorizer(argv)
         if _role_of(argv) == "monitor":
             return _run_monitor(argv)
+        if _role_of(argv) == "relay":
+            return _run_relay(argv)
         code = _run(argv)
     except ConfigError as exc:
         print(f"agora-node: error: {exc}", file=sys.stderr, flush=True)
@@ -172,6 +176,15 @@ def _run_monitor(argv: list[str]) -> int:
     from node.monitor_cli import monitor_main
 
     code = monitor_main(_without_role(argv))
+    _exit_now(code)
+    return code
+
+
+def _run_relay(argv: list[str]) -> int:
+    """`agora-node --role relay ...`: one of the run's relays (node/relay_cli.py)."""
+    from node.relay_cli import relay_main
+
+    code = relay_main(_without_role(argv))
     _exit_now(code)
     return code
 

@@ -182,16 +182,21 @@ async def until_stopped(awaitable: Awaitable[T], stop: asyncio.Event, phase: str
 async def _serve(settings: NodeSettings, device: str, identity, life: ProcessLifecycle) -> int:
     import torch
 
+    from node.reachability import apply_daemon_flags, plan_reachability
     from node.swarm import join_swarm_until_stopped
     from node.trust import establish_trust
 
     from node.metrics.service import MetricsService
+    from node.preload import Preload
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     unregister = life.on_stop(lambda: loop.call_soon_threadsafe(stop.set))
     metrics = MetricsService.from_settings(settings, identity.peer_id.to_base58(), device)
+    # the role's imports run while admission and the DHT bootstrap wait on the network (node/preload.py)
+    preload = Preload.for_role(settings.role)
     try:
+        preload.resume()
         if metrics is not None:
             await metrics.start()  # a port in use is a ConfigError before anything joins
         trust = await until_stopped(establish_trust(settings, identity, device), stop, "while waiting for admission")
@@ -206,19 +211,25 @@ async def _serve(settings: NodeSettings, device: str, identity, life: ProcessLif
                 _check_trainer_data(settings, run)
             if metrics is not None:
                 metrics.admitted(run.run_id, stage, _credential_expiry(trust))
+            reachability = plan_reachability(settings.relay, relays=trust.relays, relayed_by_authorizer=trust.relayed)
+            apply_daemon_flags(reachability)
             membership = await join_swarm_until_stopped(
                 identity=identity, run_id=run.run_id, num_stages=run.num_stages,
                 initial_peers=trust.initial_peers, host_maddrs=trust.host_maddrs,
-                announce_maddrs=settings.announce_maddrs, bootstrap_timeout_s=settings.bootstrap_timeout_s,
+                announce_maddrs=reachability.announce_maddrs or settings.announce_maddrs,
+                bootstrap_timeout_s=settings.bootstrap_timeout_s,
                 stop=stop, auth_state=trust.auth_state, authorizer=trust.dht_authorizer,
+                before_fork=preload.pause, after_fork=preload.forked,
             )
+            logger.info("%s", reachability.describe(membership.maddrs))
         except BaseException:
             await trust.close()
             raise
         life.note_resources()
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
-        return await _run_role(settings, run, stage, device, identity, trust, membership, stop, life, metrics)
+        return await _run_role(settings, run, stage, device, identity, trust, membership, stop, life, metrics,
+                               preload)
     finally:
         unregister()
         if metrics is not None:
@@ -246,7 +257,8 @@ def _push_token(identity, trust):
     return token
 
 
-async def _run_role(settings, run, stage, device, identity, trust, membership, stop, life, metrics=None) -> int:
+async def _run_role(settings, run, stage, device, identity, trust, membership, stop, life, metrics=None,
+                    preload=None) -> int:
     from node.swarm import check_identity_not_live
     from protocol.dht import SwarmDHT
 
@@ -261,11 +273,17 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         if settings.identity is not None:
             await until_stopped(check_identity_not_live(swarm, run.run_id, run.num_stages, membership.maddrs),
                                 stop, "while checking the identity")
+        if preload is not None:  # before the role forks hivemind's averager, no thread of ours may import
+            await until_stopped(preload.finish(), stop, "while importing the role")
         role = _build_role(settings, run, stage, device, swarm, p2p, membership.maddrs, trust.authenticator,
                            trust.auth_state, designated_reducer=trust.reducer)
         if metrics is not None:
             metrics.attach(role)
         trust.start_background(stop, swarm)
+        from node.reachability import plan_reachability
+
+        reachability = plan_reachability(settings.relay, relays=trust.relays, relayed_by_authorizer=trust.relayed)
+        trust.start_relay_pass(stop, p2p, reachability.relays, relayed=reachability.relayed)
         if hasattr(role, "start"):
             await until_stopped(role.start(), stop, "while joining the stage")
         life.note_resources()

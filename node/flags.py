@@ -88,3 +88,22 @@ class OneLineErrorParser(argparse.ArgumentParser):
         from protocol.errors import ConfigError
 
         raise ConfigError(f"{message} (see {self.prog} --help)")
+
+
+def model_from_args(model: type[BaseModel], args: argparse.Namespace) -> BaseModel:
+    """`model` from parsed flags (unset and false ones left to their defaults); a validation error
+    becomes a one-sentence ConfigError naming the flag."""
+    from pydantic import ValidationError
+
+    from protocol.errors import ConfigError
+
+    values = {k: v for k, v in vars(args).items() if v is not None and v is not False}
+    try:
+        return model(**values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = str(error.get("loc", ("settings",))[0])
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        if error.get("type") == "missing":
+            raise ConfigError(f"--{name.replace('_', '-')} is required") from None
+        raise ConfigError(f"--{name.replace('_', '-')}: {message}") from None

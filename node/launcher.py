@@ -23,6 +23,10 @@ import psutil
 from node.lifecycle import descendant_pids, remove_shared_memory, shared_memory_files
 from protocol.readiness import parse_ready_line
 
+READY_TIMEOUT_S = 120.0
+"""How long a started node may take to print its readiness line. Alone one takes 5-15 s; on a
+2-core CI machine running two swarms at once, a node's imports (4-6 s of CPU) and its DHT
+bootstrap have taken over 60 s."""
 
 
 class NodeStartError(RuntimeError):
@@ -116,19 +120,26 @@ class LocalSwarm:
         if self.bootstrap_peers:
             return self.bootstrap_peers
         for node in self.nodes:
-            if node.maddrs and node.ready.is_set() and node.proc.poll() is None:
+            if node.role != "relay" and node.maddrs and node.ready.is_set() and node.proc.poll() is None:
                 return node.maddrs[:1]
         return []
 
     def start_authorizer(self, args: Sequence[str] = (), *, name: str = "authorizer",
-                         timeout_s: float = 60.0, prefix: Sequence[str] = ()) -> NodeProcess:
+                         timeout_s: float = READY_TIMEOUT_S, prefix: Sequence[str] = ()) -> NodeProcess:
         """Start the authorizer as users do (`agora-node --role authorizer ...`) and wait for its
         readiness line's URL."""
         cmd = [*prefix, sys.executable, "-m", "node.cli", "--role", "authorizer", *args]
         return self._spawn(name, "authorizer", None, cmd, True, timeout_s)
 
+    def start_relay(self, args: Sequence[str] = (), *, name: str = "relay", timeout_s: float = READY_TIMEOUT_S,
+                    prefix: Sequence[str] = ()) -> NodeProcess:
+        """Start one of the run's relays (`agora-node --role relay ...`, with --authorizer and the
+        admin token in `args`) and wait for its readiness line."""
+        cmd = [*prefix, sys.executable, "-m", "node.cli", "--role", "relay", *args]
+        return self._spawn(name, "relay", None, cmd, True, timeout_s)
+
     def start(self, role: str, *, stage: Optional[int] = None, args: Sequence[str] = (), name: Optional[str] = None,
-              wait_ready: bool = True, timeout_s: float = 60.0, env: Optional[dict[str, str]] = None,
+              wait_ready: bool = True, timeout_s: float = READY_TIMEOUT_S, env: Optional[dict[str, str]] = None,
               prefix: Sequence[str] = ()) -> NodeProcess:
         """Start one node; `env` adds environment variables for this node only (test hooks);
         `prefix` runs it through another command that execs it (the network lab's
@@ -162,7 +173,7 @@ class LocalSwarm:
             self.wait_ready(node, timeout_s)
         return node
 
-    def wait_ready(self, node: NodeProcess, timeout_s: float = 60.0) -> None:
+    def wait_ready(self, node: NodeProcess, timeout_s: float = READY_TIMEOUT_S) -> None:
         self._wait_ready(node, timeout_s)
         _remember_pids(node)
 

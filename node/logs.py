@@ -46,6 +46,13 @@ _HIVEMIND_EXTRAS = frozenset({"origin_created", "caller", "caller_block", "level
 
 _P2PD_LOGGER = "hivemind.p2p.p2p_daemon"
 
+_AVERAGER_LOGGER = "hivemind.averaging.averager"
+EXPECTED_AVERAGING_FAILURES = frozenset({("hivemind.averaging.partition", "AllreduceException"),
+                                         ("hivemind.averaging.matchmaking", "MatchmakingException")})
+"""(module, class) of the exceptions with which an averaging step fails in a healthy swarm: no
+group formed in time, a member left or refused the group. Named, not imported: hivemind is
+imported late."""
+
 
 def short_name(record: logging.LogRecord) -> str:
     """The logger column: our package prefixes dropped, hivemind's cut to its subpackage, and
@@ -180,6 +187,28 @@ def _fold_hivemind(level: str) -> None:
 
     use_hivemind_log_handler("nowhere")
     logging.getLogger("hivemind").setLevel(level)
+    averager = logging.getLogger(_AVERAGER_LOGGER)
+    if not any(isinstance(f, ExpectedAveragingFailures) for f in averager.filters):
+        averager.addFilter(ExpectedAveragingFailures())
+
+
+class ExpectedAveragingFailures(logging.Filter):
+    """hivemind's averager logs every failed step with `logger.exception`: an ERROR and a
+    traceback for 'could not find a group', which a healthy swarm sees whenever a replica's round
+    falls due alone. The worker reports every round itself, failed ones included, in one line with
+    the reason ('averaging: step round 12 ...: failed ...; AllreduceException: ...'). So an
+    expected failure (EXPECTED_AVERAGING_FAILURES) becomes one DEBUG line without the traceback,
+    shown only when hivemind logs at DEBUG; anything else keeps its ERROR and traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or not any((cls.__module__, cls.__name__) in EXPECTED_AVERAGING_FAILURES
+                                    for cls in type(error).__mro__):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg, record.args = f"averaging step failed: {type(error).__name__}: {error}", ()
+        record.exc_info = record.exc_text = None
+        return logging.getLogger("hivemind").isEnabledFor(logging.DEBUG)
 
 
 def _after_import(module: str, callback: Callable[[], None]) -> None:

@@ -20,10 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from pydantic import ValidationError
-
-from node.flags import OneLineErrorParser, add_model_flags
-from protocol.errors import ConfigError
+from node.flags import OneLineErrorParser, add_model_flags, model_from_args
 from protocol.exit_codes import ExitCode, exit_code_table
 
 logger = logging.getLogger("agora.monitor")
@@ -48,16 +45,7 @@ def monitor_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace):
     from authorizer.monitor.config import MonitorConfig
 
-    values = {k: v for k, v in vars(args).items() if v is not None and v is not False}
-    try:
-        return MonitorConfig(**values)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        name = str(error.get("loc", ("settings",))[0])
-        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-        if error.get("type") == "missing":
-            raise ConfigError(f"--{name.replace('_', '-')} is required") from None
-        raise ConfigError(f"--{name.replace('_', '-')}: {message}") from None
+    return model_from_args(MonitorConfig, args)
 
 
 @dataclass(frozen=True)

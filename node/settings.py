@@ -69,6 +69,9 @@ class NodeSettings(BaseModel):
     host_maddrs: list[str] = Field(default_factory=lambda: [LOOPBACK_MADDR], description="where to listen")
     announce_maddrs: list[str] = Field(default_factory=list, description="addresses to advertise, if not the "
                                        "listen addresses (public address, port forwarding)")
+    relay: str = Field(default="auto", description="how peers reach this node when they cannot dial it: auto (through "
+                       "the run's relays, only if the authorizer cannot dial it back), off (never: an unreachable "
+                       "node is refused), or a relay's multiaddr ending in /p2p/<id> (always through that relay)")
     identity: Optional[str] = Field(default=None, description="file holding the libp2p key, created if missing; "
                                     "keeps the peer id across restarts")
     bootstrap_timeout_s: float = Field(default=30.0, gt=0, description="how long to try reaching the initial peers")
@@ -101,6 +104,19 @@ class NodeSettings(BaseModel):
                     f"{value!r} is not a multiaddr; expected e.g. /ip4/127.0.0.1/tcp/31337/p2p/Qm..."
                 ) from exc
         return values
+
+    @field_validator("relay")
+    @classmethod
+    def _relay_mode(cls, value: str) -> str:
+        from protocol.relays import peer_of
+
+        value = value.strip()
+        if value in ("auto", "off"):
+            return value
+        if not value.startswith("/") or peer_of(value) is None:
+            raise ValueError(f"{value!r} is neither auto, off nor a relay's multiaddr; give e.g. "
+                             f"/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW...")
+        return value
 
     @field_validator("metrics_push")
     @classmethod

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 import hivemind
 from hivemind.utils.auth import AuthorizerBase
@@ -121,11 +121,15 @@ async def join_swarm_until_stopped(*, identity: Identity, run_id: str, num_stage
                                    host_maddrs: list[str], announce_maddrs: list[str], bootstrap_timeout_s: float,
                                    stop: asyncio.Event, client_mode: bool = False,
                                    auth_state: Optional[SharedAuthState] = None,
-                                   authorizer: Optional[AuthorizerBase] = None) -> SwarmMembership:
+                                   authorizer: Optional[AuthorizerBase] = None,
+                                   before_fork: Optional[Callable[[], Awaitable[None]]] = None,
+                                   after_fork: Optional[Callable[[], None]] = None) -> SwarmMembership:
     """Start the DHT and bootstrap. Raises ConfigError (exit 2) if no initial peer answers within
     `bootstrap_timeout_s` and StopRequested if `stop` is set first (the half-started DHT is killed
     with its p2pd). Peers that refuse connections are retried until the deadline: nodes admitted
-    together are handed each other as bootstrap peers and may still be starting."""
+    together are handed each other as bootstrap peers and may still be starting. `before_fork` is
+    awaited right before each fork of the DHT process and `after_fork` called right after it (the
+    node's preload thread stops across the fork: node/preload.py)."""
     deadline = time.monotonic() + bootstrap_timeout_s
     delay_s = 1.0
     while True:
@@ -134,7 +138,8 @@ async def join_swarm_until_stopped(*, identity: Identity, run_id: str, num_stage
             return await _join_once(
                 identity=identity, run_id=run_id, num_stages=num_stages, initial_peers=initial_peers,
                 host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, bootstrap_timeout_s=max(left, 1.0),
-                stop=stop, client_mode=client_mode, auth_state=auth_state, authorizer=authorizer)
+                stop=stop, client_mode=client_mode, auth_state=auth_state, authorizer=authorizer,
+                before_fork=before_fork, after_fork=after_fork)
         except _BootstrapFailed as failed:
             left = deadline - time.monotonic()
             if not initial_peers or left <= delay_s:
@@ -144,6 +149,12 @@ async def join_swarm_until_stopped(*, identity: Identity, run_id: str, num_stage
             if await wait_any(stop, timeout=delay_s):
                 raise StopRequested("while joining the swarm") from None
             delay_s = min(delay_s * 2, 8.0)
+
+
+def _done_event(task: asyncio.Future) -> asyncio.Event:
+    done = asyncio.Event()
+    task.add_done_callback(lambda _: done.set())
+    return done
 
 
 class _BootstrapFailed(Exception):
@@ -159,12 +170,21 @@ def _first_line(error: BaseException) -> str:
 async def _join_once(*, identity: Identity, run_id: str, num_stages: int, initial_peers: list[str],
                      host_maddrs: list[str], announce_maddrs: list[str], bootstrap_timeout_s: float,
                      stop: asyncio.Event, client_mode: bool, auth_state: Optional[SharedAuthState],
-                     authorizer: Optional[AuthorizerBase]) -> SwarmMembership:
+                     authorizer: Optional[AuthorizerBase],
+                     before_fork: Optional[Callable[[], Awaitable[None]]] = None,
+                     after_fork: Optional[Callable[[], None]] = None) -> SwarmMembership:
     dht, validator = _new_dht(identity=identity, run_id=run_id, num_stages=num_stages, initial_peers=initial_peers,
                               host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
                               bootstrap_timeout_s=bootstrap_timeout_s, client_mode=client_mode,
                               auth_state=auth_state, authorizer=authorizer, start=False)
+    if before_fork is not None:
+        pausing = asyncio.ensure_future(before_fork())
+        if await wait_any(stop, _done_event(pausing)) and stop.is_set():
+            pausing.cancel()
+            raise StopRequested("while joining the swarm")
     dht.start()
+    if after_fork is not None:
+        after_fork()
     loop = asyncio.get_running_loop()
     ready: asyncio.Future = loop.create_future()
 
@@ -266,11 +286,13 @@ async def check_identity_not_live(swarm, run_id: str, num_stages: int, own_maddr
     me = swarm.peer_id
     records = await asyncio.gather(*(swarm.get(workers_key(run_id, s), WorkerRecord) for s in range(num_stages)),
                                    return_exceptions=True)
-    own = {m.split("/p2p/")[0] for m in own_maddrs}
+    from protocol.relays import transport_address
+
+    own = {transport_address(m) for m in own_maddrs}
     addresses: list[str] = []
     for found in records:
         if isinstance(found, dict) and me in found:
-            addresses += [m for m in found[me].maddrs if m.split("/p2p/")[0] not in own]
+            addresses += [m for m in found[me].maddrs if transport_address(m) not in own]
     if not addresses:
         return
     probe = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])

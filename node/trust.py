@@ -27,6 +27,7 @@ from node.admission import (
     Admission, AuthorizerClient, CredentialKeeper, CredentialLost, authorizer_urls,
     join_run, leave_quietly, measured_hardware,
 )
+from node.reachability import greet_relays
 from node.settings import NodeSettings
 from node.timefmt import duration, until
 from protocol.authorizer_api import TicketOut
@@ -74,6 +75,11 @@ class Trust:
     """Set when the node learns from the revocation list that it was banned or revoked."""
     reducer: bool = False
     """The authorizer designated this worker a reducer of its stage at placement."""
+    relays: list[str] = field(default_factory=list)
+    """The run's relays the authorizer listed (multiaddrs with /p2p/<id>)."""
+    relayed: bool = False
+    """The authorizer could not dial this node back and admitted it to serve through the relays."""
+    _relay_pass: Optional[object] = None
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _revocations_seen: Optional[tuple] = None
     _closed: bool = False
@@ -87,6 +93,16 @@ class Trust:
         if self.keeper is not None:
             self._tasks.append(asyncio.create_task(self.keeper.run(stop), name="credential-keeper"))
             self._tasks.append(asyncio.create_task(self._refresh_revocations(stop, swarm), name="revocations"))
+
+    def start_relay_pass(self, stop: asyncio.Event, p2p, relays: list[str], *, relayed: bool = False) -> None:
+        """Keep showing `relays` this node's credential from the node's own daemon (node/reachability.py);
+        `relayed`: the node is reached through them."""
+        if self.authenticator is None or not relays:
+            return
+        from node.reachability import RelayPass
+
+        self._relay_pass = RelayPass(p2p, relays, self.authenticator, relayed=relayed)
+        self._tasks.append(asyncio.create_task(self._relay_pass.run(stop), name="relay-pass"))
 
     def _apply(self, revocations: RevocationList) -> bool:
         """Keep `revocations` if it is valid and newer; log it only when its content changed."""
@@ -163,6 +179,8 @@ class Trust:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._relay_pass is not None:
+            await self._relay_pass.close()
         try:
             if self.client is not None:
                 if self.failure_exit_code() is None:
@@ -221,7 +239,7 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
         admission: Admission = await join_run(
             client, identity, settings.role, hardware=measured_hardware(device), announce_maddrs=visible,
             account_token=settings.account_token, preferred_stage=_requested_stage(settings), on_wait=on_wait,
-            timeout_s=settings.admission_timeout_s)
+            timeout_s=settings.admission_timeout_s, relay_ok=getattr(settings, "relay", "off") != "off")
         run = RunConfig.model_validate(admission.run_config)
         requested = _requested_stage(settings)
         if requested is not None and admission.stage is not None and requested != admission.stage:
@@ -230,6 +248,14 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
         trust_dir = tempfile.mkdtemp(prefix=trust_dir_prefix())
         auth_state = SharedAuthState(trust_dir, run_id=run.run_id, root_public_key=admission.root_public_key)
         auth_state.publish_credential(admission.credential)
+        keeper = CredentialKeeper(client, identity, run.run_id, admission.credential, auth_state.publish_credential)
+        authenticator = PeerAuthenticator(identity=identity, run_id=run.run_id,
+                                          root_public_key=admission.root_public_key,
+                                          credential=lambda: keeper.credential)
+        relays = _relays_for(settings, admission)
+        if relays:
+            # before the node's own daemon starts and reserves: the relays know this peer id by then
+            await greet_relays(probe, relays, authenticator)
     except BaseException:
         remove_trust_dir(trust_dir)
         await client.close()
@@ -237,9 +263,6 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
     finally:
         if probe is not None:
             await probe.shutdown()
-    keeper = CredentialKeeper(client, identity, run.run_id, admission.credential, auth_state.publish_credential)
-    authenticator = PeerAuthenticator(identity=identity, run_id=run.run_id,
-                                      root_public_key=admission.root_public_key, credential=lambda: keeper.credential)
     logger.info("admitted to run %s as %s%s by %s; credential valid %s", run.run_id, settings.role,
                 f" of stage {admission.stage}" if admission.stage is not None else "", client.url,
                 until(admission.credential.credential.expires_at))
@@ -249,4 +272,14 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
         auth_state=auth_state, authenticator=authenticator,
         dht_authorizer=CredentialDHTAuthorizer(identity, auth_state), client=client, keeper=keeper,
         revocation_refresh_s=settings.revocation_refresh_s, trust_dir=trust_dir, reducer=admission.reducer,
+        relays=relays, relayed=admission.relayed,
     )
+
+
+def _relays_for(settings, admission: Admission) -> list[str]:
+    """The relays this node greets: the authorizer's list, plus the one named by --relay ADDR."""
+    if settings.role not in ("worker", "trainer"):
+        return []  # monitors and relays open no circuit
+    mode = getattr(settings, "relay", "off")
+    named = [mode] if mode not in ("auto", "off") else []
+    return list(dict.fromkeys([*named, *admission.relays]))

@@ -155,9 +155,10 @@ class JoinRequest(BaseModel):
     peer_id: str = Field(pattern=PEER_ID_PATTERN, description="base58 libp2p peer id")
     public_key: Base64Bytes(256) = Field(  # type: ignore[valid-type]
         description="Ed25519 public key: 32 raw bytes or the libp2p protobuf, base64")
-    role: Literal["worker", "trainer", "monitor"] = Field(
-        description="monitor: the run's health monitor; admitted only with the run owner's admin token as its "
-                    "account token, and it takes no stage and no trainer slot")
+    role: Literal["worker", "trainer", "monitor", "relay"] = Field(
+        description="monitor: the run's health monitor; relay: one of the run's relays (protocol/relays.py); both "
+                    "are the run owner's own nodes, admitted only with the admin token as their account token, "
+                    "and take no stage and no trainer slot")
     hardware: Hardware
     client_version: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9.+_-]+$")
     package_digest: str = Field(default="", max_length=160, pattern=r"^[A-Za-z0-9:+/=._-]*$")
@@ -168,6 +169,9 @@ class JoinRequest(BaseModel):
         default=None, ge=0, le=1_000_000,
         description="the stage a worker asks for (--stage); placed there only if the policy honours "
                     "preferences and the stage has room")
+    relay_ok: bool = Field(
+        default=False, description="the node can serve through the run's relays: if the authorizer cannot dial it "
+                                   "back and the run has a relay, it is admitted as relayed instead of refused")
     signed_at: Optional[float] = Field(default=None, ge=0, le=1e11, description="unix seconds of the proof")
     signature: Optional[Base64Bytes(128)] = Field(  # type: ignore[valid-type]
         default=None, description="Ed25519 signature over proof_bytes('join', run_id, peer_id, signed_at), base64")
@@ -210,6 +214,8 @@ class CredentialOut(BaseModel):
 
 class AdmissionOut(CredentialOut):
     bootstrap_peers: list[str] = Field(description="multiaddrs to join the DHT through")
+    relays: list[str] = Field(default_factory=list, description="the run's relays (multiaddrs with /p2p/<id>): a "
+                                                                 "relayed node reserves a slot on them")
     authorizer_public_key: str = Field(description="Ed25519 root public key, raw, base64")
 
 
@@ -226,6 +232,9 @@ class TicketOut(BaseModel):
     stage: Optional[int] = Field(description="placed stage; known while queued, so stage state can be fetched early")
     reducer: bool = Field(default=False, description="the authorizer designated this worker a reducer of its stage "
                                                      "(policy reducer_accounts)")
+    reachability: Optional[Literal["direct", "relayed"]] = Field(
+        default=None, description="relayed: the authorizer could not dial the node and admitted it to serve "
+                                  "through the run's relays; direct: dialled back (or not checked)")
     queue_position: Optional[int] = Field(default=None, description="0 = released next")
     estimated_wait_s: Optional[float] = None
     rejection: Optional[RejectionOut] = None

@@ -74,9 +74,10 @@ WireBytes = Annotated[
     WithJsonSchema({"type": "string", "format": "byte", "description": "standard base64"}),
 ]
 
-Role = Literal["worker", "trainer", "monitor"]
-"""A monitor (the run's health monitor, report 3.6.2) reads the DHT and serves no handler: it takes
-no stage and no trainer slot, and handlers that check roles never list it."""
+Role = Literal["worker", "trainer", "monitor", "relay"]
+"""A monitor (the run's health monitor, report 3.6.2) reads the DHT and serves no handler; a relay
+(protocol/relays.py) forwards connections to nodes behind NAT and joins no DHT. Neither takes a
+stage or a trainer slot, and handlers that check roles never list them."""
 
 
 class CredentialRejection(str, enum.Enum):

@@ -16,12 +16,15 @@ import hivemind
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
-from protocol.dht_schema import RecordModel, Tombstone
+from protocol.dht_schema import MAX_RECORD_TTL_S, RecordModel, Tombstone
 from protocol.errors import PeerTimeout
 from protocol.stats import Distribution
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=RecordModel)
+
+SUPERSEDE_MARGIN_S = 0.01
+"""How much later than the record it replaces a superseding record expires."""
 
 
 class SwarmDHT:
@@ -35,15 +38,39 @@ class SwarmDHT:
         """Seconds each get and store took, timeouts included (for the node's metrics)."""
         self._store_timed_out_at: float | None = None
         """When our last store timed out; None once one succeeded since."""
+        self._expires: dict[str, float] = {}
+        """When the last record we stored under each key expires: the next must expire later."""
 
     async def store(self, key: str, record: RecordModel, ttl_s: float, *, timeout_s: float | None = None) -> bool:
-        """Announce `record` under our own subkey of `key` for `ttl_s` seconds."""
+        """Announce `record` under our own subkey of `key` for `ttl_s` seconds, or longer when an
+        earlier record of ours outlives that.
+
+        A DHT node keeps a subkey's value with the latest expiration and refuses any other. The
+        record a node leaves behind (a worker's tombstone, a trainer's final report: a minute)
+        outlives the records a process restarted with the same identity announces (three announce
+        periods), so every announcement of the new process was refused until it lapsed: a trainer
+        restarted right after a clean exit logged 'not accepted by any DHT peer' for about 40 s
+        and the dashboard showed no trainer (issue 22, point 6). A refused store therefore reads
+        our subkey's expiration and stores again just past it; later stores keep expiring after
+        it until `ttl_s` reaches past it by itself."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         value = record.model_dump(mode="json")
+        expiration = max(get_dht_time() + ttl_s, self._expires.get(key, 0.0) + SUPERSEDE_MARGIN_S)
+        stored = await self._store(key, value, expiration, timeout_s)
+        if not stored and self._store_timed_out_at is None:
+            outlived = await self._own_expiration(key)
+            if outlived is not None and expiration <= outlived < get_dht_time() + MAX_RECORD_TTL_S - 1.0:
+                logger.info("our earlier record under %s expires in %.0fs; announcing past it", key,
+                            outlived - get_dht_time())
+                expiration = outlived + SUPERSEDE_MARGIN_S
+                stored = await self._store(key, value, expiration, timeout_s)
+        if stored:
+            self._expires[key] = expiration
+        return stored
+
+    async def _store(self, key: str, value: dict, expiration: float, timeout_s: float) -> bool:
         started = time.perf_counter()
-        future = self.dht.store(
-            key, value, expiration_time=get_dht_time() + ttl_s, subkey=self.peer_id, return_future=True
-        )
+        future = self.dht.store(key, value, expiration_time=expiration, subkey=self.peer_id, return_future=True)
         try:
             stored = bool(await asyncio.wait_for(future, timeout_s))
             self._store_timed_out_at = None
@@ -55,6 +82,19 @@ class SwarmDHT:
             return False
         finally:
             self.latency["store"].observe(time.perf_counter() - started)
+
+    async def _own_expiration(self, key: str) -> Optional[float]:
+        """When the record under our own subkey of `key` that the DHT holds expires; None if it
+        holds none or does not answer."""
+        future = self.dht.get(key, latest=True, return_future=True)
+        try:
+            found = await asyncio.wait_for(future, self.timeout_s)
+        except asyncio.TimeoutError:
+            future.cancel()
+            return None
+        if found is None or not isinstance(found.value, dict) or self.peer_id not in found.value:
+            return None
+        return float(found.value[self.peer_id].expiration_time)
 
     async def dht_store_raw(self, key: str, subkey: str, value: dict, ttl_s: float) -> bool:
         """Store a value under a subkey that is not our peer id: only for records that carry

@@ -47,6 +47,9 @@ class WorkerRecord(RecordModel):
                                                    "node's memory limit if lower")
     device_memory_used_bytes: Optional[int] = Field(default=None, ge=0)
     device_memory_total_bytes: Optional[int] = Field(default=None, ge=0)
+    relayed_bytes: Optional[int] = Field(default=None, ge=0, description="pipeline bytes the worker sent and "
+                                         "received on streams through the run's relays (it sits behind NAT, or its "
+                                         "peers do)")
     started_at: Optional[float] = Field(default=None, ge=0, description="when the worker's process started "
                                         "(wall clock): a trainer lifts a ban when this changes (a restart)")
 

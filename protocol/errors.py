@@ -32,6 +32,7 @@ class ErrorCode(enum.IntEnum):
     UNAUTHENTICATED = 10  # missing or invalid credential or signature
     FRAME_TOO_LARGE = 11  # frame exceeds the handler's size limit
     RATE_LIMITED = 12  # the peer holds too many streams or buffered bytes; close idle streams or retry later
+    STATE_GONE = 13  # the state snapshot a chunk was asked of is no longer held; fetch the manifest again
 
 
 class AgoraError(Exception):

@@ -48,6 +48,11 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int = DEFAULT_MAX_
     return await read_payload(reader, length)
 
 
+def encode_frame(payload: bytes) -> bytes:
+    """One small frame as bytes, for a synchronous write just before a close."""
+    return _HEADER.pack(len(payload)) + payload
+
+
 async def write_frame(writer: asyncio.StreamWriter, payload: bytes) -> None:
     """Write one frame and wait until the transport accepted it."""
     try:

@@ -1,11 +1,15 @@
 """The one module that touches hivemind's private API, so that a hivemind upgrade that moves it
 breaks here, loudly, and nowhere else.
 
-agora-node needs five things hivemind does not expose publicly:
+agora-node needs six things hivemind does not expose publicly:
 
 - dial a peer at the addresses it announced (`P2P._client.connect`/`disconnect`): a first call
   must not depend on the DHT having introduced the two peers, and the authorizer's reachability
-  check is exactly such a dial;
+  check is exactly such a dial. A relayed address (`.../p2p/<relay>/p2p-circuit`) is encoded here:
+  hivemind's multiaddr codec writes a `/p2p/` component as a CID, which p2pd cannot parse;
+- pass p2pd flags hivemind's `P2P.create` has no parameter for (`P2P._make_process_args`): the
+  run's relays serve with their own limits, contributors serve as nobody's relay, and a node behind
+  NAT reserves slots on the run's relays only (node/reachability.py);
 - set a round's group key and target group size inside the averager process
   (`DecentralizedAverager._matchmaking`, reached through its control pipe `_outer_pipe`), so
   replicas with other index sets never meet and a full group starts at once [report 3.3.1.8];
@@ -92,6 +96,7 @@ class PrivateName:
 
 
 PRIVATE_API: tuple[PrivateName, ...] = (
+    PrivateName("P2P", "_make_process_args", "class", "wrapped: p2pd flags P2P.create does not take"),
     PrivateName("P2P", "_client.connect", "instance", "dial a peer at announced addresses"),
     PrivateName("P2P", "_client.disconnect", "instance", "drop the reachability probe's connection"),
     PrivateName("DecentralizedAverager", "_outer_pipe", "instance", "send our calls to the averager process"),
@@ -263,10 +268,90 @@ _check_at_import()
 
 # ---- P2P ----
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+_P2P_CODE = 421
+
+
+def wire_multiaddr(text: str) -> Multiaddr:
+    """`text` as the Multiaddr p2pd parses. hivemind 1.1.12 writes a `/p2p/<id>` component as a
+    CIDv1 (0x01 0x72 ...), p2pd expects the bare multihash and answers "length greater than
+    remaining number of bytes in buffer"; a relayed address has such a component in its middle."""
+    parts = text.strip("/").split("/")
+    if "p2p" not in parts and "ipfs" not in parts:
+        return Multiaddr(text)
+    out, pending, index = b"", [], 0
+
+    def flush() -> bytes:
+        encoded = Multiaddr("/" + "/".join(pending)).to_bytes() if pending else b""
+        pending.clear()
+        return encoded
+
+    import base58
+
+    while index < len(parts):
+        name = parts[index]
+        if name in ("p2p", "ipfs") and index + 1 < len(parts):
+            out += flush()
+            digest = base58.b58decode(parts[index + 1])
+            out += _varint(_P2P_CODE) + _varint(len(digest)) + digest
+            index += 2
+        elif name == "p2p-circuit":
+            pending.append(name)
+            index += 1
+        else:
+            pending.extend(parts[index:index + 2])
+            index += 2
+    out += flush()
+    return Multiaddr(out)
+
+
 async def connect(p2p: P2P, peer_id: PeerID, addresses: Sequence[str | Multiaddr]) -> None:
-    """Open a libp2p connection to `peer_id` at transport `addresses` (without /p2p/...)."""
+    """Open a libp2p connection to `peer_id` at transport `addresses` (without the trailing
+    /p2p/<peer_id>; a relayed address keeps its relay's /p2p/<relay>/p2p-circuit)."""
     client = _private(p2p, "_client", "P2P")
-    await client.connect(peer_id, [a if isinstance(a, Multiaddr) else Multiaddr(a) for a in addresses])
+    await client.connect(peer_id, [a if isinstance(a, Multiaddr) else wire_multiaddr(a) for a in addresses])
+
+
+_daemon_flags: dict[str, Any] = {}
+
+
+def set_daemon_flags(**flags: Any) -> None:
+    """Extra p2pd flags for every P2P this process (and a child forked after this call, such as
+    hivemind's DHT process) starts from now on, e.g. `relayService=False`; None removes one.
+    One node per process, so one set of flags per process."""
+    _private(P2P, "_make_process_args", "P2P")
+    for name, value in flags.items():
+        if value is None:
+            _daemon_flags.pop(name, None)
+        else:
+            _daemon_flags[name] = value
+
+
+def daemon_flags() -> dict[str, Any]:
+    return dict(_daemon_flags)
+
+
+def _install_flag_hook() -> None:
+    original = getattr(P2P, "_make_process_args", None)
+    if original is None or getattr(original, "_agora_hook", False):
+        return
+
+    def make_process_args(*args, **kwargs):
+        return original(*args, **{**kwargs, **_daemon_flags})
+
+    make_process_args._agora_hook = True  # type: ignore[attr-defined]
+    P2P._make_process_args = staticmethod(make_process_args)
+
+
+_install_flag_hook()
 
 
 async def disconnect(p2p: P2P, peer_id: PeerID) -> None:

@@ -308,6 +308,28 @@ class SyncConfig(BaseModel):
     state_load_timeout_s: float = Field(
         default=600.0, gt=0, description="Give up loading state from peers after this long."
     )
+    state_chunk_bytes: int = Field(
+        default=4 << 20, ge=1 << 16, le=32 << 20,
+        description="Bytes per chunk of a multi-donor state download (each hashed with SHA-256).",
+    )
+    donor_upload_mbps: float = Field(
+        default=50.0, gt=0,
+        description="Most a worker uploads to joiners, in Mbit/s over all of them: half a 100 Mbit/s link, "
+        "so donating never starves its own training.",
+    )
+    donor_max_concurrent_chunks: int = Field(
+        default=4, ge=1, le=64,
+        description="State chunks a worker serves at once; a request beyond is refused as overloaded.",
+    )
+    donor_snapshot_ttl_s: float = Field(
+        default=60.0, gt=0,
+        description="A donor drops its frozen snapshot (one copy of its stage state) this long after the "
+        "last request for it.",
+    )
+    donor_chunks_in_flight: int = Field(
+        default=2, ge=1, le=16,
+        description="Chunk requests a joiner keeps in flight to each donor.",
+    )
 
 
 class SurrogateConfig(BaseModel):

@@ -6,11 +6,16 @@ order), so a transfer that stalls can resume at the first element it has not rec
 the same peer or from another replica of the stage. Every reply carries the digest of the
 server's parameter layout and the server's step, so a joiner never mixes incompatible tensors
 and knows how stale what it loaded is. Optimizer state is not transferred.
+
+The multi-donor download [issue 22.4] has records of its own below: a donor's manifest of one
+frozen snapshot of its state (parameters and optimizer state) and requests for its chunks, each
+checked against the SHA-256 the manifest lists. `agora/v1/state` stays the fallback for donors
+that do not serve them.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
 from pydantic import Field
 
@@ -39,3 +44,53 @@ class StateReply(WireModel):
     layout: str = Field(max_length=128, description="digest of parameter names and shapes")
     offset: int = Field(ge=0)
     data: Optional[WireTensor] = None
+
+
+# ---- multi-donor download (`agora/v1/state_manifest`, `agora/v1/state_chunk`) [issue 22.4] ----
+
+SNAPSHOT_FORMAT = "agora-stage-state/1"
+"""The bytes a manifest describes: roles/worker/state_snapshot.py."""
+MAX_SNAPSHOT_CHUNKS = 1 << 16
+"""Chunks one manifest may list (256 GiB at 4 MiB a chunk); bounds the manifest frame to ~2 MiB."""
+MIN_SNAPSHOT_CHUNK_BYTES = 1 << 16
+MAX_SNAPSHOT_CHUNK_BYTES = 32 << 20
+"""A chunk and its reply frame stay well under the 64 MiB default frame limit."""
+ManifestId = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ManifestRequest(WireModel):
+    """Ask a donor for the manifest of its current snapshot of `stage` (it freezes one if it holds none)."""
+
+    stage: int = Field(ge=0)
+
+
+class ManifestReply(WireModel):
+    """A frozen snapshot of the donor's stage state: `total_bytes` bytes in `format`, cut into
+    chunks of `chunk_bytes` (the last one shorter), `chunks[i]` the SHA-256 of chunk i.
+    `manifest_id` is the SHA-256 of everything else here (state_snapshot.manifest_id): two donors
+    with the same id serve the same bytes, and a joiner mixes chunks only of one id."""
+
+    run_id: str = Field(max_length=64)
+    stage: int = Field(ge=0)
+    step: int = Field(ge=0, description="the donor's optimizer step when it froze the snapshot")
+    layout: str = Field(max_length=128, description="digest of parameter names and shapes")
+    format: str = Field(max_length=64)
+    manifest_id: ManifestId
+    total_bytes: int = Field(ge=1)
+    chunk_bytes: int = Field(ge=MIN_SNAPSHOT_CHUNK_BYTES, le=MAX_SNAPSHOT_CHUNK_BYTES)
+    chunks: list[Annotated[bytes, Field(min_length=32, max_length=32)]] = Field(min_length=1,
+                                                                                 max_length=MAX_SNAPSHOT_CHUNKS)
+
+
+class ChunkRequest(WireModel):
+    """Chunk `index` of the snapshot `manifest_id` of `stage`."""
+
+    stage: int = Field(ge=0)
+    manifest_id: ManifestId
+    index: int = Field(ge=0, lt=MAX_SNAPSHOT_CHUNKS)
+
+
+class ChunkReply(WireModel):
+    manifest_id: ManifestId
+    index: int = Field(ge=0, lt=MAX_SNAPSHOT_CHUNKS)
+    data: bytes = Field(min_length=1, max_length=MAX_SNAPSHOT_CHUNK_BYTES)

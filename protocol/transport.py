@@ -37,7 +37,9 @@ from protocol.auth import PeerAuthenticator, RequestRejected
 from protocol.codec import pack
 from protocol.credentials import Credential
 from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
-from protocol.framing import DEFAULT_MAX_FRAME_BYTES, read_frame, read_length, read_payload, write_frame
+from protocol.framing import (
+    DEFAULT_MAX_FRAME_BYTES, encode_frame, read_frame, read_length, read_payload, write_frame,
+)
 from protocol.messages import (
     ErrorBody,
     Hello,
@@ -49,7 +51,8 @@ from protocol.messages import (
     parse_model,
     to_body,
 )
-from protocol.stream_limits import HELLO_MAX_BYTES, StreamBudget, StreamLimits
+from protocol.relays import is_relayed
+from protocol.stream_limits import HELLO_MAX_BYTES, StreamBudget, StreamLimits, source_key
 from protocol.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
@@ -99,9 +102,12 @@ def hello_frame(handler: str, recipient: str, authenticator: Optional[PeerAuthen
 async def dial(p2p: P2P, peer_id: PeerID, maddrs: list[str], timeout_s: float = 10.0) -> None:
     """Open a libp2p connection to `peer_id` at its announced addresses, so a first call does
     not depend on the DHT having introduced the two peers. The daemon wants transport addresses
-    without the trailing /p2p/<id> part. A peer that cannot be dialled is `PeerUnavailable`
-    (a state download then resumes on another replica instead of ending the node)."""
-    addresses = [m.split("/p2p/")[0] for m in maddrs if m]
+    without the trailing /p2p/<id> part (a relayed address keeps its relay's). A peer that cannot
+    be dialled is `PeerUnavailable` (a state download then resumes on another replica instead of
+    ending the node)."""
+    from protocol.relays import transport_address
+
+    addresses = [transport_address(m) for m in maddrs if m]
     if not addresses:
         return
     try:
@@ -117,16 +123,19 @@ class _Session:
     """One incoming stream, as the server tracks it."""
 
     peer: str
+    source: str
+    """Whom its silent time is counted against (protocol/stream_limits.py `source_key`)."""
     writer: asyncio.StreamWriter
     deadline: Optional[float]
     """Monotonic time by which the next thing must happen, or None while a request is in flight."""
     waiting_for: str = "hello_timeout"
     """What the deadline is for, counted when it passes: hello_timeout, idle_timeout or frame_timeout."""
-    authenticated: bool = False
     credential: Optional[Credential] = None
     seq: int = 0
     reserved: int = 0
     """Bytes of the frame being read, reserved against the peer's budget."""
+    relayed: bool = False
+    """The stream came through one of the run's relays (its connection is a /p2p-circuit one)."""
 
 
 class RpcServer:
@@ -157,6 +166,8 @@ class RpcServer:
         """Bytes of request frames read (length prefixes included), for the node's metrics."""
         self.bytes_sent = 0
         """Bytes of reply frames written."""
+        self.relayed_bytes = [0, 0]
+        """Of those, (sent, received) on streams that came through a relay."""
         self._names: list[str] = []
         self._sessions: set[_Session] = set()
         self._sweeper: Optional[asyncio.Task] = None
@@ -174,7 +185,7 @@ class RpcServer:
         """Serve `name`; `roles` limits which credential roles may call it (authenticated runs)."""
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
-                await self._serve_stream(name, handler, roles, info.peer_id, reader, writer)
+                await self._serve_stream(name, handler, roles, info, reader, writer)
             except asyncio.CancelledError:
                 # The stream's own task, cancelled as the node shuts down: end it quietly. Python
                 # 3.11's StreamReaderProtocol asks a cancelled task for its exception and logs the
@@ -186,16 +197,24 @@ class RpcServer:
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep(), name="rpc-stream-sweeper")
 
-    async def _serve_stream(self, name, handler, roles, peer_id: PeerID, reader, writer) -> None:
+    async def _serve_stream(self, name, handler, roles, info, reader, writer) -> None:
+        peer_id: PeerID = info.peer_id
         peer = peer_id.to_base58()
-        refusal = self.budget.open(peer)
+        session = _Session(peer, source_key(str(info.addr) if info.addr is not None else None, peer), writer,
+                           deadline=time.monotonic() + self.limits.hello_timeout_s,
+                           relayed=info.addr is not None and is_relayed(str(info.addr)))
+        refusal, evicted = self.budget.open(session, peer, session.source)
+        for victim in evicted:
+            self._evict(victim)
         if refusal is not None:
             self.streams_refused[refusal] += 1
+            held = (f"{self.limits.max_streams_per_peer} streams" if refusal == "too_many_streams" else
+                    f"{self.limits.max_unauthenticated_per_peer} streams that have not sent their hello")
             await self._refuse(writer, ErrorCode.RATE_LIMITED,
-                               f"{refusal}: this peer holds too many streams; reuse or close them and retry")
+                               f"{refusal}: peer {peer} already holds {held} on this node; "
+                               f"reuse or close them and retry")
             writer.close()
             return
-        session = _Session(peer, writer, deadline=time.monotonic() + self.limits.hello_timeout_s)
         self._sessions.add(session)
         try:
             if await self._hello(session, name, roles, reader):
@@ -210,8 +229,22 @@ class RpcServer:
             self._sessions.discard(session)
             if session.reserved:
                 self.budget.release(peer, session.reserved)
-            self.budget.close(peer, authenticated=session.authenticated)
+            self.budget.close(session)
             writer.close()
+
+    def _evict(self, session: _Session) -> None:
+        """Close a silent stream to make room for a new one (the budget no longer counts it). The
+        refusal is written before the close, which sends it first; a silent stream has sent nothing
+        we leave unread, so the close does not reset it."""
+        self.streams_closed["evicted"] += 1
+        self._count(ErrorCode.RATE_LIMITED)
+        session.deadline = None
+        with contextlib.suppress(Exception):  # the stream may be gone already
+            session.writer.write(encode_frame(_error(
+                ErrorCode.RATE_LIMITED, f"evicted: this stream sent no hello while the node's allowance for such "
+                                        f"streams was full, and its source ({session.source}) held the most of "
+                                        f"them; send the hello as soon as a stream opens")))
+        session.writer.close()
 
     async def _refuse(self, writer, code: ErrorCode, message: str, reader=None, **fields) -> None:
         """Send one error frame on a stream that is about to be closed.
@@ -234,9 +267,11 @@ class RpcServer:
             self.streams_refused["hello_too_large"] += 1
             await self._refuse(session.writer, ErrorCode.FRAME_TOO_LARGE,
                                f"a stream must open with a hello of at most {HELLO_MAX_BYTES} bytes, not {length}; "
-                               f"upgrade the calling node")
+                               f"upgrade the calling node", reader)
             return False
         frame = await read_payload(reader, length)
+        if session.writer.is_closing():
+            return False  # evicted or timed out while its hello arrived
         credential = None
         try:
             hello = parse_frame(Hello, frame)
@@ -257,8 +292,8 @@ class RpcServer:
         except ProtocolError as exc:
             await self._refuse(session.writer, exc.code, str(exc), reader)
             return False
-        self.budget.authenticated(session.peer)
-        session.authenticated, session.credential = True, credential
+        self.budget.authenticated(session)
+        session.credential = credential
         await write_frame(session.writer, pack(ack))
         return True
 
@@ -288,6 +323,9 @@ class RpcServer:
             reply, keep_open = await self._handle(session, name, handler, peer_id, frame)
             await write_frame(session.writer, reply)
             self.bytes_sent += FRAME_HEADER_BYTES + len(reply)
+            if session.relayed:
+                self.relayed_bytes[0] += FRAME_HEADER_BYTES + len(reply)
+                self.relayed_bytes[1] += FRAME_HEADER_BYTES + length
             if not keep_open:
                 with contextlib.suppress(PeerUnavailable, ConnectionError, asyncio.TimeoutError):
                     await asyncio.wait_for(_discard_until_eof(reader, LINGER_MAX_BYTES), LINGER_S)
@@ -379,6 +417,8 @@ class _Stream:
     last_used: float = field(default_factory=time.monotonic)
     opening: bool = True
     """Counted against the peer's hellos in flight until the ack is read."""
+    relayed: bool = False
+    """It goes through one of the run's relays."""
 
     def reusable(self, credential: Optional[bytes], now: float) -> bool:
         if self.writer.is_closing() or self.reader.at_eof() or self.credential != credential:
@@ -413,6 +453,8 @@ class RpcClient:
         """Bytes of request frames written (length prefixes included), for the node's metrics."""
         self.bytes_received = 0
         """Bytes of reply frames read."""
+        self.relayed_bytes = [0, 0]
+        """Of those, (sent, received) on streams that go through a relay."""
 
     async def request(self, peer_id: PeerID, handler: str, request: WireModel, reply: type[M], *,
                       timeout_s: Optional[float] = None) -> M:
@@ -435,10 +477,14 @@ class RpcClient:
             frame = pack({"seq": stream.seq, "body": body})
             await write_frame(stream.writer, frame)
             self.bytes_sent += FRAME_HEADER_BYTES + len(frame)
+            if stream.relayed:
+                self.relayed_bytes[0] += FRAME_HEADER_BYTES + len(frame)
             if stream.hello_nonce is not None:
                 await self._read_ack(peer_id, handler, stream)
             answer = await read_frame(stream.reader, self.max_frame_bytes)
             self.bytes_received += FRAME_HEADER_BYTES + len(answer)
+            if stream.relayed:
+                self.relayed_bytes[1] += FRAME_HEADER_BYTES + len(answer)
             return parse_frame(ReplyFrame, answer)
 
         try:
@@ -503,12 +549,13 @@ class RpcClient:
         self._opening[peer_id] += 1
         hello, nonce = hello_frame(handler, peer_id.to_base58(), self.authenticator)
         try:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, handler)
+            info, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, handler)
         except BaseException:
             self._opening[peer_id] -= 1
             self._closed(peer_id)
             raise
-        stream = _Stream(reader, writer, credential, hello_nonce=nonce)
+        stream = _Stream(reader, writer, credential, hello_nonce=nonce,
+                         relayed=getattr(info, "addr", None) is not None and is_relayed(str(info.addr)))
         try:
             await write_frame(writer, hello)  # the first request follows without waiting for the ack
         except BaseException:

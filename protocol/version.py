@@ -12,7 +12,13 @@ FORWARD = HANDLER_PREFIX + "forward"
 BACKWARD = HANDLER_PREFIX + "backward"
 INFO = HANDLER_PREFIX + "info"
 STATE = HANDLER_PREFIX + "state"
-"""A stage replica's parameters, served in chunks to a joining worker [report 3.3.1.1]."""
+"""A stage replica's parameters, served in chunks to a joining worker [report 3.3.1.1]; the
+fallback for donors without STATE_MANIFEST."""
+STATE_MANIFEST = HANDLER_PREFIX + "state_manifest"
+"""A donor's manifest of one frozen snapshot of its stage state (parameters and optimizer state):
+fixed-size chunks, each with its SHA-256 [issue 22.4]."""
+STATE_CHUNK = HANDLER_PREFIX + "state_chunk"
+"""One chunk of a snapshot a donor published with STATE_MANIFEST."""
 ABANDON = HANDLER_PREFIX + "abandon"
 """A trainer tells a stage that a sample tagged with a step will not reach it (it was dropped
 below a failed stage), so the stage closes that step without waiting for it."""
@@ -25,6 +31,9 @@ STEP_GRADIENTS = HANDLER_PREFIX + "step_gradients"
 EVALUATE = HANDLER_PREFIX + "evaluate"
 """A held-out sample's forward through one stage, for the run's evaluation: no gradient, no step
 tag, nothing counted towards a step (roles/trainer/evaluation.py)."""
+RELAY_HELLO = HANDLER_PREFIX + "relay_hello"
+"""A node shows one of the run's relays its credential, so the relay keeps its connection (and
+the reservation or circuits on it) instead of dropping it as an outsider's (roles/relay/)."""
 
 
 def client_version() -> str:

@@ -10,13 +10,16 @@ reader never loads a half-uploaded one (an object without a sidecar, a sidecar w
 stages). The same writer then deletes all but the newest `keep` complete checkpoints.
 
     <store>/<run_id>/step-000000050/stage-0.<writer>.safetensors   parameters + optimizer state
-    <store>/<run_id>/step-000000050/stage-0.<writer>.json          its size and SHA-256
+    <store>/<run_id>/step-000000050/stage-0.<writer>.json          its size, SHA-256 and chunks' SHA-256
     <store>/<run_id>/step-000000050/manifest.json                  every stage's object: written last
 
 Writers name their objects after their peer id, so two replicas of a stage never overwrite each
 other's object; the manifest takes the lowest id. Objects are safetensors (tensors and string
 metadata, no pickle): a reader loads a store it does not control without running its code.
-Every object is checked against its SHA-256 before a tensor of it is used.
+Every object is checked against its SHA-256 before a tensor of it is used. Sidecars and manifests
+also list the SHA-256 of every STORE_CHUNK_BYTES chunk of the object, so a joiner can fetch it
+with parallel ranged reads and check each range as it arrives (run_checkpoints.fetch_stage_chunked);
+older checkpoints without them are fetched whole.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ _SIDECAR = re.compile(r"^stage-(\d+)\.([A-Za-z0-9]{1,128})\.json$")
 _OPTIM_PREFIX = "optimizer.state."
 
 
+STORE_CHUNK_BYTES = 4 << 20
+"""The chunks whose SHA-256 a sidecar lists: what one ranged read of a joiner fetches."""
+
 DEFAULT_STORE = "~/.cache/agora-node/checkpoints"
 """The store when neither `--checkpoint-store` nor the run config's `checkpoints.store` names one: a
 local directory, so a writer's run resumes on the same machine without any setup."""
@@ -75,10 +81,25 @@ class StageEntry:
     bytes: int
     sha256: str
     writer: str
+    chunk_bytes: int = 0
+    chunks: tuple[str, ...] = ()
+    """SHA-256 (hex) of every `chunk_bytes` chunk of the object; empty in older checkpoints."""
 
     def to_json(self) -> dict:
-        return {"stage": self.stage, "file": self.file, "bytes": self.bytes, "sha256": self.sha256,
-                "writer": self.writer}
+        out = {"stage": self.stage, "file": self.file, "bytes": self.bytes, "sha256": self.sha256,
+               "writer": self.writer}
+        if self.chunks:
+            out.update(chunk_bytes=self.chunk_bytes, chunks=list(self.chunks))
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> StageEntry:
+        chunks = tuple(str(c) for c in data.get("chunks", ()))
+        chunk_bytes = int(data.get("chunk_bytes", 0))
+        if chunks and (chunk_bytes <= 0 or len(chunks) != -(-int(data["bytes"]) // chunk_bytes)):
+            raise ValueError(f"{len(chunks)} chunk hashes for {data['bytes']} bytes in chunks of {chunk_bytes}")
+        return cls(stage=int(data["stage"]), file=str(data["file"]), bytes=int(data["bytes"]),
+                   sha256=str(data["sha256"]), writer=str(data["writer"]), chunk_bytes=chunk_bytes, chunks=chunks)
 
 
 @dataclass(frozen=True)
@@ -156,11 +177,17 @@ def read_stage_state(path: str | os.PathLike[str], names: Sequence[str]) -> Stag
 
 
 def _sha256(path: str | os.PathLike[str]) -> str:
-    digest = hashlib.sha256()
+    return _digests(path, 1 << 20)[0]
+
+
+def _digests(path: str | os.PathLike[str], chunk_bytes: int) -> tuple[str, list[str]]:
+    """The SHA-256 of a file and of each of its `chunk_bytes` chunks, in one read."""
+    digest, chunks = hashlib.sha256(), []
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
+        for block in iter(lambda: handle.read(chunk_bytes), b""):
             digest.update(block)
-    return digest.hexdigest()
+            chunks.append(hashlib.sha256(block).hexdigest())
+    return digest.hexdigest(), chunks
 
 
 class CheckpointStore:
@@ -205,12 +232,13 @@ class CheckpointStore:
         call completed the checkpoint."""
         if not re.fullmatch(r"[A-Za-z0-9]{1,128}", writer):
             raise ValueError(f"writer id {writer!r} must be 1-128 letters and digits")
-        size, sha = staged.stat().st_size, _sha256(staged)
+        size, (sha, chunks) = staged.stat().st_size, _digests(staged, STORE_CHUNK_BYTES)
         directory = self._step_dir(step)
         name = f"stage-{stage}.{writer}.safetensors"
         try:
             self._put_file(staged, f"{directory}/{name}")
-            entry = StageEntry(stage=stage, file=name, bytes=size, sha256=sha, writer=writer)
+            entry = StageEntry(stage=stage, file=name, bytes=size, sha256=sha, writer=writer,
+                               chunk_bytes=STORE_CHUNK_BYTES, chunks=tuple(chunks))
             self._put_bytes(f"{directory}/stage-{stage}.{writer}.json",
                             json.dumps({"format": FORMAT, "step": step, **entry.to_json()}).encode())
         except CheckpointStoreError:
@@ -249,8 +277,7 @@ class CheckpointStore:
     def _sidecar(self, path: str, step: int) -> Optional[StageEntry]:
         try:
             data = json.loads(self.fs.cat_file(path))
-            entry = StageEntry(stage=int(data["stage"]), file=str(data["file"]), bytes=int(data["bytes"]),
-                               sha256=str(data["sha256"]), writer=str(data["writer"]))
+            entry = StageEntry.from_json(data)
         except Exception:  # noqa: BLE001 - a damaged sidecar only means that object does not count
             logger.warning("ignoring the unreadable checkpoint sidecar %s", path)
             return None
@@ -332,8 +359,7 @@ class CheckpointStore:
         try:
             if data["format"] != FORMAT or data["run_id"] != self.run_id or int(data["step"]) != step:
                 raise ValueError(f"format {data.get('format')!r}, run {data.get('run_id')!r}, step {data.get('step')!r}")
-            stages = tuple(StageEntry(stage=int(s["stage"]), file=str(s["file"]), bytes=int(s["bytes"]),
-                                      sha256=str(s["sha256"]), writer=str(s["writer"])) for s in data["stages"])
+            stages = tuple(StageEntry.from_json(s) for s in data["stages"])
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointStoreError(f"{path} is not a manifest of run {self.run_id} at step {step}: {exc}") from exc
         if [s.stage for s in stages] != list(range(self.num_stages)):
@@ -349,6 +375,16 @@ class CheckpointStore:
             except CheckpointStoreError as exc:
                 logger.warning("skipping a damaged checkpoint: %s", exc)
         return None
+
+    def read_range(self, manifest: RunManifest, stage: int, start: int, end: int) -> bytes:
+        """Bytes [start, end) of one stage's object (one ranged GET on an object store)."""
+        remote = f"{self._step_dir(manifest.step)}/{manifest.stages[stage].file}"
+        try:
+            return self.fs.cat_file(remote, start=start, end=end)
+        except FileNotFoundError:
+            raise CheckpointStoreError(f"{remote} is gone (deleted by retention meanwhile?)") from None
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointStoreError(f"cannot read {remote} [{start}, {end}): {exc}") from exc
 
     def fetch_stage(self, manifest: RunManifest, stage: int, workdir: Path) -> Path:
         """A local, verified copy of one stage's object (the object itself when the store is local)."""

@@ -63,6 +63,11 @@
   // ---- formatting ----
 
   function isNum(v) { return typeof v === 'number' && isFinite(v); }
+  function reached(n) {
+    // a worker behind NAT announces only addresses through the run's relays
+    if (n.relayed === true) { return 'via relay'; }
+    return n.relayed === false ? 'direct' : '–';
+  }
   function fmtInt(v) { return isNum(v) ? Math.round(v).toLocaleString('en-US') : '–'; }
   function fmtFixed(v, digits) { return isNum(v) ? v.toFixed(digits) : '–'; }
   function fmtRate(v) {
@@ -362,7 +367,7 @@
           n.stage === null || n.stage === undefined ? '–' : String(n.stage),
           { text: String(n.state), cls: knownClass('state-', n.state, ['present', 'gone']) },
           { text: n.phase === null || n.phase === undefined ? '–' : String(n.phase), cls: knownClass('phase-', n.phase, PHASES) },
-          fmtInt(n.step), fmtRate(n.throughput), n.admitted ? 'yes' : 'no', fmtAgo(n.last_seen)],
+          fmtInt(n.step), fmtRate(n.throughput), reached(n), n.admitted ? 'yes' : 'no', fmtAgo(n.last_seen)],
       };
     });
     const hidden = nodes.length - shown.length;
@@ -458,6 +463,8 @@
     setText('node-step', fmtInt(n.step));
     setText('node-throughput', fmtRate(n.throughput));
     setText('node-admitted', n.admitted ? 'yes' : 'no');
+    setText('node-reached', reached(n) + (isNum(n.relayed_bytes) && n.relayed_bytes > 0
+      ? ' (' + fmtBytes(n.relayed_bytes) + ' through relays)' : ''));
     setText('node-seen', fmtClock(n.first_seen) + ' / ' + fmtClock(n.last_seen) + ' (' + fmtAgo(n.last_seen) + ')');
     let rss = null;
     for (let i = history.length - 1; i >= 0; i -= 1) { if (isNum(history[i].rss_bytes)) { rss = history[i].rss_bytes; break; } }

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from authorizer.monitor.observation import Observation, Sighting
+from protocol.relays import is_relayed
 
 STALE_SLACK_S = 1.0
 
@@ -56,6 +57,9 @@ class NodeState:
     rounds_complete: Optional[int] = None
     rounds_partial: Optional[int] = None
     rounds_failed: Optional[int] = None
+    relayed: Optional[bool] = None
+    """It announces only addresses through the run's relays (it sits behind NAT)."""
+    relayed_bytes: Optional[int] = None
 
     @property
     def present(self) -> bool:
@@ -76,6 +80,8 @@ def _absorb(node: NodeState, seen: Sighting) -> None:
         node.rss_bytes, node.host_memory_total_bytes = w.host_rss_bytes, w.host_memory_total_bytes
         node.device_memory_used_bytes, node.device_memory_total_bytes = (w.device_memory_used_bytes,
                                                                           w.device_memory_total_bytes)
+        node.relayed = bool(w.maddrs) and all(is_relayed(m) for m in w.maddrs)
+        node.relayed_bytes = w.relayed_bytes
     if seen.progress is not None:
         node.step, node.samples = seen.progress.local_step, seen.progress.samples_consumed
     if seen.averaging is not None:

@@ -34,7 +34,7 @@ RUN_HISTORY_S = 30 * 86400.0
 PRUNE_EVERY = 60
 """Snapshots between two prunings."""
 _NODE_COLUMNS = ("role", "stage", "state", "phase", "first_seen", "last_seen", "gone_at", "admitted", "throughput",
-                 "step", "samples", "rss_bytes", "last_expiration", "ttl_s", "rounds")
+                 "step", "samples", "rss_bytes", "last_expiration", "ttl_s", "rounds", "relayed", "relayed_bytes")
 
 
 @dataclass
@@ -115,7 +115,7 @@ class MonitorStore:
                     last_seen=row.last_seen, state=row.state, phase=row.phase, gone_at=row.gone_at,
                     admitted=bool(row.admitted), throughput=row.throughput, step=row.step, samples=row.samples,
                     rss_bytes=row.rss_bytes, last_expiration=row.last_expiration, ttl_s=row.ttl_s,
-                    rounds=list(row.rounds or []))
+                    rounds=list(row.rounds or []), relayed=row.relayed, relayed_bytes=row.relayed_bytes)
             for row in conn.execute(select(monitor_trainer_cursors)):
                 loaded.cursors[row.peer_id] = Cursor(peer_id=row.peer_id, process=row.process, samples=row.samples,
                                                      tokens=row.tokens, report_time=row.report_time,
@@ -281,7 +281,8 @@ class MonitorStore:
 def node_json(row) -> dict:
     return dict(peer_id=row.peer_id, role=row.role, stage=row.stage, state=row.state, phase=row.phase,
                 first_seen=row.first_seen, last_seen=row.last_seen, gone_at=row.gone_at,
-                throughput=row.throughput, step=row.step, admitted=bool(row.admitted))
+                throughput=row.throughput, step=row.step, admitted=bool(row.admitted), relayed=row.relayed,
+                relayed_bytes=row.relayed_bytes)
 
 
 def _alert(row) -> Alert:

@@ -42,6 +42,8 @@ monitor_nodes = Table(
     Column("last_expiration", Float, comment="expiration of its newest record: a refresh moves it"),
     Column("ttl_s", Float, comment="the longest remaining life seen on its records: its records' TTL"),
     Column("rounds", JSON, comment="its last averaging rounds (RoundSummaryRecord dicts)"),
+    Column("relayed", Boolean, comment="it announces only addresses through the run's relays (behind NAT)"),
+    Column("relayed_bytes", BigInteger, comment="pipeline bytes it moved through the run's relays"),
     Index("monitor_nodes_state", "state"),
 )
 
@@ -97,7 +99,7 @@ monitor_progress = Table(
     Index("monitor_progress_t", "t"),
 )
 
-ADDED_COLUMNS = {"monitor_progress": ("eval_loss", "eval_step")}
+ADDED_COLUMNS = {"monitor_progress": ("eval_loss", "eval_step"), "monitor_nodes": ("relayed", "relayed_bytes")}
 """Columns added since the tables were first released: a database an older monitor created gets
 them when the monitor opens it (authorizer.monitor.store)."""
 

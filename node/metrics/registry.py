@@ -213,6 +213,8 @@ class NodeMetrics:
         self.credential_expiry: Optional[Callable[[], Optional[float]]] = None
         self.bytes: dict[str, Callable[[], tuple[int, int]]] = {}
         """Per channel (pipeline, averaging): bytes sent and received so far."""
+        self.relayed_bytes: list[Callable[[], tuple[int, int]]] = []
+        """Pipeline bytes (sent, received) on streams through the run's relays, per source."""
         self.auth_rejections: dict[str, Callable[[], dict[str, int]]] = {}
         """Per channel: requests, streams or groups refused for their credential, by reason."""
         self._collector = _Sources(self)
@@ -284,6 +286,13 @@ class NodeMetrics:
                          ("channel", ), sent)
         yield f.counters("agora_bytes_received_total", "bytes this node received, by channel",
                          ("channel", ), received)
+        relayed = [0, 0]
+        for read in self.relayed_bytes:
+            for index, count in enumerate(read()):
+                relayed[index] += count
+        yield f.counters("agora_relayed_bytes_total", "pipeline bytes this node sent or received on streams "
+                         "through one of the run's relays (a node behind NAT, or a peer of one), by direction",
+                         ("direction", ), {("sent", ): relayed[0], ("received", ): relayed[1]})
         rejected: dict[tuple[str, str], int] = {}
         for channel, read in self.auth_rejections.items():
             for reason, count in read().items():

@@ -23,6 +23,7 @@ def trainer_readiness(role: TrainerRole) -> Optional[str]:
 
 def attach_trainer(metrics: NodeMetrics, role: TrainerRole) -> None:
     metrics.bytes["pipeline"] = lambda: (role.client.bytes_sent, role.client.bytes_received)
+    metrics.relayed_bytes.append(lambda: tuple(role.client.relayed_bytes))
     metrics.add("trainer", lambda f: _trainer(f, role))
 
 

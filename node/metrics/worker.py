@@ -30,6 +30,7 @@ def worker_readiness(role: WorkerRole) -> Optional[str]:
 def attach_worker(metrics: NodeMetrics, role: WorkerRole) -> None:
     metrics.bytes["pipeline"] = lambda: (role.server.bytes_sent, role.server.bytes_received)
     metrics.bytes["averaging"] = lambda: (role.averaging.bytes_sent, role.averaging.bytes_received)
+    metrics.relayed_bytes.append(lambda: tuple(role.server.relayed_bytes))
     metrics.auth_rejections["pipeline"] = lambda: dict(role.server.auth_rejected)
     metrics.auth_rejections["averaging"] = role.averaging.refusals
     metrics.add("worker", lambda f: _worker(f, role))

@@ -81,7 +81,10 @@ class LabSwarm:
         return node
 
     def start_node(self, spec: NodeSpec, *, wait_ready: bool = True, timeout_s: float = 120.0) -> NodeProcess:
-        """Start (or restart, same identity and address) a worker or trainer on its host."""
+        """Start (or restart, same identity and address) a worker or trainer on its host (a relay:
+        start_relay)."""
+        if spec.role == "relay":
+            return self.start_relay(spec, timeout_s=timeout_s)
         if self.authorizer is None:
             raise RuntimeError("start the authorizer first")
         self.specs[spec.name] = spec
@@ -107,12 +110,29 @@ class LabSwarm:
             self.bootstrap = node.maddrs[:1]
         return node
 
+    def start_relay(self, spec: NodeSpec, *, timeout_s: float = 90.0) -> NodeProcess:
+        """Start (or restart, same identity and address) one of the run's relays on its host."""
+        if self.authorizer is None:
+            raise RuntimeError("start the authorizer first")
+        self.specs[spec.name] = spec
+        address = self.lab.address(spec.name)
+        incarnation = self.incarnations.get(spec.name, -1) + 1
+        self.incarnations[spec.name] = incarnation
+        args = ["--authorizer", self.authorizer.url, "--account-token", self.admin_token,
+                "--identity", os.path.join(self.workdir, f"{spec.name}.key"),
+                "--host-maddrs", f"/ip4/{address}/tcp/{P2P_PORT}",
+                "--metrics-port", str(METRICS_PORT), "--metrics-host", address, *spec.args]
+        name = spec.name if incarnation == 0 else f"{spec.name}.{incarnation}"
+        node = self.local.start_relay(args, name=name, timeout_s=timeout_s, prefix=self.lab.command(spec.name, []))
+        self.processes[spec.name] = node
+        return node
+
     def _initial_peers(self, name: str) -> list[str]:
         """Any live node's address other than the one being started (a restarted first node must
         not bootstrap from itself)."""
         for other, node in self.processes.items():
-            if other != name and node.role != "authorizer" and node.ready.is_set() and node.proc.poll() is None \
-                    and node.maddrs:
+            if other != name and node.role not in ("authorizer", "relay") and node.ready.is_set() \
+                    and node.proc.poll() is None and node.maddrs:
                 return node.maddrs[:1]
         return []
 
@@ -134,9 +154,14 @@ class LabSwarm:
 
     # -- observing ------------------------------------------------------------------------------
     def metrics_url(self, name: str) -> str:
+        """The node's /metrics as the controller reaches it; "" for a node behind NAT, which the
+        controller cannot reach (and whose LAN address must not go to the machine's default route)."""
+        if self.lab.link_host(name) != name:
+            return ""
         return f"http://{self.lab.address(name)}:{METRICS_PORT}/metrics"
 
-    def stop_all(self, roles: Sequence[str] = ("trainer", "worker", "authorizer"), timeout_s: float = 60.0) -> None:
+    def stop_all(self, roles: Sequence[str] = ("trainer", "worker", "relay", "authorizer"),
+                 timeout_s: float = 60.0) -> None:
         """SIGTERM role by role (trainers drain first, so every sample they started is accounted
         before the workers go), then reap everything."""
         for role in roles:

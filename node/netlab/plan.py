@@ -40,12 +40,20 @@ class HostSpec:
     """Download rate in Mbit/s; None = unshaped."""
     rtt_ms: float = 0.0
     """RTT to an unshaped zero-delay host; the host's one-way access delay is rtt_ms / 2."""
+    behind: Optional[str] = None
+    """The lab host this one sits behind as a home router does: its namespace is not on the switch
+    but on the router's LAN (a bridge, unshaped), and the router masquerades its traffic with
+    nftables, so it can connect out and nothing outside can connect in. A router may sit behind
+    another (two levels: a stand-in for carrier-grade NAT). The router's own link is the shaped one;
+    link figures of a host behind a router are refused."""
 
     def __post_init__(self) -> None:
         if not _HOST_NAME.match(self.name) or self.name == CONTROLLER:
             raise ValueError(f"host name {self.name!r} is not allowed: use up to 40 letters, digits, '.', '_' "
                              f"or '-' (and not {CONTROLLER!r}, the root namespace's name)")
         check_link(up_mbit=self.up_mbit, down_mbit=self.down_mbit, rtt_ms=self.rtt_ms)
+        if self.behind is not None and (self.up_mbit or self.down_mbit or self.rtt_ms):
+            raise ValueError(f"host {self.name!r} sits behind {self.behind!r}: shape the router's link, not its own")
 
 
 def check_link(*, up_mbit: Optional[float], down_mbit: Optional[float], rtt_ms: float) -> None:

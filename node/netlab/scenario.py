@@ -47,13 +47,28 @@ class LinkModel(BaseModel):
 class NodeModel(BaseModel):
     model_config = _STRICT
     name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,11}$")
-    role: Literal["authorizer", "worker", "trainer"]
+    role: Literal["authorizer", "worker", "trainer", "relay"]
     stage: Optional[int] = Field(default=None, ge=0)
     reducer: bool = False
     args: list[str] = Field(default_factory=list)
     link: Optional[Union[str, LinkModel]] = None
     """A link of its own, or the name of one of the scenario's `links` (e.g. `contributor`);
     None: the scenario's link named after the node's role, else unshaped."""
+    behind: Optional[str] = None
+    """One of the scenario's `routers`: the node sits on that home router's LAN, behind NAT, and
+    its traffic takes the router's link (a node behind a router has no link of its own)."""
+
+
+class RouterModel(BaseModel):
+    """A home router (node/netlab/topology.py, HostSpec.behind): it masquerades whatever its LAN
+    sends out; nothing outside can connect in. Behind another router, it is a second level of NAT
+    (a stand-in for carrier-grade NAT)."""
+
+    model_config = _STRICT
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,11}$")
+    link: Optional[Union[str, LinkModel]] = None
+    """Its access link (a named one, or its own); a router behind another takes the other's."""
+    behind: Optional[str] = None
 
 
 class EventModel(BaseModel):
@@ -94,6 +109,7 @@ class Scenario(BaseModel):
     links: dict[str, LinkModel] = Field(default_factory=dict,
                                         description="named links; one named after a role is that role's default")
     nodes: list[NodeModel]
+    routers: list[RouterModel] = Field(default_factory=list, description="home routers nodes sit behind")
     duration_s: float = Field(gt=0, description="seconds from the trainers' start to the end")
     warmup_s: float = Field(default=0.0, ge=0, description="tokens/s is measured after this")
     scrape_every_s: float = Field(default=5.0, gt=0)
@@ -117,9 +133,16 @@ class Scenario(BaseModel):
             if node.role == "worker" and node.stage is None:
                 raise ValueError(f"worker {node.name} needs a stage")
         known = set(names)
-        for node in self.nodes:
-            if isinstance(node.link, str) and node.link not in self.links:
-                raise ValueError(f"node {node.name} names link {node.link!r}, which links does not define")
+        routers = {r.name for r in self.routers}
+        if routers & known:
+            raise ValueError(f"routers and nodes need different names: {', '.join(sorted(routers & known))}")
+        for item in [*self.nodes, *self.routers]:
+            if isinstance(item.link, str) and item.link not in self.links:
+                raise ValueError(f"{item.name} names link {item.link!r}, which links does not define")
+            if item.behind is not None and item.behind not in routers:
+                raise ValueError(f"{item.name} sits behind {item.behind!r}, which routers does not define")
+            if item.behind is not None and item.link is not None:
+                raise ValueError(f"{item.name} sits behind a router: give the router the link")
         for event in self.events:
             for name in [*event.preempt, *event.kill, *(event.link or {})]:
                 if name not in known:
@@ -129,10 +152,24 @@ class Scenario(BaseModel):
                 raise ValueError(f"measure_links names unknown host {a} or {b}")
         return self
 
-    def link_of(self, node: NodeModel) -> LinkModel:
+    def link_of(self, node: Union[NodeModel, RouterModel]) -> LinkModel:
         if isinstance(node.link, LinkModel):
             return node.link
-        return self.links.get(node.link or node.role) or LinkModel()
+        default = node.role if isinstance(node, NodeModel) else None
+        return self.links.get(node.link or default or "") or LinkModel()
+
+    def hosts(self) -> list:
+        """The lab's hosts: every node and router, with its link, or the router it sits behind."""
+        from node.netlab.topology import HostSpec
+
+        hosts = []
+        for item in [*self.routers, *self.nodes]:
+            if item.behind is not None:
+                hosts.append(HostSpec(item.name, behind=item.behind))
+            else:
+                link = self.link_of(item)
+                hosts.append(HostSpec(item.name, up_mbit=link.up_mbit, down_mbit=link.down_mbit, rtt_ms=link.rtt_ms))
+        return hosts
 
 
 def load_scenario(path: str, overrides: Optional[dict[str, Any]] = None) -> tuple[Scenario, Path]:
@@ -169,9 +206,12 @@ def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 
 # -- metrics ------------------------------------------------------------------------------------
 def scrape(url: str, timeout_s: float = 3.0) -> dict[str, float]:
-    """The samples of one /metrics page as {'name{label="v",...}': value}; {} if unreachable."""
+    """The samples of one /metrics page as {'name{label="v",...}': value}; {} if unreachable (or
+    `url` is "": a node behind NAT)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    if not url:
+        return {}
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
             text = response.read().decode()
@@ -259,13 +299,11 @@ class ScenarioRunner:
         return path
 
     def run(self) -> dict[str, Any]:
-        from node.netlab.topology import HostSpec, Lab
+        from node.netlab.topology import Lab
 
         self._fresh_out_dir()
         sc = self.scenario
-        hosts = [HostSpec(node.name, up_mbit=self.scenario.link_of(node).up_mbit,
-                          down_mbit=self.scenario.link_of(node).down_mbit, rtt_ms=self.scenario.link_of(node).rtt_ms)
-                 for node in sc.nodes]
+        hosts = sc.hosts()
         run_config_path = self._run_config()
         result: dict[str, Any] = {"scenario": sc.name, "nodes": [n.model_dump() for n in sc.nodes]}
         with Lab(hosts, subnet=sc.subnet) as lab:
@@ -326,6 +364,9 @@ class ScenarioRunner:
         self._t0 = time.monotonic()
         swarm.start_authorizer(NodeSpec(auth.name, "authorizer", args=auth.args), stage_capacity=capacity)
         self._note("authorizer ready", url=swarm.authorizer.url)
+        for node in (n for n in sc.nodes if n.role == "relay"):  # before the nodes: they learn relays at admission
+            swarm.start_relay(NodeSpec(node.name, "relay", args=node.args))
+            self._note("relay ready", node=node.name)
         # the first worker founds the DHT; the rest join through it (in parallel: admission is the slow part)
         ordered = sorted(workers, key=lambda n: (not n.reducer, n.stage))
         swarm.start_node(NodeSpec(ordered[0].name, "worker", ordered[0].stage, ordered[0].reducer, ordered[0].args))
@@ -489,11 +530,15 @@ class ScenarioRunner:
     # -- observation ------------------------------------------------------------------------------
     def _scrape(self, lab) -> dict[str, Any]:
         snapshot: dict[str, Any] = {"t_s": round(self._now(), 2), "nodes": {}, "tokens": 0.0}
+        behind_nat = {n.name for n in self.scenario.nodes if n.behind is not None}
         for name, node in list(self.swarm.processes.items()):
-            if node.role == "authorizer" or node.proc.poll() is not None:
+            # a node behind NAT cannot be reached from the controller (and its LAN address must
+            # not be sent to the machine's own default route)
+            if node.role == "authorizer" or node.proc.poll() is not None or name in behind_nat:
                 continue
             samples = scrape(self.swarm.metrics_url(name))
             keep = {k: v for k, v in samples.items() if k.startswith(("agora_bytes", "agora_trainer_tokens_total",
+                                                                       "agora_relayed_bytes", "libp2p_relaysvc_",
                                                                        "agora_trainer_samples_total",
                                                                        "agora_averaging_rounds_total",
                                                                        "agora_trainer_loss"))}
@@ -521,7 +566,7 @@ class ScenarioRunner:
         out = []
         for node in self.swarm.local.nodes:
             out.append({"name": node.name, "role": node.role, "stage": node.stage, "exit": node.proc.returncode,
-                        "summary": _last_json(node.stdout_lines)})
+                        "peer": node.peer_id, "summary": _last_json(node.stdout_lines)})
         return out
 
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import psutil
@@ -77,10 +78,13 @@ class Lab:
         self.subnet = subnet
         self.queue_ms = queue_ms
         self.hosts: dict[str, HostSpec] = {h.name: h for h in hosts}
-        self.addresses = allocate_addresses(subnet, [h.name for h in hosts])
+        public = [h.name for h in hosts if h.behind is None]
+        self.routers = _routers(self.hosts)
+        self.addresses = allocate_addresses(subnet, public)
+        self.addresses.update(_lan_addresses(self.hosts, self.routers))
         self.prefixlen = int(subnet.split("/")[1])
         self.device = device_name(prefix, self.lab_id)
-        self._order = [CONTROLLER, *self.hosts]  # the switch's host indices
+        self._order = [CONTROLLER, *public]  # the switch's host indices
         self._switch: Optional[subprocess.Popen] = None
         self._switch_lock = threading.Lock()
         self._processes: list[subprocess.Popen] = []
@@ -124,6 +128,9 @@ class Lab:
             raise LabError("this Lab was already started; make a new one")
         self._started = True
         _check_machine()
+        if self.routers and shutil.which("nft") is None:
+            raise LabUnavailable("the lab's home routers need `nft` (Debian package nftables; scripts/setup "
+                                 "installs it)")
         self._check_subnet()
         cleanup.write_state(self.lab_id, {"prefix": self.prefix, "subnet": self.subnet, "device": self.device,
                                           "namespaces": [self.netns(h) for h in self.hosts]})
@@ -131,8 +138,10 @@ class Lab:
             for host in self.hosts:
                 _run(["ip", "netns", "add", self.netns(host)])
             self._start_switch()
-            for host in self.hosts:
+            for host in self._order[1:]:
                 self._configure(host)
+            for router in self.routers:  # parents before children
+                self._configure_router(router)
             # the root namespace keeps IPv6; the controller's device does not need it (the switch
             # moves IPv4 only)
             with open(f"/proc/sys/net/ipv6/conf/{self.device}/disable_ipv6", "w") as f:
@@ -185,6 +194,34 @@ class Lab:
                    f"ip addr add {self.addresses[host]}/{self.prefixlen} dev {dev}"]
         _run(["ip", "netns", "exec", netns, "sh", "-ec", "; ".join(script)])
         self._apply_upload(host)
+
+    def _configure_router(self, router: str) -> None:
+        """`router`'s LAN: a bridge with the LAN's first address, a veth to each host behind it,
+        forwarding on, and nftables masquerading whatever leaves by its uplink (its TUN, or its own
+        veth to the router it sits behind); from outside, only replies get in."""
+        netns, lan = self.netns(router), self.routers[router]
+        uplink = self.device if self.hosts[router].behind is None else "uplink"
+        script = ["sysctl -q -w net.ipv4.ip_forward=1", "ip link add lan type bridge", "ip link set lan up",
+                  f"ip addr add {lan.gateway}/24 dev lan"]
+        _run(["ip", "netns", "exec", netns, "sh", "-ec", "; ".join(script)])
+        for index, child in enumerate(lan.hosts):
+            child_ns = self.netns(child)
+            _run(["ip", "link", "add", "name", f"lan{index}", "netns", netns, "type", "veth", "peer", "name", "uplink",
+                  "netns", child_ns])
+            _run(["ip", "netns", "exec", netns, "sh", "-ec", f"ip link set lan{index} master lan; "
+                                                              f"ip link set lan{index} up"])
+            script = [f"sysctl -q -w {k}='{v}'" for k, v in NETNS_SYSCTLS.items()]
+            script += ["ip link set lo up", "ip link set uplink up", f"ip addr add {self.addresses[child]}/24 dev uplink",
+                       f"ip route add default via {lan.gateway}"]
+            _run(["ip", "netns", "exec", child_ns, "sh", "-ec", "; ".join(script)])
+        rules = (f"table ip agora_nat {{\n chain postrouting {{\n  type nat hook postrouting priority 100;\n"
+                 f"  oifname \"{uplink}\" masquerade\n }}\n chain forward {{\n"
+                 f"  type filter hook forward priority 0; policy drop;\n  ct state established,related accept\n"
+                 f"  iifname \"lan\" accept\n }}\n}}\n")
+        result = subprocess.run(["ip", "netns", "exec", netns, "nft", "-f", "-"], input=rules, text=True,
+                                capture_output=True)
+        if result.returncode != 0:
+            raise LabError(f"could not set up {router}'s NAT with nftables: {result.stderr.strip()}")
 
     def _apply_upload(self, host: str) -> None:
         for argv in upload_qdisc(self.device, self.hosts[host].up_mbit, self.queue_ms):
@@ -266,6 +303,8 @@ class Lab:
         means unshaped. Packets already in flight keep the delay they were sent with."""
         self._known(host, controller=False)
         old = self.hosts[host]
+        if old.behind is not None:
+            raise LabError(f"{host} sits behind {old.behind}: change the router's link")
         new = HostSpec(host, up_mbit=old.up_mbit if up_mbit is _UNCHANGED else up_mbit,
                        down_mbit=old.down_mbit if down_mbit is _UNCHANGED else down_mbit,
                        rtt_ms=old.rtt_ms if rtt_ms is _UNCHANGED else float(rtt_ms))
@@ -307,8 +346,14 @@ class Lab:
         """The link figures a->b should show: RTT and the bulk rate (None = unshaped)."""
         self._known(a)
         self._known(b)
-        return {"nominal_rtt_ms": nominal_rtt_ms(self.hosts.get(a), self.hosts.get(b)),
-                "nominal_mbit": nominal_mbit(self.hosts.get(a), self.hosts.get(b))}
+        a_link, b_link = self.hosts.get(self.link_host(a)), self.hosts.get(self.link_host(b))
+        return {"nominal_rtt_ms": nominal_rtt_ms(a_link, b_link), "nominal_mbit": nominal_mbit(a_link, b_link)}
+
+    def link_host(self, host: str) -> str:
+        """The host whose shaped link `host`'s traffic takes: itself, or the router it sits behind."""
+        while host != CONTROLLER and self.hosts[host].behind is not None:
+            host = self.hosts[host].behind
+        return host
 
     def measure(self, a: str, b: str, *, seconds: float = 3.0) -> dict[str, Any]:
         """Measure the path a->b with real TCP from inside the namespaces: `rtt_ms` (median round
@@ -343,6 +388,44 @@ class Lab:
             server.stdout.close()
             self._processes.remove(server)
         return {"a": a, "b": b, **measured, **nominal, "switch_cpu_percent": cpu}
+
+
+@dataclass(frozen=True)
+class _Lan:
+    gateway: str
+    hosts: list[str]
+
+
+def _routers(hosts: dict[str, HostSpec]) -> dict[str, _Lan]:
+    """Every host others sit behind, parents before children, with its LAN (192.168.N.0/24 for the
+    N-th router: inside the namespaces, so it cannot clash with the machine's own networks)."""
+    children: dict[str, list[str]] = {}
+    for spec in hosts.values():
+        if spec.behind is not None:
+            if spec.behind not in hosts:
+                raise LabError(f"host {spec.name!r} sits behind {spec.behind!r}, which is not a host of this lab")
+            children.setdefault(spec.behind, []).append(spec.name)
+    order: list[str] = []
+
+    def depth(name: str, seen: tuple = ()) -> int:
+        if name in seen:
+            raise LabError(f"hosts {' -> '.join((*seen, name))} sit behind each other in a loop")
+        behind = hosts[name].behind
+        return 0 if behind is None else 1 + depth(behind, (*seen, name))
+
+    order = sorted(children, key=lambda name: (depth(name), list(hosts).index(name)))
+    if len(order) > 250:
+        raise LabError("a lab has room for 250 routers")
+    return {name: _Lan(gateway=f"192.168.{index + 1}.1", hosts=children[name]) for index, name in enumerate(order)}
+
+
+def _lan_addresses(hosts: dict[str, HostSpec], routers: dict[str, _Lan]) -> dict[str, str]:
+    addresses = {}
+    for lan in routers.values():
+        prefix = lan.gateway.rsplit(".", 1)[0]
+        for index, child in enumerate(lan.hosts):
+            addresses[child] = f"{prefix}.{index + 2}"
+    return addresses
 
 
 def _check_machine() -> None:

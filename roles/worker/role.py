@@ -40,6 +40,7 @@ from roles.worker.averaging.rounds import RoundOutcome
 from roles.worker.averaging.service import AveragingService
 from roles.worker.checkpoint import StageCheckpoints
 from roles.worker.config import WorkerConfig
+from roles.worker.donor_client import load_from_donors
 from roles.worker.errors import CheckpointError, StateLoadError, WorkerLeftStage
 from roles.worker.reachability import Reachability
 from roles.worker.termination import SelfTermination, averaging_health
@@ -52,6 +53,7 @@ from roles.worker.queues import TaskQueues
 from roles.worker.replicas import StageReplicas
 from roles.worker.run_checkpoints import RunCheckpointWriter, apply_state, load_latest
 from roles.worker.runtime import StageRuntime
+from roles.worker.state_donor import StateDonor
 from roles.worker.state_loader import StateLoader
 from roles.worker.state_server import StateServer
 from roles.worker.step_ledger import StepLedger
@@ -140,6 +142,7 @@ class WorkerRole:
         )
         self.averaging.health = averaging_health(run.termination)  # the averaging rule's thresholds
         self.averaging.gradients_exchanged = self.replicas.exchange is not None
+        self.runtime.after_step.append(self.averaging.after_step)
         self._probe_client: Optional[RpcClient] = None
         self.reachability: Optional[Reachability] = None
         self.state_server = StateServer(
@@ -147,6 +150,13 @@ class WorkerRole:
             step=lambda: self.optimizer.local_step,
             serving=lambda: self.state == WorkerState.ONLINE and self.phase in SERVING_PHASES,
             max_chunk_elements=run.sync.state_chunk_elements, chunk_delay_s=config.test_state_chunk_delay_s,
+        )
+        self.donor = StateDonor(
+            self.optimizer, self.layout, run_id=run.run_id, stage=config.stage,
+            serving=lambda: self.state == WorkerState.ONLINE and self.phase in SERVING_PHASES,
+            chunk_bytes=run.sync.state_chunk_bytes, upload_mbps=run.sync.donor_upload_mbps,
+            max_concurrent_chunks=run.sync.donor_max_concurrent_chunks,
+            snapshot_ttl_s=run.sync.donor_snapshot_ttl_s, chunk_delay_s=config.test_state_chunk_delay_s,
         )
         self.checkpoints: Optional[StageCheckpoints] = None
         if config.checkpoint_dir:
@@ -160,8 +170,10 @@ class WorkerRole:
                 self.run_store, stage=config.stage, writer=swarm.peer_id, optimizer=self.optimizer,
                 layout=self.layout, every_steps=run.checkpoints.every_steps, keep=run.checkpoints.keep,
                 may_write=lambda: self.phase == Phase.ACTIVE, upload_delay_s=config.test_checkpoint_upload_delay_s)
-            self.runtime.after_step = self.checkpoint_writer.after_step
+            self.runtime.after_step.append(self.checkpoint_writer.after_step)
         self.joined: dict = {}
+        self.joined_download: Optional[dict] = None
+        """What the multi-donor download did, for the summary (None: another source gave the state)."""
         self._tasks: list[asyncio.Task] = []
         self._alone_since: Optional[float] = None
         """When this worker, in a sync phase, first saw no active replica of its stage (_check_alone)."""
@@ -186,7 +198,7 @@ class WorkerRole:
             maddrs=self.maddrs, client_version=version.client_version(),
             host_rss_bytes=host_rss_bytes(), host_memory_total_bytes=host_memory_total_bytes(),
             device_memory_used_bytes=device_used, device_memory_total_bytes=device_total,
-            started_at=self._started_at,
+            relayed_bytes=sum(self.server.relayed_bytes), started_at=self._started_at,
         )
 
     def _on_peers(self) -> None:
@@ -211,6 +223,7 @@ class WorkerRole:
         counters.update(self._step_counters())
         counters.update(self.averaging.counters)
         counters.update(self.state_server.counters)
+        counters.update(self.donor.counters)
         if self.checkpoints is not None:
             counters["checkpoints_written"] = self.checkpoints.written
         if self.checkpoint_writer is not None:
@@ -263,7 +276,7 @@ class WorkerRole:
             "sync_phases": self.sync.summary(),
             "averaging": self.averaging.summary(),
             **self.replicas.summary(),
-            "state_served": dict(self.state_server.counters),
+            "state_served": {**self.state_server.counters, **self.donor.counters},
             **({"checkpoints": self.checkpoint_writer.summary()} if self.checkpoint_writer is not None else {}),
             "terminated_by": self.termination.summary(),
         }
@@ -275,6 +288,8 @@ class WorkerRole:
         self.averaging.start_averager(self.swarm.dht)
         # In authenticated runs only stage peers may pull state, and only trainers route samples.
         await self.server.add_handler(version.STATE, self.state_server.handle, roles=frozenset({"worker"}))
+        await self.server.add_handler(version.STATE_MANIFEST, self.donor.manifest, roles=frozenset({"worker"}))
+        await self.server.add_handler(version.STATE_CHUNK, self.donor.chunk, roles=frozenset({"worker"}))
         await self._join_stage()
         self.averaging.begin()
         await self.replicas.start(self.server)
@@ -308,11 +323,21 @@ class WorkerRole:
         loaded_step, source = None, "seed"
         if self.config.state_source in ("auto", "peers"):
             try:
-                result = await self._load_from_peers()
-                loaded_step = result.step
-                source = f"{len(result.peers)} peer(s) in {result.seconds:.1f}s, {result.resumes} resume(s)"
+                donated = await self._load_from_donors()
+                if donated is not None:
+                    loaded_step, download = donated.step, donated.result
+                    source = (f"{len(donated.donors)} donor(s) in {download.seconds:.1f}s, {download.requeued} "
+                              f"re-queued chunk(s)")
+                    self.joined_download = download.summary()
             except StateLoadError as exc:
-                logger.warning("could not load state from peers: %s", exc)
+                logger.warning("could not load state from donors: %s; trying agora/v1/state", exc)
+            if loaded_step is None:
+                try:
+                    result = await self._load_from_peers()
+                    loaded_step = result.step
+                    source = f"{len(result.peers)} peer(s) in {result.seconds:.1f}s, {result.resumes} resume(s)"
+                except StateLoadError as exc:
+                    logger.warning("could not load state from peers: %s", exc)
         if loaded_step is None and self.checkpoints is not None and self.config.state_source in ("auto", "checkpoint"):
             try:
                 loaded_step = await asyncio.to_thread(self.checkpoints.load)
@@ -332,7 +357,13 @@ class WorkerRole:
                     "restarted last replica of a stage resumes from its checkpoint")
             logger.warning("no state loaded: starting from the seeded weights, counted as step 0%s", hint)
             loaded_step = 0
-        self.optimizer.set_step(stage_step, stage_consumed or None)
+        if loaded_step >= stage_step > 0 and self.optimizer.local_step == loaded_step:
+            # The state came from a donor that stepped since the progress records were read: its
+            # step and schedule position are the stage's now. Going back to the older step would
+            # apply the steps in between a second time.
+            stage_step = loaded_step
+        else:
+            self.optimizer.set_step(stage_step, stage_consumed or None)
         phase = self.sync.join_phase(stage_step, loaded_step)
         reason = f"loaded step {loaded_step} from {source}; the stage is at step {stage_step}"
         if phase != Phase.ACTIVE and not await self._active_peers():
@@ -340,6 +371,8 @@ class WorkerRole:
             reason += "; no active replica of the stage is left to sync with, so this one carries it on"
         self.sync.begin(phase, stage_step, reason)
         self.joined = {"stage_step": stage_step, "loaded_step": loaded_step, "source": source, "phase": phase.value}
+        if self.joined_download is not None:
+            self.joined["download"] = self.joined_download
         logger.info("joined stage %d in %s: %s", self.config.stage, phase.value, reason)
 
     async def _load_from_store(self):
@@ -417,13 +450,33 @@ class WorkerRole:
             logger.warning("stage %d: %s; rejoining through weight sync", self.config.stage, reason)
             self._log_transition(transition)
 
-    async def _load_from_peers(self):
+    async def _state_candidates(self) -> list[tuple[str, list[str]]]:
+        """Other workers of the stage that may serve its state (peer id, maddrs), fastest first."""
         workers = await self.swarm.get(workers_key(self.run_config.run_id, self.config.stage), WorkerRecord)
         candidates = sorted(
             ((peer, record) for peer, record in workers.items()
              if peer != self.swarm.peer_id and record.phase in SERVING_PHASES),
             key=lambda item: -item[1].throughput,
         )
+        return [(peer, record.maddrs) for peer, record in candidates]
+
+    async def _load_from_donors(self):
+        """Parameters and optimizer state from every donor that publishes the chosen snapshot
+        (roles/worker/donor_client.py); None when no worker of the stage answers as a donor."""
+        candidates = await self._state_candidates()
+        if not candidates:
+            return None
+        client = RpcClient(self.p2p, timeout_s=self.run_config.sync.state_chunk_timeout_s,
+                           authenticator=self.server.authenticator)
+        try:
+            return await load_from_donors(self.p2p, client, candidates, self.optimizer, self.layout,
+                                          run_id=self.run_config.run_id, stage=self.config.stage,
+                                          sync=self.run_config.sync)
+        finally:
+            await client.close()
+
+    async def _load_from_peers(self):
+        candidates = await self._state_candidates()
         client = RpcClient(self.p2p, timeout_s=self.run_config.sync.state_chunk_timeout_s,
                            authenticator=self.server.authenticator)
         sync = self.run_config.sync
@@ -431,7 +484,7 @@ class WorkerRole:
                              stage=self.config.stage, chunk_elements=sync.state_chunk_elements,
                              chunk_timeout_s=sync.state_chunk_timeout_s, total_timeout_s=sync.state_load_timeout_s)
         try:
-            return await loader.load([(peer, record.maddrs) for peer, record in candidates])
+            return await loader.load(candidates)
         finally:
             await client.close()
 
@@ -533,6 +586,7 @@ class WorkerRole:
         await self.progress.withdraw()
         await self.averaging.shutdown()
         await self.replicas.close()
+        self.donor.close()
         if (self.checkpoints is not None and self.config.checkpoint_period_s and not self.averaging.leave_reason
                 and self.phase == Phase.ACTIVE):
             await self.checkpoints.save_logged(self.optimizer.local_step)

@@ -11,9 +11,12 @@ gets `close`'s timeout; one cut short leaves an incomplete checkpoint, which no 
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
+import hashlib
 import logging
+import os
 import shutil
 import threading
 import time
@@ -24,9 +27,13 @@ import torch
 
 from roles.checkpoint_store import (FORMAT, CheckpointStore, CheckpointStoreError, RunManifest, StageState,
                                     read_stage_state, stage_state_tensors, staging_dir, write_staged)
+from roles.worker.errors import StateLoadError
 from roles.worker.layout import FlatLayout
 
 logger = logging.getLogger(__name__)
+
+STORE_PARALLEL_READS = 4
+"""Ranged reads a joiner keeps in flight to the checkpoint store (one connection each on S3)."""
 
 
 class RunCheckpointWriter:
@@ -121,20 +128,71 @@ class RunCheckpointWriter:
                 **dict(self.counters)}
 
 
+class StoreSource:
+    """The checkpoint store as a chunk source of one stage object (state_download.py): each chunk
+    is one ranged read, run in a thread (fsspec is blocking)."""
+
+    def __init__(self, store: CheckpointStore, manifest: RunManifest, stage: int):
+        self.store, self.run_manifest, self.stage = store, manifest, stage
+        self.name = f"store {store.describe()}"
+        self.entry = manifest.stages[stage]
+
+    async def chunk(self, index: int) -> bytes:
+        start = index * self.entry.chunk_bytes
+        end = min(start + self.entry.chunk_bytes, self.entry.bytes)
+        return await asyncio.to_thread(self.store.read_range, self.run_manifest, self.stage, start, end)
+
+
+def fetch_stage_chunked(store: CheckpointStore, manifest: RunManifest, stage: int, workdir: Path, *,
+                        parallel_reads: int = STORE_PARALLEL_READS, chunk_timeout_s: float = 120.0,
+                        total_timeout_s: float = 3600.0) -> Path:
+    """A local copy of one stage's object fetched by parallel ranged reads, each range checked
+    against the SHA-256 its sidecar lists (a bad range is read again, not the whole object), then
+    the whole object against its SHA-256. Blocking: call it off the event loop."""
+    from roles.worker.state_download import MultiDonorDownload
+    from roles.worker.state_snapshot import Manifest
+
+    entry = manifest.stages[stage]
+    if not entry.chunks:
+        raise CheckpointStoreError(f"the stage {stage} object of step {manifest.step} lists no chunk hashes")
+    chunks = Manifest(run_id=store.run_id, stage=stage, step=manifest.step, layout="", format=FORMAT,
+                      total_bytes=entry.bytes, chunk_bytes=entry.chunk_bytes,
+                      chunks=tuple(bytes.fromhex(c) for c in entry.chunks), manifest_id=entry.sha256)
+    download = MultiDonorDownload(chunks, [StoreSource(store, manifest, stage)], chunk_timeout_s=chunk_timeout_s,
+                                  total_timeout_s=total_timeout_s, inflight_per_source=parallel_reads,
+                                  max_failures=parallel_reads + 2)
+    try:
+        blob, _ = asyncio.run(download.run())
+    except StateLoadError as exc:
+        raise CheckpointStoreError(f"fetching the stage {stage} object of step {manifest.step} from "
+                                   f"{store.describe()} failed: {exc}") from exc
+    if hashlib.sha256(blob).hexdigest() != entry.sha256:
+        raise CheckpointStoreError(f"the stage {stage} object of step {manifest.step} does not match its manifest")
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / f"step{manifest.step}-{entry.file}"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)
+    return path
+
+
 def load_latest(store: CheckpointStore, stage: int, layout: FlatLayout,
-                workdir: Path) -> Optional[tuple[RunManifest, StageState]]:
+                workdir: Path, *, ranged: Optional[bool] = None) -> Optional[tuple[RunManifest, StageState]]:
     """The state of `stage` in the newest complete checkpoint whose object of this stage is intact
     (a damaged one is logged and the next older tried), or None when the store has none. A store
     that cannot be listed raises CheckpointStoreError: the caller must not mistake it for an
-    empty one."""
+    empty one. An object whose sidecar lists chunk hashes is fetched by parallel ranged reads
+    (`ranged`, default: when the store is remote), an older one whole."""
     for step in reversed(store.complete_steps()):
         try:
             manifest = store.manifest(step)
-            path = store.fetch_stage(manifest, stage, workdir)
+            chunked = bool(manifest.stages[stage].chunks) and (not store.local if ranged is None else ranged)
+            path = (fetch_stage_chunked(store, manifest, stage, workdir) if chunked
+                    else store.fetch_stage(manifest, stage, workdir))
             try:
                 state = read_stage_state(path, layout.names)
             finally:
-                if not store.local:
+                if chunked or not store.local:
                     path.unlink(missing_ok=True)
             for key, expected in (("run_id", store.run_id), ("stage", str(stage)), ("layout", layout.digest),
                                   ("step", str(manifest.step))):

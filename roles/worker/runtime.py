@@ -218,10 +218,10 @@ class StageRuntime:
         """Called by the compute thread with each error a batch raised (before its requesters get
         it): the self-termination rules tell a failing device from a bad request there."""
         self.on_step: Optional[Callable[[bool, str], None]] = None
-        self.after_step: Optional[Callable[[int], None]] = None
-        """Called by the compute thread after every step, optimizer lock held, with the steps applied
-        (run checkpoints are written from here, at exactly the agreed step)."""
         """Called by the compute thread after each step that had samples: (finite, what happened)."""
+        self.after_step: list[Callable[[int], None]] = []
+        """Called by the compute thread after every step, optimizer lock held, with the steps applied:
+        run checkpoints are written and averaging snapshots taken from here, at exactly the agreed step."""
         self.tagging: Optional[Callable[[int], Optional[list[TagGrant]]]] = None
         """Tail with replicas: step tags for n untagged samples from the stage's tagger, in order
         (roles/worker/step_tagger.py); fewer or none when it has none to give yet."""
@@ -532,8 +532,8 @@ class StageRuntime:
                 if had_samples and self.on_step is not None:
                     self.on_step(True, "")
             self.ledger.stepped(opt.local_step - 1, due)
-            if self.after_step is not None:
-                self.after_step(opt.local_step)
+            for hook in self.after_step:
+                hook(opt.local_step)
         if due.reason != "complete":
             why = {"peer_ahead": "a replica of this stage was ahead",
                    "peer_due": "a replica of this stage closed it",

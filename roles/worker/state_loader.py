@@ -1,4 +1,5 @@
-"""Load a stage's parameters from live replicas over `agora/v1/state` [report 3.3.1.1].
+"""Load a stage's parameters from live replicas over `agora/v1/state` [report 3.3.1.1]: the
+fallback when no replica serves the multi-donor download (donor_client.py) or it failed.
 
 The transfer is a sequence of chunk requests over one pooled libp2p stream per peer, so it can
 resume: a chunk that stalls past `chunk_timeout_s` (or a peer that fails) does not restart the

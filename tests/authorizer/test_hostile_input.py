@@ -6,6 +6,7 @@ answers /v1/run afterwards. Bounded: a few hundred requests in all."""
 from __future__ import annotations
 
 import collections
+import gc
 import json
 
 import httpx
@@ -16,6 +17,16 @@ from hypothesis import strategies as st
 from schemathesis.generation.modes import GenerationMode
 
 from tests.authorizer.helpers import ADMIN
+
+# schemathesis imports its OpenAPI modules lazily, inside `from_url`, and pytest rewrites them
+# (the package is a pytest plugin). CPython 3.11.7's AST constructor raises "recursion depth
+# mismatch" when a garbage collection runs Python finalizers in the middle of that (seen in CI,
+# with subprocess transports' finalizers pending). Import them here, with the collector paused.
+gc.disable()
+try:
+    import schemathesis.specs.openapi.schemas  # noqa: E402, F401
+finally:
+    gc.enable()
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -196,3 +196,59 @@ def test_retry_after_on_the_wire():
     assert retry_after_s("3") == 3.0 and retry_after_s(" 0.5 ") == 0.5
     assert retry_after_s(None) == 1.0 and retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 1.0
     assert retry_after_s("nan") == 1.0 and retry_after_s("-5") == 0.0 and retry_after_s("1e9") == MAX_RETRY_AFTER_S
+
+
+# -- dial-backs ----------------------------------------------------------------------------------
+
+def test_dial_backs_are_bounded_per_source_and_in_all(monkeypatch):
+    """Issue 22: dial-backs that each wait out their timeout must not queue every join behind a
+    flood. A source past its pending dial-backs, or everyone past the total, is answered 429 at
+    once; another source still gets dialed."""
+    import asyncio
+
+    import protocol.hivemind_adapter as adapter
+    from authorizer.reachability import Dialer
+
+    async def scenario():
+        release = asyncio.Event()
+        dialed = []
+
+        async def connect(p2p, peer_id, addresses):
+            dialed.append(peer_id)
+            await release.wait()
+
+        async def disconnect(p2p, peer_id):
+            return None
+
+        monkeypatch.setattr(adapter, "connect", connect)
+        monkeypatch.setattr(adapter, "disconnect", disconnect)
+        dialer = Dialer(5.0, max_concurrent=2, max_pending_per_source=3, max_pending=5)
+
+        async def no_daemon():
+            return object()
+
+        dialer._dialer = no_daemon
+        peer = NodeKey.generate().peer_id
+        maddrs = ["/ip4/203.0.113.9/tcp/4001"]
+
+        def join(source):
+            return asyncio.create_task(dialer.check(peer, maddrs, allow_private=True, source=source))
+
+        flood = [join("192.0.2.1") for _ in range(3)]
+        await asyncio.sleep(0)
+        with pytest.raises(RateLimited) as refused:
+            await dialer.check(peer, maddrs, allow_private=True, source="192.0.2.1")
+        assert "192.0.2.1" in str(refused.value) and refused.value.retry_after_s == 5.0
+        others = [join("198.51.100.7"), join("198.51.100.8")]  # another source is taken: 5 pending
+        await asyncio.sleep(0)
+        with pytest.raises(RateLimited, match="dialing back 5"):
+            await dialer.check(peer, maddrs, allow_private=True, source="198.51.100.9")
+        assert len(dialed) == 2  # two at a time
+        release.set()
+        assert await asyncio.gather(*flood, *others) == [None] * 5
+        assert dialer._pending_total == 0 and not dialer._pending
+        # an address it may not dial costs no slot
+        assert (await dialer.check(peer, ["/ip4/10.0.0.1/tcp/1"], allow_private=False)).reason is not None
+        assert dialer._pending_total == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -177,11 +177,13 @@ def test_signal_while_active_and_while_draining(make_swarm, run_config_path):
 @pytest.mark.timeout(150)
 def test_signal_while_downloading_state_and_while_in_weight_sync(make_swarm, run_config_path):
     # A joiner loads state and syncs only once its stage has stepped: two stages and a trainer.
-    # Stage 0's 80,512 parameters go in 20 chunks, and its first replica pauses 1 s before each,
-    # so a download lasts 20 s; a joiner without state lags by more than max_stale_steps and
-    # stays in weight sync for the whole test.
+    # Stage 0's state (80,512 parameters and their AdamW moments, about 1 MB) goes in 16 chunks of
+    # 64 KiB, two at a time, and its first replica pauses 1 s before each, so a download lasts 8 s
+    # (20 s over agora/v1/state's 4096-value chunks); a joiner without state lags by more than
+    # max_stale_steps and stays in weight sync for the whole test.
     config = run_config_path(stages=TWO_STAGES, target_batch_size=4,
-                             sync={"max_stale_steps": 1, "weight_sync_steps": 10_000, "state_chunk_elements": 4096})
+                             sync={"max_stale_steps": 1, "weight_sync_steps": 10_000, "state_chunk_elements": 4096,
+                                   "state_chunk_bytes": 1 << 16})
     swarm = make_swarm(config)
     first = swarm.start("worker", stage=0, env={"AGORA_TEST_STATE_CHUNK_DELAY_S": "1"})
     tail = swarm.start("worker", stage=1, wait_ready=False)

@@ -241,3 +241,36 @@ def test_a_round_edits_the_master_copy_and_pushes_it_to_the_compute_parameters()
     master = torch.cat([m.reshape(-1) for m in optimizer.master_params])
     assert torch.equal(compute, master), "the compute parameters follow the edited master weights"
     assert torch.all(master[sets.get(1).indices] == 3.0)
+
+
+def test_a_step_round_averages_the_segment_as_it_was_at_the_boundary_step():
+    """Two replicas equal at the boundary, one a step further when its group forms: both average
+    the boundary values, get back exactly what they sent and stay equal (a snapshot of the later
+    weights would move them apart by half a step each)."""
+    _, start, start_sets, _, _ = _setup(average_fn=None)
+    boundary = _flat(start)[start_sets.get(3).indices]  # both replicas' values at the boundary
+    replicas = []
+    for extra_steps in (0, 1):
+        # the group's average of two equal snapshots is that snapshot
+        layout, store, sets, fake, rounds = _setup(average_fn=lambda snap: boundary.clone())
+        sets.get(3)  # prefetched by the service before the boundary
+        assert rounds.capture(round_id=3, segment=3)
+        for tensor in store.master_params:  # the steps after the boundary, before the snapshot
+            tensor.add_(0.25 * extra_steps)
+        outcome = rounds.run(RoundPlan("step", 3, 3, 1.0, 2, "active"))
+        assert outcome.boundary_snapshot and outcome.delta_sq == 0.0, outcome.describe()
+        for tensor in store.master_params:  # the later replica's step reaches the other too
+            tensor.add_(0.25 * (1 - extra_steps))
+        replicas.append(_flat(store))
+    assert torch.equal(replicas[0], replicas[1])
+
+
+def test_a_boundary_capture_needs_a_computed_index_set_and_matches_only_its_round():
+    layout, store, sets, fake, rounds = _setup(average_fn=lambda snap: snap * 0 + 7.0)
+    assert not rounds.capture(round_id=3, segment=3), "never builds an index set on the compute thread"
+    sets.get(3)
+    assert rounds.capture(round_id=3, segment=3)
+    outcome = rounds.run(RoundPlan("step", 4, 3, 1.0, 2, "active"))  # another round: the weights now
+    assert not outcome.boundary_snapshot
+    outcome = rounds.run(RoundPlan("clock", 3, 3, 1.0, 2, "active"))
+    assert not outcome.boundary_snapshot

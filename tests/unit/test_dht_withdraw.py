@@ -45,3 +45,46 @@ def test_withdrawals_after_a_timed_out_store_try_only_briefly():
     assert first >= 3.0
     assert rest < 3.0, "two withdrawals after a timeout took as long as a full timeout"
     assert stored == ["run/again", "run/record"]
+
+
+def test_a_node_restarted_with_its_identity_supersedes_the_record_it_left(tmp_path):
+    """A leaving node's tombstone (and a trainer's final report) lives a minute, longer than the
+    records a restarted process announces: DHT nodes keep the value that expires last, so every
+    announcement of the new process was refused until the old record lapsed (issue 22, point 6)."""
+    from node.swarm import join_swarm
+    from protocol.dht_schema import WorkerRecord, workers_key
+    from protocol.identity import load_or_create_identity
+
+    run, key = "supersede-test", workers_key("supersede-test", 0)
+    seed_id = load_or_create_identity(str(tmp_path / "seed.key"))
+    node_id = load_or_create_identity(str(tmp_path / "node.key"))
+    peer = node_id.peer_id.to_base58()
+    common = dict(run_id=run, num_stages=1, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
+                  bootstrap_timeout_s=30)
+    seed = join_swarm(identity=seed_id, initial_peers=[], **common)
+    try:
+        reader = SwarmDHT(seed.dht, seed_id.peer_id.to_base58())
+
+        def incarnation(action):
+            membership = join_swarm(identity=node_id, initial_peers=seed.maddrs, **common)
+            try:
+                return asyncio.run(action(SwarmDHT(membership.dht, peer)))
+            finally:
+                membership.shutdown()
+
+        async def leave(swarm):
+            assert await swarm.store(key, WorkerRecord(stage=0, max_batch=4, throughput=1.0), 15)
+            assert await swarm.withdraw(key)  # the tombstone: 60 s
+
+        async def restart(swarm):
+            first = await swarm.store(key, WorkerRecord(stage=0, max_batch=8, throughput=1.0), 15)
+            again = await swarm.store(key, WorkerRecord(stage=0, max_batch=16, throughput=1.0), 15)
+            return first, again
+
+        incarnation(leave)
+        assert asyncio.run(reader.get(key, WorkerRecord)) == {}
+        assert incarnation(restart) == (True, True)
+        seen = asyncio.run(reader.get(key, WorkerRecord))
+        assert seen[peer].max_batch == 16
+    finally:
+        seed.shutdown()

@@ -180,3 +180,29 @@ def test_bad_format_or_level_is_refused():
         setup_logging("info", "xml", "worker", stream=io.StringIO())
     with pytest.raises(ValueError):
         setup_logging("loud", "human", "worker", stream=io.StringIO())
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_an_expected_averaging_failure_is_one_line_not_an_error_with_a_traceback(level):
+    from hivemind.averaging.allreduce import AllreduceException
+    from hivemind.averaging.matchmaking import MatchmakingException
+    from hivemind.utils.logging import get_logger
+
+    stream = io.StringIO()
+    setup_logging(level, "human", "worker", stream=stream)
+    averager = get_logger("hivemind.averaging.averager")
+    for error in (AllreduceException("Averaging step failed: could not find a group"),
+                  MatchmakingException("Unable to run All-Reduce: peer left"), RuntimeError("a bug")):
+        try:
+            raise error
+        except Exception as exc:  # noqa: BLE001 - what hivemind's _step does
+            averager.exception(exc)
+    lines = stream.getvalue().splitlines()
+    expected = ["DEBUG worker  hivemind.averaging: averaging step failed: AllreduceException: Averaging step "
+                "failed: could not find a group",
+                "DEBUG worker  hivemind.averaging: averaging step failed: MatchmakingException: Unable to run "
+                "All-Reduce: peer left"] if level == "debug" else []
+    assert [line[9:] for line in lines[:len(expected)]] == expected
+    rest = lines[len(expected):]
+    assert rest[0].endswith("ERROR worker  hivemind.averaging: a bug"[6:]) and "ERROR" in rest[0], rest
+    assert any("Traceback" in line for line in rest), "an unexpected failure keeps its traceback"

@@ -259,3 +259,16 @@ def test_the_validator_logs_rejections_with_the_credential_and_witnesses_trainer
     witnessed = drained["trainer_reports"][trainer.peer_id.to_base58()][1]
     assert TrainerRecord.model_validate(unpack(witnessed)).samples_completed == 12
     assert asyncio.run(drain_observations(None, None, token=monitor.token))["rejections"] == [], "drained once"
+
+
+def test_a_worker_that_announces_only_relayed_addresses_is_marked_as_reached_through_a_relay():
+    relay = "/ip4/198.51.100.4/tcp/4001/p2p/12D3KooWJuPgSpvLGMwJrtHkVTZswJgm4m6v52iyyocHMr5VFDJc"
+    home = worker_sighting(PEER, 1, 120.0)
+    home.worker = home.worker.model_copy(update={"maddrs": [f"{relay}/p2p-circuit/p2p/{PEER}"],
+                                                  "relayed_bytes": 123456})
+    public = worker_sighting(OTHER, 1, 120.0)
+    public.worker = public.worker.model_copy(update={"maddrs": [f"/ip4/203.0.113.7/tcp/31337/p2p/{OTHER}"]})
+    nodes: dict[str, NodeState] = {}
+    update_membership(nodes, observe(100.0, home, public), None)
+    assert nodes[PEER].relayed is True and nodes[PEER].relayed_bytes == 123456
+    assert nodes[OTHER].relayed is False and nodes[OTHER].relayed_bytes is None

@@ -50,6 +50,10 @@ nodes:
     ("  - {name: a2, role: authorizer}\n", "exactly one authorizer"),
     ("  - {name: w1, role: worker, stage: 0, link: nowhere}\n", "links does not define"),
     ("  - {name: W_1, role: worker, stage: 0}\n", "name"),
+    ("  - {name: w1, role: worker, stage: 0, behind: nowhere}\n", "routers does not define"),
+    ("  - {name: w1, role: worker, stage: 0, behind: home, link: {rtt_ms: 5}}\nrouters: [{name: home}]\n",
+     "give the router the link"),
+    ("  - {name: home, role: worker, stage: 0}\nrouters: [{name: home}]\n", "different names"),
 ])
 def test_bad_scenarios_are_one_line_errors(tmp_path, extra, phrase):
     with pytest.raises(ConfigError) as raised:
@@ -70,6 +74,18 @@ def test_links_resolve_by_name_then_role_then_unshaped(tmp_path):
     assert by_name["w1"] == LinkModel(up_mbit=50, rtt_ms=100)
     assert by_name["w0"] == LinkModel(rtt_ms=20)
     assert by_name["t0"] == LinkModel()
+
+
+def test_nodes_behind_routers_take_the_routers_link_two_levels_deep(tmp_path):
+    text = BASE + ("  - {name: w1, role: worker, stage: 0, behind: home}\n  - {name: w2, role: worker, stage: 0, "
+                   "behind: isp}\n  - {name: r, role: relay}\nrouters:\n  - {name: home, link: {up_mbit: 20}}\n"
+                   "  - {name: cgn, link: {up_mbit: 30}}\n  - {name: isp, behind: cgn}\n")
+    scenario, _ = load_scenario(_write(tmp_path, text))
+    hosts = {h.name: h for h in scenario.hosts()}
+    assert hosts["home"].up_mbit == 20 and hosts["home"].behind is None
+    assert hosts["w1"].behind == "home" and hosts["w1"].up_mbit is None
+    assert hosts["w2"].behind == "isp" and hosts["isp"].behind == "cgn" and hosts["cgn"].up_mbit == 30
+    assert hosts["r"].behind is None
 
 
 def test_overrides_merge_nested_and_dotted_keys():

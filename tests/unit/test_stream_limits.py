@@ -5,15 +5,18 @@ Real libp2p daemons in-process, with small limits so the test runs in seconds.""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 
 import pytest
 from hivemind.p2p import P2P
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocol.codec import pack, unpack
 from protocol.errors import ErrorCode, PeerUnavailable
 from protocol.framing import read_frame, write_frame
-from protocol.stream_limits import StreamBudget, StreamLimits
+from protocol.stream_limits import StreamBudget, StreamLimits, source_key
 from protocol.transport import RpcClient, RpcServer, hello_frame
 from tests.support.polling import poll_until
 
@@ -24,23 +27,126 @@ LIMITS = StreamLimits(hello_timeout_s=1.5, idle_timeout_s=2.0, max_streams_per_p
 
 def test_budget_bookkeeping():
     budget = StreamBudget(LIMITS)
-    assert budget.open("a") is None and budget.open("a") is None
-    assert budget.open("a") == "too_many_unauthenticated"  # per peer
-    assert budget.open("b") is None
-    assert budget.open("c") == "too_many_unauthenticated"  # in total
-    budget.authenticated("a")
-    budget.authenticated("a")
-    assert budget.open("a") is None and budget.open("a") is None  # now 4 streams, 2 unauthenticated
-    budget.authenticated("a")
-    assert budget.open("a") == "too_many_streams"
-    budget.close("a", authenticated=True)
-    budget.close("a", authenticated=False)
+    a1, a2, a3, a4, a5, b1, c1 = (object() for _ in range(7))
+    assert budget.open(a1, "a", "x") == (None, []) and budget.open(a2, "a", "x") == (None, [])
+    assert budget.open(object(), "a", "x") == ("too_many_unauthenticated", [])  # per peer
+    assert budget.open(b1, "b", "y") == (None, [])
+    # the server-wide allowance (3) is full: the newcomer evicts the oldest silent stream of the
+    # source holding the most (x), instead of being refused
+    assert budget.open(c1, "c", "z") == (None, [a1])
+    assert budget.unauthenticated_total == 3 and budget.streams["a"] == 1
+    budget.close(a1)  # the evicted stream's own close is a no-op
+    assert budget.streams["a"] == 1 and budget.unauthenticated["a"] == 1
+    budget.authenticated(a2)
+    assert budget.open(a3, "a", "x") == (None, []) and budget.open(a4, "a", "x") == (None, [b1])
+    budget.authenticated(a3)
+    budget.authenticated(a4)
+    assert budget.open(a5, "a", "x") == (None, [])  # 4 streams, 3 of them authenticated and not counted as silent
+    assert budget.open(object(), "a", "x") == ("too_many_streams", [])
+    budget.close(a2)
+    budget.close(a5)
     assert budget.streams["a"] == 2 and budget.unauthenticated["a"] == 0
     assert budget.reserve("a", 600) and not budget.reserve("a", 600) and budget.reserve("b", 600)
     budget.release("a", 600)
     assert budget.reserve("a", 1000) and "a" in budget.buffered
     budget.release("a", 1000)
     assert "a" not in budget.buffered
+
+
+def test_silent_streams_are_shared_per_source_and_the_busiest_evicts_first():
+    """36 throwaway peer ids from one address cannot crowd out an honest newcomer: the address
+    evicts its own oldest streams, and an honest stream is admitted whatever the attacker holds."""
+    limits = StreamLimits(max_unauthenticated_per_peer=8, max_unauthenticated_per_source=64,
+                          max_unauthenticated_total=256)
+    budget = StreamBudget(limits)
+    attacker = [(object(), f"sybil{i}") for i in range(36) for _ in range(8)]
+    evicted = []
+    for stream, peer in attacker:
+        refusal, gone = budget.open(stream, peer, "ip4:10.0.0.66")
+        assert refusal is None
+        evicted += gone
+    assert budget.unauthenticated_by_source["ip4:10.0.0.66"] == 64 and len(evicted) == 36 * 8 - 64
+    assert evicted == [stream for stream, _ in attacker[:len(evicted)]], "oldest first"
+    # several addresses fill the whole allowance
+    for n in range(1, 4):
+        for i in range(64):
+            assert budget.open(object(), f"sybil-{n}-{i // 8}", f"ip4:10.0.{n}.66")[0] is None
+    assert budget.unauthenticated_total == 256
+    # the honest trainer opens four streams: all admitted, each evicting an attacker's
+    honest = [object() for _ in range(4)]
+    for stream in honest:
+        refusal, gone = budget.open(stream, "trainer", "ip4:10.0.0.7")
+        assert refusal is None and len(gone) == 1 and gone[0] not in honest
+    for stream in honest:
+        budget.authenticated(stream)
+    assert budget.unauthenticated_total == 252 and budget.streams["trainer"] == 4
+    assert "ip4:10.0.0.7" not in budget.unauthenticated_by_source
+
+
+def test_of_sources_holding_as_many_the_one_with_the_oldest_stream_evicts():
+    budget = StreamBudget(StreamLimits(max_unauthenticated_per_peer=8, max_unauthenticated_total=4))
+    old, young = object(), object()
+    budget.open(old, "p", "s1")
+    budget.open(object(), "q", "s2")
+    budget.open(young, "p", "s1")
+    budget.open(object(), "q", "s2")
+    assert budget.open(object(), "r", "s3") == (None, [old])
+
+
+@pytest.mark.parametrize("addr, key", [
+    ("/ip4/203.0.113.5/tcp/31337", "ip4:203.0.113.5"),
+    ("/ip4/203.0.113.5/udp/31337/quic", "ip4:203.0.113.5"),
+    ("/ip6/2001:db8:1:2:3:4:5:6/tcp/1", "ip6:2001:db8:1:2::/64"),
+    ("/ip4/198.51.100.1/tcp/4001/p2p/QmRelay/p2p-circuit", "peer:Qmpeer"),
+    ("/p2p-circuit", "peer:Qmpeer"),
+    ("", "peer:Qmpeer"),
+    (None, "peer:Qmpeer"),
+    ("/dns4/example.org/tcp/1", "peer:Qmpeer"),
+    ("/ip4/not-an-ip/tcp/1", "peer:Qmpeer"),
+])
+def test_source_key(addr, key):
+    assert source_key(addr, "Qmpeer") == key
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["open", "hello", "close"]), st.integers(0, 5), st.integers(0, 2),
+                          st.integers(0, 40)), max_size=120))
+def test_budget_invariants(operations):
+    """Whatever the sequence, the counts match the streams held, no cap is exceeded, and only a
+    peer's own caps refuse it."""
+    limits = StreamLimits(max_streams_per_peer=6, max_unauthenticated_per_peer=3, max_unauthenticated_per_source=4,
+                          max_unauthenticated_total=7)
+    budget = StreamBudget(limits)
+    streams: list[tuple[object, str, str]] = []
+    live: dict[object, bool] = {}  # stream -> silent
+    for op, peer_n, source_n, pick in operations:
+        peer, source = f"p{peer_n}", f"s{source_n}"
+        if op == "open":
+            stream = object()
+            refusal, evicted = budget.open(stream, peer, source)
+            for victim in evicted:
+                assert live.pop(victim) is True, "only silent streams are evicted"
+            held = sum(1 for s, p, _ in streams if s in live and p == peer)
+            silent = sum(1 for s, p, _ in streams if live.get(s) and p == peer)
+            if refusal is None:
+                streams.append((stream, peer, source))
+                live[stream] = True
+            else:
+                assert held >= limits.max_streams_per_peer or silent >= limits.max_unauthenticated_per_peer
+        elif streams:
+            stream = streams[pick % len(streams)][0]
+            if op == "hello" and live.get(stream):
+                budget.authenticated(stream)
+                live[stream] = False
+            elif op == "close":
+                budget.close(stream)
+                live.pop(stream, None)
+        silent = [(p, s) for stream, p, s in streams if live.get(stream)]
+        assert budget.unauthenticated_total == len(silent) <= limits.max_unauthenticated_total
+        assert budget.unauthenticated_by_source == collections.Counter(s for _, s in silent)
+        assert budget.unauthenticated == collections.Counter(p for p, _ in silent)
+        assert budget.streams == collections.Counter(p for stream, p, _ in streams if stream in live)
+        assert all(n <= limits.max_unauthenticated_per_source for n in budget.unauthenticated_by_source.values())
 
 
 async def _pair(limits: StreamLimits = LIMITS):
@@ -234,6 +340,92 @@ def test_a_client_keeps_below_the_servers_stream_cap_and_queues_the_rest():
             assert client._open[server_p2p.peer_id] <= LIMITS.max_streams_per_peer
         finally:
             await client.close()
+            for p2p in (attacker, honest, server_p2p):
+                await p2p.shutdown()
+
+    run(scenario())
+
+
+def test_throwaway_peer_ids_from_a_few_addresses_cannot_shut_out_an_honest_caller():
+    """The Sybil slowloris of issue 22: peer ids from two addresses keep the allowance of streams
+    without a hello full, re-opening what is evicted; every new stream of an honest peer is still
+    served, and what the attackers lose is told to them as a typed refusal."""
+    async def scenario():
+        limits = dataclasses.replace(LIMITS, hello_timeout_s=60.0, idle_timeout_s=60.0, max_unauthenticated_per_peer=4,
+                                     max_unauthenticated_per_source=6, max_unauthenticated_total=12)
+        server, server_p2p, _, honest = await _pair(limits)
+        maddrs = await server_p2p.get_visible_maddrs()
+        sybils = [await P2P.create(host_maddrs=[f"/ip4/127.0.0.{n}/tcp/0"], initial_peers=maddrs)
+                  for n in (2, 2, 3, 3)]
+        evicted: list[dict] = []
+
+        async def hold(p2p):  # two silent streams, re-opened as soon as one is closed
+            while True:
+                reader, writer, _ = await _open(p2p, server_p2p, hello=False)
+                try:
+                    evicted.append(unpack(await read_frame(reader)))
+                except PeerUnavailable:
+                    pass
+                writer.close()
+
+        # four each, sixteen in all: more than the allowance, and more than the honest peer's four
+        # hellos in flight from any one address (the defaults' proportions, scaled down)
+        holders = [asyncio.create_task(hold(p2p)) for p2p in sybils for _ in range(4)]
+        try:
+            await asyncio.to_thread(poll_until, lambda: server.streams_closed["evicted"] >= 4, 20,
+                                    "the attackers to fill the allowance")
+            # evictions happen only with the allowance (or a source's share) full
+            assert {s.source for s in server._sessions} == {"ip4:127.0.0.2", "ip4:127.0.0.3"}
+            for round_ in range(5):  # a fresh client each round: every call opens a new stream
+                client = RpcClient(honest, timeout_s=10)
+                try:
+                    replies = await asyncio.gather(*(client.call(server_p2p.peer_id, HANDLER, {"r": round_, "i": i})
+                                                     for i in range(4)))
+                finally:
+                    await client.close()
+                assert replies == [{"echo": {"r": round_, "i": i}} for i in range(4)]
+            assert server.streams_refused == {}, server.streams_refused
+            assert server.served[HANDLER] == 20
+            assert evicted and all(e["error"]["code"] == ErrorCode.RATE_LIMITED and "evicted" in e["error"]["message"]
+                                   for e in evicted), evicted[:3]
+            assert server.budget.unauthenticated_total <= limits.max_unauthenticated_total
+        finally:
+            for task in holders:
+                task.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+            for p2p in (*sybils, honest, server_p2p):
+                await p2p.shutdown()
+
+    run(scenario())
+
+
+def test_an_oversized_hello_gets_the_typed_refusal_not_a_reset():
+    """A caller that announces a huge first frame and keeps pushing its bytes reads FRAME_TOO_LARGE:
+    the server reads (and drops) for a moment before closing, so the close does not reset the
+    stream under the refusal."""
+    async def scenario():
+        server, server_p2p, attacker, honest = await _pair()
+        try:
+            for _ in range(5):
+                reader, writer, _ = await _open(attacker, server_p2p, hello=False)
+
+                async def push():
+                    writer.write((8 << 20).to_bytes(4, "big"))
+                    for _ in range(8):
+                        writer.write(b"\0" * (1 << 20))
+                        await writer.drain()
+
+                pushing = asyncio.create_task(push())
+                try:
+                    reply = unpack(await asyncio.wait_for(read_frame(reader), 10))
+                finally:
+                    pushing.cancel()
+                    await asyncio.gather(pushing, return_exceptions=True)
+                    writer.close()
+                assert reply["error"]["code"] == ErrorCode.FRAME_TOO_LARGE, reply
+                assert "hello of at most" in reply["error"]["message"]
+            assert server.streams_refused["hello_too_large"] == 5
+        finally:
             for p2p in (attacker, honest, server_p2p):
                 await p2p.shutdown()
 

@@ -21,6 +21,7 @@ import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -121,6 +122,11 @@ class SegmentIndexSets:
         if not 0 <= segment < self.segments:
             raise ValueError(f"segment {segment} is outside 0..{self.segments - 1}")
         return segment * self.numel // self.segments, (segment + 1) * self.numel // self.segments
+
+    def cached(self, segment: int) -> Optional[IndexSet]:
+        """The segment's index set if it is already computed, else None (never builds one)."""
+        with self._lock:
+            return self._cache.get(segment)
 
     def get(self, segment: int) -> IndexSet:
         with self._lock:

@@ -6,9 +6,14 @@ delta rule adds only the consensus shift instead [report 4.2.2, eq. 8]:
 
     theta[I] <- theta[I] + (average[I] - snapshot[I])
 
-The optimizer's lock is held only to take the snapshot and to apply the delta, never across the
-network part. A reducer slice that failed comes back as a zero delta (hivemind keeps local values
-there), so the replica keeps its own, advanced weights for it.
+A step round's snapshot is the segment as it stood right after the boundary step (`capture`,
+called by the compute thread at that step), not whenever the round's group happened to form:
+replicas that add up their gradients every step hold equal weights at the boundary, so they
+average equal snapshots, get back exactly what they sent and stay equal bit for bit. A snapshot
+taken later could catch one replica a step further than the other, and the delta would then move
+them apart by half that step each. The optimizer's lock is held only to take the snapshot and to
+apply the delta, never across the network part. A reducer slice that failed comes back as a zero
+delta (hivemind keeps local values there), so the replica keeps its own, advanced weights for it.
 
 The outcome records what the report measures per round and per peer [report 5.7.1.1] (reduce and
 averaging success, group size against the stage's workers, duration, why it was not complete),
@@ -87,6 +92,9 @@ class RoundOutcome:
     average_sq: float = 0.0
     allreduce_s: Optional[float] = None
     """Time inside hivemind's all-reduce (after matchmaking), as the averager process measured it."""
+    boundary_snapshot: bool = False
+    """The snapshot was the segment at the boundary step (SegmentRound.capture), not the weights
+    when the group formed."""
     timings: dict[str, float] = field(default_factory=dict)
     """Where this replica's round time went: prepare, snapshot, step (matchmaking + all-reduce), apply."""
     bytes_sent: int = 0
@@ -149,6 +157,28 @@ class SegmentRound:
         self.lock_timeout_s = lock_timeout_s
         self._control = None
         """The running round's step, from when it looks for its group until it ends."""
+        self._boundary: Optional[tuple[int, str, torch.Tensor]] = None
+        """(round, index-set digest, segment values) taken at the last boundary step (`capture`)."""
+
+    def capture(self, round_id: int, segment: int) -> bool:
+        """Compute thread, store lock held, right after the step that makes `round_id` due: keep the
+        segment's values for that round's snapshot. Only from an index set already computed (the
+        service prefetches it): building one takes seconds the compute thread must not spend.
+        Returns whether it was kept."""
+        index_set = self.index_sets.cached(segment)
+        if index_set is None:
+            self._boundary = None
+            return False
+        values = torch.empty(len(index_set), dtype=torch.float32)
+        FlatLayout.gather(self.store.master_params, index_set.pieces, values)
+        self._boundary = (round_id, index_set.digest, values)
+        return True
+
+    def _boundary_values(self, plan: RoundPlan, digest: str) -> Optional[torch.Tensor]:
+        boundary = self._boundary
+        if plan.kind != "step" or boundary is None or boundary[0] != plan.round or boundary[1] != digest:
+            return None
+        return boundary[2]
 
     @property
     def in_allreduce(self) -> bool:
@@ -179,8 +209,12 @@ class SegmentRound:
             control = self.averager.begin_step(plan.weight, gather, window)
             prepared.result(self.lock_timeout_s)
             mark = lap("prepare_s", started)
+            boundary = self._boundary_values(plan, index_set.digest)
             with self.averager.locked_buffer(self.lock_timeout_s) as buffer, self.store.lock:
-                FlatLayout.gather(self.store.master_params, index_set.pieces, buffer[:n])
+                if boundary is not None:
+                    buffer[:n].copy_(boundary)
+                else:  # a clock round, or a replica that jumped past the boundary: the weights now
+                    FlatLayout.gather(self.store.master_params, index_set.pieces, buffer[:n])
                 buffer[n:].zero_()
                 snapshot = buffer[:n].clone()
             mark = lap("snapshot_s", mark)
@@ -218,6 +252,7 @@ class SegmentRound:
         lap("apply_s", mark)
         outcome = self._describe(plan, index_set, report, error, time.monotonic() - started)
         outcome.delta_sq, outcome.average_sq, outcome.timings = delta_sq, average_sq, timings
+        outcome.boundary_snapshot = boundary is not None
         outcome.allreduce_began = began or report is not None
         return outcome
 

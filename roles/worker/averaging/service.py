@@ -228,6 +228,15 @@ class AveragingService:
         if self._thread is not None:
             self._thread.close()
 
+    def after_step(self, step: int) -> None:
+        """Compute thread, optimizer lock held, `step` steps applied: at a round's boundary, keep
+        the segment that round will average as it is now (rounds.py, SegmentRound.capture)."""
+        if self.rounds is None or step <= 0 or step % self.config.average_every:
+            return
+        round_id = step // self.config.average_every
+        kept = self.rounds.capture(round_id, segment_of(round_id, self.index_sets.segments))
+        self._counts["boundary_snapshots" if kept else "boundary_snapshots_missed"] += 1
+
     def prefetch(self, segment: int) -> None:
         """Compute a segment's index set in the background (seconds for a 100M-parameter stage)."""
         if self._thread is not None:

@@ -1,0 +1,159 @@
+"""How peers reach this node: directly at the addresses it announces, or through the run's relays.
+
+Most contributors sit behind a home router that lets nothing in. The authorizer dials every joining
+node back [report 3.6.1.2]; a node it cannot dial is admitted as *relayed* when the run has relays
+(`--relay auto`, the default). Such a node then starts its libp2p daemon with a circuit-relay-v2
+reservation on every relay the authorizer listed (libp2p's autorelay with those as its only,
+static, relays) and announces `<relay>/p2p/<relay id>/p2p-circuit` for each of them, signed in its
+DHT records like any address. It keeps its outbound connections, so peers it dialled reach it
+directly over them; only a new connection to it goes through a relay. When a relay dies, the
+reservations on the others still carry it; autorelay renews them.
+
+Every node of an authenticated run also shows each relay its credential (`RelayPass`): a relay
+drops the connection of any peer that has not, within a few seconds (roles/relay/gate.py), so an
+outsider can hold no reservation and open no circuit there.
+
+And no contributor relays for others: hivemind's p2pd would turn on a full relay service as soon
+as it believes itself public (`-relayService`, on by default); every node but a relay starts it
+off. (p2pd still answers relay requests with libp2p's built-in limits, 128 KiB and two minutes per
+circuit, meant for hole punching: too little to carry training traffic, and nobody here asks.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+from protocol import hivemind_adapter
+from protocol.relays import circuit_address, peer_of
+
+logger = logging.getLogger(__name__)
+
+RELAY_PASS_EVERY_S = 60.0
+"""How often a node shows the relays its credential again; a relay forgets a peer after
+roles/relay/gate.py's PASS_TTL_S without one."""
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """What the node announces and how its libp2p daemon is started."""
+
+    relayed: bool
+    relays: list[str] = field(default_factory=list)
+    """The run's relays (multiaddrs with /p2p/<id>) this node knows of."""
+    forced: bool = False
+    """Relayed because --relay named a relay, not because the authorizer could not dial it."""
+
+    @property
+    def announce_maddrs(self) -> list[str]:
+        """A relayed node's announced addresses: one circuit address per relay."""
+        return [circuit_address(relay) for relay in self.relays] if self.relayed else []
+
+    def daemon_flags(self) -> dict:
+        """p2pd flags for the node's libp2p daemon (set before hivemind starts it)."""
+        flags: dict = {"relayService": False}
+        if self.relayed:
+            flags.update(autoRelay=True, trustedRelays=",".join(self.relays), relayDiscovery=False,
+                         forceReachabilityPrivate=True)
+        return flags
+
+    def describe(self, maddrs: list[str]) -> str:
+        """The one line a node logs about how it is reached."""
+        if self.relayed:
+            addresses: dict[str, list[str]] = {}  # one relay may be listed at several addresses
+            for relay in self.relays:
+                addresses.setdefault(peer_of(relay) or relay, []).append(relay.split("/p2p/")[0])
+            names = "; ".join(f"{peer[:12]}… at {', '.join(at)}" for peer, at in addresses.items())
+            if self.forced:
+                return f"reachable through the relays ({names}), as --relay asks"
+            return (f"reachable through the run's relays ({names}): the authorizer could not dial this node, so "
+                    f"peers that have no connection to it open one through a relay; forwarding a TCP port and "
+                    f"passing --announce-maddrs makes it reachable directly (faster)")
+        direct = [m.split("/p2p/")[0] for m in maddrs]
+        return f"reachable directly at {', '.join(direct) or 'no address'}"
+
+
+def plan_reachability(mode: str, *, relays: list[str], relayed_by_authorizer: bool) -> Reachability:
+    """`mode` is --relay: auto, off or a relay's multiaddr."""
+    if mode == "off":
+        return Reachability(relayed=False, relays=list(relays))
+    if mode != "auto":  # a relay named by hand: always through it (and the run's others)
+        return Reachability(relayed=True, relays=list(dict.fromkeys([mode, *relays])), forced=True)
+    return Reachability(relayed=relayed_by_authorizer and bool(relays), relays=list(relays))
+
+
+def apply_daemon_flags(reachability: Reachability) -> None:
+    """Flags for every libp2p daemon this process starts from now on (hivemind's DHT forks after)."""
+    hivemind_adapter.set_daemon_flags(**reachability.daemon_flags())
+
+
+class RelayPass:
+    """Shows every relay of the run this node's credential, now and every RELAY_PASS_EVERY_S, over
+    an authenticated stream (protocol/transport.py), so the relays keep its connections."""
+
+    def __init__(self, p2p, relays: list[str], authenticator, *, timeout_s: float = 10.0, relayed: bool = False):
+        from protocol.transport import RpcClient
+
+        self.p2p = p2p
+        self.relays = list(relays)
+        self.timeout_s = timeout_s
+        self.client = RpcClient(p2p, authenticator=authenticator, timeout_s=timeout_s)
+        self.failures: dict[str, str] = {}
+        """Relays that did not accept the last pass, by peer id, with the reason."""
+        self.relayed = relayed
+        """The node is reached through these relays: losing them all is worth an error."""
+        self._none_left = False
+
+    async def greet_all(self) -> int:
+        """Greet every relay at once; returns how many accepted."""
+        results = await asyncio.gather(*(self._greet(relay) for relay in self.relays))
+        accepted = sum(results)
+        if self.relayed and self.relays and not accepted and not self._none_left:
+            logger.error("no relay of the run accepts this node now: a peer with no connection to it cannot "
+                         "reach it (the ones connected still can); it greets the relays again every %.0f s",
+                         RELAY_PASS_EVERY_S)
+        self._none_left = bool(self.relays) and not accepted
+        return accepted
+
+    async def _greet(self, relay: str) -> bool:
+        from hivemind.p2p import PeerID
+
+        from protocol.transport import dial
+        from protocol.version import RELAY_HELLO
+
+        peer = peer_of(relay)
+        try:
+            await dial(self.p2p, PeerID.from_base58(peer), [relay], self.timeout_s)
+            await self.client.call(PeerID.from_base58(peer), RELAY_HELLO, {}, timeout_s=self.timeout_s)
+        except Exception as exc:  # an unreachable or refusing relay: the others still carry the node
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if self.failures.get(peer) != reason:
+                logger.warning("relay %s did not accept this node's credential: %s", relay, reason)
+            self.failures[peer] = reason
+            return False
+        if peer in self.failures:
+            logger.info("relay %s accepts this node again", relay)
+            del self.failures[peer]
+        return True
+
+    async def run(self, stop: asyncio.Event, every_s: float = RELAY_PASS_EVERY_S) -> None:
+        from roles.periodic import every
+
+        await every(every_s, self.greet_all, stop, name="relay pass")
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+async def greet_relays(p2p, relays: list[str], authenticator, timeout_s: float = 3.0) -> Optional[int]:
+    """One pass over `relays` from `p2p` (the admission listener, which has the node's identity),
+    before the node's own daemon starts and reserves: the relay then knows its peer id already."""
+    if not relays or authenticator is None:
+        return None
+    relay_pass = RelayPass(p2p, relays, authenticator, timeout_s=timeout_s)
+    try:
+        return await relay_pass.greet_all()
+    finally:
+        await relay_pass.close()
