@@ -75,6 +75,20 @@ def run_config_path(tmp_path):
     return write
 
 
+def pytest_runtest_logreport(report):
+    """With AGORA_TEST_FINISHED_LOG set (scripts/test), the controlling process writes down each
+    test that finished (and each that failed), so the tests a pytest worker never finished can be
+    run again without forgetting the failures."""
+    path = os.environ.get("AGORA_TEST_FINISHED_LOG")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        return
+    with open(path, "a", encoding="utf-8") as log:
+        if report.failed:
+            log.write(f"FAILED {report.nodeid}\n")
+        if report.when == "teardown":
+            log.write(report.nodeid + "\n")
+
+
 def pytest_sessionfinish(session, exitstatus):
     for swarm in _swarms:
         swarm.stop_all(timeout_s=10)
