@@ -89,7 +89,9 @@ def test_two_replicas_per_stage_step_on_exact_batches_stay_equal_and_survive_a_k
         assert found is not None, worker.log_tail()
         figures = found["steps"]
         assert figures["samples_per_step_max"] <= TARGET, (worker.name, figures)
-        assert figures["late_samples"] == 0, (worker.name, figures)
+        # A sample of the over-full step that reaches a replica after it closed that step is
+        # discarded there and counted as late: never more than the step held beyond the target.
+        assert figures["late_samples"] <= sum(n - TARGET for n in over.values()), (worker.name, figures, over)
         # Short steps only for samples really lost with the killed replica, and they say why.
         short, closed_by = figures["short_steps"], figures["closed_by"]
         assert short <= 4, (worker.name, figures)
