@@ -174,6 +174,10 @@ class TagRequest(WireModel):
     open_step: Optional[int] = Field(default=None, ge=0)
     """The asker's open step: a replica that has not taken the tagger's step yet gets nothing (its
     samples would run on weights a step old)."""
+    ask_id: Optional[int] = Field(default=None, ge=0, lt=1 << 63)
+    """Names the ask across its retries: the tagger answers a repeated id with the tags it gave the
+    first time, so tags whose reply was lost on the way (a relay died, a slow circuit) are claimed
+    by the retry instead of holding their step open until it times out short."""
 
 
 class TagReply(WireModel):

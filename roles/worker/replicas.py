@@ -18,6 +18,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import secrets
 import time
 from typing import Optional
 
@@ -27,7 +28,7 @@ from hivemind.p2p import P2P, PeerID
 from protocol import version
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import WorkerRecord, workers_key
-from protocol.errors import AgoraError, ErrorCode, ProtocolError
+from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError
 from protocol.messages import (
     StepCountsReply,
     StepCountsRequest,
@@ -43,13 +44,17 @@ from roles.model.traffic_plan import gradient_exchange_on
 from roles.periodic import every
 from roles.worker.gradient_exchange import Contribution, GradientExchange, StepSum
 from roles.worker.runtime import StageRuntime
-from roles.worker.step_tagger import ForwardTickets, StepTagger, TagGrant, Unreachable, elect_tagger
+from roles.worker.step_tagger import AnsweredAsks, ForwardTickets, StepTagger, TagGrant, Unreachable, elect_tagger
 
 logger = logging.getLogger(__name__)
 
 _WORKER_ONLY = frozenset({"worker"})
 SETTLE_S = 2.0
 """How long a replica reads its stage's progress before it may claim the tagging."""
+TAG_ASK_TIMEOUTS = (1.0, 2.0, 2.0)
+"""One tag ask's attempts, as multiples of the request timeout. A retry carries the same ask id,
+so it claims the tags of an attempt whose reply was lost; the later attempts have room for a new
+connection (through a relay, several round trips) when the one the ask used died under it."""
 
 
 class StageReplicas:
@@ -85,6 +90,8 @@ class StageReplicas:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._dialed: set[str] = set()
         self.tag_asks_failed = 0
+        self.tag_asks_retried = 0
+        self._answered = AnsweredAsks()
         self.counters: collections.Counter[str] = collections.Counter()
         self._pushed_counts: Optional[tuple[int, int, int]] = None
         self._first_read: Optional[float] = None
@@ -196,7 +203,11 @@ class StageReplicas:
             return None
         if tagger == self.self_id:
             return self.tagger.take(n, self.runtime.optimizer.local_step, self._known)
-        return self._wait(self._ask_tags(tagger, n), self.request_timeout_s + 1.0)
+        return self._wait(self._ask_tags(tagger, n), self._ask_budget_s)
+
+    @property
+    def _ask_budget_s(self) -> float:
+        return self.request_timeout_s * sum(TAG_ASK_TIMEOUTS) + 1.0
 
     def take_tickets(self, n: int) -> Optional[int]:
         """Compute thread, head: how many of `n` forwards may start, from this replica's gate if it
@@ -206,7 +217,7 @@ class StageReplicas:
             return None
         if keeper == self.self_id:
             return self._take_tickets(n)
-        grants = self._wait(self._ask_tags(keeper, n), self.request_timeout_s + 1.0)
+        grants = self._wait(self._ask_tags(keeper, n), self._ask_budget_s)
         return None if grants is None else sum(g.count for g in grants)
 
     def _take_tickets(self, n: int, for_peer: bool = False) -> int:
@@ -217,15 +228,29 @@ class StageReplicas:
         return self.tickets.take(n, back_total=back, open_known=open_known, for_peer=for_peer)
 
     async def _ask_tags(self, tagger: str, n: int) -> Optional[list[TagGrant]]:
-        try:
-            peer = await self._peer(tagger)
-            request = TagRequest(stage=self.stage, count=n, open_step=self.runtime.optimizer.local_step)
-            reply = await self._client.request(peer, version.TAGS, request, TagReply, timeout_s=self.request_timeout_s)
-        except AgoraError as exc:
+        request = TagRequest(stage=self.stage, count=n, open_step=self.runtime.optimizer.local_step,
+                             ask_id=secrets.randbits(63))
+        reply: Optional[TagReply] = None
+        for attempt, factor in enumerate(TAG_ASK_TIMEOUTS):
+            timeout_s = self.request_timeout_s * factor
+            try:
+                peer = await self._peer(tagger)
+                reply = await self._client.request(peer, version.TAGS, request, TagReply, timeout_s=timeout_s)
+                break
+            except (PeerUnavailable, PeerTimeout) as exc:
+                # The ask may have been served and its reply lost: the same id again claims those tags.
+                failure: AgoraError = exc
+                if attempt + 1 < len(TAG_ASK_TIMEOUTS):
+                    self.tag_asks_retried += 1
+                    logger.debug("stage %d: tag ask to %s failed (%s); asking again", self.stage, tagger[-8:], exc)
+            except AgoraError as exc:  # a typed refusal: asking again gets the same
+                failure = exc
+                break
+        if reply is None:
             self.tag_asks_failed += 1
             self._unreachable.mark(tagger)
             logger.warning("stage %d: the stage's tagger %s did not answer (%s); looking for another", self.stage,
-                           tagger[-8:], exc)
+                           tagger[-8:], failure)
             self.on_peers()
             return None
         if not reply.tagger:
@@ -247,13 +272,17 @@ class StageReplicas:
         if not self.tagging:
             return TagReply(tagger=False)
         open_step = self.runtime.optimizer.local_step
-        if request.open_step is not None and request.open_step != open_step:
-            return TagReply(tagger=True)  # not at the same step yet: ask again once it is
-        if self.tickets is not None:  # the head's "tags" are forward tickets: how many may start
-            given = self._take_tickets(request.count, for_peer=True)
-            return TagReply(tagger=True, steps=[open_step] if given else [], counts=[given] if given else [])
-        grants = self.tagger.take(request.count, open_step, self._known, for_peer=True)
-        return TagReply(tagger=True, steps=[g.step for g in grants], counts=[g.count for g in grants])
+
+        def serve() -> TagReply:
+            if request.open_step is not None and request.open_step != open_step:
+                return TagReply(tagger=True)  # not at the same step yet: ask again once it is
+            if self.tickets is not None:  # the head's "tags" are forward tickets: how many may start
+                given = self._take_tickets(request.count, for_peer=True)
+                return TagReply(tagger=True, steps=[open_step] if given else [], counts=[given] if given else [])
+            grants = self.tagger.take(request.count, open_step, self._known, for_peer=True)
+            return TagReply(tagger=True, steps=[g.step for g in grants], counts=[g.count for g in grants])
+
+        return self._answered.answer(peer_id.to_base58(), request.ask_id, serve)
 
     # ---- gradients (compute thread waits, event loop exchanges and serves) ----
 
@@ -333,5 +362,6 @@ class StageReplicas:
             out["replica_messages"] = dict(self.counters)
         keeper = self.tagger or self.tickets
         if keeper is not None:
-            out["tagging"] = {**keeper.summary(), "tagger": self.tagging, "asks_failed": self.tag_asks_failed}
+            out["tagging"] = {**keeper.summary(), "tagger": self.tagging, "asks_failed": self.tag_asks_failed,
+                              "asks_retried": self.tag_asks_retried, "asks_repeated": self._answered.repeated}
         return out

@@ -125,6 +125,32 @@ class Unreachable:
         return set(self._until)
 
 
+class AnsweredAsks:
+    """The tagger's answers by (asker, ask id), so an ask repeated after its reply was lost gets
+    the tags it was given, not new ones: those would leave the first ones unused, and their step
+    short until it times out. Holds the newest `keep` answers (an ask is retried within seconds)."""
+
+    def __init__(self, keep: int = 1024):
+        self.keep = keep
+        self._answers: collections.OrderedDict[tuple[str, int], object] = collections.OrderedDict()
+        self.repeated = 0
+
+    def answer(self, asker: str, ask_id: Optional[int], serve: Callable[[], object]) -> object:
+        """The answer given before to this ask, or `serve()`'s, kept for a repeat. An ask without an
+        id (an older worker) is served every time."""
+        if ask_id is None:
+            return serve()
+        key = (asker, ask_id)
+        if key in self._answers:
+            self.repeated += 1
+            return self._answers[key]
+        answer = serve()
+        self._answers[key] = answer
+        while len(self._answers) > self.keep:
+            self._answers.popitem(last=False)
+        return answer
+
+
 class ForwardTickets:
     """The head's forward gate for a stage with several head replicas [issue 20]: the replica that
     tags for the head (elected as the tail's tagger is) counts the forwards the whole stage starts,

@@ -12,7 +12,7 @@ import torch
 
 from protocol.errors import PeerUnavailable, ProtocolError
 from roles.worker.gradient_exchange import Contribution, GradientExchange, add_up
-from roles.worker.step_tagger import ForwardTickets, StepTagger, elect_tagger
+from roles.worker.step_tagger import AnsweredAsks, ForwardTickets, StepTagger, elect_tagger
 
 TARGET = 16
 
@@ -35,6 +35,25 @@ def test_asks_from_any_replica_in_any_order_fill_each_step_exactly():
             open_step += 1  # the stage stepped
     assert all(count == TARGET for step, count in per_step.items() if step < open_step)
     assert max(per_step.values()) == TARGET
+
+
+def test_an_ask_repeated_after_its_reply_was_lost_gets_the_same_tags_and_the_step_fills_exactly():
+    tagger = StepTagger(TARGET)
+    answered = AnsweredAsks(keep=4)
+
+    def ask(asker, ask_id, n):
+        return answered.answer(asker, ask_id, lambda: tagger.take(n, 0, known=lambda step: 0))
+
+    first = ask("a", 7, 10)
+    assert ask("a", 7, 10) == first, "the retry of a served ask claims its tags"
+    assert ask("b", 7, 6) != first, "another asker's id is another ask"
+    assert tagger.tags_issued == 16 and answered.repeated == 1
+    ask("a", None, 1), ask("a", None, 1)  # an older worker's asks carry no id: each is served
+    assert tagger.tags_issued == 18 and answered.repeated == 1
+    for ask_id in range(100, 110):  # only the newest answers are kept
+        ask("c", ask_id, 1)
+    ask("a", 7, 10)
+    assert answered.repeated == 1, "an answer past `keep` is served anew"
 
 
 def test_the_tagger_never_runs_past_the_step_after_the_open_one():
