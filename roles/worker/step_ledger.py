@@ -91,6 +91,12 @@ class StepLedger:
         their DHT records, which lag by a DHT round trip, so a step is found complete at once."""
         """Steps a replica already pushed its gradients for (roles/worker/gradient_exchange.py)."""
         self._open_since = time.monotonic()
+        """When a sample of the open step last arrived, or the step opened."""
+        self._waiting_since: Optional[float] = None
+        """When samples of later steps began to wait on the open one (None: none wait). The
+        abandonment clock starts at the later of the two: a replica that only ever got samples of
+        the next step (the other replica took the open one's, say at the run's start) must not
+        find the open step silent since the worker started."""
 
     # ---- peers ----
 
@@ -190,7 +196,13 @@ class StepLedger:
             return StepDue(total, "peer_due")
         if overtaken:
             return StepDue(total, "overtaken")
-        if later_waiting and time.monotonic() - self._open_since > self.close_timeout_s:
+        if not later_waiting:
+            self._waiting_since = None
+            return None
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if now - max(self._open_since, self._waiting_since) > self.close_timeout_s:
             return StepDue(total, "timeout")
         return None
 
@@ -202,6 +214,7 @@ class StepLedger:
         self.step_sizes.append(due.stage_samples)
         self.reasons[due.reason] += 1
         self._open_since = time.monotonic()
+        self._waiting_since = None
         with self._abandoned_lock:
             self._abandoned = {s: n for s, n in self._abandoned.items() if s > step}
             self._peer_due = {s for s in self._peer_due if s > step}
@@ -210,6 +223,7 @@ class StepLedger:
         """The worker jumped `steps` steps it held no sample of (the run had moved on without it)."""
         self.steps_skipped += steps
         self._open_since = time.monotonic()
+        self._waiting_since = None
 
     def summary(self) -> dict:
         sizes = self.step_sizes

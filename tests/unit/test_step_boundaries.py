@@ -5,6 +5,8 @@ samples, and a pinned backward recomputes on the weights its forward saw."""
 
 from __future__ import annotations
 
+import time
+
 import copy
 import threading
 
@@ -156,6 +158,22 @@ def test_abandoned_step_closes_short_after_the_timeout():
         assert runtime.ledger.summary()["short_steps"] == 1
     finally:
         runtime.stop(5)
+
+
+def test_the_abandonment_clock_starts_when_later_samples_begin_to_wait():
+    """A replica that got no sample of the open step since it started (the other replica took
+    them) and now holds samples of the next one waits the whole close timeout from now, not from
+    its start: closing at once left a CI run's first step with 4 of 16 samples."""
+    ledger = StepLedger(16, assigns=True, close_timeout_s=0.3)
+    time.sleep(0.4)  # the worker waited for its first samples longer than the timeout
+    assert ledger.due(0, 0, later_waiting=False) is None
+    assert ledger.due(0, 0, later_waiting=True) is None, "the clock starts now"
+    time.sleep(0.4)
+    due = ledger.due(0, 0, later_waiting=True)
+    assert due is not None and due.reason == "timeout"
+    ledger.stepped(0, due)
+    time.sleep(0.4)
+    assert ledger.due(1, 0, later_waiting=True) is None, "and again after every step"
 
 
 def test_a_worker_the_run_left_behind_jumps_to_its_step():
