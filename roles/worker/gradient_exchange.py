@@ -89,6 +89,9 @@ def add_up(step: int, contributions: dict[str, Contribution], missing: tuple[str
 class GradientExchange:
     """One replica's side of the per-step exchange."""
 
+    PUSH_RETRIES = 3
+    """Pushes again to a replica whose gradients arrived but that did not take ours."""
+
     def __init__(self, self_id: str, *, numel: int, target: int, timeout_s: float, push: Push,
                  members: Callable[[], list[str]], on_peer_due: Callable[[int], None] = lambda step: None,
                  keep_closed: int = 4):
@@ -177,11 +180,13 @@ class GradientExchange:
         pushes = {peer: asyncio.create_task(self.push(peer, own), name=f"step-gradients-{step}")
                   for peer in sorted(expected)}
         missing: set[str] = set()
+        retries: collections.Counter[str] = collections.Counter()
+        unreached: set[str] = set()
         adopted: Optional[tuple[str, StepSum]] = None
         deadline = started + self.timeout_s
         try:
             while True:
-                for peer, task in pushes.items():
+                for peer, task in list(pushes.items()):
                     if not task.done() or peer in missing:
                         continue
                     exc = task.exception()
@@ -191,6 +196,19 @@ class GradientExchange:
                             self._unreachable[peer] = time.monotonic() + 3 * self.timeout_s
                             logger.info("step %d: replica %s did not take this replica's gradients (%s); the step "
                                         "goes on without it", step, peer[-8:], exc)
+                        elif retries[peer] < self.PUSH_RETRIES and deadline - time.monotonic() > 0:
+                            # Its gradients are here but ours did not reach it: it would step
+                            # without them while we step with both, and the replicas would part.
+                            # Again: it takes them, or answers with the sum it closed the step with.
+                            retries[peer] += 1
+                            self.counters["pushes_retried"] += 1
+                            pushes[peer] = asyncio.create_task(self._push_after(0.2 * retries[peer], peer, own),
+                                                               name=f"step-gradients-{step}")
+                        elif peer not in unreached:
+                            unreached.add(peer)
+                            self.counters["pushes_unanswered"] += 1
+                            logger.warning("step %d: replica %s sent its gradients but did not take this replica's "
+                                           "(%s); it may step without them", step, peer[-8:], exc)
                     elif task.result() is not None and adopted is None:
                         adopted = (peer, task.result())
                 if adopted is not None:
@@ -239,6 +257,10 @@ class GradientExchange:
         self._close(step, total)
         self.wait_s += time.monotonic() - started
         return total
+
+    async def _push_after(self, delay_s: float, peer: str, own: Contribution) -> Optional[StepSum]:
+        await asyncio.sleep(delay_s)
+        return await self.push(peer, own)
 
     def _close(self, step: int, total: StepSum) -> None:
         self._closed[step] = total

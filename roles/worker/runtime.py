@@ -490,7 +490,9 @@ class StageRuntime:
         with opt.lock:
             open_samples, next_samples = self.arrived()
             held, earliest = self.queues.held(opt.local_step + 1)
-            if held and not open_samples and not next_samples and opt.samples_accumulated == 0:
+            exchanging = self.exchange_step is not None and bool(self.ledger.peers.members)
+            if held and not open_samples and not next_samples and opt.samples_accumulated == 0 and (
+                    not exchanging or self.ledger.may_jump_to(earliest)):
                 self._jump_to(earliest)
                 return
             # A tail waiting with untagged samples queued is waiting on this step too: the stage's
@@ -501,7 +503,7 @@ class StageRuntime:
             if due is None:
                 return
             own = None
-            if self.exchange_step is not None and self.ledger.peers.members:
+            if exchanging:
                 step = opt.local_step
                 own = Contribution(peer="", step=step, samples=opt.samples_accumulated,
                                    abandoned=self.ledger.abandoned(step), grad=opt.open_gradient_sum(),
@@ -553,7 +555,9 @@ class StageRuntime:
     def _jump_to(self, step: int) -> None:
         """Samples of a step two or more ahead arrived while this worker holds nothing: the run
         moved on without it (it was away, or it restarted a stage that had no replica left), so
-        it joins the run's step at once instead of closing every step in between."""
+        it joins the run's step at once instead of closing every step in between. With the
+        stage's replicas adding up gradients, only when none of them can still close a skipped
+        step (StepLedger.may_jump_to); else it closes them in turn through the exchange."""
         opt = self.optimizer
         skipped = step - opt.local_step
         opt.set_step(step, opt.samples_consumed + skipped * self.ledger.target)

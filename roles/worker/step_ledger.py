@@ -173,6 +173,18 @@ class StepLedger:
         with self._abandoned_lock:
             self._peer_due.add(step)
 
+    def may_jump_to(self, step: int) -> bool:
+        """Whether this replica, holding nothing of the steps before `step`, may skip them without
+        stepping with its stage's other replicas (called with gradient exchange on). Only when no
+        replica can still close one of them: none pushed its gradients for one, and every replica
+        with a live record has reached `step`. Otherwise a replica with samples of a skipped step
+        would push them to a replica that has moved on, be refused, and step on them alone while
+        this one did not: the replicas' weights would part."""
+        with self._abandoned_lock:
+            if any(s < step for s in self._peer_due):
+                return False
+        return all(open_step >= step for open_step, _, _ in self.peers.records.values())
+
     # ---- closing ----
 
     def due(self, open_step: int, open_samples: int, later_waiting: bool, overtaken: bool = False) -> Optional[StepDue]:

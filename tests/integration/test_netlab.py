@@ -201,13 +201,22 @@ def test_workers_behind_nat_train_and_average_through_the_relays_and_survive_a_r
         served = summary["served"]["1"]
         assert served.get(home.peer_id, 0) > 0 and served.get(cgn.peer_id, 0) > 0, served
         print(f"relay killed; the run finished {after_kill_s:.1f} s later; stage 1 served {served}")
+        # The relayed replicas average with the public one, now through the surviving relay. The
+        # run above can be over in seconds on a quiet machine, before the last joiner's first
+        # round; the stage goes on averaging on its clock while idle, so wait for that.
+        for node in (home, cgn):
+            poll_until(lambda node=node: AVERAGED.search(_node_log(node)), 120,
+                       f"{node.name}: an averaging round with the stage's other replicas")
     finally:
         swarm.stop_all()
-    # the relayed replicas averaged with the public one (their exit summaries list the rounds)
+    # ...and their exit summaries list those rounds
     for node in (home, cgn):
         rounds = (node.summary() or {}).get("averaging", {}).get("rounds", [])
         assert any(r.get("status") in ("complete", "partial") and r.get("group_size", 0) >= 2 for r in rounds), \
             rounds[-3:]
+
+
+AVERAGED = re.compile(r"averaging: .*: (complete|partial), group [2-9]")
 
 
 def _completed(trainer) -> int:

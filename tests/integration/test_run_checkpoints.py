@@ -77,7 +77,11 @@ def test_a_killed_swarm_resumes_from_the_newest_complete_checkpoint_in_s3_and_ex
     trainer = swarm.start("trainer", name="a-t", env={"AGORA_SAMPLE_LOG": str(tmp_path / "a.jsonl")},
                           args=["--max-samples", "5000", "--lanes", "4", "--data-dir", str(tmp_path / "data")])
     # two complete and nothing older: a newer manifest is written just before the older one is pruned
-    poll_until(lambda: len(store.complete_steps()) == 2 and store.complete_steps()[-1] >= 3 * EVERY, 240,
+    def two_recent_complete() -> bool:
+        complete = store.complete_steps()  # listed once: a prune between two listings empties it
+        return len(complete) == 2 and complete[-1] >= 3 * EVERY
+
+    poll_until(two_recent_complete, 240,
                f"two complete checkpoints, the newest at step >= {3 * EVERY}, the older ones pruned")
     for node in [trainer, *workers]:
         swarm.stop(node, signal.SIGKILL, timeout_s=10)

@@ -261,3 +261,29 @@ def test_a_replica_passed_over_as_unreachable_that_pushes_after_all_is_summed_an
 
     total = asyncio.run(main())
     assert total.samples == 16 and not total.missing and sorted(sent) == ["b", "c"]
+
+
+def test_a_push_lost_after_the_peers_gradients_arrived_is_sent_again_and_both_apply_the_same_sum():
+    """b's gradients reached a, but a's push to b failed once (a relay died, a stream reset): a
+    would step on both while b waited out its timeout and stepped alone. a pushes again, so both
+    apply the same sum."""
+    exchanges, _ = _pair(timeout_s=3.0)
+    to_b = exchanges["a"].push
+    failures = [PeerUnavailable("stream reset")]
+
+    async def flaky(peer, c):
+        if failures:
+            await asyncio.sleep(0.05)  # b's push lands first
+            raise failures.pop()
+        return await to_b(peer, c)
+
+    exchanges["a"].push = flaky
+
+    async def main():
+        return await asyncio.gather(exchanges["a"].exchange(_contribution("a", 0, 9, 1)),
+                                    exchanges["b"].exchange(_contribution("b", 0, 7, 2)))
+
+    a, b = asyncio.run(main())
+    assert not a.missing and not b.missing and a.samples == b.samples == 16
+    assert torch.equal(a.grad, b.grad)
+    assert exchanges["a"].counters["pushes_retried"] == 1

@@ -190,6 +190,44 @@ def test_a_worker_the_run_left_behind_jumps_to_its_step():
         runtime.stop(5)
 
 
+def test_a_replica_adding_up_gradients_jumps_only_when_no_replica_can_still_close_the_skipped_steps():
+    """A replica holding nothing of steps a peer may still close takes them through the exchange
+    (its empty contribution, the peer's sum) instead of jumping: a peer pushing its gradients of a
+    skipped step would be refused and step on them alone, and the replicas would part (CI: stage 0
+    replicas differed after a tail replica was killed)."""
+    from roles.worker.gradient_exchange import StepSum
+
+    run = make_run(2)
+    # (the peer's open step, the first step this replica exchanges and with how many samples, steps skipped)
+    for peer_step, first_exchange, skipped in ((0, (0, 0), 0), (2, (2, 1), 2)):
+        runtime = make_runtime(run, 1)
+        exchanged = []
+
+        def exchange(own):
+            exchanged.append((own.step, own.samples))
+            return StepSum(step=own.step, grad=own.grad, samples=own.samples, stage_samples=2,
+                           members=("peer", "self"))
+
+        runtime.exchange_step = exchange
+        runtime.ledger.update_peers(PeerView(counts={peer_step: 1}, max_step=peer_step, members=("peer",),
+                                             records={"peer": (peer_step, 1, 0)}))
+        replies = Replies()
+        try:
+            runtime.submit(TaskKind.BACKWARD, body_backward(0, run, 2), replies.callback("s0"))
+            replies.wait(["s0"])
+            poll_until(lambda: exchanged, 10, "the compute thread to step with its peer")
+            assert exchanged[0] == first_exchange, (peer_step, exchanged)
+            assert runtime.ledger.summary()["steps_skipped"] == skipped
+        finally:
+            runtime.stop(5)
+
+    ledger = StepLedger(2, assigns=False)
+    ledger.update_peers(PeerView(counts={}, max_step=5, members=("peer",), records={"peer": (5, 0, 0)}))
+    assert ledger.may_jump_to(5)
+    ledger.peer_due(3)
+    assert not ledger.may_jump_to(5), "a replica pushed its gradients of a step in between"
+
+
 def test_abandoned_sample_completes_its_step_at_once():
     run = make_run(4)
     runtime = make_runtime(run, 1)
