@@ -11,7 +11,12 @@ called by the compute thread at that step), not whenever the round's group happe
 replicas that add up their gradients every step hold equal weights at the boundary, so they
 average equal snapshots, get back exactly what they sent and stay equal bit for bit. A snapshot
 taken later could catch one replica a step further than the other, and the delta would then move
-them apart by half that step each. The optimizer's lock is held only to take the snapshot and to
+them apart by half that step each. Equal snapshots are also what a step round's gathered metadata
+compares (a hash of the values): when every member of the group sent the very values this
+replica did, their average is those values, and the round applies nothing. The averager's
+weighted mean of equal values need not be equal to them in float32 (weights 213 and 111 moved a
+replica by 2e-8), and a delta applied a step apart on two replicas parts them by rounding. The
+optimizer's lock is held only to take the snapshot and to
 apply the delta, never across the network part. A reducer slice that failed comes back as a zero
 delta (hivemind keeps local values there), so the replica keeps its own, advanced weights for it.
 
@@ -95,6 +100,9 @@ class RoundOutcome:
     boundary_snapshot: bool = False
     """The snapshot was the segment at the boundary step (SegmentRound.capture), not the weights
     when the group formed."""
+    identical: bool = False
+    """Every member of the group sent the values this replica sent (a step round's boundary
+    snapshot, as replicas that add up their gradients hold it): nothing was applied."""
     timings: dict[str, float] = field(default_factory=dict)
     """Where this replica's round time went: prepare, snapshot, step (matchmaking + all-reduce), apply."""
     bytes_sent: int = 0
@@ -135,11 +143,24 @@ class RoundOutcome:
         if self.averaging_success is not None:
             parts.append(f"averaging {100 * self.averaging_success:.1f}%")
         distance = self.relative_distance
-        if distance is not None:
+        if self.identical:
+            parts.append("replicas identical")
+        elif distance is not None:
             parts.append(f"moved {distance:.2e}")
         parts.append(f"{self.duration_s:.2f}s")
         line = f"{head}, {', '.join(parts)}"
         return f"{line}; {self.failure_reason}" if self.failure_reason else line
+
+
+def _values_hash(values: torch.Tensor) -> str:
+    return hashlib.blake2b(values.numpy().data, digest_size=16).hexdigest()
+
+
+def _all_sent(report: dict[str, Any], values: str) -> bool:
+    """Whether every member of the round's group reported sending `values` (their hash)."""
+    gathered, peers = report.get("gathered", {}), report["telemetry"]["peers"]
+    return len(gathered) >= len(peers) and all(
+        isinstance(data, dict) and data.get("values") == values for data in gathered.values())
 
 
 def _short(peer: str) -> str:
@@ -198,8 +219,10 @@ class SegmentRound:
             timings[name] = now - since
             return now
 
+        boundary = self._boundary_values(plan, index_set.digest)
+        values = _values_hash(boundary) if boundary is not None else ""
         gather = {"kind": plan.kind, "round": plan.round, "segment": plan.segment, "digest": index_set.digest,
-                  "weight": float(plan.weight), "phase": plan.phase}
+                  "weight": float(plan.weight), "phase": plan.phase, "values": values}
         control = None
         try:
             window = self.averager.leader_window_s(plan.due_at)
@@ -209,7 +232,6 @@ class SegmentRound:
             control = self.averager.begin_step(plan.weight, gather, window)
             prepared.result(self.lock_timeout_s)
             mark = lap("prepare_s", started)
-            boundary = self._boundary_values(plan, index_set.digest)
             with self.averager.locked_buffer(self.lock_timeout_s) as buffer, self.store.lock:
                 if boundary is not None:
                     buffer[:n].copy_(boundary)
@@ -242,6 +264,9 @@ class SegmentRound:
         except Exception as exc:  # noqa: BLE001
             return RoundOutcome(plan, index_set.digest, RoundStatus.FAILED, time.monotonic() - started,
                                 failure_reason=f"the round's result could not be read and was dropped: {_reason(exc)}")
+        identical = bool(values) and report is not None and _all_sent(report, values)
+        if identical:
+            delta.zero_()  # the exact average of equal values: nothing moves
         delta_sq = float(torch.linalg.vector_norm(delta)) ** 2
         if not math.isfinite(delta_sq):
             return RoundOutcome(plan, index_set.digest, RoundStatus.FAILED, time.monotonic() - started,
@@ -253,6 +278,7 @@ class SegmentRound:
         outcome = self._describe(plan, index_set, report, error, time.monotonic() - started)
         outcome.delta_sq, outcome.average_sq, outcome.timings = delta_sq, average_sq, timings
         outcome.boundary_snapshot = boundary is not None
+        outcome.identical = identical
         outcome.allreduce_began = began or report is not None
         return outcome
 
