@@ -73,6 +73,11 @@ LINGER_MAX_BYTES = 1 << 20
 """After refusing a stream, how long and how much the server keeps reading (and dropping) so the
 client can read the refusal."""
 
+CALLER_CHECK_S = 0.25
+"""While a handler runs, how often the server looks whether the caller closed the stream (it
+timed out, or died): the handler is then cancelled, so a worker does not compute a forward nobody
+waits for (and hold a slot of its stage's gate with it while the caller's retry waits elsewhere)."""
+
 FRAME_HEADER_BYTES = 4
 """The length prefix of every frame (protocol/framing.py), counted in the byte counters."""
 
@@ -320,7 +325,10 @@ class RpcServer:
             self.bytes_received += FRAME_HEADER_BYTES + length
             self.budget.release(session.peer, length)
             session.reserved, session.deadline = 0, None
-            reply, keep_open = await self._handle(session, name, handler, peer_id, frame)
+            answered = await self._handle_while_caller_waits(session, name, handler, peer_id, frame, reader)
+            if answered is None:
+                return  # the caller closed the stream: nobody to answer
+            reply, keep_open = answered
             await write_frame(session.writer, reply)
             self.bytes_sent += FRAME_HEADER_BYTES + len(reply)
             if session.relayed:
@@ -330,6 +338,26 @@ class RpcServer:
                 with contextlib.suppress(PeerUnavailable, ConnectionError, asyncio.TimeoutError):
                     await asyncio.wait_for(_discard_until_eof(reader, LINGER_MAX_BYTES), LINGER_S)
                 return
+
+    async def _handle_while_caller_waits(self, session: _Session, name: str, handler: Handler, peer_id: PeerID,
+                                         frame: bytes, reader: asyncio.StreamReader) -> Optional[tuple[bytes, bool]]:
+        """`_handle`, cancelled if the caller closes the stream meanwhile (None then). A caller
+        sends nothing more on a stream before its reply, so the stream's end is all there is to see."""
+        task = asyncio.ensure_future(self._handle(session, name, handler, peer_id, frame))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=CALLER_CHECK_S)
+                if done:
+                    return task.result()
+                if reader.at_eof() or reader.exception() is not None:
+                    self.streams_closed["caller_left"] += 1
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+                    return None
+        finally:
+            if not task.done():  # this stream's own task was cancelled (shutdown)
+                task.cancel()
 
     async def _handle(self, session: _Session, name: str, handler: Handler, peer_id: PeerID,
                       frame: bytes) -> tuple[bytes, bool]:

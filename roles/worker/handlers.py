@@ -89,13 +89,16 @@ class WorkerHandlers:
             loop.call_soon_threadsafe(settle, result, exc)
 
         try:
-            self.runtime.submit(kind, request, on_done, caller=caller.to_base58())
+            task = self.runtime.submit(kind, request, on_done, caller=caller.to_base58())
         except QueueFull as exc:
             raise ProtocolError(str(exc), ErrorCode.OVERLOADED) from exc
         except QueueClosed as exc:
             raise NotServing("worker is shutting down; retry on another worker") from exc
         try:
             return await future
+        except asyncio.CancelledError:
+            self.runtime.withdraw(task)  # the caller left (protocol/transport.py): nobody waits for it
+            raise
         except AgoraError:
             raise
         except Exception as exc:

@@ -229,6 +229,17 @@ class TaskQueues:
         queue.extendleft(reversed(kept))
         return taken
 
+    def discard(self, task: Task) -> bool:
+        """Remove `task` if it still waits (its caller left); whether it did. Its on_done is not
+        called: nobody waits for it."""
+        with self._cond:
+            queue = self._queues[task.kind]
+            for entry in queue:
+                if entry[1] is task:
+                    queue.remove(entry)
+                    return True
+            return False
+
     def requeue(self, tasks: list[Task]) -> None:
         """Put tasks the consumer took but cannot run yet back at the front, in their order (a
         tail replica whose stage's tagger had no tag for them yet). Once closed, they are answered

@@ -324,7 +324,7 @@ class StageRuntime:
 
     # ---- submission ----
 
-    def submit(self, kind: TaskKind, request, on_done, caller: str | None = None) -> None:
+    def submit(self, kind: TaskKind, request, on_done, caller: str | None = None) -> Task:
         """Queue one request. A retry from `caller` for a sample whose earlier request still waits
         replaces it (the caller timed out on that one): a forward gate held by requests nobody
         waits for any more would admit only those, one timeout after another."""
@@ -336,8 +336,17 @@ class StageRuntime:
         # accumulates into one step and recomputes on one set of weights.
         key = (request.tokens.numel(), step, version)
         supersede = None if caller is None else (caller, request.sample_id)
-        self.queues.submit(Task(kind=kind, payload=request, on_done=on_done, group_key=key, step=step,
-                                supersede_key=supersede))
+        task = Task(kind=kind, payload=request, on_done=on_done, group_key=key, step=step, supersede_key=supersede)
+        self.queues.submit(task)
+        return task
+
+    def withdraw(self, task: Task) -> bool:
+        """The caller of a queued request left (it timed out and closed the stream): drop the
+        request unrun. False if the compute thread already took it."""
+        dropped = self.queues.discard(task)
+        if dropped:
+            self.counters["withdrawn_by_caller"] += 1
+        return dropped
 
     # ---- compute thread ----
 

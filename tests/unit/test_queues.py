@@ -307,3 +307,14 @@ def test_a_retry_replaces_its_sample_s_request_that_still_waits():
     assert [(n, type(e)) for n, e in answers] == [("first", Superseded)]
     assert [t.payload for t in queues.next_batch(timeout=0)] == ["other caller", "no key", "retry"]
     assert queues.superseded == 1
+
+
+def test_a_task_whose_caller_left_is_discarded_unrun_and_a_taken_one_is_not():
+    rec, q = Recorder(), TaskQueues(max_batch=8)
+    left, stays = rec.task(F, "left", at=1.0), rec.task(F, "stays", at=2.0)
+    q.submit(left)
+    q.submit(stays)
+    assert q.discard(left)
+    assert payloads(q.next_batch(0)) == ["stays"]
+    assert not q.discard(stays), "the consumer already took it"
+    assert rec.done == {}, "nobody waits for a discarded task: no answer"

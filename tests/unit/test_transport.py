@@ -229,3 +229,39 @@ def test_dialling_a_peer_that_is_gone_is_a_typed_peer_unavailable():
             await p2p.shutdown()
 
     run(scenario())
+
+
+def test_a_handler_whose_caller_timed_out_is_cancelled_and_serving_goes_on():
+    """A caller that gives up closes its stream; the server cancels the handler instead of running
+    it for nobody (a worker would compute the forward and hold its stage's gate with it)."""
+
+    async def scenario():
+        server_p2p = await P2P.create()
+        client_p2p = await P2P.create(initial_peers=await server_p2p.get_visible_maddrs())
+        server = RpcServer(server_p2p, max_frame_bytes=1 << 16)
+        started, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def slow(peer_id, body):
+            started.set()
+            try:
+                await asyncio.sleep(body["sleep"])
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            return {"done": True}
+
+        await server.add_handler("agora/v1/slow", slow)
+        client = RpcClient(client_p2p, timeout_s=10)
+        try:
+            with pytest.raises(PeerTimeout):
+                await client.call(server_p2p.peer_id, "agora/v1/slow", {"sleep": 30}, timeout_s=0.5)
+            assert started.is_set()
+            await asyncio.wait_for(cancelled.wait(), 5)
+            assert server.streams_closed["caller_left"] == 1
+            assert await client.call(server_p2p.peer_id, "agora/v1/slow", {"sleep": 0.1}) == {"done": True}
+        finally:
+            await client.close()
+            await client_p2p.shutdown()
+            await server_p2p.shutdown()
+
+    run(scenario())
