@@ -15,10 +15,11 @@ them apart by half that step each. Equal snapshots are also what a step round's 
 compares (a hash of the values): when every member of the group sent the very values this
 replica did, their average is those values, and the round applies nothing. The averager's
 weighted mean of equal values need not be equal to them in float32 (weights 213 and 111 moved a
-replica by 2e-8), and a delta applied a step apart on two replicas parts them by rounding. The
-optimizer's lock is held only to take the snapshot and to
-apply the delta, never across the network part. A reducer slice that failed comes back as a zero
-delta (hivemind keeps local values there), so the replica keeps its own, advanced weights for it.
+replica by 2e-8), and a delta applied a step apart on two replicas parts them by rounding.
+
+The optimizer's lock is held only to take the snapshot and to apply the delta, never across the
+network part. A reducer slice that failed comes back as a zero delta (hivemind keeps local values
+there), so the replica keeps its own, advanced weights for it.
 
 The outcome records what the report measures per round and per peer [report 5.7.1.1] (reduce and
 averaging success, group size against the stage's workers, duration, why it was not complete),
