@@ -79,11 +79,13 @@ def _new_dht(*, identity: Identity, run_id: str, num_stages: int, initial_peers:
 
 
 def _bootstrap_failed(error: BaseException, initial_peers: list[str], host_maddrs: list[str],
-                      bootstrap_timeout_s: float) -> ConfigError:
+                      bootstrap_timeout_s: float, earlier: tuple[str, ...] = ()) -> ConfigError:
+    """The error for a join that gave up; `earlier`: what the attempts before the last one said
+    (the hint about a duplicate identity holds if any of them could not be dialled back)."""
     message = _first_line(error)
     if initial_peers:
         hint = ""
-        if "can't access this node" in message:
+        if any("can't access this node" in m for m in (message, *earlier)):
             # The initial peer could not dial us back: a firewall, or our peer id answers elsewhere
             # (seen when a copy of a live node's key joins before the duplicate check can run).
             hint = ("; or another process already runs with this identity: stop it or start this one with "
@@ -132,6 +134,7 @@ async def join_swarm_until_stopped(*, identity: Identity, run_id: str, num_stage
     node's preload thread stops across the fork: node/preload.py)."""
     deadline = time.monotonic() + bootstrap_timeout_s
     delay_s = 1.0
+    earlier: list[str] = []
     while True:
         left = deadline - time.monotonic()
         try:
@@ -143,7 +146,9 @@ async def join_swarm_until_stopped(*, identity: Identity, run_id: str, num_stage
         except _BootstrapFailed as failed:
             left = deadline - time.monotonic()
             if not initial_peers or left <= delay_s:
-                raise _bootstrap_failed(failed.error, initial_peers, host_maddrs, bootstrap_timeout_s) from failed.error
+                raise _bootstrap_failed(failed.error, initial_peers, host_maddrs, bootstrap_timeout_s,
+                                        tuple(earlier)) from failed.error
+            earlier.append(_first_line(failed.error))
             logger.warning("initial peers not reachable yet (%s); retrying in %.0f s, giving up in %.0f s",
                            _first_line(failed.error), delay_s, left)
             if await wait_any(stop, timeout=delay_s):
