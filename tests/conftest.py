@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import sys
 import uuid
 
 import psutil
@@ -14,6 +16,20 @@ from node.lifecycle import _is_shm_manager
 from tests.support.polling import poll_until
 
 mp.set_start_method("fork", force=True)  # hivemind needs fork (docs/architecture.md, 'Processes and threads')
+
+# schemathesis' pytest plugin imports its report writers in pytest_sessionfinish, through pytest's
+# assertion rewriter (ast.parse). There, after the libp2p tests, CPython 3.11's AST recursion
+# counter, shared between threads, now and then raised "SystemError: AST constructor recursion
+# depth mismatch", and the run ended with a traceback after every test had passed. They are
+# imported now, while this is the only thread. The allure writer cannot import here (no
+# allure_commons) and would be compiled again at the end to fail again: it fails at once instead.
+try:
+    import allure_commons  # noqa: F401
+except ImportError:
+    sys.modules.setdefault("schemathesis.reporting.allure", None)
+with contextlib.suppress(ImportError):
+    import schemathesis.reporting.html.writer  # noqa: F401
+    import schemathesis.reporting.junitxml  # noqa: F401
 
 _swarms: list[LocalSwarm] = []
 
