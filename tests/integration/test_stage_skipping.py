@@ -98,8 +98,8 @@ def test_a_body_stage_whose_only_worker_dies_is_skipped_until_a_new_worker_serve
     assert late_skip < early_skip, (first, early_skip, late_skip)
 
     # the new worker is used within one discovery period (plus a sample's round trip, which took
-    # 3.2 s once under CI's load), and from then on the stage is not skipped any more
-    assert reused_after_s <= DISCOVERY_S + 5.0, reused_after_s
+    # 3.2 s once and 5.3 s once under CI's load), and from then on the stage is not skipped any more
+    assert reused_after_s <= DISCOVERY_S + 8.0, reused_after_s
     last_skipped = max(i for i, s in enumerate(after_ready) if s["skipped"]) if any(
         s["skipped"] for s in after_ready) else -1
     assert sum(1 for s in after_ready[last_skipped + 1:]) >= 24
