@@ -87,7 +87,12 @@ def test_a_body_stage_whose_only_worker_dies_is_skipped_until_a_new_worker_serve
     # counted in the summary, and stage 1 only
     counted = summary["skipped_stages"]
     assert set(counted) == {"1"}, counted
-    assert sum(counted["1"].values()) == len(skipped) == summary["samples_skipping_a_stage"]
+    assert len(skipped) == summary["samples_skipping_a_stage"]
+    # the counts are routings around the stage: a sample that skipped it and was then dropped
+    # (the tail timed out under CI's load: 2,977 routings, 2,975 completed samples) counts too
+    routed_around = sum(counted["1"].values())
+    assert len(skipped) <= routed_around <= len(skipped) + summary["samples_dropped"], \
+        (routed_around, len(skipped), summary["dropped_by_reason"])
     assert summary["stages_skipped_now"] == []
 
     # training went on: the loss while skipping stays below the run's start and keeps falling
