@@ -499,21 +499,29 @@ def test_a_stage_started_without_reducers_elects_one_and_elects_again_when_it_di
             assert not [r for r in summary["rounds"] if "no reducer" in r["failure_reason"]], summary["rounds"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(330)
 def test_a_replica_far_from_the_others_is_reported_and_rejoins_through_weight_sync(make_swarm, run_config_path):
     """Three replicas on the idle clock, two from the run's seed and one from another seed: the
     odd one sits about twice as far from each round's average as the others (1.3 vs 0.6,
     relative L2), is judged the outlier two rounds in a row, goes back to weight sync (weight 0)
     and leaves it once a full pass of complete rounds replaced its weights; its last rounds then
     sit at the average."""
-    config = run_config_path(stages=TWO_STAGES, averaging=IDLE_ROUNDS, sync={"optimizer_sync_steps": 0})
+    # Judging takes rounds of all three: matchmaking with room for a loaded machine (a CI run beside
+    # the full suite formed too few of them within 120 s with 1.5 s and 0.7 s, every 3 s)
+    config = run_config_path(stages=TWO_STAGES, sync={"optimizer_sync_steps": 0},
+                             averaging={**IDLE_ROUNDS, "idle_period_s": 4.0, "matchmaking_time_s": 2.0,
+                                        "request_timeout_s": 1.5})
     swarm = make_swarm(config, common_args=COMMON)
     workers = [swarm.start("worker", stage=0, args=["--reducer"], wait_ready=i == 0,
                            env={"AGORA_TEST_INIT_SEED_OFFSET": "1"} if i == 2 else None) for i in range(3)]
     for worker in workers[1:]:
         swarm.wait_ready(worker)
     odd = workers[2]
-    poll_until(lambda: log_has(odd, "rejoining through weight sync"), 120, "the odd replica to resync", period_s=0.3)
+    try:
+        poll_until(lambda: log_has(odd, "rejoining through weight sync"), 180, "the odd replica to resync",
+                   period_s=0.3)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- the odd replica ---\n{odd.log_tail(60)}") from None
     poll_until(lambda: log_has(odd, "sync phase weight_sync -> active"), 90,
                "a full pass of rounds to bring it back", period_s=0.3)
 
