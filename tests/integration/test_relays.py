@@ -57,7 +57,7 @@ def test_an_outsider_gets_no_slot_and_a_relayed_worker_authenticates_every_strea
     finally:
         authorizer.stop()
     assert outcome["outsider_reachable_before_grace"] in (True, False)  # a race with the grace, either way
-    assert outcome["outsider_reachable_after_grace"] is False
+    assert outcome["outsider_reachable_after_grace"] is False, outcome["probes_after_grace"]
     # the relay's own limits serve, not libp2p's 128 KiB ones (roles/relay/service.py)
     assert "relay service checked" in _log(relay), _log(relay)[-3000:]
     assert "no credential within 2 s" in _log(relay) and outcome["outsider"] in _log(relay)
@@ -104,7 +104,17 @@ async def _probe_relay(authorizer_url: str, relay, worker, tmp_path) -> dict:
 
         outcome["outsider_reachable_before_grace"] = await reaches_outsider()
         await asyncio.sleep(4)  # past the 2 s grace and the next gate sweep
-        outcome["outsider_reachable_after_grace"] = await reaches_outsider()
+        # Its daemon reserves again at once when dropped (autoRelay), and the gate drops it again
+        # (shunned) at its next sweep, 0.5 s later: a probe can land in that window (a CI
+        # simulation's did). No lasting slot means: unreachable again within a few probes.
+        probes = []
+        for _ in range(5):
+            probes.append(await reaches_outsider())
+            if not probes[-1]:
+                break
+            await asyncio.sleep(1.0)
+        outcome["outsider_reachable_after_grace"] = all(probes)
+        outcome["probes_after_grace"] = probes
 
         peer = PeerID.from_base58(worker.peer_id)
         await dial(p2p, peer, worker.maddrs, 10)  # through the relay: the worker announces nothing else
