@@ -14,7 +14,7 @@ Construction validates too: on a model built from local tensors it costs about a
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NamedTuple, Optional
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError
@@ -247,8 +247,21 @@ class InfoReply(WireModel):
 
 
 def to_body(model: WireModel) -> dict:
-    """The msgpack-able body of a request or reply: tensors encoded, None fields left out."""
-    return model.model_dump(exclude_none=True)
+    """The msgpack-able body of a request or reply: tensors encoded, None fields left out.
+
+    A record of plain fields (numbers, strings, bytes, tensors: every record on a sample's path)
+    is written out directly, in a third of `model_dump`'s time; one with a nested record, a list
+    or a map goes through `model_dump`, which gives the same map."""
+    body = {}
+    for name, value in model.__dict__.items():
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            value = encode_tensor(value)
+        elif isinstance(value, (BaseModel, list, tuple, dict)):
+            return model.model_dump(exclude_none=True)
+        body[name] = value
+    return body
 
 
 def parse_frame(model: type[WireModel], frame: bytes) -> Any:
@@ -262,6 +275,51 @@ def parse_frame(model: type[WireModel], frame: bytes) -> Any:
         raise ProtocolError(f"protocol version {version} is not supported (this node speaks "
                             f"{PROTOCOL_VERSION}); upgrade the older node", ErrorCode.UNSUPPORTED_VERSION)
     return parse_model(model, raw, ErrorCode.MALFORMED_FRAME)
+
+
+def _plain_int(value: Any, minimum: int) -> bool:
+    return type(value) is int and value >= minimum
+
+
+class Request(NamedTuple):
+    """A request frame as the server reads it (RequestFrame's fields, without building a record)."""
+
+    seq: int
+    body: dict
+
+
+class Reply(NamedTuple):
+    """A reply frame as the client reads it (ReplyFrame's fields)."""
+
+    seq: int
+    ok: bool
+    body: Optional[dict]
+    error: Optional[ErrorBody]
+
+
+def parse_request_frame(frame: bytes) -> Request:
+    """`parse_frame(RequestFrame, frame)` for every request of every stream: a well-formed
+    envelope (`seq` an int >= 1, `body` a map, no version field) is taken as it is, anything else
+    goes through the full validation, which refuses it with the same error as before. Building
+    and validating the record (pydantic copies the body map to check it is one) was a fifth of
+    our side of a loopback round trip."""
+    raw = unpack(frame)
+    if type(raw) is dict and "version" not in raw and _plain_int(raw.get("seq"), 1) and type(raw.get("body")) is dict:
+        return Request(raw["seq"], raw["body"])
+    checked = parse_frame(RequestFrame, frame)
+    return Request(checked.seq, checked.body)
+
+
+def parse_reply_frame(frame: bytes) -> Reply:
+    """`parse_frame(ReplyFrame, frame)` for every reply: a successful reply (`ok` true, `seq` an
+    int >= 0, `body` a map or absent, no error) is taken as it is; errors and anything odd go
+    through the full validation (see parse_request_frame)."""
+    raw = unpack(frame)
+    if (type(raw) is dict and "version" not in raw and raw.get("ok") is True and raw.get("error") is None
+            and _plain_int(raw.get("seq"), 0) and (raw.get("body") is None or type(raw["body"]) is dict)):
+        return Reply(raw["seq"], True, raw.get("body"), None)
+    checked = parse_frame(ReplyFrame, frame)
+    return Reply(checked.seq, checked.ok, checked.body, checked.error)
 
 
 def parse_model(model: type[WireModel], raw: Any, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> Any:

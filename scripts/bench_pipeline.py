@@ -309,8 +309,8 @@ async def measure_rpc_overhead(run, round_trips: int, block: int) -> dict:
         "where_the_extra_goes_us": {
             "handler_parse_validate_encode_p50": rounded(statistics.median(handler_s) * 1e6, 1),
             **_envelope_codec_us(body),
-            "rest": "event-loop scheduling on both sides (e.g. the tasks asyncio.wait_for creates per call) "
-                    "and GC; not separately measurable",
+            "rest": "event-loop scheduling on both sides (coroutine frames, stream buffers, the client's "
+                    "deadline) and GC; not separately measurable",
         },
         "cpu_during_measurement": load,
         "payload_bytes": {"request_frame": sizes["request"] + header.size, "reply_frame": sizes["reply"] + header.size,
@@ -334,12 +334,12 @@ def _envelope_codec_us(body: dict, repeats: int = 2000) -> dict:
     """Synchronous cost of framing one request through the protocol's public codec functions
     (client: pack the numbered request frame; server: unpack and validate it)."""
     from protocol.codec import pack
-    from protocol.messages import RequestFrame, parse_frame
+    from protocol.messages import parse_request_frame
 
     try:
         frame = pack({"seq": 1, "body": body})
         steps = {"client_pack_request": lambda: pack({"seq": 1, "body": body}),
-                 "server_unpack_request_envelope": lambda: parse_frame(RequestFrame, frame).body}
+                 "server_unpack_request_envelope": lambda: parse_request_frame(frame).body}
         result = {}
         for name, fn in steps.items():
             fn()
