@@ -864,6 +864,21 @@ async def bench_metrics_only(windows: Windows, run, swarm, membership, peer_id: 
         await asyncio.to_thread(swarm.stop_all)
 
 
+async def bench_idle_only(windows: Windows, run, swarm, membership, peer_id: str, out: dict) -> None:
+    """Only the idle swarm's CPU (`--only idle`), over a window long enough to cover the slow
+    periods (announcements, forced progress records): 30 s unless `--idle-window-s` says."""
+    t0 = time.monotonic()
+    try:
+        log(f"[{time.monotonic() - t0:5.1f}s] starting {run.num_stages} workers")
+        workers = await start_workers(swarm, run)
+        await asyncio.sleep(5.0)  # past start-up: first announcements, bootstrap, the first averaging checks
+        log(f"[{time.monotonic() - t0:5.1f}s] idle workers: {windows.idle_window_s:.0f}s CPU")
+        out["idle_swarm_cpu_cores"] = await measure_idle_cpu(workers, windows.idle_window_s)
+    finally:
+        log(f"[{time.monotonic() - t0:5.1f}s] stopping every node")
+        await asyncio.to_thread(swarm.stop_all)
+
+
 async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dict) -> None:
     """Fill `out` phase by phase, so a failure late in the run keeps what was measured before it.
     Every node is started through `swarm` (a LocalSwarm) and stopped before this returns."""
@@ -1048,8 +1063,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="short windows (CI smoke, ~1.5 min)")
     p.add_argument("--out", metavar="PATH", help="also write the JSON result to PATH")
     p.add_argument("--keep-logs", action="store_true", help="keep the node logs and print where they are")
-    p.add_argument("--only", choices=("all", "metrics"), default="all",
-                   help="metrics: only the metrics-on vs metrics-off comparison (a few minutes)")
+    p.add_argument("--idle-window-s", type=float, metavar="S",
+                   help="seconds of the idle CPU window (default 5, or 30 with --only idle)")
+    p.add_argument("--only", choices=("all", "metrics", "idle"), default="all",
+                   help="metrics: only the metrics-on vs metrics-off comparison (a few minutes); idle: only "
+                        "the CPU of three idle workers (about a minute)")
     p.add_argument("--metrics-pairs", type=int, metavar="N",
                    help="pairs of metrics-on/off windows (default 3); more pairs average out a noisy machine")
     p.add_argument("--metrics-window-s", type=float, metavar="S", help="seconds of each metrics window (default 10)")
@@ -1062,6 +1080,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.metrics_pairs is not None or args.metrics_window_s is not None:
         windows = dataclasses.replace(windows, metrics_pairs=args.metrics_pairs or windows.metrics_pairs,
                                       metrics_window_s=args.metrics_window_s or windows.metrics_window_s)
+    if args.idle_window_s is not None or args.only == "idle":
+        windows = dataclasses.replace(windows, idle_window_s=args.idle_window_s or 30.0)
     started = time.monotonic()
 
     def on_sigterm(signum, frame):
@@ -1092,7 +1112,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=1,
                        common_args=["--announce-period-s", "2"], initial_peers=membership.maddrs)
     try:
-        measure = bench if args.only == "all" else bench_metrics_only
+        measure = {"all": bench, "metrics": bench_metrics_only, "idle": bench_idle_only}[args.only]
         asyncio.run(measure(windows, run, swarm, membership, identity.peer_id.to_base58(), out))
     except KeyboardInterrupt:
         errors.append("interrupted")

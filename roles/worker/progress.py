@@ -6,6 +6,8 @@ The exchange only informs; the compute thread decides and takes the steps (roles
 A worker alone in its stage needs nobody's count, so it publishes on its own steps and on a slow
 period (to stay visible to joiners and observers); replicas with peers publish on every change,
 at most every `min_interval_s`, because a peer waiting on their count is waiting on the DHT.
+A replica whose counts have not moved for a few seconds is idle and reads every 2 s instead of
+every quarter second: it only looks for replicas arriving or leaving then.
 """
 
 from __future__ import annotations
@@ -25,11 +27,18 @@ from roles.worker.step_ledger import PeerView, StepLedger
 logger = logging.getLogger(__name__)
 
 
+IDLE_PERIOD_S = 2.0
+"""How often an idle replica reads its stage's records (see StageProgress.current_period_s)."""
+IDLE_AFTER_S = 5.0
+"""Seconds without a change of this replica's counts after which it is idle."""
+
+
 class StageProgress:
     """Publishes this worker's progress record and feeds the stage's to the step ledger."""
 
     def __init__(self, swarm: SwarmDHT, run_id: str, stage: int, optimizer: StageOptimizer, ledger: StepLedger,
-                 *, period_s: float = 0.25, ttl_s: float = 30.0, min_interval_s: float = 0.02,
+                 *, period_s: float = 0.25, idle_period_s: float = IDLE_PERIOD_S, ttl_s: float = 30.0,
+                 min_interval_s: float = 0.02,
                  counts_towards_target: Callable[[], bool] = lambda: True,
                  on_peers: Callable[[], None] = lambda: None, changed: Optional[Signal] = None,
                  on_read: Callable[[bool, str], None] = lambda ok, why: None,
@@ -39,6 +48,7 @@ class StageProgress:
         self.optimizer = optimizer
         self.ledger = ledger
         self.period_s = period_s
+        self.idle_period_s = max(period_s, idle_period_s)
         self.ttl_s = ttl_s
         self.min_interval_s = min_interval_s
         self.counts_towards_target = counts_towards_target
@@ -50,6 +60,8 @@ class StageProgress:
         self.tagging = tagging
         """Whether this replica tags for the stage (published, so the others ask it)."""
         self._published: Optional[tuple] = None
+        self._seen: Optional[tuple] = None
+        self._last_change = time.monotonic()
         self._last_read = 0.0
         self._last_forced = float("-inf")
 
@@ -75,6 +87,8 @@ class StageProgress:
         record = self._own_record()
         state = (record.local_step, record.samples_accumulated, record.next_samples, record.counts_towards_target,
                  record.tagger)
+        if state != self._seen:
+            self._seen, self._last_change = state, time.monotonic()
         alone = self.ledger.peers.alone
         published_step = self._published[0] if self._published else None
         published_tagger = self._published[4] if self._published else False
@@ -82,7 +96,7 @@ class StageProgress:
                                                    or record.tagger != published_tagger)):
             await self.swarm.store(self.key, record, self.ttl_s)
             self._published = state
-        if alone and not force and time.monotonic() - self._last_read < self.period_s:
+        if alone and not force and time.monotonic() - self._last_read < self.current_period_s():
             return
         self._last_read = time.monotonic()
         try:
@@ -111,8 +125,16 @@ class StageProgress:
         """Tick on every change of our counts (at most every `min_interval_s`) and at least once a
         period; re-publish unchanged records now and then so they do not expire."""
         wake = self.changed.listen() if self.changed is not None else None
-        await every(self.period_s, self._tick_now, stop, name="progress exchange", wake=wake,
+        await every(self.current_period_s, self._tick_now, stop, name="progress exchange", wake=wake,
                     min_interval_s=self.min_interval_s)
+
+    def current_period_s(self) -> float:
+        """`period_s` while this replica's counts move; `idle_period_s` once they have not for
+        IDLE_AFTER_S. Idle, the reads only look for replicas arriving or leaving: at every quarter
+        second they were most of an idle swarm's DHT traffic. The first sample after a pause
+        changes the counts, which wakes the exchange at once."""
+        idle = time.monotonic() - self._last_change >= IDLE_AFTER_S
+        return self.idle_period_s if idle else self.period_s
 
     async def _tick_now(self) -> None:
         started = time.monotonic()

@@ -138,3 +138,38 @@ def test_progress_counts_every_tagged_sample_of_the_step():
     assert published.samples_accumulated == 2 and published.counts_towards_target is False
     opt.add_samples(1)
     assert ledger.due(opt.local_step, opt.samples_accumulated, later_waiting=False).stage_samples == 8
+
+
+@pytest.mark.timeout(30)
+def test_an_idle_replica_reads_its_stage_slowly_and_the_next_sample_makes_it_quick(monkeypatch):
+    """Issue 23 (the idle swarm's DHT cost): counts unchanged for IDLE_AFTER_S -> reads every
+    idle period (alone: a tick inside it reads nothing); a change -> back to `period_s` at once."""
+    from roles.worker import progress as progress_module
+
+    now = [1000.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    _, opt = _optimizer()
+    reads = []
+
+    class CountingSwarm(FakeSwarm):
+        async def get(self, key, model, strict=False):
+            reads.append(now[0])
+            return {}
+
+    progress = StageProgress(CountingSwarm({}), "run", 0, opt, StepLedger(8, assigns=False), period_s=0.25)
+    asyncio.run(progress.tick())
+    assert progress.current_period_s() == 0.25
+    now[0] += progress_module.IDLE_AFTER_S
+    assert progress.current_period_s() == progress_module.IDLE_PERIOD_S
+    asyncio.run(progress.tick())
+    assert len(reads) == 2
+    now[0] += 0.5
+    asyncio.run(progress.tick())
+    assert len(reads) == 2, "idle and alone: no read within the idle period"
+    now[0] += progress_module.IDLE_PERIOD_S
+    asyncio.run(progress.tick())
+    assert len(reads) == 3
+    opt.add_samples(1)  # a sample arrived
+    now[0] += 0.3
+    asyncio.run(progress.tick())
+    assert progress.current_period_s() == 0.25 and len(reads) == 4
