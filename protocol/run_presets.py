@@ -1,4 +1,5 @@
-"""Named run configurations: a CPU-sized `tiny` for demos and tests, and the report's two scales.
+"""Named run configurations: a CPU-sized `tiny` for demos and tests, a compute-bound CPU model
+(`cpu-compute`) for benchmarks, and the report's two scales.
 
 Each preset is a plain dict in `RunConfig`'s shape so that overrides can be deep-merged into it
 before validation; `load_run_config("tiny")` is the way to get a validated one.
@@ -43,6 +44,34 @@ TINY: dict[str, Any] = {
     },
     "target_batch_size": 16,
     "seq_len": 64,
+    "seed": 0,
+    "dtype": "float32",
+}
+
+# A CPU model whose stages are compute-bound, for measuring what the swarm keeps of one process's
+# rate when compute, not messaging, dominates (issue 23): each stage is two 384-wide blocks, about
+# 50 ms of forward and backward per 128-token sample on one core.
+CPU_COMPUTE: dict[str, Any] = {
+    "run_id": "cpu-compute",
+    "model": {
+        "vocab_size": 256,
+        "d_model": 384,
+        "n_layers": 6,
+        "n_heads": 6,
+        "ffn_dim": 1024,
+        "subspace_rank": 32,
+        "subspace_seed": 1234,
+        "max_seq_len": 128,
+    },
+    "stages": _stages(2, 2, 2),
+    "optimizer": {
+        "lr": 1e-3,
+        "weight_decay": 0.0,
+        "warmup_steps": 10,
+        "total_steps": 2000,
+    },
+    "target_batch_size": 32,
+    "seq_len": 128,
     "seed": 0,
     "dtype": "float32",
 }
@@ -133,6 +162,7 @@ SURROGATE_EIGHT_B = _surrogate(EIGHT_B, "8b", "surrogate-8b")
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": TINY,
+    "cpu-compute": CPU_COMPUTE,
     "1b": ONE_B,
     "8b": EIGHT_B,
     "surrogate-1b": SURROGATE_ONE_B,

@@ -7,8 +7,8 @@ What each number means, and why it is measured that way:
 `swarm_vs_centralized`
     Swarm tokens/s divided by the tokens/s of the same model trained in ONE process with the
     same global batch (`target_batch_size` samples of `seq_len` tokens per optimizer step) on
-    the same cores. The swarm is the `tiny` preset (3 stages, one worker each, `torch_threads=1`
-    per node) driven by two trainers; its rate is taken over a steady window only: start-up,
+    the same cores. The swarm is the `tiny` preset, or `--preset cpu-compute` (3 stages, one
+    worker each, `torch_threads=1` per node), driven by two trainers; its rate is taken over a steady window only: start-up,
     discovery and the first samples are discarded (warm-up of N samples seen at the head
     worker), then tokens are read from the trainers' own signed DHT records at the start and
     end of the window and divided by the difference of the records' timestamps, so neither
@@ -156,11 +156,12 @@ QUICK = Windows(swarm_window_s=5.0, lanes_window_s=4.0, warmup_samples=16, warmu
 # run config
 # ---------------------------------------------------------------------------------------------
 
-def bench_run_config():
-    """The tiny preset (3 stages of one block), under a run id of its own."""
+def bench_run_config(preset: str = "tiny"):
+    """`preset` (tiny: 3 stages of one block; cpu-compute: 3 compute-bound stages of two blocks),
+    under a run id of its own."""
     from protocol.run_config import load_run_config
 
-    return load_run_config("tiny", {"run_id": f"bench-{os.getpid()}"})
+    return load_run_config(preset, {"run_id": f"bench-{os.getpid()}"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -922,7 +923,7 @@ async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dic
             "centralized": central,
             "method": {
                 "swarm": (
-                    f"tiny preset, {run.num_stages} stages x 1 worker (max_batch {WORKER_MAX_BATCH}), 2 trainers x "
+                    f"{out['config']['preset']} preset, {run.num_stages} stages x 1 worker (max_batch {WORKER_MAX_BATCH}), 2 trainers x "
                     f"{windows.swarm_lanes_per_trainer} lanes, every node torch_threads=1, all on 127.0.0.1; "
                     f"warm-up: at least {windows.warmup_samples} samples completed at the head worker and "
                     f"{windows.warmup_s:.0f}s after the trainers were ready, discarded; then tokens/s = sum over "
@@ -1063,6 +1064,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="short windows (CI smoke, ~1.5 min)")
     p.add_argument("--out", metavar="PATH", help="also write the JSON result to PATH")
     p.add_argument("--keep-logs", action="store_true", help="keep the node logs and print where they are")
+    p.add_argument("--preset", choices=("tiny", "cpu-compute"), default="tiny",
+                   help="the model: tiny (messaging-bound), or cpu-compute (each stage about 30 ms of forward and "
+                        "backward per sample on one core)")
     p.add_argument("--idle-window-s", type=float, metavar="S",
                    help="seconds of the idle CPU window (default 5, or 30 with --only idle)")
     p.add_argument("--only", choices=("all", "metrics", "idle"), default="all",
@@ -1094,12 +1098,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     from protocol.identity import load_or_create_identity
     from protocol.run_config import dump_run_config
 
-    run = bench_run_config()
+    run = bench_run_config(args.preset)
     workdir = tempfile.mkdtemp(prefix="agora-bench-")
     config_path = os.path.join(workdir, "run.yaml")
     dump_run_config(run, config_path)
     out: dict[str, Any] = {"benchmark": "pipeline", "quick": args.quick, "machine": machine_info(),
-                           "config": {"preset": "tiny", "stages": run.num_stages, "workers_per_stage": 1,
+                           "config": {"preset": args.preset, "stages": run.num_stages, "workers_per_stage": 1,
                                       "target_batch_size": run.target_batch_size, "seq_len": run.seq_len,
                                       "d_model": run.model.d_model, "subspace_rank": run.model.subspace_rank,
                                       "worker_max_batch": WORKER_MAX_BATCH, "node_torch_threads": 1}}
