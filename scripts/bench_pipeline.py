@@ -1093,31 +1093,48 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
 
-    from node.launcher import LocalSwarm
-    from node.swarm import join_swarm
-    from protocol.identity import load_or_create_identity
-    from protocol.run_config import dump_run_config
-
     run = bench_run_config(args.preset)
-    workdir = tempfile.mkdtemp(prefix="agora-bench-")
-    config_path = os.path.join(workdir, "run.yaml")
-    dump_run_config(run, config_path)
     out: dict[str, Any] = {"benchmark": "pipeline", "quick": args.quick, "machine": machine_info(),
                            "config": {"preset": args.preset, "stages": run.num_stages, "workers_per_stage": 1,
                                       "target_batch_size": run.target_batch_size, "seq_len": run.seq_len,
                                       "d_model": run.model.d_model, "subspace_rank": run.model.subspace_rank,
                                       "worker_max_batch": WORKER_MAX_BATCH, "node_torch_threads": 1}}
+    measure = {"all": bench, "metrics": bench_metrics_only, "idle": bench_idle_only}[args.only]
+    errors = on_local_swarm(run, lambda *a: measure(windows, *a), out, keep_logs=args.keep_logs)
+    out["aims"] = evaluate_aims(out)
+    out["errors"] = errors
+    out["elapsed_s"] = round(time.monotonic() - started, 1)
+    text = json.dumps(out, indent=None, default=str)
+    print(text, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps(out, indent=2, default=str) + "\n")
+    return 1 if errors else 0
+
+
+def on_local_swarm(run, measure, out: dict, *, keep_logs: bool = False, torch_threads: int = 1) -> list[str]:
+    """Run `measure(run, swarm, membership, seed_peer_id, out)` (a coroutine function) against a
+    LocalSwarm seeded by a DHT node of this process, then stop every node it started and check
+    that none survived; returns the errors (an interrupt, the measurement's failure, survivors).
+    Also used by scripts/bench_gpu.py."""
+    from node.launcher import LocalSwarm
+    from node.swarm import join_swarm
+    from protocol.identity import load_or_create_identity
+    from protocol.run_config import dump_run_config
+
+    workdir = tempfile.mkdtemp(prefix="agora-bench-")
+    config_path = os.path.join(workdir, "run.yaml")
+    dump_run_config(run, config_path)
     errors: list[str] = []
     # The seed DHT forks hivemind's DHT process: start it before this process has any thread (docs/architecture.md, 'Processes and threads').
     identity = load_or_create_identity(None)
     membership = join_swarm(identity=identity, run_id=run.run_id, num_stages=run.num_stages, initial_peers=[],
                             host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[], bootstrap_timeout_s=30)
     os.unlink(identity.path)
-    swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=1,
+    swarm = LocalSwarm(os.path.join(workdir, "logs"), config_path, torch_threads=torch_threads,
                        common_args=["--announce-period-s", "2"], initial_peers=membership.maddrs)
     try:
-        measure = {"all": bench, "metrics": bench_metrics_only, "idle": bench_idle_only}[args.only]
-        asyncio.run(measure(windows, run, swarm, membership, identity.peer_id.to_base58(), out))
+        asyncio.run(measure(run, swarm, membership, identity.peer_id.to_base58(), out))
     except KeyboardInterrupt:
         errors.append("interrupted")
     except Exception as exc:  # noqa: BLE001 - report what was measured, and the failure
@@ -1135,19 +1152,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                           "own_shm_segments": "removed at exit, see _exit_cleanly"}
         if survivors:
             errors.append(f"processes {survivors} survived shutdown")
-        if errors or args.keep_logs:
+        if errors or keep_logs:
             log(f"node logs: {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    out["aims"] = evaluate_aims(out)
-    out["errors"] = errors
-    out["elapsed_s"] = round(time.monotonic() - started, 1)
-    text = json.dumps(out, indent=None, default=str)
-    print(text, flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps(out, indent=2, default=str) + "\n")
-    return 1 if errors else 0
+    return errors
 
 
 _OWN_SHM_PIDS: list[int] = []
