@@ -49,8 +49,8 @@ TINY: dict[str, Any] = {
 }
 
 # A CPU model whose stages are compute-bound, for measuring what the swarm keeps of one process's
-# rate when compute, not messaging, dominates (issue 23): each stage is two 384-wide blocks, about
-# 50 ms of forward and backward per 128-token sample on one core.
+# rate when compute, not messaging, dominates (issue 23): each stage is two 384-wide blocks, 27-36
+# ms of forward and backward per 128-token sample on one core of the development machine.
 CPU_COMPUTE: dict[str, Any] = {
     "run_id": "cpu-compute",
     "model": {
