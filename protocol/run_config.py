@@ -577,6 +577,11 @@ class RunConfig(BaseModel):
     seq_len: int = Field(gt=0, description="Tokens per sample (<= model.max_seq_len).")
     seed: int = Field(default=0, ge=0, description="Seeds the initial weights of every stage.")
     dtype: ComputeDtype = Field(default="float32", description="Compute dtype on the worker.")
+    wire_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="Boundary coordinates and their gradients on the wire: auto is bfloat16 in a bfloat16 run "
+                    "(half the bytes of float32), float32 otherwise.",
+    )
     averaging: AveragingConfig = Field(
         default_factory=AveragingConfig, description="AsyncSPARTA weight averaging in a stage."
     )
@@ -677,6 +682,13 @@ class RunConfig(BaseModel):
         if index == 0:
             return "head"
         return "tail" if index == self.num_stages - 1 else "body"
+
+    @property
+    def boundary_dtype(self) -> str:
+        """The dtype boundary coordinates and their gradients travel in (`wire_dtype` resolved)."""
+        if self.wire_dtype != "auto":
+            return self.wire_dtype
+        return "bfloat16" if self.dtype == "bfloat16" else "float32"
 
     def clip_threshold(self, index: int) -> float:
         """Stage-wise gradient-norm clip: 1/sqrt(S) splits a unit global budget; the tail,

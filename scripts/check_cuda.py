@@ -32,7 +32,8 @@ def build_runtime(run, stage: int, max_batch: int, device: torch.device) -> Stag
     autocast = getattr(torch, run.dtype) if run.dtype != "float32" else None
     ledger = StepLedger(run.target_batch_size, assigns=model.kind == "tail")
     return StageRuntime(model, optimizer, TaskQueues(max_batch), stage=stage, vocab_size=run.model.vocab_size,
-                        max_seq_len=run.model.max_seq_len, device=device, ledger=ledger, autocast_dtype=autocast)
+                        max_seq_len=run.model.max_seq_len, device=device, ledger=ledger, autocast_dtype=autocast,
+                        wire_dtype=getattr(torch, run.boundary_dtype))
 
 
 def memory_case(preset: str, stage: int, max_batch: int, device: torch.device) -> dict:

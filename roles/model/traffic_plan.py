@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from protocol.run_config import RunConfig
 from roles.model.memory_plan import stage_parameter_count
 
-_COORD_BYTES = 4  # boundary coordinates and their gradients travel as float32
+_WIRE_BYTES = {"float32": 4, "bfloat16": 2}
+"""Bytes per boundary coordinate and gradient value, by the run's `boundary_dtype`."""
 _TOKEN_BYTES = 8  # token ids travel as int64 beside them
 _MEGA = 1e6
 
@@ -134,7 +135,7 @@ class TrafficPlan:
 def _stage_traffic(run: RunConfig, index: int, a_f: float, a_b: float, ar_time_s: float) -> StageTraffic:
     kind = run.stage_kind(index)
     t, k = run.seq_len, run.model.subspace_rank
-    coords, tokens = t * k * _COORD_BYTES, t * _TOKEN_BYTES
+    coords, tokens = t * k * _WIRE_BYTES[run.boundary_dtype], t * _TOKEN_BYTES
     if kind == "head":
         fwd_in, fwd_out, bwd_in, bwd_out = tokens, coords, tokens + coords, 0
     elif kind == "body":

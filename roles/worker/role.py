@@ -103,6 +103,7 @@ class WorkerRole:
             self.model, self.optimizer, TaskQueues(config.max_batch, config.max_pending),
             stage=config.stage, vocab_size=run.model.vocab_size, max_seq_len=run.model.max_seq_len,
             device=self.device, ledger=self.ledger, autocast_dtype=autocast,
+            wire_dtype=getattr(torch, run.boundary_dtype),
             max_delayed_per_step=run.staleness.max_delayed_per_step if self.model.kind == "head" else None,
             forward_gate_timeout_s=run.staleness.forward_gate_timeout_s,
         )

@@ -176,6 +176,7 @@ class StageRuntime:
         max_delayed_per_step: Optional[int] = None,
         forward_gate_timeout_s: float = 5.0,
         autocast_dtype: Optional[torch.dtype] = None,
+        wire_dtype: torch.dtype = torch.float32,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -188,6 +189,9 @@ class StageRuntime:
         self.rank = model.subspace_rank
         self.device = device
         self.autocast_dtype = autocast_dtype
+        self.wire_dtype = wire_dtype
+        """What the boundary coordinates and input gradients this stage sends travel as (the run's
+        `boundary_dtype`): bfloat16 in a bfloat16 run halves the bytes and the device-to-host copy."""
         # What the compute thread tells the rest of the worker (roles/periodic.py): listeners on
         # the event loop wake at once instead of polling these objects.
         self.changed = Signal()
@@ -319,10 +323,9 @@ class StageRuntime:
             if self.on_compute_error is not None:
                 self.on_compute_error(exc)
             raise
-        out = out.float().cpu()
         if self.kind == "tail":  # the model returns each sample's mean next-token loss
-            return EvaluateReply(loss=float(out[0]), version=version)
-        return EvaluateReply(coords=out[0], version=version)
+            return EvaluateReply(loss=float(out.float().cpu()[0]), version=version)
+        return EvaluateReply(coords=out.to(self.wire_dtype).cpu()[0], version=version)
 
     # ---- submission ----
 
@@ -607,7 +610,7 @@ class StageRuntime:
             out = self.model(coords, tokens)
         if self.mid_compute is not None:
             self.mid_compute("forward")
-        out = out.float().cpu()
+        out = out.to(self.wire_dtype).cpu()
         for request in requests:
             self.forwarded.add(request.sample_id, version)
         self.counters["forward_requests"] += len(requests)
@@ -673,7 +676,7 @@ class StageRuntime:
             if offset >= 0:
                 opt.add_samples(n, offset=min(offset, 1))
             used = opt.previous_version if pinned is not None else opt.local_step  # the gradient's weights
-        grads = coords.grad.cpu() if coords is not None else None
+        grads = coords.grad.to(self.wire_dtype).cpu() if coords is not None else None
         loss_values = losses.detach().cpu().tolist() if losses is not None else [None] * n
         if self.kind != "tail":
             self.counters["backward_unpinned"] += sum(1 for v in versions if v is None)

@@ -41,10 +41,16 @@ def test_wire_bytes_per_sample_and_round():
     t, k = run.seq_len, run.model.subspace_rank
     plan = plan_traffic(run)
     head, body, tail = plan.stage(0), plan.stage(1), plan.stage(run.num_stages - 1)
-    # int64 tokens travel beside the coordinates; a backward request carries the input again
-    assert body.forward_bytes_in == t * 8 + t * k * 4 and body.forward_bytes_out == t * k * 4
-    assert body.backward_bytes_in == t * 8 + 2 * t * k * 4 and body.backward_bytes_out == t * k * 4
-    assert body.sample_bytes == 5 * t * k * 4 + 2 * t * 8
+    # a bfloat16 run's coordinates travel as bfloat16 (wire_dtype auto); int64 tokens travel beside
+    # them, and a backward request carries the input again
+    assert run.boundary_dtype == "bfloat16"
+    c = 2
+    assert body.forward_bytes_in == t * 8 + t * k * c and body.forward_bytes_out == t * k * c
+    assert body.backward_bytes_in == t * 8 + 2 * t * k * c and body.backward_bytes_out == t * k * c
+    assert body.sample_bytes == 5 * t * k * c + 2 * t * 8
+    as_float32 = plan_traffic(load_run_config("8b", {"wire_dtype": "float32"})).stage(1)
+    assert as_float32.sample_bytes == 5 * t * k * 4 + 2 * t * 8
+    assert load_run_config("tiny").boundary_dtype == "float32"
     assert head.backward_bytes_out == 0 and head.forward_bytes_in == t * 8
     assert tail.forward_bytes_in == tail.forward_bytes_out == 0
     assert body.round_bytes(4) == 2 * body.round_bytes(2) == 4 * body.round_values
