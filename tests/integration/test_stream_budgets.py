@@ -6,6 +6,7 @@ agora-node processes admitted by a real authorizer; the outsiders are plain libp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import psutil
@@ -35,6 +36,8 @@ async def _shut_down(p2p, timeout_s: float = 15.0) -> None:
         child = getattr(p2p, "_child", None)
         if child is not None and child.returncode is None:
             child.kill()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(child.wait(), 5.0)  # reaped, not left a zombie
 
 
 async def _closed_within(reader, timeout_s: float) -> bool:
