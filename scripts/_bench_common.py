@@ -16,6 +16,16 @@ def log(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
+def emit_report(out: dict, path: Optional[str]) -> None:
+    """A benchmark's result: one JSON line on stdout, and indented to `path` if given."""
+    import json
+
+    print(json.dumps(out, default=str), flush=True)
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(out, indent=2, default=str) + "\n")
+
+
 def machine_info() -> dict:
     import hivemind
     import torch

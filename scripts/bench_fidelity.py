@@ -105,7 +105,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a file: find the helpers
-from _bench_common import log, machine_info, rounded  # noqa: E402
+from _bench_common import emit_report, log, machine_info, rounded  # noqa: E402
 
 SAMPLE_LOG_ENV = "AGORA_SAMPLE_LOG"
 HELD_OUT_SAMPLES = 256
@@ -983,10 +983,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out["errors"] = errors
     out["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     out["elapsed_s"] = round(time.monotonic() - started, 1)
-    print(json.dumps(out, default=str), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps(out, indent=2, default=str) + "\n")
+    emit_report(out, args.out)
     return 1 if errors else 0
 
 

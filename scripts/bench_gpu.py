@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -40,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_pipeline as pipeline  # noqa: E402
-from _bench_common import log, machine_info, rounded  # noqa: E402
+from _bench_common import emit_report, log, machine_info, rounded  # noqa: E402
 
 PEAK_BF16_DENSE_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0,
                           "RTX 4090": 165.0, "RTX 3090": 71.0}
@@ -152,8 +151,7 @@ async def measure_swarm(args, windows, run, swarm, membership, peer_id: str, out
         result = await pipeline.measure_trainers(swarm, probe, run, workers, trainers=args.trainers,
                                                  lanes=args.lanes, windows=windows,
                                                  window_s=windows.swarm_window_s)
-        out["swarm"] = {k: v for k, v in result.items() if k != "trainer_summaries"}
-        out["swarm"]["trainer_summaries"] = result.get("trainer_summaries")
+        out["swarm"] = result
     finally:
         await probe.close()
         log(f"[{time.monotonic() - t0:5.1f}s] stopping every node")
@@ -224,7 +222,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if not args.dry_run and not torch.cuda.is_available():
         out["skipped"] = "no CUDA device here; --dry-run runs the same code on the CPU"
-        print(json.dumps(out), flush=True)
+        emit_report(out, args.out)
         return 0
 
     def on_sigterm(signum, frame):
@@ -257,10 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     summarise(out, run, peak_tflops(args, device))
     out["errors"] = errors
     out["elapsed_s"] = round(time.monotonic() - started, 1)
-    print(json.dumps(out, default=str), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps(out, indent=2, default=str) + "\n")
+    emit_report(out, args.out)
     return 1 if errors else 0
 
 

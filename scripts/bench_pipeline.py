@@ -81,7 +81,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import math
 import os
 import re
@@ -99,6 +98,7 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a file: find _bench_common
 from _bench_common import (  # noqa: E402
     CpuMeter,
+    emit_report,
     cpu_by_part,
     dialable_maddrs,
     log,
@@ -1104,11 +1104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out["aims"] = evaluate_aims(out)
     out["errors"] = errors
     out["elapsed_s"] = round(time.monotonic() - started, 1)
-    text = json.dumps(out, indent=None, default=str)
-    print(text, flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps(out, indent=2, default=str) + "\n")
+    emit_report(out, args.out)
     return 1 if errors else 0
 
 

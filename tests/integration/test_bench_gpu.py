@@ -9,23 +9,13 @@ import subprocess
 import sys
 import uuid
 
-import psutil
 import pytest
+
+from tests.support.processes import processes_with_marker
 
 pytestmark = pytest.mark.integration
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_gpu.py")
-
-
-def _marked(marker: str) -> list[int]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("AGORA_TEST_MARKER") == marker and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-        except psutil.Error:
-            continue
-    return found
 
 
 @pytest.mark.timeout(240)
@@ -45,7 +35,7 @@ def test_the_gpu_bench_dry_run_measures_a_real_swarm_and_the_reference(tmp_path)
     assert report["mfu"]["flops_per_token"] > 0 and report["mfu"]["peak_tflops"] is None  # no known peak on a CPU
     assert report["aims"]["met"] is None  # a dry run claims nothing
     assert json.loads(result.stdout.strip().splitlines()[-1])["swarm_vs_centralized"] == report["swarm_vs_centralized"]
-    assert _marked(marker) == []
+    assert processes_with_marker(marker) == []
 
 
 @pytest.mark.timeout(60)

@@ -8,21 +8,11 @@ import subprocess
 import sys
 import uuid
 
-import psutil
 import pytest
 
+from tests.support.processes import processes_with_marker
+
 pytestmark = pytest.mark.integration
-
-
-def _processes_with_marker(marker: str) -> list[int]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("AGORA_TEST_MARKER") == marker and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-        except psutil.Error:
-            continue
-    return found
 
 
 @pytest.mark.timeout(240)
@@ -40,4 +30,4 @@ def test_demo_trains_and_leaves_nothing_behind():
     # trainer 0 evaluated at the start (step 0) and once more at its last step
     assert summary["first_eval_step"] == 0 and summary["last_eval_step"] > 0, summary
     assert summary["last_eval_loss"] < summary["first_eval_loss"], summary
-    assert _processes_with_marker(marker) == []
+    assert processes_with_marker(marker) == []
