@@ -31,6 +31,8 @@ IDLE_PERIOD_S = 2.0
 """How often an idle replica reads its stage's records (see StageProgress.current_period_s)."""
 IDLE_AFTER_S = 5.0
 """Seconds without a change of this replica's counts after which it is idle."""
+MIN_REREAD_S = 0.1
+"""The least time between two reads asked for by `read_soon`."""
 
 
 class StageProgress:
@@ -64,6 +66,7 @@ class StageProgress:
         self._last_change = time.monotonic()
         self._last_read = 0.0
         self._last_forced = float("-inf")
+        self._reading: Optional[asyncio.Future] = None
 
     def _own_record(self) -> ProgressRecord:
         opt, ledger = self.optimizer, self.ledger
@@ -98,6 +101,9 @@ class StageProgress:
             self._published = state
         if alone and not force and time.monotonic() - self._last_read < self.current_period_s():
             return
+        await self._read()
+
+    async def _read(self) -> None:
         self._last_read = time.monotonic()
         try:
             peers = await self.swarm.get(self.key, ProgressRecord, strict=True)
@@ -112,6 +118,23 @@ class StageProgress:
         peers.pop(self.swarm.peer_id, None)
         self.ledger.update_peers(peer_view(peers))
         self.on_peers()
+
+    async def read_soon(self) -> None:
+        """Read the stage's records now, for a replica that heard from a peer it does not know yet
+        (one that found our record before we found its): calls while a read is under way wait for
+        that read, and a read that ended under MIN_REREAD_S ago is not repeated, so unknown callers
+        cannot make this worker hammer the DHT."""
+        if self._reading is None:
+            if time.monotonic() - self._last_read < MIN_REREAD_S:
+                return
+            self._reading = asyncio.ensure_future(self._read())
+            self._reading.add_done_callback(self._read_done)
+        await asyncio.shield(self._reading)
+
+    def _read_done(self, task: asyncio.Future) -> None:
+        self._reading = None
+        if not task.cancelled():
+            task.exception()  # retrieved: the periodic read reports failures
 
     async def withdraw(self) -> None:
         """Tombstone our record on the way out, so our samples stop counting towards the stage's

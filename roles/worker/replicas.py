@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -49,12 +49,18 @@ from roles.worker.step_tagger import AnsweredAsks, ForwardTickets, StepTagger, T
 logger = logging.getLogger(__name__)
 
 _WORKER_ONLY = frozenset({"worker"})
+MEMBER_REFRESH_S = 2.0
+"""The most a request from a replica not known yet waits for a fresh read of the stage's records."""
 SETTLE_S = 2.0
 """How long a replica reads its stage's progress before it may claim the tagging."""
 TAG_ASK_TIMEOUTS = (1.0, 2.0, 2.0)
 """One tag ask's attempts, as multiples of the request timeout. A retry carries the same ask id,
 so it claims the tags of an attempt whose reply was lost; the later attempts have room for a new
 connection (through a relay, several round trips) when the one the ask used died under it."""
+
+
+async def _nothing() -> None:
+    return None
 
 
 class StageReplicas:
@@ -95,6 +101,8 @@ class StageReplicas:
         self.counters: collections.Counter[str] = collections.Counter()
         self._pushed_counts: Optional[tuple[int, int, int]] = None
         self._first_read: Optional[float] = None
+        self.refresh_members: Callable[[], Awaitable[None]] = _nothing
+        """Reads the stage's progress records now (StageProgress.read_soon; set by the role)."""
 
     async def start(self, server: RpcServer) -> None:
         """Register the handlers and give the runtime its hooks (before the compute thread starts)."""
@@ -266,7 +274,7 @@ class StageReplicas:
         request = parse_model(TagRequest, body)
         if request.stage != self.stage:
             raise ProtocolError(f"this worker serves stage {self.stage}, not {request.stage}", ErrorCode.WRONG_STAGE)
-        if peer_id.to_base58() not in self.ledger.peers.members:
+        if not await self._is_member(peer_id.to_base58()):
             raise ProtocolError("only a replica of this stage with a progress record may ask for its tags",
                                 ErrorCode.NOT_READY)
         if not self.tagging:
@@ -315,7 +323,7 @@ class StageReplicas:
         if request.stage != self.stage:
             raise ProtocolError(f"this worker serves stage {self.stage}, not {request.stage}", ErrorCode.WRONG_STAGE)
         peer = peer_id.to_base58()
-        if peer not in self.ledger.peers.members:
+        if not await self._is_member(peer):
             raise ProtocolError("only a replica of this stage with a progress record may send its gradients",
                                 ErrorCode.NOT_READY)
         grad = None if request.grad is None else request.grad.reshape(-1)
@@ -328,6 +336,20 @@ class StageReplicas:
                                   grad=total.grad, members=list(total.members), consumed=total.consumed)
 
     # ---- plumbing ----
+
+    async def _is_member(self, peer: str) -> bool:
+        """Whether `peer` is a replica of this stage, reading the stage's records once more if it
+        is not known yet: a replica that has just joined (or found us first) asks before our next
+        periodic read would list it, and turning it away costs the step its gradients."""
+        if peer in self.ledger.peers.members:
+            return True
+        try:
+            await asyncio.wait_for(self.refresh_members(), min(MEMBER_REFRESH_S, self.request_timeout_s / 2))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - unreadable now: the peer counts as unknown, as before
+            return False
+        return peer in self.ledger.peers.members
 
     async def _peer(self, peer: str) -> PeerID:
         """The peer's id, dialled once at its announced addresses (the DHT need not have met it)."""

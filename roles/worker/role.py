@@ -132,6 +132,7 @@ class WorkerRole:
             on_peers=self._on_peers, changed=self.runtime.changed, on_read=self._progress_read,
             tagging=lambda: self.replicas.tagging,
         )
+        self.replicas.refresh_members = self.progress.read_soon
         self.averaging = AveragingService(
             run.averaging, swarm=swarm, run_id=run.run_id, stage=config.stage, store=self.optimizer,
             index_sets=SegmentIndexSets(self.layout, run.averaging.segments, seed=run.seed, stage=config.stage),

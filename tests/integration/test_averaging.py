@@ -283,7 +283,7 @@ def test_a_joiner_passes_weight_sync_then_optimizer_sync_then_becomes_active(mak
         "no trainer request reached the worker in weight sync"
     assert optimizer_sync["backward_requests"] > 0, "in optimizer sync it serves batches"
     assert optimizer_sync["to_step"] - optimizer_sync["from_step"] >= 12
-    assert summary["rejected"].get("not_ready", 0) == 0
+    assert summary["rejected"].get("not_ready", 0) == 0, (summary["requests"], summary["rejected"], joiner.log_tail())
     weights = {r["weight"] for r in summary["averaging"]["rounds"] if r["status"] != "skipped"}
     print(f"joiner phases {seen}; round weights seen {sorted(weights)}; spans {summary['sync_phases']}")
 

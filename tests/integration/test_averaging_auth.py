@@ -178,9 +178,9 @@ def test_only_credentialed_workers_of_the_stage_reach_the_averager(make_swarm, a
 
     results, info = asyncio.run(asyncio.wait_for(attacks(), 90))
     print(f"averaging RPCs answered: {results}")
-    assert results["no_credential"] == refused
-    assert results["other_stage"] == refused
-    assert results["trainer"] == refused
+    assert results["no_credential"] == refused, results
+    assert results["other_stage"] == refused, results
+    assert results["trainer"] == refused, results
     # a worker of the lone replica's stage passes the check and gets hivemind's own answers: not
     # looking for a group, no such group, and no state (state sharing is off in our averagers)
     assert results["same_stage"] == (averaging_pb2.NOT_LOOKING_FOR_GROUP, averaging_pb2.BAD_GROUP_ID, 0), results
@@ -194,8 +194,9 @@ def test_only_credentialed_workers_of_the_stage_reach_the_averager(make_swarm, a
     averaging = pair[0].summary()["averaging"]
     assert {"no_credential", "wrong_stage", "wrong_role", "unverified"} <= set(averaging["refused"]), averaging
     assert averaging["counters"].get("rounds_complete", 0) >= 1, averaging["counters"]
-    assert swarm.stop(lone, signal.SIGTERM) == 0
-    assert lone.summary()["averaging"]["refused"] == {}, "the worker of its stage was admitted throughout"
+    assert swarm.stop(lone, signal.SIGTERM) == 0, lone.log_tail()
+    assert lone.summary()["averaging"]["refused"] == {}, ("the worker of its stage was admitted throughout",
+                                                          lone.summary()["averaging"])
     alice = workers[0]  # no --reducer, but her account is in the policy's reducer_accounts
     assert swarm.stop(alice, signal.SIGTERM) == 0, alice.log_tail()
     designated = alice.summary()["averaging"]

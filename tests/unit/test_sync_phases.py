@@ -173,3 +173,38 @@ def test_an_idle_replica_reads_its_stage_slowly_and_the_next_sample_makes_it_qui
     now[0] += 0.3
     asyncio.run(progress.tick())
     assert progress.current_period_s() == 0.25 and len(reads) == 4
+
+
+@pytest.mark.timeout(30)
+def test_a_replica_asked_by_a_peer_it_does_not_know_reads_its_stage_once_for_all_askers(monkeypatch):
+    """A replica that found our progress record before we found its asks at once (tags, step
+    gradients); `read_soon` reads the stage for it: one read for every ask under way, none again
+    within MIN_REREAD_S, and the newcomer is a member afterwards."""
+    from roles.worker import progress as progress_module
+
+    _, opt = _optimizer()
+    reads = []
+    newcomer = ProgressRecord(local_step=0, samples_accumulated=1, counts_towards_target=True, time=0.0)
+
+    class SlowSwarm(FakeSwarm):
+        async def get(self, key, model, strict=False):
+            reads.append(key)
+            await asyncio.sleep(0.05)
+            return dict(self.peers)
+
+    swarm = SlowSwarm({})
+    ledger = StepLedger(8, assigns=False)
+    progress = StageProgress(swarm, "run", 0, opt, ledger)
+
+    async def scenario():
+        await progress.tick(force=True)
+        assert ledger.peers.members == ()
+        swarm.peers["newcomer"] = newcomer
+        await asyncio.sleep(progress_module.MIN_REREAD_S)
+        await asyncio.gather(*(progress.read_soon() for _ in range(5)))
+        assert len(reads) == 2, "five askers, one read"
+        assert ledger.peers.members == ("newcomer",)
+        await progress.read_soon()
+        assert len(reads) == 2, "a read that just ended is not repeated"
+
+    asyncio.run(scenario())
