@@ -48,6 +48,8 @@ class NodeProcess:
     """An authorizer's HTTP address."""
     known_pids: set[int] = field(default_factory=set)
     """The node and every descendant seen so far, for cleaning up after a hard kill."""
+    started_at: float = field(default_factory=time.time)
+    """Before the node started (set when it is launched): its segments are younger."""
 
     @property
     def pid(self) -> int:
@@ -163,10 +165,11 @@ class LocalSwarm:
                timeout_s: float, env: Optional[dict[str, str]] = None) -> NodeProcess:
         log_path = os.path.join(self.workdir, f"{name}.log")
         log = open(log_path, "w")
+        started_at = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
                                 env={**self.env, **(env or {})}, start_new_session=True)
         log.close()
-        node = NodeProcess(name=name, role=role, stage=stage, proc=proc, log_path=log_path)
+        node = NodeProcess(name=name, role=role, stage=stage, proc=proc, log_path=log_path, started_at=started_at)
         threading.Thread(target=_pump_stdout, args=(node,), daemon=True).start()
         self.nodes.append(node)
         if wait_ready:
@@ -209,7 +212,7 @@ class LocalSwarm:
         except subprocess.TimeoutExpired:
             return None
         finally:
-            remove_shared_memory(node.known_pids)
+            remove_shared_memory(node.known_pids, born_after=node.started_at)
 
     def stop_all(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
         live = [n for n in self.nodes if n.proc.poll() is None]
@@ -232,7 +235,7 @@ class LocalSwarm:
                 node.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-            remove_shared_memory(node.known_pids)
+            remove_shared_memory(node.known_pids, born_after=node.started_at)
         # SIGKILLed grandchildren take a moment to be reaped on a loaded machine
         gone_by = time.monotonic() + 5
         while self.survivors() and time.monotonic() < gone_by:
@@ -240,7 +243,7 @@ class LocalSwarm:
 
     def leaked_shared_memory(self) -> list[str]:
         """/dev/shm segments left by any process of our nodes (should be none after stop_all)."""
-        return shared_memory_files(pid for node in self.nodes for pid in node.known_pids)
+        return [path for node in self.nodes for path in shared_memory_files(node.known_pids, node.started_at)]
 
     def survivors(self) -> list[int]:
         """Pids still alive in any of our nodes' process groups (should be none after stop_all)."""

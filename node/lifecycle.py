@@ -410,16 +410,26 @@ def _is_shm_manager(process: psutil.Process) -> bool:
         return False
 
 
-def shared_memory_files(pids: Iterable[int]) -> list[str]:
+def shared_memory_files(pids: Iterable[int], born_after: Optional[float] = None) -> list[str]:
+    """torch's /dev/shm segments named after `pids`; with `born_after` (a time.time()), only those
+    created since: pids are reused (32,768 of them on most hosts), and a segment some earlier
+    process of the same pid leaked is not ours."""
     files: list[str] = []
     for pid in set(pids):
-        files.extend(glob.glob(os.path.join(SHM_DIR, f"torch_{pid}_*")))
+        for path in glob.glob(os.path.join(SHM_DIR, f"torch_{pid}_*")):
+            if born_after is not None:
+                try:
+                    if os.stat(path).st_ctime < born_after - 1.0:
+                        continue
+                except OSError:
+                    continue
+            files.append(path)
     return files
 
 
-def remove_shared_memory(pids: Iterable[int]) -> None:
+def remove_shared_memory(pids: Iterable[int], born_after: Optional[float] = None) -> None:
     """Unlink the torch segments of `pids`; memory still mapped stays valid until unmapped."""
-    for path in shared_memory_files(pids):
+    for path in shared_memory_files(pids, born_after):
         try:
             os.unlink(path)
         except OSError:
@@ -552,7 +562,7 @@ def _clean_up(node_pid: int, known: dict[int, float], sockets: set[str], paths: 
         except psutil.Error:
             continue
     _wait_gone(victims, 3.0)
-    remove_shared_memory([node_pid, *known])
+    remove_shared_memory([node_pid, *known], born_after=min(known.values(), default=None))
     for path in [*sockets, *paths, *trust_dirs(node_pid)]:
         _remove_path(path)
 

@@ -20,6 +20,7 @@ import time
 import psutil
 import pytest
 
+from node.lifecycle import shared_memory_files
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -39,7 +40,7 @@ def _report():
         print("\nlifecycle timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in measured.items()))
 
 
-CLEANUP_GRACE_S = 25.0
+CLEANUP_GRACE_S = 10.0
 
 
 class Tree:
@@ -106,14 +107,14 @@ class Tree:
         # the private directories some sockets live in: multiprocessing's pymp-*, torch_shm_manager's
         left += sorted({os.path.dirname(path) for path in self.sockets
                         if os.path.dirname(path) != tempfile.gettempdir() and os.path.isdir(os.path.dirname(path))})
-        for pid in self.processes:
-            left += glob.glob(f"/dev/shm/torch_{pid}_*")
+        for pid, created in self.processes.items():  # segments an earlier process of the same pid leaked are not ours
+            left += shared_memory_files([pid], born_after=created)
         left += glob.glob(os.path.join(tempfile.gettempdir(), f"agora-trust-{self.pid}-*"))
         return left
 
     def wait_clean(self, timeout_s: float, what: str) -> float:
         """Seconds until nothing of the tree is left. `timeout_s` is what a quiet machine needs;
-        on a loaded one the watchdog may take longer, so only what stays CLEANUP_GRACE_S more fails."""
+        on a loaded one the watchdog may take longer, so only what stays CLEANUP_GRACE_S longer fails."""
         started = time.monotonic()
         try:
             poll_until(lambda: not self.leftovers(), timeout_s + CLEANUP_GRACE_S, f"{what} to leave nothing behind")
