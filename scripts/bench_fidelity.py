@@ -509,6 +509,9 @@ def _stage_figures(summary: Optional[dict]) -> dict:
         "compute_s": summary.get("compute_s"),
         "averaging_rounds": _round_counts(summary.get("averaging")),
         "gradient_exchange": summary.get("gradient_exchange"),
+        # backwards run through a kept forward graph (backward_kept) against recomputed ones
+        "backward_kept": (summary.get("counters") or {}).get("backward_kept", 0) if summary else None,
+        "kept_activations": summary.get("kept_activations"),
     }
 
 

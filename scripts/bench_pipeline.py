@@ -528,7 +528,8 @@ def _window_result(run, workers, trainers, first: dict, last: dict) -> dict:
     for node, a, b in zip(workers, first["infos"], last["infos"]):
         ca, cb = a["counters"], b["counters"]
         d = {k: cb.get(k, 0) - ca.get(k, 0) for k in
-             ("compute_ms", "forward_requests", "forward_batches", "backward_requests", "backward_batches")}
+             ("compute_ms", "forward_requests", "forward_batches", "backward_requests", "backward_batches",
+              "backward_kept")}
         span_ms = (b["_at"] - a["_at"]) * 1000
         per_stage[str(node.stage)] = {
             "utilization": rounded(d["compute_ms"] / span_ms),
@@ -536,6 +537,8 @@ def _window_result(run, workers, trainers, first: dict, last: dict) -> dict:
             "wall_ms": round(span_ms),
             "forward_requests": d["forward_requests"],
             "backward_requests": d["backward_requests"],
+            # of those, run through the forward's kept graph instead of recomputing it
+            "backward_kept": d["backward_kept"],
             "mean_forward_batch": rounded(d["forward_requests"] / d["forward_batches"], 2) if d["forward_batches"] else None,
             "mean_backward_batch": rounded(d["backward_requests"] / d["backward_batches"], 2) if d["backward_batches"] else None,
             "optimizer_steps": b.get("local_step", 0) - a.get("local_step", 0),

@@ -124,6 +124,16 @@ class MemoryPlan:
             batch += 1
         return batch
 
+    def kept_activations_budget(self, device_free_bytes: int | None, host_free_bytes: int) -> int:
+        """Bytes a head or body worker may spend keeping forward activations for their backward
+        instead of recomputing them: half of what the plan at `max_batch` leaves free (the other
+        half stays slack for the allocator and for the rest of the machine), 0 if nothing is left."""
+        if device_free_bytes is None:
+            left = host_free_bytes - self.host_bytes - self.device_bytes
+        else:
+            left = device_free_bytes - self.device_bytes
+        return max(0, left // 2)
+
     def describe(self) -> str:
         """A short table in GiB for logs and `agora-node` start-up output."""
 

@@ -42,6 +42,10 @@ class WorkerConfig(BaseModel):
     gpu_memory: Optional[int] = Field(default=None, gt=0, json_schema_extra={"metavar": "SIZE", "text": True},
                                       description="plan for a card of this much memory (e.g. "
                                       "24GiB) instead of the one present; with --dry-run needs no GPU")
+    kept_activations: Optional[int] = Field(
+        default=None, ge=0, json_schema_extra={"metavar": "SIZE", "text": True},
+        description="memory for keeping forward activations until their backward instead of recomputing them "
+        "(e.g. 4GiB; 0: always recompute); default: half of what the memory plan leaves free")
     max_pending: int = Field(default=1024, ge=1, description="queued requests beyond which new ones are refused")
     stream_idle_timeout_s: float = Field(
         default=120.0, gt=0, description="close a peer's stream after this long without a request")
@@ -94,7 +98,7 @@ class WorkerConfig(BaseModel):
         """What one peer may hold of this worker's RPC server (protocol/stream_limits.py)."""
         return StreamLimits(idle_timeout_s=self.stream_idle_timeout_s, max_streams_per_peer=self.max_streams_per_peer)
 
-    @field_validator("gpu_memory", mode="before")
+    @field_validator("gpu_memory", "kept_activations", mode="before")
     @classmethod
     def _size(cls, value):
         return None if value is None else parse_size(value)

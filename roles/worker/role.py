@@ -34,6 +34,7 @@ from roles.checkpoint_store import CheckpointStore, CheckpointStoreError, resolv
 from roles.periodic import every, wait_any
 from roles.resources import device_memory, host_memory_total_bytes, host_rss_bytes
 from protocol.run_config import RunConfig
+from roles.model.memory_plan import plan_memory
 from roles.model.stage import build_stage_model
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome
@@ -106,6 +107,7 @@ class WorkerRole:
             wire_dtype=getattr(torch, run.boundary_dtype),
             max_delayed_per_step=run.staleness.max_delayed_per_step if self.model.kind == "head" else None,
             forward_gate_timeout_s=run.staleness.forward_gate_timeout_s,
+            kept_activations_bytes=kept_activations_budget(config, run, self.model.kind),
         )
         self.preempt = PreemptSwitch()  # before the averager forks: it shares the switch
         self.runtime.mid_compute = self.preempt.on_compute
@@ -226,6 +228,7 @@ class WorkerRole:
         counters.update(self.averaging.counters)
         counters.update(self.state_server.counters)
         counters.update(self.donor.counters)
+        counters.update({f"kept_activations_{k}": v for k, v in self.runtime.kept.counters.items()})
         if self.checkpoints is not None:
             counters["checkpoints_written"] = self.checkpoints.written
         if self.checkpoint_writer is not None:
@@ -273,6 +276,7 @@ class WorkerRole:
                       "discarded_at_shutdown": sum(self.runtime.discarded_at_shutdown.values()),
                       "discarded_by_step": {str(k): v for k, v in self.runtime.discarded_at_shutdown.items()}},
             "staleness": self.runtime.staleness.summary(),
+            "kept_activations": self.runtime.kept.summary(),
             "mean_batch_size": round(stats.mean_batch_size, 3),
             "joined": self.joined,
             "sync_phases": self.sync.summary(),
@@ -604,3 +608,26 @@ class WorkerRole:
                            "not completed them", sum(discarded.values()), sorted(discarded))
         logger.info("worker left stage %d in %.1fs after %d steps; %d queued requests handed back",
                     self.config.stage, time.monotonic() - started, self.optimizer.local_step, len(leftover))
+
+
+def kept_activations_budget(config: WorkerConfig, run: RunConfig, kind: str) -> int:
+    """--kept-activations, or half of what the stage's memory plan leaves free on its device (host
+    RAM on the CPU). The tail keeps nothing: its forward runs inside its backward."""
+    import psutil
+
+    if kind == "tail":
+        return 0
+    if config.kept_activations is not None:
+        budget = config.kept_activations
+    else:
+        plan = plan_memory(run, config.stage, config.device, config.max_batch)
+        device_free = None
+        if config.device.startswith("cuda") and torch.cuda.is_available():
+            device_free = int(torch.cuda.mem_get_info(torch.device(config.device))[0])
+        budget = plan.kept_activations_budget(device_free, int(psutil.virtual_memory().available))
+    if budget:
+        logger.info("stage %d keeps forward activations for the backward within %.2f GiB (recomputes beyond)",
+                    config.stage, budget / 2**30)
+    else:
+        logger.info("stage %d recomputes every forward in its backward (no memory to keep activations)", config.stage)
+    return budget

@@ -2,8 +2,10 @@
 stage model, one result back to each requester [report 3.3.1.2-3.3.1.4].
 
 Requests are checked here before they are queued, so one malformed request can never spoil a
-batch. Backward recomputes the stage forward from the input the trainer sends back (stage-level
-activation checkpointing): nothing is kept per request between the two passes.
+batch. A head or body stage keeps its forward batch's activations for the backward while its
+memory budget allows (roles/worker/kept_activations.py); otherwise, and whenever the kept graph
+no longer fits the weights, backward recomputes the stage forward from the input the trainer
+sends back (stage-level activation checkpointing [report 3.3.1.4]).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from roles.periodic import Signal
 from roles.worker.optimizer import NonFiniteGradients, StageOptimizer, StepReport
 from roles.worker.step_ledger import StepDue, StepLedger
 from roles.worker.gradient_exchange import Contribution, StepSum
+from roles.worker.kept_activations import KeptActivations, KeptBatch, SavedBytes
 from roles.worker.queues import QueueClosed, Task, TaskKind, TaskQueues, run_batch
 from roles.worker.step_tagger import TagGrant
 
@@ -177,6 +180,7 @@ class StageRuntime:
         forward_gate_timeout_s: float = 5.0,
         autocast_dtype: Optional[torch.dtype] = None,
         wire_dtype: torch.dtype = torch.float32,
+        kept_activations_bytes: int = 0,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -212,6 +216,9 @@ class StageRuntime:
         """Head only: how many more samples than the open step still needs may be in flight here."""
         self.forward_gate_timeout_s = forward_gate_timeout_s
         self._param_names = [name for name, p in model.named_parameters() if p.requires_grad]
+        self.kept = KeptActivations(kept_activations_bytes if model.kind != "tail" else 0)
+        """Forward graphs kept for their backwards (head and body; the tail's forward runs in its backward)."""
+        self._kept_bytes_per_sample = 0
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.failure: Optional[BaseException] = None
@@ -348,7 +355,7 @@ class StageRuntime:
     def withdraw(self, task: Task) -> bool:
         """The caller of a queued request left (it timed out and closed the stream): drop the
         request unrun. False if the compute thread already took it."""
-        dropped = self.queues.discard(task)
+        dropped = self.queues.discard(task) or self.kept.withdraw(task)
         if dropped:
             self.counters["withdrawn_by_caller"] += 1
         return dropped
@@ -372,6 +379,11 @@ class StageRuntime:
             while not self._stop.is_set():
                 self._maybe_step()
                 open_step = self.optimizer.local_step
+                if self.kept.enabled:
+                    ready, recompute = self.kept.due(open_step)
+                    for kept, tasks in ready:
+                        self._run(tasks, functools.partial(self._backward_through, kept))
+                    self._recompute(recompute)
                 limit = None if self.tagging is not None else self._untagged_capacity()[0]
                 ticketed = self.forward_tickets is not None and bool(self.ledger.peers.members)
                 if ticketed:
@@ -388,6 +400,8 @@ class StageRuntime:
                     self._run(batch, self._forward_batch)
                 elif batch[0].step is None and self.tagging is not None:
                     self._run_tagged(batch)
+                elif self.kept.enabled:
+                    self._run_backward_kept(batch)
                 else:
                     self._run(batch, self._backward_batch)
         except BaseException as exc:  # a dead compute thread must bring the node down, not hang it
@@ -447,6 +461,22 @@ class StageRuntime:
             self.counters["forward_gate_waits"] += 1
             self._forwards_paused_until = time.monotonic() + 0.02  # backwards go on meanwhile
 
+    def _run_backward_kept(self, batch: list[Task]) -> None:
+        """Head or body keeping activations: backwards whose forward batch is now complete run
+        through its kept graph; the others park (KeptActivations.take) or recompute."""
+        ready, recompute = self.kept.take(batch, self.optimizer.local_step)
+        for kept, tasks in ready:
+            self._run(tasks, functools.partial(self._backward_through, kept))
+        self._recompute(recompute)
+
+    def _recompute(self, tasks: list[Task]) -> None:
+        """Run backwards by recomputing their forward, in batches of one step and weight version."""
+        groups: dict[object, list[Task]] = {}
+        for task in tasks:
+            groups.setdefault(task.group_key, []).append(task)
+        for group in groups.values():
+            self._run(group, self._backward_batch)
+
     def _observed(self, compute, payloads):
         """Run one batch, telling `on_compute_error` what it raised (run_batch hands it on)."""
         try:
@@ -471,6 +501,7 @@ class StageRuntime:
         """Called on the event loop when a trainer reports a dropped sample of `step`."""
         if sample_id is not None:
             self.forwarded.pop(sample_id)  # its backward will not come: no longer in flight here
+            self.kept.abandon(sample_id)
         taken = self.ledger.abandon(step, self.optimizer.local_step)
         if taken:
             self.queues.wake()
@@ -588,6 +619,7 @@ class StageRuntime:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        leftover += self.kept.drain()  # backwards parked for their forward batch's others
         self.discarded_at_shutdown = self.optimizer.discard_all()
         return leftover
 
@@ -605,17 +637,75 @@ class StageRuntime:
 
     def _forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
         tokens, coords = self._inputs(requests)
-        with torch.no_grad(), self.optimizer.lock, self._autocast():
-            version = self.optimizer.local_step
-            out = self.model(coords, tokens)
+        keep = self.kept.enabled and self.kept.room_for(self._kept_bytes_per_sample * len(requests))
+        if keep:
+            out, version = self._forward_kept(requests, tokens, coords)
+        else:
+            with torch.no_grad(), self.optimizer.lock, self._autocast():
+                version = self.optimizer.local_step
+                out = self.model(coords, tokens)
         if self.mid_compute is not None:
             self.mid_compute("forward")
-        out = out.to(self.wire_dtype).cpu()
+        out = out.detach().to(self.wire_dtype).cpu()
         for request in requests:
             self.forwarded.add(request.sample_id, version)
         self.counters["forward_requests"] += len(requests)
         self.counters["forward_batches"] += 1
         return list(out.unbind(0))
+
+    def _forward_kept(self, requests: list[ForwardRequest], tokens: torch.Tensor, coords: Optional[torch.Tensor]
+                      ) -> tuple[torch.Tensor, int]:
+        """The forward with its graph, kept for the batch's backwards if the budget has room."""
+        if coords is not None:
+            coords.requires_grad_(True)
+        saved = SavedBytes(self.optimizer.params)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved, _unpacked), \
+                self.optimizer.lock, self._autocast():
+            version = self.optimizer.local_step
+            out = self.model(coords, tokens)
+        self._kept_bytes_per_sample = saved.nbytes // len(requests)
+        if self.kept.keep(out, coords, version, [r.sample_id for r in requests], saved.nbytes):
+            self.counters["forward_kept"] += len(requests)
+        return out, version
+
+    def _backward_through(self, kept: KeptBatch, requests: list[BackwardRequest]) -> list[BackwardResult]:
+        """One backward through a kept forward graph: every sample of the forward batch has its
+        output gradient here (`requests`, in row order) or was abandoned (a zero row)."""
+        opt = self.optimizer
+        n = len(requests)
+        rows = [kept.rows[r.sample_id] for r in requests]
+        for r in requests:
+            self.forwarded.pop(r.sample_id)
+        grad = torch.zeros(kept.out.shape, dtype=torch.float32, device=self.device)
+        grad[rows] = torch.stack([r.grad_output for r in requests]).to(self.device, torch.float32)
+        with opt.lock:
+            if opt.local_step != kept.version:  # cannot happen: the step is taken on this thread
+                raise RuntimeError(f"a kept graph of version {kept.version} at step {opt.local_step}")
+            tag = requests[0].step if requests[0].step is not None else opt.local_step
+            offset = tag - opt.local_step
+            if offset < 0:
+                self.ledger.note_late(n)
+            elif offset == 0:
+                self.ledger.arrived()
+            with opt.accumulating(min(offset, 1) if offset >= 0 else -1):
+                kept.out.float().backward(grad)
+                if self.mid_compute is not None:
+                    self.mid_compute("backward")
+            if offset >= 0:
+                opt.add_samples(n, offset=min(offset, 1))
+            used = opt.local_step
+        grads = kept.coords.grad[rows].to(self.wire_dtype).cpu() if kept.coords is not None else None
+        kept.out = kept.coords = None  # the graph's memory goes now, not when the batch object does
+        for _ in range(n):
+            self.staleness.record(0, tag - used)
+        self.counters["backward_requests"] += n
+        self.counters["backward_batches"] += 1
+        self.counters["backward_kept"] += n
+        if offset < 0:
+            self.counters["late_samples"] += n
+        self.changed.fire()
+        return [BackwardResult(grad_input=None if grads is None else grads[i], loss=None, step=tag, version=used)
+                for i in range(n)]
 
     def _previous_weights(self, versions: list[Optional[int]]) -> Optional[dict[str, torch.Tensor]]:
         """The weights the batch's forward ran on, if they are the previous version and kept."""
@@ -693,6 +783,10 @@ class StageRuntime:
             BackwardResult(grad_input=None if grads is None else grads[i], loss=loss_values[i], step=tag, version=used)
             for i in range(n)
         ]
+
+
+def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:
