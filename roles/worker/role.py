@@ -619,6 +619,12 @@ def kept_activations_budget(config: WorkerConfig, run: RunConfig, kind: str) -> 
         return 0
     if config.kept_activations is not None:
         budget = config.kept_activations
+    elif run.staleness.max_delayed_per_step != 0:
+        # Forwards run ahead of the step, so one forward batch holds samples of two steps, whose
+        # backwards cannot share its graph: measured slower than recomputing (demo, gate 4).
+        logger.info("stage %d recomputes every forward in its backward (staleness.max_delayed_per_step is not 0; "
+                    "--kept-activations SIZE keeps them anyway)", config.stage)
+        return 0
     else:
         plan = plan_memory(run, config.stage, config.device, config.max_batch)
         device_free = None
