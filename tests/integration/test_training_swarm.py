@@ -63,6 +63,9 @@ def test_two_stage_swarm_trains_and_accounts_for_every_sample(make_swarm, run_co
         assert worker["counters"].get("backward_unpinned", 0) == 0, "a backward ran off its forward's worker"
     stage0_backward = sum(w["counters"]["backward_requests"] for w in workers.values() if w["stage"] == 0)
     assert stage0_backward == summary["samples_completed"]
+    # the head replicas kept their forwards' activations: most backwards ran through the kept graph
+    stage0_kept = sum(w["counters"].get("backward_kept", 0) for w in workers.values() if w["stage"] == 0)
+    assert stage0_kept >= 0.5 * stage0_backward, [w["kept_activations"] for w in workers.values()]
     assert 240 // 16 <= workers[tail.name]["local_step"] <= 240 // 8  # steps overshoot the target by < 2x
     poll_until(lambda: swarm.survivors() == [], 5, "every process of the swarm's nodes to exit")  # see conftest
 
