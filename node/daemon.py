@@ -10,6 +10,7 @@ children and exits with ExitCode.INTERRUPTED.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import os
@@ -39,6 +40,8 @@ EXIT_LEFT_STAGE = ExitCode.LEFT_STAGE
 
 SHUTDOWN_TIMEOUT_S = 60.0
 """Longest a role gets to drain; a second signal cuts it short."""
+SHUTDOWN_STACKS_AFTER_S = 25.0
+"""A drain still running after this long writes every thread's stack to the log (for the report)."""
 
 
 def _check_stage(settings: NodeSettings, run: RunConfig) -> int:
@@ -316,12 +319,16 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
             metrics.draining()
         if role is not None:
             began = time.monotonic()
+            # A drain that hangs says where: every thread's stack goes to the log once it is late.
+            faulthandler.dump_traceback_later(SHUTDOWN_STACKS_AFTER_S, exit=False)
             try:
                 await asyncio.wait_for(role.shutdown(), SHUTDOWN_TIMEOUT_S)
             except asyncio.TimeoutError:
                 logger.error("the %s did not drain within %.0fs; leaving anyway", settings.role, SHUTDOWN_TIMEOUT_S)
             except Exception:
                 logger.exception("shutdown of the %s was not clean", settings.role)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
             logger.debug("%s drained in %.2fs", settings.role, time.monotonic() - began)
             summary = role.summary()
             print(json.dumps({"summary": summary}), flush=True)

@@ -62,10 +62,21 @@ async def every(period_s: Period, fn: Callable[[], Union[Awaitable[None], None]]
             raise
         except Exception:
             logger.exception("%s failed", name)
+        _raise_if_cancel_swallowed()
         await wait_any(*events, timeout=_seconds(period_s))
         rest = min_interval_s - (time.monotonic() - started)
         if rest > 0 and not stop.is_set():
             await wait_any(stop, timeout=rest)
+
+
+def _raise_if_cancel_swallowed() -> None:
+    """End the loop if this task was cancelled and something inside `fn` swallowed it: Python
+    3.11's `asyncio.wait_for` returns its result when a cancellation lands as it completes, and a
+    loop that went on would keep a leaving node waiting for it (seen: a 60 s drain)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError()
 
 
 def _seconds(period_s: Period) -> Optional[float]:

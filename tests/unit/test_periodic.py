@@ -97,3 +97,25 @@ def test_a_signal_fired_from_another_thread_wakes_every_listener():
 
     asyncio.run(scene())
     Signal().fire()  # no listener: nothing happens
+
+
+@pytest.mark.timeout(10)
+def test_a_cancellation_swallowed_inside_the_call_still_ends_the_loop():
+    """Python 3.11's wait_for can return its result when a cancellation lands as it completes;
+    the loop must not go on (a leaving worker waited 60 s for such a loop)."""
+
+    async def swallowing():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            pass  # what wait_for does when the inner result is ready as the cancel lands
+
+    async def scenario():
+        stop = asyncio.Event()
+        task = asyncio.create_task(every(0.01, swallowing, stop, name="swallow"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 2)
+
+    asyncio.run(scenario())
