@@ -91,6 +91,19 @@ def _require_fit(settings: NodeSettings, run: RunConfig, stage: int, device: str
     logger.info("memory plan for stage %d on %s:\n%s", stage, device, check.report)
 
 
+def _pending_tasks() -> str:
+    """The event loop's unfinished tasks and where each waits, for the report of a hung drain."""
+    here = asyncio.current_task()
+    described = []
+    for task in asyncio.all_tasks():
+        if task is here or task.done():
+            continue
+        frames = task.get_stack(limit=1)
+        where = f"{frames[-1].f_code.co_filename}:{frames[-1].f_lineno}" if frames else "?"
+        described.append(f"{task.get_name()} at {where}")
+    return "; ".join(sorted(described)) or "none"
+
+
 def _gib(n: Optional[int]) -> str:
     return "unknown" if n is None else f"{n / 2**30:.2f} GiB"
 
@@ -324,7 +337,8 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
             try:
                 await asyncio.wait_for(role.shutdown(), SHUTDOWN_TIMEOUT_S)
             except asyncio.TimeoutError:
-                logger.error("the %s did not drain within %.0fs; leaving anyway", settings.role, SHUTDOWN_TIMEOUT_S)
+                logger.error("the %s did not drain within %.0fs; leaving anyway; tasks still running: %s",
+                             settings.role, SHUTDOWN_TIMEOUT_S, _pending_tasks())
             except Exception:
                 logger.exception("shutdown of the %s was not clean", settings.role)
             finally:
