@@ -58,10 +58,11 @@ class KeptBatch:
 
 class SavedBytes:
     """Counts the bytes autograd saves for backward in a forward, not counting the stage's own
-    parameters (saved by reference, they cost nothing more)."""
+    parameters (saved by reference, they cost nothing more; `param_storages`: their storages'
+    data pointers, which in-place optimizer steps leave unchanged)."""
 
-    def __init__(self, params: list[torch.Tensor]):
-        self._seen = {p.untyped_storage().data_ptr() for p in params}
+    def __init__(self, param_storages: frozenset[int]):
+        self._seen = set(param_storages)
         self.nbytes = 0
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:

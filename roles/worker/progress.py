@@ -122,8 +122,8 @@ class StageProgress:
     async def read_soon(self) -> None:
         """Read the stage's records now, for a replica that heard from a peer it does not know yet
         (one that found our record before we found its): calls while a read is under way wait for
-        that read, and a read that ended under MIN_REREAD_S ago is not repeated, so unknown callers
-        cannot make this worker hammer the DHT."""
+        that read, and none starts within MIN_REREAD_S of the last one's start (a periodic read may
+        be under way then), so unknown callers cannot make this worker hammer the DHT."""
         if self._reading is None:
             if time.monotonic() - self._last_read < MIN_REREAD_S:
                 return

@@ -219,6 +219,7 @@ class StageRuntime:
         self.kept = KeptActivations(kept_activations_bytes if model.kind != "tail" else 0)
         """Forward graphs kept for their backwards (head and body; the tail's forward runs in its backward)."""
         self._kept_bytes_per_sample = 0
+        self._param_storages = frozenset(p.untyped_storage().data_ptr() for p in optimizer.params)
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.failure: Optional[BaseException] = None
@@ -658,7 +659,7 @@ class StageRuntime:
         """The forward with its graph, kept for the batch's backwards if the budget has room."""
         if coords is not None:
             coords.requires_grad_(True)
-        saved = SavedBytes(self.optimizer.params)
+        saved = SavedBytes(self._param_storages)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved, _unpacked), \
                 self.optimizer.lock, self._autocast():
             version = self.optimizer.local_step

@@ -5,6 +5,8 @@ backward waits too long or the budget is spent, and hands parked backwards back 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -45,6 +47,17 @@ def run_backwards(runtime, run, stage: int, ids: list[int]) -> list:
     return replies.wait([f"s{i}" for i in ids])
 
 
+@contextlib.contextmanager
+def runtimes(run, stage: int, *budgets: int):
+    """Body or head runtimes (not started) with these kept-activation budgets, stopped after."""
+    made = [make_runtime(run, stage, start=False, kept_activations_bytes=b) for b in budgets]
+    try:
+        yield made
+    finally:
+        for runtime in made:
+            runtime.stop(5)
+
+
 def gradients(runtime) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in runtime.optimizer.params])
 
@@ -52,9 +65,7 @@ def gradients(runtime) -> torch.Tensor:
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_kept_forward_gives_the_gradients_a_recomputed_one_does(stage):
     run = make_run(16)
-    kept = make_runtime(run, stage, start=False, kept_activations_bytes=GIB)
-    recomputing = make_runtime(run, stage, start=False)
-    try:
+    with runtimes(run, stage, GIB, 0) as (kept, recomputing):
         out_kept = run_forwards(kept, run, stage, [0, 1, 2, 3])
         out_recomputed = run_forwards(recomputing, run, stage, [0, 1, 2, 3])
         for a, b in zip(out_kept, out_recomputed):
@@ -78,16 +89,11 @@ def test_a_kept_forward_gives_the_gradients_a_recomputed_one_does(stage):
         assert kept.counters["backward_kept"] == 4 and recomputing.counters["backward_kept"] == 0
         assert kept.optimizer.samples_accumulated == recomputing.optimizer.samples_accumulated == 4
         assert kept.kept.summary()["bytes_kept"] == 0, "the graph is gone once its backward ran"
-    finally:
-        kept.stop(5)
-        recomputing.stop(5)
 
 
 def test_an_abandoned_sample_is_a_zero_row_and_its_batch_runs_without_it():
     run = make_run(16)
-    kept = make_runtime(run, 1, start=False, kept_activations_bytes=GIB)
-    recomputing = make_runtime(run, 1, start=False)
-    try:
+    with runtimes(run, 1, GIB, 0) as (kept, recomputing):
         run_forwards(kept, run, 1, [0, 1, 2])
         run_forwards(recomputing, run, 1, [0, 1, 2])
         replies = Replies()
@@ -98,16 +104,12 @@ def test_an_abandoned_sample_is_a_zero_row_and_its_batch_runs_without_it():
         run_backwards(recomputing, run, 1, [0, 1])
         torch.testing.assert_close(gradients(kept), gradients(recomputing), rtol=1e-4, atol=1e-6)
         assert kept.counters["backward_kept"] == 2
-    finally:
-        kept.stop(5)
-        recomputing.stop(5)
 
 
 def test_a_backward_whose_batch_mates_do_not_come_recomputes_after_the_wait():
     run = make_run(16)
-    kept = make_runtime(run, 1, start=False, kept_activations_bytes=GIB)
-    kept.kept.park_s = 0.2
-    try:
+    with runtimes(run, 1, GIB) as (kept,):
+        kept.kept.park_s = 0.2
         run_forwards(kept, run, 1, [0, 1])
         [result] = run_backwards(kept, run, 1, [0])
         assert result.step == 0 and kept.optimizer.samples_accumulated == 1
@@ -115,20 +117,15 @@ def test_a_backward_whose_batch_mates_do_not_come_recomputes_after_the_wait():
         assert summary["samples_recomputed_late"] == 1 and kept.counters["backward_kept"] == 0
         [again] = run_backwards(kept, run, 1, [1])  # its graph is gone: it recomputes at once
         assert again.step == 0 and kept.kept.summary()["samples_recomputed_unkept"] == 1
-    finally:
-        kept.stop(5)
 
 
 def test_over_the_budget_the_forward_keeps_nothing_and_backward_recomputes():
     run = make_run(16)
-    kept = make_runtime(run, 1, start=False, kept_activations_bytes=1024)
-    try:
+    with runtimes(run, 1, 1024) as (kept,):
         run_forwards(kept, run, 1, [0, 1])
         assert kept.kept.summary()["batches_over_budget"] == 1 and kept.counters["forward_kept"] == 0
         run_backwards(kept, run, 1, [0, 1])
         assert kept.counters["backward_kept"] == 0 and kept.optimizer.samples_accumulated == 2
-    finally:
-        kept.stop(5)
 
 
 def test_a_stopping_worker_hands_back_the_backwards_it_parked():
