@@ -91,7 +91,7 @@ class FakeAverager:
             "gathered": {"me": dict(gather), "other": {**gather, **({} if self.other_values is None
                                                                    else {"values": self.other_values})}},
             "telemetry": {
-                "peers": ["me", "other"], "modes": ["node", "node"], "slice_sizes": [half, size - half],
+                "peers": ["me", "other"], "index": 0, "modes": ["node", "node"], "slice_sizes": [half, size - half],
                 "fell_back": self.fell_back, "allreduce_s": 0.1,
                 "reducer": {"slice": half, "received": {"me": half, "other": 0 if self.rejected else half},
                             "banned": sorted(self.rejected), "rejected": self.rejected},
@@ -148,6 +148,7 @@ def test_a_slice_that_did_not_come_back_keeps_local_values_and_is_reported():
     assert failed.reducer == "other" and failed.failed_elements == 6 and failed.end == sets.buffer_size
     assert record.averaging_success == pytest.approx(1 - 6 / sets.buffer_size)
     assert "did not come back" in record.failure_reason
+    assert outcome.delivered_senders == ["other"], "its part reached this reducer: alive, in a repair"
 
 
 def test_a_round_in_which_no_slice_came_back_whole_failed():
@@ -168,6 +169,7 @@ def test_a_sender_the_reducer_rejected_is_named_in_the_round_report():
     assert record.banned_senders == ["other"]
     assert "rejected sender(s) ...other (values that are not finite)" in record.failure_reason
     assert "banned sender(s)" not in record.failure_reason, "named once, as rejected"
+    assert outcome.delivered_senders == []
 
 
 def test_a_failed_or_non_finite_round_changes_nothing():

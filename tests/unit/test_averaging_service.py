@@ -442,3 +442,25 @@ def test_an_averager_that_never_serves_is_an_error_not_a_hang(monkeypatch):
     with pytest.raises(AveragingError, match="attempt 2 of 2"):
         averager.start(timeouts_s=(0.3, 0.3))
     assert all(fork.process.exitcode is not None for fork in forks)
+
+
+def test_a_repair_counts_in_a_reducer_whose_slice_timed_out_here_but_whose_part_arrived():
+    """Replicas a, b and me; a died mid-round, and b's slice did not come back here either because
+    b waited out a before it answered. b's own part reached this reducer whole, so b is alive: the
+    repair is among b and me. Without that part, b counts as lost too and nothing is repaired."""
+    from protocol.dht_schema import FailedSliceRecord
+
+    service, _ = _service(FakeSwarm())
+    plan = RoundPlan("clock", 5, 1, 1.0, 3, "active")
+    failed = [FailedSliceRecord(reducer="a", start=0, end=10, failed_elements=10),
+              FailedSliceRecord(reducer="b", start=10, end=20, failed_elements=4)]
+    seen = RoundOutcome(plan, "d", RoundStatus.PARTIAL, group=["a", "b", "me"], failed_slices=failed,
+                        banned_senders=["a"], delivered_senders=["b"])
+    repair = service._repair_plan(seen)
+    assert repair is not None and repair.kind == "repair" and repair.round == 5 and repair.segment == 1
+    assert repair.expected_group_size == 2
+    unseen = RoundOutcome(plan, "d", RoundStatus.PARTIAL, group=["a", "b", "me"], failed_slices=failed,
+                          banned_senders=["a"])
+    assert service._repair_plan(unseen) is None
+    only_a = RoundOutcome(plan, "d", RoundStatus.PARTIAL, group=["a", "b", "me"], failed_slices=failed[:1])
+    assert service._repair_plan(only_a).expected_group_size == 2

@@ -88,6 +88,9 @@ class RoundOutcome:
     rejected_senders: dict[str, str] = field(default_factory=dict)
     """Of those, the ones whose parts were rejected (not finite, absurd weight or norm), with why."""
     mismatched_peers: list[str] = field(default_factory=list)
+    delivered_senders: list[str] = field(default_factory=list)
+    """Senders whose whole part of this reducer's slice arrived: alive and in the round, even if
+    their own slice did not come back here in time (the repair counts them in)."""
     group_refused: bool = False
     """This replica refused the group its leader assembled (a member was no credentialed worker of
     the stage, access.py): the round failed, but not through any fault of this replica's."""
@@ -311,13 +314,17 @@ class SegmentRound:
             start += size
         averaging_success = max(0.0, 1.0 - failed_total / buffer_size)
 
-        reduce_success, banned, rejected = None, [], {}
+        reduce_success, banned, rejected, delivered = None, [], {}, []
         view = telemetry.get("reducer")
         if view is not None and view["received"]:
             expected = view["slice"] * len(view["received"])
             reduce_success = sum(view["received"].values()) / expected if expected else 1.0
             rejected = dict(view.get("rejected") or {})
             banned = sorted(set(view["banned"]) | set(rejected))
+            index = telemetry.get("index")
+            me = peers[index] if isinstance(index, int) and 0 <= index < len(peers) else None
+            delivered = sorted(peer for peer, n in view["received"].items()
+                               if n >= view["slice"] and peer not in banned and peer != me)
             if rejected:
                 named = ", ".join(f"{_short(peer)} ({why})" for peer, why in sorted(rejected.items()))
                 reasons.append(f"rejected sender(s) {named}")
@@ -346,7 +353,7 @@ class SegmentRound:
         return RoundOutcome(
             plan, index_set.digest, status, duration_s, group=peers, reduce_success=reduce_success,
             averaging_success=averaging_success, failure_reason="; ".join(reasons), failed_slices=failed_slices,
-            banned_senders=banned, rejected_senders=rejected, mismatched_peers=mismatched,
+            banned_senders=banned, rejected_senders=rejected, mismatched_peers=mismatched, delivered_senders=delivered,
             allreduce_s=telemetry.get("allreduce_s"), bytes_sent=sent, bytes_received=received,
         )
 

@@ -402,20 +402,24 @@ class AveragingService:
 
     def _repair_plan(self, outcome: RoundOutcome) -> Optional[RoundPlan]:
         """After a round in which a reducer died: hivemind left its slice at local values on every
-        survivor, so the survivors (all of them saw the same slice fail) average the segment again,
-        among themselves, under the key `repair/<round>`. The slices that were averaged are equal
+        survivor, so the survivors average the segment again, among themselves, under the key
+        `repair/<round>`. A survivor counts as one if it is alive by what this replica saw: not a
+        reducer whose slice failed here, unless its own part still reached this replica whole. The slices that were averaged are equal
         on every survivor but for the steps taken since, so averaging them again is harmless; the
         lost one is averaged after all. None when there is nothing to repair."""
         plan = outcome.plan
         if (not self.config.repair_lost_slices or plan.kind == "repair" or outcome.status != RoundStatus.PARTIAL
                 or not outcome.failed_slices):
             return None
-        lost = {failed.reducer for failed in outcome.failed_slices}
+        # A reducer whose slice did not come back here but whose own part reached this replica
+        # is alive and was in the round: its slice timed out while it waited out the dead one.
+        lost = {failed.reducer for failed in outcome.failed_slices} - set(outcome.delivered_senders)
         survivors = [peer for peer in outcome.group if peer not in lost]
         if len(survivors) < 2 or self.swarm.peer_id not in survivors:
             return None
+        failed = {failed.reducer for failed in outcome.failed_slices}
         logger.info("%s round %d lost the slice(s) of reducer(s) %s: repairing it with the %d survivors", plan.kind,
-                    plan.round, ", ".join(sorted(peer[-6:] for peer in lost)), len(survivors))
+                    plan.round, ", ".join(sorted(peer[-6:] for peer in failed)), len(survivors))
         self._counts["rounds_repaired"] += 1
         return RoundPlan("repair", plan.round, plan.segment, plan.weight, len(survivors), plan.phase)
 
