@@ -230,6 +230,72 @@ class StepGradientsReply(WireModel):
     consumed: int = Field(default=0, ge=0)
 
 
+PeerIdText = Annotated[str, Field(min_length=1, max_length=128)]
+
+MAX_CHAIN_STAGES = 64
+"""Stages one chained sample may name; far more than any run has."""
+
+
+class ChainHop(WireModel):
+    """One stage of a chained sample's route: the workers to try for it, the trainer's choice
+    first (its load-aware balancer), then the others in the order it would pick them."""
+
+    stage: int = Field(ge=0)
+    workers: list[PeerIdText] = Field(min_length=1, max_length=8)
+    skippable: bool = False
+    """A body stage the sample may be routed around when none of `workers` can be reached (the
+    run's `skipping:` rules, as the trainer applies them)."""
+
+
+class ChainRequest(WireModel):
+    """Worker-to-worker routing [issue 23]: run this stage's part of a training sample and pass
+    its output on to the next stage of `route` yourself. A body or the head forwards, sends its
+    coordinates to the next hop, and when the reply comes back runs its own backward with the
+    gradient and the step tag in it; the tail fuses loss forward and backward, as for a
+    BackwardRequest. `route` lists the stages after this one (a skipped body stage is left out);
+    `budget_s` is what is left of the trainer's time for this stage and all after it."""
+
+    stage: int = Field(ge=0)
+    sample_id: SampleId
+    tokens: WireTensor
+    coords: Optional[WireTensor] = None
+    route: list[ChainHop] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
+    budget_s: float = Field(gt=0, le=3600)
+
+
+class ChainStage(WireModel):
+    """What one stage did with a chained sample."""
+
+    stage: int = Field(ge=0)
+    worker: str = Field(default="", max_length=128)
+    """The worker that ran it; "" when none of the route's workers for the stage took the sample."""
+    version: Optional[int] = Field(default=None, ge=0)
+    """The weight version its gradient was taken at (None: it ran no backward)."""
+    elapsed_s: float = Field(ge=0)
+    """Time the sample spent at this worker, its queues included and the later stages not."""
+    failed: list[PeerIdText] = Field(default_factory=list, max_length=8)
+    """Workers of this stage tried before `worker` that did not take the sample."""
+    skipped: bool = False
+    """None of the stage's workers could be reached and the sample went around it."""
+
+
+class ChainReply(WireModel):
+    """The outcome of a chained sample from this stage on. Completed: the loss, the step tag, and
+    (to the previous stage's worker) the gradient at this stage's input. Dropped: why, and which
+    stages hold a tagged sample that will never get its backward (they are told with an abandon)."""
+
+    stages: list[ChainStage] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
+    loss: Optional[float] = None
+    step: Optional[int] = Field(default=None, ge=0)
+    grad_input: Optional[WireTensor] = None
+    dropped: Optional[str] = Field(default=None, max_length=64)
+    """A SampleDropped reason (`worker_failures`, `backward_failed`, `rejected`, ...); None: completed."""
+    detail: str = Field(default="", max_length=2048)
+    unreached: list[ChainHop] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
+    """Of a dropped sample with a step tag: the stages (and workers) whose backward it never
+    reached, to be told with an abandon notice; the tail is never among them."""
+
+
 class InfoRequest(WireModel):
     pass
 

@@ -472,6 +472,28 @@ class SkippingConfig(BaseModel):
     )
 
 
+class RoutingConfig(BaseModel):
+    """How a training sample travels the pipeline [issue 23]. `trainer`: the trainer calls every
+    stage itself, forward head to tail and backward tail to head (2 network hops per stage and
+    direction, the coordinates of every boundary through the trainer). `workers`: the trainer
+    hands the sample to the head with a route, each stage passes its output to the next stage's
+    worker and the backward returns the same way, each stage on the worker that ran its forward;
+    the trainer gets the loss and the outcome (1 hop per stage and direction)."""
+
+    model_config = _FROZEN
+
+    path: Literal["trainer", "workers"] = Field(
+        default="trainer",
+        description="`trainer`: the trainer calls each stage in turn; `workers`: each stage's worker "
+        "passes the sample on to the next stage's worker (worker-to-worker routing).",
+    )
+    candidates: int = Field(
+        default=3, ge=1, le=8,
+        description="With path `workers`: workers named per stage in a sample's route, the "
+        "trainer's choice first; a stage whose workers all fail drops the sample.",
+    )
+
+
 class SwitchRule(BaseModel):
     """A self-termination rule with no threshold: it fires on its first cause."""
 
@@ -600,6 +622,10 @@ class RunConfig(BaseModel):
         description="Whether trainers route around a body stage with no reachable worker.",
     )
 
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig,
+        description="How samples travel the pipeline: through the trainer, or worker to worker.",
+    )
     termination: TerminationConfig = Field(
         default_factory=TerminationConfig,
         description="When a worker leaves its stage on its own (self-termination rules).",

@@ -11,6 +11,8 @@ HANDLER_PREFIX = "agora/v1/"
 FORWARD = HANDLER_PREFIX + "forward"
 BACKWARD = HANDLER_PREFIX + "backward"
 INFO = HANDLER_PREFIX + "info"
+CHAIN = HANDLER_PREFIX + "chain"
+"""A training sample routed worker to worker (protocol/messages.py ChainRequest, roles/worker/chain.py)."""
 STATE = HANDLER_PREFIX + "state"
 """A stage replica's parameters, served in chunks to a joining worker [report 3.3.1.1]; the
 fallback for donors without STATE_MANIFEST."""

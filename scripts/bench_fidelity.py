@@ -158,6 +158,8 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
         staleness["max_delayed_per_step"] = None
     if staleness:
         overrides["staleness"] = staleness
+    if args.routing != "trainer":
+        overrides["routing"] = {"path": args.routing}
     return load_run_config("tiny", overrides)
 
 
@@ -704,7 +706,8 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
                    "lanes": LANES, "target_batch_size": run.target_batch_size, "steps": steps, "samples": total,
                    "seq_len": run.seq_len, "worker_max_batch": setting.worker_max_batch,
                    "optimizer": run.optimizer.model_dump(mode="json"), "averaging": averaging,
-                   "staleness": run.staleness.model_dump(mode="json"), "churn": bool(args.churn)},
+                   "staleness": run.staleness.model_dump(mode="json"), "churn": bool(args.churn),
+                   "routing": run.routing.path},
     }
     errors: list[str] = []
     started = time.monotonic()
@@ -944,6 +947,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="run config averaging.enabled = false even with replicas")
     p.add_argument("--noise-runs", type=int, default=None,
                    help="reshuffled reference runs that measure order noise (default 3, 0 with --quick)")
+    p.add_argument("--routing", choices=("trainer", "workers"), default="trainer",
+                   help="run config routing.path: the trainer calls each stage (default), or worker to worker")
     p.add_argument("--out", metavar="PATH", help="also write the JSON result to PATH")
     p.add_argument("--keep-logs", action="store_true", help="keep node and sample logs and print where they are")
     args = p.parse_args(argv)

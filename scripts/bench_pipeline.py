@@ -142,6 +142,8 @@ class Windows:
     swarm_lanes_per_trainer: int = 4
     metrics_window_s: float = 10.0
     metrics_pairs: int = 3
+    routing: tuple[str, ...] = ("trainer", "workers")
+    """Routing paths (a) measures side by side; the lane sweep (b) and the rest use the trainer's."""
 
 
 FULL = Windows(swarm_window_s=20.0, lanes_window_s=15.0, warmup_samples=48, warmup_s=4.0,
@@ -609,13 +611,15 @@ async def measure_idle_cpu(workers, window_s: float) -> dict:
 
 
 async def measure_trainers(swarm, probe: SwarmProbe, run, workers, *, trainers: int, lanes: int,
-                           windows: Windows, window_s: float, sample_rss: bool = False) -> dict:
+                           windows: Windows, window_s: float, sample_rss: bool = False,
+                           config: Optional[str] = None) -> dict:
     """Start `trainers` trainers with `lanes` lanes each against the running workers, warm up,
-    measure one steady window, then stop them (sampling the first trainer's memory just before)."""
+    measure one steady window, then stop them (sampling the first trainer's memory just before).
+    `config`: another run-config file of the same run for the trainers (its routing path)."""
     nodes = [
         swarm.start("trainer", name=f"trainer-l{lanes}x{trainers}-{i}", wait_ready=False, args=[
             "--lanes", str(lanes), "--shard-index", str(i), "--num-shards", str(trainers),
-            "--discovery-period-s", "2", "--announce-period-s", "1"])
+            "--discovery-period-s", "2", "--announce-period-s", "1", *(["--config", config] if config else [])])
         for i in range(trainers)
     ]
     result: dict[str, Any] = {"trainers": trainers, "lanes_per_trainer": lanes, "lanes_total": trainers * lanes}
@@ -645,10 +649,20 @@ async def measure_trainers(swarm, probe: SwarmProbe, run, workers, *, trainers: 
     result["trainer_summaries"] = [
         None if s is None else {k: s.get(k) for k in ("samples_completed", "samples_dropped", "dropped_by_reason",
                                                       "tokens_per_s", "wall_s", "forward_retries",
-                                                      "backward_fallbacks", "last_loss")}
+                                                      "backward_fallbacks", "last_loss", "routing")}
         for s in summaries
     ]
     return result
+
+
+def _routing_config(swarm, path: str) -> str:
+    """The swarm's run-config file with `routing.path` set to `path`, written beside it."""
+    from protocol.run_config import dump_run_config, load_run_config
+
+    run = load_run_config(swarm.config)
+    target = os.path.join(os.path.dirname(swarm.config), f"run-{path}.yaml")
+    dump_run_config(run.model_copy(update={"routing": run.routing.model_copy(update={"path": path})}), target)
+    return target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -943,6 +957,24 @@ async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dic
             },
         }
 
+        if "workers" in windows.routing:
+            log(f"[{time.monotonic() - t0:5.1f}s] (a) the same, worker-to-worker routing")
+            workers_config = _routing_config(swarm, "workers")
+            started = time.monotonic()
+            chained = await measure_trainers(swarm, probe, run, workers, trainers=2,
+                                             lanes=windows.swarm_lanes_per_trainer, windows=windows,
+                                             window_s=windows.swarm_window_s, config=workers_config)
+            overheads.append(time.monotonic() - started - chained["window_s"])
+            out["swarm_vs_centralized"]["workers_path"] = {
+                "ratio": rounded(chained["tokens_per_s"] / central["tokens_per_s"]),
+                "ratio_vs_fastest_centralized": rounded(chained["tokens_per_s"] / best_central),
+                "swarm_tokens_per_s": chained["tokens_per_s"],
+                "vs_trainer_path": rounded(chained["tokens_per_s"] / swarm_run["tokens_per_s"]),
+                "swarm": chained,
+                "method": ("as `swarm` above, on the same workers right after it, with the trainers' run config "
+                           "saying routing.path: workers (each stage's worker passes the sample to the next)"),
+            }
+
         runs = []
         for i, lanes in enumerate(LANES):
             # On a busy machine, starting and stopping trainers slows down: shorten the windows
@@ -1078,6 +1110,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--metrics-pairs", type=int, metavar="N",
                    help="pairs of metrics-on/off windows (default 3); more pairs average out a noisy machine")
     p.add_argument("--metrics-window-s", type=float, metavar="S", help="seconds of each metrics window (default 10)")
+    p.add_argument("--routing", choices=("both", "trainer"), default="both",
+                   help="(a) with both routing paths side by side (default), or the trainer-driven one only")
     return p.parse_args(argv)
 
 
@@ -1087,6 +1121,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.metrics_pairs is not None or args.metrics_window_s is not None:
         windows = dataclasses.replace(windows, metrics_pairs=args.metrics_pairs or windows.metrics_pairs,
                                       metrics_window_s=args.metrics_window_s or windows.metrics_window_s)
+    if args.routing == "trainer":
+        windows = dataclasses.replace(windows, routing=("trainer",))
     if args.idle_window_s is not None or args.only == "idle":
         windows = dataclasses.replace(windows, idle_window_s=args.idle_window_s or 30.0)
     started = time.monotonic()

@@ -24,6 +24,7 @@ from protocol.run_config import RunConfig
 from roles.periodic import every, wait_any
 from roles.trainer.accounting import SampleAccounting
 from roles.trainer.balancer import StageBalancer
+from roles.trainer.chained import ChainedRouting
 from roles.trainer.config import TrainerConfig
 from roles.trainer.data import Sample, make_sample_stream, trainer_data
 from roles.trainer.discovery import WorkerDiscovery
@@ -72,6 +73,8 @@ class TrainerRole:
             max_attempts=config.max_attempts, timeout_s=config.request_timeout_s,
             on_no_workers=self.discovery.request_refresh, skipping=self.skipping,
         )
+        self.chained = ChainedRouting(self.driver, run.routing) if run.routing.path == "workers" else None
+        """Worker-to-worker routing (run config `routing.path: workers`); None: the trainer calls each stage."""
         self.stream = make_sample_stream(
             trainer_data(config.data, run), config.tokenizer, run.seq_len, config.shard_index, config.num_shards,
             run.seed, epochs=None, data_dir=config.data_dir,
@@ -205,7 +208,10 @@ class TrainerRole:
             if sample is None:
                 return
             try:
-                result = await self.driver.train_sample(sample.sample_id, sample.tokens)
+                if self.chained is not None:
+                    result = await self.chained.train_sample(sample.sample_id, sample.tokens)
+                else:
+                    result = await self.driver.train_sample(sample.sample_id, sample.tokens)
             except SampleDropped as exc:
                 self.accounting.drop(exc.reason)
                 self._ended(sample)
@@ -315,6 +321,7 @@ class TrainerRole:
             **self.accounting.summary(),
             "wall_s": round(wall, 3),
             "tokens_per_s": round(self.accounting.tokens / wall, 2) if wall > 0 else 0.0,
+            "routing": self.run_config.routing.path,
             "forward_retries": self.driver.stats.forward_retries,
             "backward_fallbacks": self.driver.stats.backward_fallbacks,
             "served": served,

@@ -39,6 +39,7 @@ from roles.model.stage import build_stage_model
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome
 from roles.worker.averaging.service import AveragingService
+from roles.worker.chain import ChainHandler, StageDirectory
 from roles.worker.checkpoint import StageCheckpoints
 from roles.worker.config import WorkerConfig
 from roles.worker.donor_client import load_from_donors
@@ -124,6 +125,10 @@ class WorkerRole:
         self.runtime.test_nan_gradients_after_steps = config.test_nan_gradients_after_steps
         self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches,
                                        fail_forwards=config.test_fail_forwards)
+        self.chain_client = RpcClient(p2p, timeout_s=run.staleness.forward_gate_timeout_s, authenticator=authenticator)
+        """Calls to the next stage's workers for chained samples (routing.path `workers`)."""
+        self.chain = ChainHandler(self.handlers, self.chain_client, p2p, StageDirectory(swarm.get, run.run_id),
+                                  peer_id=swarm.peer_id, num_stages=run.num_stages)
         self.announcer = Announcer(
             swarm, workers_key(run.run_id, config.stage), self._record, period_s=config.announce_period_s
         )
@@ -277,6 +282,7 @@ class WorkerRole:
                       "discarded_by_step": {str(k): v for k, v in self.runtime.discarded_at_shutdown.items()}},
             "staleness": self.runtime.staleness.summary(),
             "kept_activations": self.runtime.kept.summary(),
+            "chained": dict(self.chain.counters),
             "mean_batch_size": round(stats.mean_batch_size, 3),
             "joined": self.joined,
             "sync_phases": self.sync.summary(),
@@ -304,6 +310,8 @@ class WorkerRole:
         await self.server.add_handler(version.BACKWARD, self.handlers.backward, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.EVALUATE, self.handlers.evaluate, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.ABANDON, self.handlers.abandon, roles=frozenset({"trainer"}))
+        # A chained sample comes from a trainer (at the head) or from the previous stage's worker.
+        await self.server.add_handler(version.CHAIN, self.chain.chain, roles=frozenset({"trainer", "worker"}))
         await self.server.add_handler(version.INFO, self.handlers.info)
         self.state = WorkerState.ONLINE
         await self.announcer.announce_now()
@@ -600,6 +608,7 @@ class WorkerRole:
             await asyncio.to_thread(self.checkpoint_writer.close, CHECKPOINT_UPLOAD_GRACE_S)
         if self._probe_client is not None:
             await self._probe_client.close()
+        await self.chain_client.close()
         await self.server.shutdown()
         self.state = WorkerState.STOPPED
         discarded = self.runtime.discarded_at_shutdown

@@ -498,6 +498,13 @@ class StageRuntime:
         step = opt.local_step
         return (opt.samples_accumulated + ledger.abandoned(step), opt.next_accumulated + ledger.abandoned(step + 1))
 
+    def forget_forward(self, sample_id: str) -> None:
+        """A forward ran here but its sample will not come back for the backward (a chained
+        sample dropped after this stage, before any step tag): release its kept activations and
+        its place among the forwards in flight."""
+        self.forwarded.pop(sample_id)
+        self.kept.abandon(sample_id)
+
     def abandon(self, step: int, sample_id: Optional[str] = None) -> bool:
         """Called on the event loop when a trainer reports a dropped sample of `step`."""
         if sample_id is not None:

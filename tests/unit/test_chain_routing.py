@@ -1,0 +1,141 @@
+"""Worker-to-worker routing's edges that need no network: the chain request's bounds, the route a
+worker accepts, where it looks up the next stage's workers, and what the trainer's balancers learn
+from a chain's reply."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from protocol.dht_schema import Phase, WorkerRecord
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import ChainHop, ChainReply, ChainRequest, ChainStage, parse_model, to_body
+from protocol.run_config import RoutingConfig
+from roles.trainer.balancer import StageBalancer, WorkerView
+from roles.trainer.chained import ChainedRouting
+from roles.trainer.pipeline import PipelineDriver, SampleDropped
+from roles.worker.chain import ChainHandler, StageDirectory
+
+TOKENS = torch.arange(8, dtype=torch.int64)
+
+
+def _request(**fields):
+    body = to_body(ChainRequest(stage=0, sample_id="s", tokens=TOKENS, route=[ChainHop(stage=1, workers=["w"])],
+                                budget_s=5.0))
+    body.update(fields)
+    return body
+
+
+@pytest.mark.parametrize("fields", [
+    {"budget_s": 0.0}, {"budget_s": -1.0}, {"budget_s": 1e9},
+    {"route": [{"stage": 1, "workers": []}]},
+    {"route": [{"stage": 1, "workers": ["w"] * 9}]},
+    {"route": [{"stage": 1, "workers": ["w"]}] * 65},
+    {"route": [{"stage": -1, "workers": ["w"]}]},
+    {"route": [{"stage": 1, "workers": ["x" * 129]}]},
+])
+def test_a_chain_request_out_of_bounds_is_refused(fields):
+    with pytest.raises(ProtocolError) as refused:
+        parse_model(ChainRequest, _request(**fields))
+    assert refused.value.code == ErrorCode.INVALID_REQUEST
+
+
+class _Runtime:
+    def __init__(self, stage, kind):
+        self.stage, self.kind = stage, kind
+
+
+class _Handlers:
+    def __init__(self, stage, kind):
+        self.runtime = _Runtime(stage, kind)
+
+
+def _handler(stage, kind, num_stages=4):
+    return ChainHandler(_Handlers(stage, kind), client=None, p2p=None, directory=None, peer_id="me",
+                        num_stages=num_stages)
+
+
+@pytest.mark.parametrize("stage, kind, route, ok", [
+    (0, "head", [1, 2, 3], True),
+    (0, "head", [1, 3], True),          # stage 2 skipped
+    (1, "body", [2, 3], True),
+    (3, "tail", [], True),
+    (0, "head", [1, 2], False),         # does not end at the tail
+    (0, "head", [2, 1, 3], False),      # out of order
+    (1, "body", [1, 2, 3], False),      # names its own stage
+    (0, "head", [], False),
+    (3, "tail", [3], False),
+])
+def test_a_worker_takes_only_a_route_of_later_stages_that_ends_at_the_tail(stage, kind, route, ok):
+    request = ChainRequest(stage=stage, sample_id="s", tokens=TOKENS, budget_s=5.0,
+                           route=[ChainHop(stage=s, workers=["w"]) for s in route])
+    handler = _handler(stage, kind)
+    if ok:
+        handler._check_route(request)
+    else:
+        with pytest.raises(ProtocolError):
+            handler._check_route(request)
+
+
+def test_the_directory_lists_only_live_workers_of_the_stage_and_reads_at_most_once_a_second():
+    reads = []
+
+    async def get(key, model):
+        reads.append(key)
+        await asyncio.sleep(0.01)
+        return {"a": WorkerRecord(stage=2, max_batch=1, throughput=1.0, maddrs=["/ip4/127.0.0.1/tcp/1"]),
+                "b": WorkerRecord(stage=2, phase=Phase.LEAVING, max_batch=1, throughput=1.0),
+                "c": WorkerRecord(stage=1, max_batch=1, throughput=1.0)}
+
+    async def main():
+        directory = StageDirectory(get, "run")
+        found = await asyncio.gather(*(directory.addresses(2, peer) for peer in ("a", "b", "c", "a")))
+        assert found == [["/ip4/127.0.0.1/tcp/1"], None, None, ["/ip4/127.0.0.1/tcp/1"]]
+        assert len(reads) == 1, "concurrent lookups share one read"
+        assert await directory.addresses(2, "stranger") is None
+        assert len(reads) == 1, "a stranger named again within a second is not read for"
+
+    asyncio.run(main())
+
+
+def _driver(workers_per_stage):
+    balancers = []
+    for stage, peers in enumerate(workers_per_stage):
+        balancer = StageBalancer(stage)
+        balancer.update_workers([WorkerView(peer, throughput=10.0) for peer in peers])
+        balancers.append(balancer)
+
+    async def connect(peer):
+        pass
+
+    return PipelineDriver(client=None, balancers=balancers, connect=connect)
+
+
+def test_the_route_names_the_balancers_choice_first_and_skips_a_body_stage_without_workers():
+    driver = _driver([["h1", "h2"], [], ["t1"]])
+    hops, skipped = ChainedRouting(driver, RoutingConfig(path="workers", candidates=2))._route()
+    assert [hop.stage for hop in hops] == [0, 2] and skipped == [1]
+    assert hops[0].workers == ["h1", "h2"] and hops[1].workers == ["t1"]
+    again, _ = ChainedRouting(driver, RoutingConfig(path="workers", candidates=2))._route()
+    assert again[0].workers[0] == "h2", "the first choice was charged: the next route starts elsewhere"
+    no_tail = _driver([["h1"], ["b1"], []])
+    with pytest.raises(SampleDropped) as dropped:
+        ChainedRouting(no_tail, RoutingConfig(path="workers"))._route()
+    assert dropped.value.reason == "no_workers"
+
+
+def test_the_balancers_learn_who_ran_each_stage_and_ban_the_candidates_that_failed():
+    driver = _driver([["h1"], ["b1", "b2"], ["t1"]])
+    chained = ChainedRouting(driver, RoutingConfig(path="workers"))
+    hops, _ = chained._route()
+    assert hops[1].workers[0] == "b1"
+    reply = ChainReply(stages=[ChainStage(stage=0, worker="h1", version=0, elapsed_s=0.1),
+                               ChainStage(stage=1, worker="b2", version=0, elapsed_s=0.2, failed=["b1"]),
+                               ChainStage(stage=2, worker="t1", version=0, elapsed_s=0.3)],
+                       loss=1.0, step=0)
+    route = chained._settle(hops, [], reply)
+    assert route == ["h1", "b2", "t1"]
+    assert driver.balancers[1].is_banned("b1") and not driver.balancers[1].is_banned("b2")
+    assert driver.stats.forward_retries == 1
