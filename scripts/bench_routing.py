@@ -14,7 +14,6 @@ with few lanes the ratio approaches (2S-1)/S = 1.75 as the RTT grows; on 127.0.0
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
