@@ -124,13 +124,8 @@ class ChainedRouting:
                 driver.skipping.served(done.stage)
         skipped = sorted(skipped + passed)
         driver.skipping.sample_done(skipped)
-        abandon_to = []
-        for stage in skipped:
-            known = driver.balancers[stage].known()
-            if known:
-                abandon_to.append((stage, known[0]))
         return SampleResult(loss=reply.loss, route=route, elapsed_s=time.perf_counter() - started, step=reply.step,
-                            versions=versions, skipped=skipped, abandon_to=abandon_to)
+                            versions=versions, skipped=skipped, abandon_to=driver.abandon_targets(skipped))
 
     def _settle(self, hops: list[ChainHop], failed_heads: list[str], reply: ChainReply | None = None) -> list[str]:
         """Tell the balancers what the chain saw: each stage's worker and its time, the candidates

@@ -253,14 +253,19 @@ class PipelineDriver:
             self.stats.served[(stage, route[stage])] += 1
         skipped.sort()
         self.skipping.sample_done(skipped)
-        abandon_to = []
+        return SampleResult(loss=loss, route=route, backward_fallbacks=fallbacks,
+                            elapsed_s=time.perf_counter() - started, step=step, versions=versions,
+                            skipped=skipped, abandon_to=self.abandon_targets(skipped))
+
+    def abandon_targets(self, skipped: list[int]) -> list[tuple[int, str]]:
+        """(stage, worker) for each skipped stage that still lists a worker (one this trainer could
+        not reach, which may yet be alive): told that the sample will not come."""
+        targets = []
         for stage in skipped:
             known = self.balancers[stage].known()
             if known:
-                abandon_to.append((stage, known[0]))
-        return SampleResult(loss=loss, route=route, backward_fallbacks=fallbacks,
-                            elapsed_s=time.perf_counter() - started, step=step, versions=versions,
-                            skipped=skipped, abandon_to=abandon_to)
+                targets.append((stage, known[0]))
+        return targets
 
     async def evaluate_sample(self, sample_id: str, tokens: torch.Tensor) -> EvaluatedSample:
         """A held-out sample forward through every stage with `agora/v1/evaluate`: no backward, no
