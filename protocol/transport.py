@@ -504,6 +504,9 @@ class RpcClient:
         self._opening: collections.Counter[PeerID] = collections.Counter()
         self._limit: dict[PeerID, int] = {}
         """Each peer's own cap, from its ack."""
+        self.streams_reopened = 0
+        """New streams the server closed before acknowledging their hello, whose request went
+        out again on another new stream (once per call)."""
         self._freed = asyncio.Event()
         self.bytes_sent = 0
         """Bytes of request frames written (length prefixes included), for the node's metrics."""
@@ -527,16 +530,29 @@ class RpcClient:
         held: list[_Stream] = []  # the stream in use, so a failure can discard it
 
         async def exchange() -> Reply:
-            stream = await self._acquire(key)
-            held.append(stream)
-            stream.seq += 1
-            frame = pack({"seq": stream.seq, "body": body})
-            await write_frame(stream.writer, frame)
-            self.bytes_sent += FRAME_HEADER_BYTES + len(frame)
-            if stream.relayed:
-                self.relayed_bytes[0] += FRAME_HEADER_BYTES + len(frame)
-            if stream.hello_nonce is not None:
-                await self._read_ack(peer_id, handler, stream)
+            for attempt in range(2):
+                stream = await self._acquire(key)
+                held.append(stream)
+                fresh = stream.hello_nonce is not None
+                stream.seq += 1
+                frame = pack({"seq": stream.seq, "body": body})
+                try:
+                    await write_frame(stream.writer, frame)
+                    self.bytes_sent += FRAME_HEADER_BYTES + len(frame)
+                    if stream.relayed:
+                        self.relayed_bytes[0] += FRAME_HEADER_BYTES + len(frame)
+                    if fresh:
+                        await self._read_ack(peer_id, handler, stream)
+                    break
+                except PeerUnavailable:
+                    # A new stream the server closed before it acknowledged the hello (it evicts
+                    # unauthenticated streams when a flood fills its allowance) never reached the
+                    # handler, so the request is sent once more on another new stream.
+                    if not fresh or attempt:
+                        raise
+                    self._discard(peer_id, held)
+                    held.clear()
+                    self.streams_reopened += 1
             answer = await read_frame(stream.reader, self.max_frame_bytes)
             self.bytes_received += FRAME_HEADER_BYTES + len(answer)
             if stream.relayed:
