@@ -19,7 +19,7 @@ SYNOPSIS = """
   agora-node --role worker  --authorizer URL [--stage N] [--identity PATH] [--max-batch N] [...]
   agora-node --role trainer --authorizer URL [--data synthetic|PATH] [--lanes N] [...]
   agora-node --role authorizer --config tiny|1b|8b|PATH.yaml [--port 8000] [...]
-  agora-node --role worker --config 8b --stage N --dry-run [--gpu-memory 24GiB]
+  agora-node --role worker --config 8b --stage N --dry-run [--gpu-memory 24GiB] [--host-memory 64GiB]
   agora-node --role monitor --authorizer URL --db URL [--account-token TOKEN] [...]
   agora-node --role relay --authorizer URL --account-token ADMIN_TOKEN [--host-maddrs MADDR] [...]
   agora-node status --authorizer URL | --initial-peers MADDR [--json] [--watch]
@@ -33,7 +33,7 @@ SYNOPSIS = """
 
 _METAVARS = {"config": "NAME|PATH", "authorizer": "URL", "initial_peers": "MADDR", "host_maddrs": "MADDR",
              "announce_maddrs": "MADDR", "identity": "PATH", "account_token": "TOKEN", "data": "synthetic|PATH|URL", "data_dir": "DIR",
-             "tokenizer": "PATH", "checkpoint_dir": "DIR", "checkpoint_store": "URL", "gpu_memory": "SIZE", "metrics_push": "URL",
+             "tokenizer": "PATH", "checkpoint_dir": "DIR", "checkpoint_store": "URL", "gpu_memory": "SIZE", "host_memory": "SIZE", "metrics_push": "URL",
              "relay": "auto|off|MADDR"}
 
 

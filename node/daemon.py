@@ -64,11 +64,12 @@ class MemoryCheck:
 
 def check_memory(settings: NodeSettings, run: RunConfig, stage: int, device: str) -> MemoryCheck:
     """Compute the worker's memory plan before loading anything. With --gpu-memory the device's
-    free memory is the given size (planning for a card that is not here)."""
+    free memory is the given size (planning for a card that is not here); with --host-memory the
+    host's free RAM is (planning for a machine that is not this one)."""
     import psutil
 
     plan = plan_memory(run, stage, device, settings.worker.max_batch)
-    host_free = psutil.virtual_memory().available
+    host_free = settings.worker.host_memory or psutil.virtual_memory().available
     device_free = device_free_bytes(device, settings.worker.gpu_memory)
     fits = plan.fits(device_free, host_free)
     report = "\n".join([plan.describe(), f"free: device {_gib(device_free)}, host {_gib(host_free)} -> "
@@ -128,6 +129,9 @@ def run_node(settings: NodeSettings) -> int:
     life = begin_process()
     role = settings.role
     dry_run = role == "worker" and settings.worker.dry_run
+    if settings.worker.host_memory is not None and not dry_run:
+        raise ConfigError("--host-memory plans for a machine that is not this one; add --dry-run "
+                          "(a running worker checks this machine's free RAM)")
     device = pick_device(settings.worker.device, planning=settings.worker.gpu_memory is not None,
                          dry_run=dry_run) if role == "worker" else "cpu"
     has_authorizer = bool(settings.authorizer)

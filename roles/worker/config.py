@@ -42,6 +42,9 @@ class WorkerConfig(BaseModel):
     gpu_memory: Optional[int] = Field(default=None, gt=0, json_schema_extra={"metavar": "SIZE", "text": True},
                                       description="plan for a card of this much memory (e.g. "
                                       "24GiB) instead of the one present; with --dry-run needs no GPU")
+    host_memory: Optional[int] = Field(default=None, gt=0, json_schema_extra={"metavar": "SIZE", "text": True},
+                                       description="with --dry-run: plan for a host with this much free RAM (e.g. "
+                                       "64GiB) instead of this machine's")
     kept_activations: Optional[int] = Field(
         default=None, ge=0, json_schema_extra={"metavar": "SIZE", "text": True},
         description="memory for keeping forward activations until their backward instead of recomputing them "
@@ -98,7 +101,7 @@ class WorkerConfig(BaseModel):
         """What one peer may hold of this worker's RPC server (protocol/stream_limits.py)."""
         return StreamLimits(idle_timeout_s=self.stream_idle_timeout_s, max_streams_per_peer=self.max_streams_per_peer)
 
-    @field_validator("gpu_memory", "kept_activations", mode="before")
+    @field_validator("gpu_memory", "host_memory", "kept_activations", mode="before")
     @classmethod
     def _size(cls, value):
         return None if value is None else parse_size(value)

@@ -285,8 +285,10 @@ def test_trainer_data_is_checked_before_joining(tmp_path, content, fragment):
 
 
 def test_dry_run_exit_code_says_whether_it_fits_on_a_card_that_is_not_here():
+    # --host-memory: the stage's optimizer needs about 19 GiB of host RAM, which this machine may
+    # or may not have free; the test is about the card.
     base = NODE + ["--role", "worker", "--config", "8b", "--stage", "3", "--dry-run", "--device", "cuda",
-                   "--gpu-memory", "24GiB"]
+                   "--gpu-memory", "24GiB", "--host-memory", "64GiB"]
     fits = subprocess.run(base + ["--max-batch", "1"], capture_output=True, text=True, timeout=60)
     assert fits.returncode == 0, fits.stderr
     assert "24.00 GiB" in fits.stdout and "fits" in fits.stdout
@@ -295,6 +297,11 @@ def test_dry_run_exit_code_says_whether_it_fits_on_a_card_that_is_not_here():
     errors = [line for line in too_big.stderr.splitlines() if line.startswith("agora-node: error:")]
     assert len(errors) == 1 and "--max-batch 2" in errors[0], too_big.stderr
     assert "Traceback" not in too_big.stderr
+    small_host = subprocess.run(base + ["--max-batch", "1", "--host-memory", "8GiB"], capture_output=True, text=True,
+                                timeout=60)
+    assert small_host.returncode == 2 and "8.00 GiB host RAM" in small_host.stderr, small_host.stderr
+    not_dry = subprocess.run([a for a in base if a != "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert not_dry.returncode == 2 and "--host-memory" in not_dry.stderr, not_dry.stderr
 
 
 @pytest.mark.timeout(120)
