@@ -69,6 +69,11 @@ class StageDirectory:
             await self._read(stage)
         return self._workers.get(stage, {}).get(peer)
 
+    def forget(self, stage: int, peer: str) -> None:
+        """`peer` could not be reached at the addresses listed: the next route naming it reads the
+        stage's records again (it may have restarted elsewhere with the same identity)."""
+        self._workers.get(stage, {}).pop(peer, None)
+
     async def _read(self, stage: int) -> None:
         reading = self._reading.get(stage)
         if reading is None:
@@ -160,7 +165,10 @@ class ChainHandler:
             return self._drop(request, "bad_reply", f"stage {request.route[0].stage}'s gradient: {exc}",
                               later.step, [me(), *later.stages])
         try:
-            result = await self.handlers._run(TaskKind.BACKWARD, backward, caller)
+            # Withdrawn unrun when our caller leaves: the gradient of this tagged sample will not
+            # come, so its step must not wait for it.
+            result = await self.handlers._run(TaskKind.BACKWARD, backward, caller,
+                                              on_withdrawn=lambda: self._release(request.sample_id, later.step))
         except AgoraError as exc:  # shutting down, or the computation failed
             return self._drop(request, "backward_failed", f"stage {request.stage}: {exc}", later.step,
                               [me(), *later.stages])
@@ -172,10 +180,13 @@ class ChainHandler:
               stages: list[ChainStage]) -> ChainReply:
         """The sample ends here: forget its forward and, when it was tagged, close it out of its step."""
         self.counters[f"dropped_{reason}"] += 1
-        self.runtime.forget_forward(request.sample_id)
-        if step is not None:
-            self.runtime.abandon(step, request.sample_id)
+        self._release(request.sample_id, step)
         return ChainReply(stages=stages, dropped=reason, detail=detail[:2048], step=step)
+
+    def _release(self, sample_id: str, step: Optional[int]) -> None:
+        self.runtime.forget_forward(sample_id)
+        if step is not None:
+            self.runtime.abandon(step, sample_id)
 
     async def _pass_on(self, request: ChainRequest, route: list[ChainHop], coords, *, deadline: float) -> ChainReply:
         """Call the route's next stage, candidate after candidate, until one takes the sample;
@@ -214,6 +225,8 @@ class ChainHandler:
                 return self._failed_hop(hop, failed, "worker_failures",
                                         f"stage {hop.stage} worker {peer[-8:]} timed out: {exc}")
             except (PeerUnavailable, asyncio.TimeoutError) as exc:  # dial's own timeout included
+                self._dialled.discard(peer)  # dial it again next time, at the addresses then listed
+                self.directory.forget(hop.stage, peer)
                 failed.append(peer)
                 last = f"{peer[-8:]}: {exc}"
                 self.counters["next_failed"] += 1
@@ -242,6 +255,7 @@ class ChainHandler:
         return ChainReply(stages=[stage], dropped=reason, detail=detail)
 
     async def _dial(self, peer: str, addresses: list[str]) -> None:
+        """Give libp2p the worker's listed addresses once (again after it could not be reached)."""
         if peer in self._dialled:
             return
         await dial(self.p2p, PeerID.from_base58(peer), addresses)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, Optional, TypeVar
 
 from hivemind.p2p import PeerID
 
@@ -71,7 +71,10 @@ class WorkerHandlers:
         self.outcomes[(kind, "ok")] += 1
         return result
 
-    async def _run(self, kind: TaskKind, request, caller: PeerID) -> object:
+    async def _run(self, kind: TaskKind, request, caller: PeerID,
+                   on_withdrawn: Optional[Callable[[], None]] = None) -> object:
+        """Queue one request for the compute thread and wait for its result. If the caller leaves
+        first, the request is withdrawn when it has not run yet, and then `on_withdrawn` is called."""
         if not self.serving():
             raise NotServing("worker is not serving requests right now; retry on another worker")
         loop = asyncio.get_running_loop()
@@ -97,7 +100,9 @@ class WorkerHandlers:
         try:
             return await future
         except asyncio.CancelledError:
-            self.runtime.withdraw(task)  # the caller left (protocol/transport.py): nobody waits for it
+            # the caller left (protocol/transport.py): nobody waits for it
+            if self.runtime.withdraw(task) and on_withdrawn is not None:
+                on_withdrawn()
             raise
         except AgoraError:
             raise

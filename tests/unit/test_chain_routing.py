@@ -5,6 +5,7 @@ from a chain's reply."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -139,3 +140,116 @@ def test_the_balancers_learn_who_ran_each_stage_and_ban_the_candidates_that_fail
     assert route == ["h1", "b2", "t1"]
     assert driver.balancers[1].is_banned("b1") and not driver.balancers[1].is_banned("b2")
     assert driver.stats.forward_retries == 1
+
+
+class _QueueingRuntime:
+    """Stands in for StageRuntime around one chained sample at a head: its forward and its
+    backward are queued; what the chain releases is recorded."""
+
+    stage, kind = 0, "head"
+
+    def __init__(self, withdrawable: bool):
+        self.withdrawable = withdrawable
+        self.submitted, self.forgotten, self.abandoned = [], [], []
+
+    def check_forward(self, request):
+        pass
+
+    def check_backward(self, request):
+        pass
+
+    def submit(self, kind, request, on_done, caller):
+        self.submitted.append(kind)
+        if kind.value == "forward":
+            on_done(torch.zeros(8, 4), None)  # the forward runs at once; the backward stays queued
+        return kind
+
+    def withdraw(self, task):
+        return self.withdrawable
+
+    def forget_forward(self, sample_id):
+        self.forgotten.append(sample_id)
+
+    def abandon(self, step, sample_id=None):
+        self.abandoned.append((step, sample_id))
+        return True
+
+
+@pytest.mark.parametrize("withdrawable", [True, False])
+def test_a_tagged_sample_whose_caller_left_before_its_backward_ran_is_abandoned_at_this_stage(withdrawable):
+    """Cancelled while its backward is queued: withdrawn unrun, the step it was tagged for must not
+    wait for it; if the compute thread took it already, it still counts and is not abandoned."""
+    from roles.worker.handlers import WorkerHandlers
+
+    async def main():
+        runtime = _QueueingRuntime(withdrawable)
+        handlers = WorkerHandlers(runtime, info=lambda: None, serving=lambda: True)
+        handler = ChainHandler(handlers, client=None, p2p=None, directory=None, peer_id="me", num_stages=2)
+
+        async def tail_answers(request, route, coords, *, deadline):
+            return ChainReply(stages=[ChainStage(stage=1, worker="t", version=0, elapsed_s=0.1)], loss=1.0, step=7,
+                              grad_input=torch.zeros(8, 4))
+
+        handler._pass_on = tail_answers
+        request = to_body(ChainRequest(stage=0, sample_id="s-1", tokens=TOKENS, coords=None,
+                                       route=[ChainHop(stage=1, workers=["t"])], budget_s=5.0))
+        call = asyncio.ensure_future(handler.chain(_PEER, request))
+        while len(runtime.submitted) < 2:
+            await asyncio.sleep(0.001)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        return runtime
+
+    runtime = asyncio.run(main())
+    if withdrawable:
+        assert runtime.abandoned == [(7, "s-1")] and runtime.forgotten == ["s-1"]
+    else:
+        assert runtime.abandoned == [] and runtime.forgotten == []
+
+
+def test_a_next_worker_that_cannot_be_reached_is_dialled_again_at_the_addresses_read_anew(monkeypatch):
+    """A worker restarted elsewhere with the same identity: its old addresses fail once, then the
+    stage's records are read again and the new ones dialled."""
+    from hivemind.p2p import PeerID as _PeerID
+
+    from protocol.errors import PeerUnavailable
+    from roles.worker import chain as chain_module
+
+    peer = _PEER.to_base58()
+    listed = {"now": ["/ip4/127.0.0.1/tcp/1"]}
+    dialled = []
+
+    async def get(key, model):
+        return {peer: WorkerRecord(stage=1, max_batch=1, throughput=1.0, maddrs=listed["now"])}
+
+    async def dial(p2p, peer_id, addresses):
+        dialled.append(list(addresses))
+
+    class Client:
+        async def request(self, peer_id, handler, request, reply, timeout_s):
+            if dialled[-1] == ["/ip4/127.0.0.1/tcp/1"]:
+                raise PeerUnavailable("stream closed by peer")
+            return ChainReply(stages=[ChainStage(stage=1, worker=peer, version=0, elapsed_s=0.1)], loss=1.0, step=0,
+                              grad_input=torch.zeros(8, 4))
+
+    monkeypatch.setattr(chain_module, "dial", dial)
+    monkeypatch.setattr(chain_module, "LOOKUP_MIN_INTERVAL_S", 0.0)
+
+    async def main():
+        handler = ChainHandler(_Handlers(0, "head"), client=Client(), p2p=None, directory=StageDirectory(get, "run"),
+                               peer_id="me", num_stages=2)
+        request = ChainRequest(stage=0, sample_id="s", tokens=TOKENS, route=[ChainHop(stage=1, workers=[peer])],
+                               budget_s=5.0)
+        first = await handler._pass_on(request, list(request.route), torch.zeros(8, 4), deadline=time.monotonic() + 5)
+        assert first.dropped == "worker_failures"
+        listed["now"] = ["/ip4/127.0.0.1/tcp/2"]  # it came back on another port
+        second = await handler._pass_on(request, list(request.route), torch.zeros(8, 4), deadline=time.monotonic() + 5)
+        assert second.dropped is None and second.loss == 1.0
+
+    asyncio.run(main())
+    assert dialled == [["/ip4/127.0.0.1/tcp/1"], ["/ip4/127.0.0.1/tcp/2"]]
+    assert isinstance(_PEER, _PeerID)
+
+
+_PEER = __import__("hivemind.p2p", fromlist=["PeerID"]).PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
