@@ -130,7 +130,11 @@ class Setting:
 SETTINGS = {
     "demo": Setting(target_batch_size=16, steps=150, quick_steps=20, worker_max_batch=16, held_out_gap_max=0.03),
     "batch64": Setting(target_batch_size=64, steps=60, quick_steps=10, worker_max_batch=64, held_out_gap_max=0.01),
+    # Not in `all`: a point of the frontier (scripts/bench_frontier.py); 20 steps of 512 are few for a
+    # loss figure but show what the gate costs in tokens/s at a large batch.
+    "batch512": Setting(target_batch_size=512, steps=20, quick_steps=4, worker_max_batch=64, held_out_gap_max=0.01),
 }
+DEFAULT_SETTINGS = ("demo", "batch64")
 
 
 def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.Namespace):
@@ -168,7 +172,7 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
 # ---------------------------------------------------------------------------------------------
 
 def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_samples: int, replicas: int,
-              churn: bool = False) -> dict:
+              churn: bool = False, lanes: int = LANES) -> dict:
     """Train `total_samples` with a local swarm of `replicas` workers per stage; return its sample
     logs, summaries and one checkpoint directory per replica index (checkpoint files are named by
     run and stage only, so replicas of a stage cannot share one), and its failure in "errors".
@@ -211,7 +215,7 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
             try:
                 trainers.append(swarm.start(
                     "trainer", wait_ready=False, name=f"trainer-{k}",
-                    args=["--lanes", str(LANES), "--max-samples", str(per_trainer), "--shard-index", str(k),
+                    args=["--lanes", str(lanes), "--max-samples", str(per_trainer), "--shard-index", str(k),
                           "--num-shards", str(TRAINERS), "--discovery-period-s", "2"]))
             finally:
                 swarm.env = base_env
@@ -691,7 +695,7 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     from roles.model.plain import PlainModel
 
     setting = SETTINGS[name]
-    steps = setting.quick_steps if args.quick else setting.steps
+    steps = args.steps or (setting.quick_steps if args.quick else setting.steps)
     total = steps * setting.target_batch_size
     run = fidelity_run_config(name, setting, steps, args)
     config_path = os.path.join(workdir, "run.yaml")
@@ -703,7 +707,7 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
         averaging = "off (one replica per stage)" if replicas == 1 else "off (--averaging-off)"
     out: dict[str, Any] = {
         "config": {"preset": "tiny", "stages": STAGES, "workers_per_stage": replicas, "trainers": TRAINERS,
-                   "lanes": LANES, "target_batch_size": run.target_batch_size, "steps": steps, "samples": total,
+                   "lanes": args.lanes, "target_batch_size": run.target_batch_size, "steps": steps, "samples": total,
                    "seq_len": run.seq_len, "worker_max_batch": setting.worker_max_batch,
                    "optimizer": run.optimizer.model_dump(mode="json"), "averaging": averaging,
                    "staleness": run.staleness.model_dump(mode="json"), "churn": bool(args.churn),
@@ -712,11 +716,11 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     errors: list[str] = []
     started = time.monotonic()
     log(f"[{name}] swarm: {STAGES} stages x {replicas} worker(s) (--workers-per-stage {replicas}, averaging "
-        f"{'on' if run.averaging.enabled else 'off'}), {TRAINERS} trainers x {LANES} lanes, {steps} steps of "
+        f"{'on' if run.averaging.enabled else 'off'}), {TRAINERS} trainers x {args.lanes} lanes, {steps} steps of "
         f"{run.target_batch_size} = {total} samples")
-    # churn is passed only when set, so a run_swarm stand-in without the parameter (the tests') still fits
+    # churn and lanes are passed only when set, so a run_swarm stand-in without them (the tests') still fits
     swarm = run_swarm(run, config_path, workdir, setting, total, replicas,
-                      **({"churn": True} if args.churn else {}))
+                      **({"churn": True} if args.churn else {}), **({"lanes": args.lanes} if args.lanes != LANES else {}))
     errors += swarm.pop("errors", [])
 
     held_out = held_out_tokens(run, HELD_OUT_SAMPLES)
@@ -802,6 +806,10 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
                                   math.ceil(total / TRAINERS) * TRAINERS, step_sizes, run.target_batch_size),
         "churn": swarm.get("churn"),
         "startup_s": swarm.get("startup_s"), "train_wall_s": swarm.get("train_wall_s"), "wall_s": swarm.get("wall_s"),
+        # From the trainers' start to the last one's exit (their start-up and drain included): the
+        # frontier's rate axis, comparable between runs of one setting, not an absolute rate.
+        "train_tokens_per_s": (round(total * run.seq_len / swarm["train_wall_s"]) if swarm.get("train_wall_s")
+                               else None),
         "exit_codes": swarm.get("exit_codes"), "survivors": swarm.get("survivors"),
     }
 
@@ -929,7 +937,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short smoke run (demo ~1 min, batch64 ~1 min)")
-    p.add_argument("--setting", choices=[*SETTINGS, "all"], default="all", help="which setting(s) to run")
+    p.add_argument("--setting", choices=[*SETTINGS, "all"], default="all",
+                   help=f"which setting to run; all: {', '.join(DEFAULT_SETTINGS)}")
+    p.add_argument("--steps", type=int, metavar="N", help="optimizer steps (default: the setting's)")
+    p.add_argument("--lanes", type=int, default=LANES, metavar="N", help=f"lanes per trainer (default {LANES})")
     p.add_argument("--ablation", action="store_true",
                    help="instead of the swarm, train the one-process variants of the subspace ablation")
     p.add_argument("--max-in-flight-ratio", type=float, help="run config staleness.max_in_flight_ratio")
@@ -952,6 +963,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", metavar="PATH", help="also write the JSON result to PATH")
     p.add_argument("--keep-logs", action="store_true", help="keep node and sample logs and print where they are")
     args = p.parse_args(argv)
+    if args.lanes < 1 or (args.steps is not None and args.steps < 1):
+        p.error("--lanes and --steps must be at least 1")
     if args.workers_per_stage < 1:
         p.error("--workers-per-stage must be at least 1")
     if args.churn and args.workers_per_stage < 2:
@@ -978,7 +991,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.ablation:
             out["ablation"] = bench_ablation(args)
         else:
-            names = list(SETTINGS) if args.setting == "all" else [args.setting]
+            names = list(DEFAULT_SETTINGS) if args.setting == "all" else [args.setting]
             out["settings"] = {}
             for name in names:
                 out["settings"][name] = result = bench_setting(name, args)
