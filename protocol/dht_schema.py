@@ -52,6 +52,8 @@ class WorkerRecord(RecordModel):
                                          "peers do)")
     started_at: Optional[float] = Field(default=None, ge=0, description="when the worker's process started "
                                         "(wall clock): a trainer lifts a ban when this changes (a restart)")
+    chain: bool = Field(default=False, description="serves agora/v1/chain (worker-to-worker routing); false in "
+                        "the records of workers older than it, which a trainer then keeps off chained routes")
 
 
 class ProgressRecord(RecordModel):

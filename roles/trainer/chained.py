@@ -16,11 +16,19 @@ whose forward's worker died is not moved to another replica (the chain through t
 broken, so the sample is dropped as `worker_failures` and its step closes without it); and the
 trainer sees one call per sample, so `forward_retries` counts the candidates that failed
 anywhere in the chain.
+
+Workers older than this routing announce no `chain` in their records. They are kept off every
+route (each named once in the log), and while a stage has no other worker, the trainer sends the
+sample the trainer-driven way instead (`routing_fallbacks` in its summary): a run whose operators
+upgrade one by one keeps training.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Callable, Optional
+
 import torch
 from hivemind.p2p import PeerID
 
@@ -30,6 +38,8 @@ from protocol.messages import ChainHop, ChainReply, ChainRequest
 from protocol.run_config import RoutingConfig
 from roles.trainer.pipeline import _RETRYABLE_CODES, PipelineDriver, SampleDropped, SampleResult, _run_before
 
+logger = logging.getLogger(__name__)
+
 CALL_GRACE_S = 5.0
 """The trainer waits this much longer for the head than the route's budget: the workers end a
 sample whose time ran out themselves and say so, which is better than a bare timeout here."""
@@ -38,19 +48,47 @@ sample whose time ran out themselves and say so, which is better than a bare tim
 class ChainedRouting:
     """`train_sample` for `routing.path: workers`, on the driver's balancers, skipping and client."""
 
-    def __init__(self, driver: PipelineDriver, config: RoutingConfig):
+    def __init__(self, driver: PipelineDriver, config: RoutingConfig,
+                 describe_worker: Optional[Callable[[int, str], Optional[str]]] = None):
         self.driver = driver
         self.config = config
+        self.describe_worker = describe_worker or (lambda stage, peer: None)
+        """(stage, peer) -> None for a worker that serves chains, else its version for the log."""
+        self.fallbacks = 0
+        """Samples sent the trainer-driven way: a stage had only workers that cannot chain."""
+        self._named: set[str] = set()
 
-    def _route(self) -> tuple[list[ChainHop], list[int]]:
+    def _legacy(self, stage: int, peers: list[str]) -> list[str]:
+        """The workers among `peers` that do not serve chains, each named in the log once."""
+        legacy = []
+        for peer in peers:
+            described = self.describe_worker(stage, peer)
+            if described is None:
+                continue
+            legacy.append(peer)
+            if peer not in self._named:
+                self._named.add(peer)
+                logger.warning("worker %s of stage %d runs %s, which cannot pass samples worker to worker "
+                               "(routing.path: workers): it gets samples only when its stage has no other worker, "
+                               "through this trainer; upgrade it", peer[-8:], stage, described)
+        return legacy
+
+    def _route(self) -> Optional[tuple[list[ChainHop], list[int]]]:
         """Per stage the workers to try, least loaded first (the first is charged as a dispatch);
-        and the body stages left out because they have no usable worker."""
+        and the body stages left out because they have no usable worker. None when a stage has
+        workers but none that serves chains: the sample must go the trainer-driven way."""
         driver = self.driver
         hops: list[ChainHop] = []
         skipped: list[int] = []
         for stage, balancer in enumerate(driver.balancers):
+            known = balancer.known()
+            legacy = self._legacy(stage, known)
+            if known and len(legacy) == len(known):
+                for hop in hops:
+                    driver.balancers[hop.stage].release(hop.workers[0], 1.0)
+                return None
             try:
-                first = balancer.choose(1.0)
+                first = balancer.choose(1.0, exclude=legacy)
             except NoWorkersError as exc:
                 if driver.skipping.may_skip(stage, _run_before(skipped, stage)):
                     driver.skipping.skipped(stage, "forward", str(exc))
@@ -61,7 +99,8 @@ class ChainedRouting:
                 if driver.on_no_workers is not None and not driver.skipping.active(stage):
                     driver.on_no_workers()
                 raise SampleDropped("no_workers", str(exc)) from exc
-            others = [peer for peer in balancer.usable() if peer != first][: self.config.candidates - 1]
+            others = [peer for peer in balancer.usable() if peer != first and peer not in legacy]
+            others = others[: self.config.candidates - 1]
             skippable = driver.skipping.may_skip(stage, _run_before(skipped, stage))
             hops.append(ChainHop(stage=stage, workers=[first, *others], skippable=skippable))
         return hops, skipped
@@ -69,8 +108,12 @@ class ChainedRouting:
     async def train_sample(self, sample_id: str, tokens: torch.Tensor) -> SampleResult:
         driver = self.driver
         started = time.perf_counter()
+        routed = self._route()
+        if routed is None:
+            self.fallbacks += 1
+            return await driver.train_sample(sample_id, tokens)
+        hops, skipped = routed
         sample_id = f"{driver.id_prefix}{sample_id}"
-        hops, skipped = self._route()
         budget_s = driver.timeout_s * driver.num_stages
         request = ChainRequest(stage=0, sample_id=sample_id, tokens=tokens, route=hops[1:], budget_s=budget_s)
         head = hops[0]

@@ -73,7 +73,8 @@ class TrainerRole:
             max_attempts=config.max_attempts, timeout_s=config.request_timeout_s,
             on_no_workers=self.discovery.request_refresh, skipping=self.skipping,
         )
-        self.chained = ChainedRouting(self.driver, run.routing) if run.routing.path == "workers" else None
+        self.chained = (ChainedRouting(self.driver, run.routing, describe_worker=self._worker_without_chain)
+                        if run.routing.path == "workers" else None)
         """Worker-to-worker routing (run config `routing.path: workers`); None: the trainer calls each stage."""
         self.stream = make_sample_stream(
             trainer_data(config.data, run), config.tokenizer, run.seq_len, config.shard_index, config.num_shards,
@@ -151,6 +152,13 @@ class TrainerRole:
                 logger.warning("the final progress record was not accepted by any DHT peer")
         except Exception:  # noqa: BLE001 - leaving goes on; the record lapses on its own
             logger.warning("could not store the final progress record", exc_info=True)
+
+    def _worker_without_chain(self, stage: int, peer: str) -> Optional[str]:
+        """None if the worker's record says it serves chains (or it has none yet), else what it runs."""
+        record = self.discovery.records[stage].get(peer)
+        if record is None or record.chain:
+            return None
+        return f"agora-node {record.client_version}" if record.client_version else "an older agora-node"
 
     async def _connect(self, peer: str) -> None:
         """Dial a worker's announced addresses once, so the first call does not depend on the
@@ -322,6 +330,7 @@ class TrainerRole:
             "wall_s": round(wall, 3),
             "tokens_per_s": round(self.accounting.tokens / wall, 2) if wall > 0 else 0.0,
             "routing": self.run_config.routing.path,
+            **({"routing_fallbacks": self.chained.fallbacks} if self.chained is not None else {}),
             "forward_retries": self.driver.stats.forward_retries,
             "backward_fallbacks": self.driver.stats.backward_fallbacks,
             "served": served,

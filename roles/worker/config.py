@@ -87,6 +87,9 @@ class WorkerConfig(BaseModel):
     test_fail_forwards: int = Field(
         default=0, ge=0, json_schema_extra=HIDDEN,
         description="TESTS ONLY: answer the first N forward requests with an internal error (failing calls)")
+    test_without_chain: bool = Field(
+        default=False, json_schema_extra=HIDDEN,
+        description="TESTS ONLY: act as a worker older than worker-to-worker routing (no agora/v1/chain, none announced)")
     test_device_fault_after_batches: int = Field(
         default=0, ge=0, json_schema_extra=HIDDEN,
         description="TESTS ONLY: after N batches every batch raises a CUDA-like error (a failing device)")

@@ -208,6 +208,7 @@ class WorkerRole:
             host_rss_bytes=host_rss_bytes(), host_memory_total_bytes=host_memory_total_bytes(),
             device_memory_used_bytes=device_used, device_memory_total_bytes=device_total,
             relayed_bytes=sum(self.server.relayed_bytes), started_at=self._started_at,
+            chain=not self.config.test_without_chain,
         )
 
     def _on_peers(self) -> None:
@@ -311,7 +312,8 @@ class WorkerRole:
         await self.server.add_handler(version.EVALUATE, self.handlers.evaluate, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.ABANDON, self.handlers.abandon, roles=frozenset({"trainer"}))
         # A chained sample comes from a trainer (at the head) or from the previous stage's worker.
-        await self.server.add_handler(version.CHAIN, self.chain.chain, roles=frozenset({"trainer", "worker"}))
+        if not self.config.test_without_chain:
+            await self.server.add_handler(version.CHAIN, self.chain.chain, roles=frozenset({"trainer", "worker"}))
         await self.server.add_handler(version.INFO, self.handlers.info)
         self.state = WorkerState.ONLINE
         await self.announcer.announce_now()

@@ -253,3 +253,29 @@ def test_a_next_worker_that_cannot_be_reached_is_dialled_again_at_the_addresses_
 
 
 _PEER = __import__("hivemind.p2p", fromlist=["PeerID"]).PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
+
+
+def test_workers_too_old_to_chain_are_kept_off_routes_and_a_stage_of_only_them_goes_the_trainer_way(caplog):
+    driver = _driver([["h1", "h-old"], ["b-old"], ["t1"]])
+    old = {"h-old": "agora-node 0.9.0", "b-old": "an older agora-node"}
+    chained = ChainedRouting(driver, RoutingConfig(path="workers", candidates=3),
+                             describe_worker=lambda stage, peer: old.get(peer))
+    with caplog.at_level("WARNING"):
+        assert chained._route() is None, "stage 1 has no worker that chains"
+        assert chained._route() is None
+    named = [r.getMessage() for r in caplog.records if "cannot pass samples worker to worker" in r.getMessage()]
+    assert len(named) == 2 and any("0.9.0" in line for line in named), "each old worker named once"
+    assert all(b.snapshot()[p]["dispatched"] == 0 for b in driver.balancers for p in b.known()), \
+        "the first choices charged before the fallback were refunded"
+
+    old.pop("b-old")  # upgraded
+    hops, skipped = chained._route()
+    assert [hop.workers for hop in hops] == [["h1"], ["b-old"], ["t1"]] and skipped == []
+
+
+def test_a_worker_announces_that_it_chains_and_an_old_record_reads_as_not():
+    from protocol.dht_schema import WorkerRecord
+
+    assert WorkerRecord(stage=0, max_batch=1, throughput=1.0).chain is False
+    body = WorkerRecord(stage=0, max_batch=1, throughput=1.0, chain=True).model_dump()
+    assert WorkerRecord.model_validate(body).chain is True
