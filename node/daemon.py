@@ -85,6 +85,30 @@ def check_memory(settings: NodeSettings, run: RunConfig, stage: int, device: str
                                f"on {device} and {_gib(plan.host_bytes)} host RAM, but {free}; {hint}")
 
 
+CPU_MAX_BATCH = 8
+"""--max-batch on the CPU when not given: a CPU gains little from coalescing more."""
+AUTO_MAX_BATCH_CAP = 256
+"""The most a GPU worker coalesces when --max-batch is not given."""
+
+
+def resolve_max_batch(settings: NodeSettings, run: RunConfig, stage: int, device: str) -> NodeSettings:
+    """`settings` with --max-batch set: as given, else 8 on the CPU, else what the stage's memory
+    plan fits on the card (MemoryPlan.auto_max_batch), at most target_batch_size (a step's samples
+    are all a batch can hold) and 256. Logged, since it decides the worker's memory use."""
+    if settings.worker.max_batch is not None:
+        return settings
+    if not device.startswith("cuda"):
+        batch = CPU_MAX_BATCH
+    else:
+        plan = plan_memory(run, stage, device, 1)
+        free = device_free_bytes(device, settings.worker.gpu_memory)
+        batch = plan.auto_max_batch(free, min(run.target_batch_size, AUTO_MAX_BATCH_CAP)) or 1
+        logger.info("--max-batch not given: stage %d coalesces up to %d sample(s) on %s (%s free; the memory plan's "
+                    "largest batch in half of it, at most target_batch_size %d and %d)", stage, batch, device,
+                    _gib(free), run.target_batch_size, AUTO_MAX_BATCH_CAP)
+    return settings.model_copy(update={"worker": settings.worker.model_copy(update={"max_batch": batch})})
+
+
 def _require_fit(settings: NodeSettings, run: RunConfig, stage: int, device: str) -> None:
     check = check_memory(settings, run, stage, device)
     if check.problem is not None:
@@ -140,6 +164,7 @@ def run_node(settings: NodeSettings) -> int:
         run = load_run_config(settings.config)
     if role == "worker" and run is not None:
         stage = _check_stage(settings, run)
+        settings = resolve_max_batch(settings, run, stage, device)
         if dry_run:
             check = check_memory(settings, run, stage, device)
             print(check.report, flush=True)
@@ -226,6 +251,7 @@ async def _serve(settings: NodeSettings, device: str, identity, life: ProcessLif
             if settings.role == "worker":
                 stage = trust.stage if trust.authenticated else _check_stage(settings, run)
                 if trust.authenticated:
+                    settings = resolve_max_batch(settings, run, stage, device)
                     _require_fit(settings, run, stage, device)
             elif trust.authenticated:
                 _check_trainer_data(settings, run)

@@ -124,6 +124,16 @@ class MemoryPlan:
             batch += 1
         return batch
 
+    def auto_max_batch(self, device_free_bytes: int, cap: int) -> int:
+        """The batch a GPU worker coalesces up to when --max-batch is not given: the largest whose
+        activations take at most half of what the weights, gradients and buffers leave free (the
+        other half keeps forward activations for the backward, kept_activations_budget), at most
+        `cap`; 0 if not even the weights fit."""
+        static = int(self._static_device_bytes * _HEADROOM)
+        if static > device_free_bytes:
+            return 0
+        return max(1, min(cap, self.max_batch_that_fits(static + (device_free_bytes - static) // 2)))
+
     def kept_activations_budget(self, device_free_bytes: int | None, host_free_bytes: int) -> int:
         """Bytes a head or body worker may spend keeping forward activations for their backward
         instead of recomputing them: half of what the plan at `max_batch` leaves free (the other

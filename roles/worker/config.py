@@ -37,7 +37,11 @@ class WorkerConfig(BaseModel):
                                  "preference; the authorizer places the worker)")
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="compute device: auto, cpu, cuda or cuda:N")
-    max_batch: int = Field(default=8, ge=1, le=4096, description="largest coalesced batch")
+    max_batch: Optional[int] = Field(
+        default=None, ge=1, le=4096, json_schema_extra={"default_text": "8 on the CPU; on a GPU, the largest batch "
+                                                        "the memory plan fits in half the free memory, at most "
+                                                        "target_batch_size and 256"},
+        description="largest coalesced batch")
     dry_run: bool = Field(default=False, description="print the memory plan, exit 0 if it fits and 2 if not")
     gpu_memory: Optional[int] = Field(default=None, gt=0, json_schema_extra={"metavar": "SIZE", "text": True},
                                       description="plan for a card of this much memory (e.g. "

@@ -300,6 +300,12 @@ def test_dry_run_exit_code_says_whether_it_fits_on_a_card_that_is_not_here():
     small_host = subprocess.run(base + ["--max-batch", "1", "--host-memory", "8GiB"], capture_output=True, text=True,
                                 timeout=60)
     assert small_host.returncode == 2 and "8.00 GiB host RAM" in small_host.stderr, small_host.stderr
+    # Without --max-batch the plan sizes the batch: half of what the 8B stage's weights leave free
+    # of 80 GiB holds five samples of 4,096 tokens; 24 GiB holds one.
+    for card, batch in (("80GiB", 5), ("24GiB", 1)):
+        sized = subprocess.run([a if a != "24GiB" else card for a in base], capture_output=True, text=True, timeout=60)
+        assert sized.returncode == 0 and f"max batch {batch}\n" in sized.stdout, (sized.stdout, sized.stderr)
+        assert f"coalesces up to {batch} sample(s)" in sized.stderr
     not_dry = subprocess.run([a for a in base if a != "--dry-run"], capture_output=True, text=True, timeout=60)
     assert not_dry.returncode == 2 and "--host-memory" in not_dry.stderr, not_dry.stderr
 

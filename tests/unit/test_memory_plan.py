@@ -93,3 +93,17 @@ def test_fits_checks_device_and_host():
 def test_rejects_an_empty_batch():
     with pytest.raises(ValueError):
         plan_memory(load_run_config("tiny"), 0, "cpu", 0)
+
+
+def test_a_gpu_worker_sizes_its_batch_to_half_the_memory_its_weights_leave_free():
+    run = load_run_config("1b")
+    plan = plan_memory(run, 1, "cuda:0", max_batch=1)
+    free = 80 * GIB
+    batch = plan.auto_max_batch(free, cap=4096)
+    weights = plan_memory(run, 1, "cuda:0", max_batch=1).device_bytes - plan_memory(run, 1, "cuda:0", 2).device_bytes \
+        + plan_memory(run, 1, "cuda:0", max_batch=1).device_bytes  # the plan at batch 0
+    half = weights + (free - weights) // 2
+    assert plan_memory(run, 1, "cuda:0", batch).device_bytes <= half < plan_memory(run, 1, "cuda:0", batch + 1).device_bytes
+    assert 1 < batch < plan.max_batch_that_fits(free), "half the card, not all of it"
+    assert plan.auto_max_batch(free, cap=16) == min(16, batch)
+    assert plan.auto_max_batch(plan.param_bytes // 2, cap=16) == 0, "not even the weights fit"
