@@ -640,7 +640,8 @@ def kept_activations_budget(config: WorkerConfig, run: RunConfig, kind: str) -> 
         plan = plan_memory(run, config.stage, config.device, config.max_batch)
         device_free = None
         if config.device.startswith("cuda") and torch.cuda.is_available():
-            device_free = int(torch.cuda.mem_get_info(torch.device(config.device))[0])
+            # --gpu-memory on a card that is here: this worker's share of it
+            device_free = config.gpu_memory or int(torch.cuda.mem_get_info(torch.device(config.device))[0])
         budget = plan.kept_activations_budget(device_free, int(psutil.virtual_memory().available))
     if budget:
         logger.info("stage %d keeps forward activations for the backward within %.2f GiB (recomputes beyond)",
