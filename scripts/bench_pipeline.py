@@ -144,6 +144,8 @@ class Windows:
     metrics_pairs: int = 3
     routing: tuple[str, ...] = ("trainer", "workers")
     """Routing paths (a) measures side by side; the lane sweep (b) and the rest use the trainer's."""
+    only_swarm: bool = False
+    """`--only swarm`: the centralized reference and (a), nothing else (a frontier point)."""
 
 
 FULL = Windows(swarm_window_s=20.0, lanes_window_s=15.0, warmup_samples=48, warmup_s=4.0,
@@ -158,12 +160,12 @@ QUICK = Windows(swarm_window_s=5.0, lanes_window_s=4.0, warmup_samples=16, warmu
 # run config
 # ---------------------------------------------------------------------------------------------
 
-def bench_run_config(preset: str = "tiny"):
+def bench_run_config(preset: str = "tiny", overrides: Optional[dict] = None):
     """`preset` (tiny: 3 stages of one block; cpu-compute: 3 compute-bound stages of two blocks),
-    under a run id of its own."""
+    under a run id of its own, with `overrides` (--gate, --target-batch-size) merged in."""
     from protocol.run_config import load_run_config
 
-    return load_run_config(preset, {"run_id": f"bench-{os.getpid()}"})
+    return load_run_config(preset, {"run_id": f"bench-{os.getpid()}", **(overrides or {})})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -901,8 +903,9 @@ async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dic
     """Fill `out` phase by phase, so a failure late in the run keeps what was measured before it.
     Every node is started through `swarm` (a LocalSwarm) and stopped before this returns."""
     t0 = time.monotonic()
-    log(f"[{time.monotonic() - t0:5.1f}s] (c) rpc overhead: {windows.rpc_round_trips} round trips each")
-    out["rpc_overhead_ratio"] = await measure_rpc_overhead(run, windows.rpc_round_trips, windows.rpc_block)
+    if not windows.only_swarm:
+        log(f"[{time.monotonic() - t0:5.1f}s] (c) rpc overhead: {windows.rpc_round_trips} round trips each")
+        out["rpc_overhead_ratio"] = await measure_rpc_overhead(run, windows.rpc_round_trips, windows.rpc_block)
     log(f"[{time.monotonic() - t0:5.1f}s] (a) centralized reference")
     central = measure_centralized(run, windows.central_steps, windows.central_warmup_steps,
                                   budget_s=windows.central_budget_s)
@@ -917,8 +920,9 @@ async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dic
         await probe.open()
         log(f"[{time.monotonic() - t0:5.1f}s] starting {run.num_stages} workers")
         workers = await start_workers(swarm, run)
-        log(f"[{time.monotonic() - t0:5.1f}s] idle workers: {windows.idle_window_s:.0f}s CPU baseline")
-        out["idle_swarm_cpu_cores"] = await measure_idle_cpu(workers, windows.idle_window_s)
+        if not windows.only_swarm:
+            log(f"[{time.monotonic() - t0:5.1f}s] idle workers: {windows.idle_window_s:.0f}s CPU baseline")
+            out["idle_swarm_cpu_cores"] = await measure_idle_cpu(workers, windows.idle_window_s)
 
         log(f"[{time.monotonic() - t0:5.1f}s] (a) swarm: 2 trainers x {windows.swarm_lanes_per_trainer} lanes, "
             f"{windows.swarm_window_s:.0f}s window")
@@ -975,6 +979,8 @@ async def bench(windows: Windows, run, swarm, membership, peer_id: str, out: dic
                            "saying routing.path: workers (each stage's worker passes the sample to the next)"),
             }
 
+        if windows.only_swarm:
+            return
         runs = []
         for i, lanes in enumerate(LANES):
             # On a busy machine, starting and stopping trainers slows down: shorten the windows
@@ -1104,9 +1110,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "backward per sample on one core)")
     p.add_argument("--idle-window-s", type=float, metavar="S",
                    help="seconds of the idle CPU window (default 5, or 30 with --only idle)")
-    p.add_argument("--only", choices=("all", "metrics", "idle"), default="all",
+    p.add_argument("--only", choices=("all", "metrics", "idle", "swarm"), default="all",
                    help="metrics: only the metrics-on vs metrics-off comparison (a few minutes); idle: only "
-                        "the CPU of three idle workers (about a minute)")
+                        "the CPU of three idle workers (about a minute); swarm: only the centralized reference "
+                        "and (a), for a point of the staleness frontier (about 3 minutes)")
+    p.add_argument("--gate", metavar="N|none",
+                   help="run config staleness.max_delayed_per_step (default: the preset's, 0); none: no gate")
+    p.add_argument("--target-batch-size", type=int, metavar="N", help="run config target_batch_size")
+    p.add_argument("--lanes", type=int, metavar="N", help="lanes per trainer in (a) (default 4)")
     p.add_argument("--metrics-pairs", type=int, metavar="N",
                    help="pairs of metrics-on/off windows (default 3); more pairs average out a noisy machine")
     p.add_argument("--metrics-window-s", type=float, metavar="S", help="seconds of each metrics window (default 10)")
@@ -1123,6 +1134,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                                       metrics_window_s=args.metrics_window_s or windows.metrics_window_s)
     if args.routing == "trainer":
         windows = dataclasses.replace(windows, routing=("trainer",))
+    if args.only == "swarm":
+        windows = dataclasses.replace(windows, only_swarm=True)
+    if args.lanes is not None:
+        windows = dataclasses.replace(windows, swarm_lanes_per_trainer=args.lanes)
+    overrides: dict[str, Any] = {}
+    if args.gate is not None:
+        overrides["staleness"] = {"max_delayed_per_step": None if args.gate.lower() == "none" else int(args.gate)}
+    if args.target_batch_size is not None:
+        overrides["target_batch_size"] = args.target_batch_size
     if args.idle_window_s is not None or args.only == "idle":
         windows = dataclasses.replace(windows, idle_window_s=args.idle_window_s or 30.0)
     started = time.monotonic()
@@ -1132,13 +1152,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
 
-    run = bench_run_config(args.preset)
+    run = bench_run_config(args.preset, overrides)
     out: dict[str, Any] = {"benchmark": "pipeline", "quick": args.quick, "machine": machine_info(),
                            "config": {"preset": args.preset, "stages": run.num_stages, "workers_per_stage": 1,
                                       "target_batch_size": run.target_batch_size, "seq_len": run.seq_len,
                                       "d_model": run.model.d_model, "subspace_rank": run.model.subspace_rank,
-                                      "worker_max_batch": WORKER_MAX_BATCH, "node_torch_threads": 1}}
-    measure = {"all": bench, "metrics": bench_metrics_only, "idle": bench_idle_only}[args.only]
+                                      "worker_max_batch": WORKER_MAX_BATCH, "node_torch_threads": 1,
+                                      "max_delayed_per_step": run.staleness.max_delayed_per_step,
+                                      "lanes_per_trainer": windows.swarm_lanes_per_trainer}}
+    measure = {"all": bench, "metrics": bench_metrics_only, "idle": bench_idle_only, "swarm": bench}[args.only]
     errors = on_local_swarm(run, lambda *a: measure(windows, *a), out, keep_logs=args.keep_logs)
     out["aims"] = evaluate_aims(out)
     out["errors"] = errors
