@@ -114,24 +114,21 @@ def _completed(trainer) -> int:
 
 @pytest.mark.timeout(180)
 def test_a_stage_of_workers_too_old_to_chain_gets_its_samples_the_trainer_driven_way(make_swarm, run_config_path):
-    """A run upgrading one operator at a time: the body runs a version without worker-to-worker
+    """A run upgrading one operator at a time: the tail runs a version without worker-to-worker
     routing, so the trainer names it once and sends every sample the trainer-driven way."""
-    config = run_config_path(stages=THREE_STAGES, target_batch_size=8, routing=WORKERS)
+    config = run_config_path(stages=[{"first_layer": 0, "last_layer": 1}, {"first_layer": 1, "last_layer": 3}],
+                             target_batch_size=8, routing=WORKERS)
     swarm = make_swarm(config)
     head = swarm.start("worker", stage=0, args=["--max-batch", "8"])
-    old_body = swarm.start("worker", stage=1, args=["--max-batch", "8"], wait_ready=False,
-                           env={"AGORA_TEST_WITHOUT_CHAIN": "1"})
-    tail = swarm.start("worker", stage=2, args=["--max-batch", "8"], wait_ready=False)
-    for node in (old_body, tail):
-        swarm.wait_ready(node)
-    trainer = swarm.start("trainer", args=["--lanes", "4", "--max-samples", "48", "--discovery-period-s", "1"])
+    old_tail = swarm.start("worker", stage=1, args=["--max-batch", "8"], env={"AGORA_TEST_WITHOUT_CHAIN": "1"})
+    trainer = swarm.start("trainer", args=["--lanes", "4", "--max-samples", "24", "--discovery-period-s", "1"])
     assert swarm.wait(trainer, 120) == 0, trainer.log_tail()
     summary = trainer.summary()
-    assert summary["samples_completed"] == 48 and summary["samples_dropped"] == 0, summary["dropped_by_reason"]
-    assert summary["routing"] == "workers" and summary["routing_fallbacks"] == 48
-    assert summary["served"]["1"] == {old_body.peer_id: 48}
+    assert summary["samples_completed"] == 24 and summary["samples_dropped"] == 0, summary["dropped_by_reason"]
+    assert summary["routing"] == "workers" and summary["routing_fallbacks"] == 24
+    assert summary["served"]["1"] == {old_tail.peer_id: 24}
     named = [line for line in trainer.log_tail(10_000).splitlines() if "cannot pass samples worker to worker" in line]
-    assert len(named) == 1 and old_body.peer_id[-8:] in named[0], trainer.log_tail()
-    for node in (head, old_body, tail):
+    assert len(named) == 1 and old_tail.peer_id[-8:] in named[0], trainer.log_tail()
+    for node in (head, old_tail):
         assert swarm.stop(node, signal.SIGTERM) == 0, node.log_tail()
     assert not any(w["requests"].get("chain_ok") for w in _summaries(swarm).values())
