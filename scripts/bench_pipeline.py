@@ -1099,6 +1099,12 @@ def _contention(out: dict) -> dict:
     return {"foreign_cores": found, "busy": bool(busy)}
 
 
+def _gate(text: str) -> str:
+    if text.lower() != "none" and not (text.isdigit()):
+        raise argparse.ArgumentTypeError(f"a gate is a number of samples >= 0 or none, not {text!r}")
+    return text
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1114,7 +1120,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="metrics: only the metrics-on vs metrics-off comparison (a few minutes); idle: only "
                         "the CPU of three idle workers (about a minute); swarm: only the centralized reference "
                         "and (a), for a point of the staleness frontier (about 3 minutes)")
-    p.add_argument("--gate", metavar="N|none",
+    p.add_argument("--gate", metavar="N|none", type=_gate,
                    help="run config staleness.max_delayed_per_step (default: the preset's, 0); none: no gate")
     p.add_argument("--target-batch-size", type=int, metavar="N", help="run config target_batch_size")
     p.add_argument("--lanes", type=int, metavar="N", help="lanes per trainer in (a) (default 4)")
