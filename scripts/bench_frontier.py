@@ -15,7 +15,7 @@ trainers) in a child process, so a point's figures are exactly what that bench r
 Gates are fractions of the batch (`--gates 0,1/16,1/8,none`: 0, 1 and 2 samples at batch 16), so
 one grid reads across batch sizes; `none` is no gate. Lanes per trainer grow with the batch
 (`max(4, batch/8)`), or `--lanes N`: with too few samples in flight a gate cannot bind.
-About 1.5 minutes a point at batch 16 and 64, 3 at batch 512.
+Each point takes 1-2 minutes on the 2-core development machine (batch 512 at 20 steps: about 2).
 """
 
 from __future__ import annotations
