@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
 from protocol.dht_schema import Phase, WorkerRecord
 from protocol.errors import ErrorCode, ProtocolError
@@ -20,6 +21,7 @@ from roles.trainer.pipeline import PipelineDriver, SampleDropped
 from roles.worker.chain import ChainHandler, StageDirectory
 
 TOKENS = torch.arange(8, dtype=torch.int64)
+_PEER = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
 
 
 def _request(**fields):
@@ -211,8 +213,6 @@ def test_a_tagged_sample_whose_caller_left_before_its_backward_ran_is_abandoned_
 def test_a_next_worker_that_cannot_be_reached_is_dialled_again_at_the_addresses_read_anew(monkeypatch):
     """A worker restarted elsewhere with the same identity: its old addresses fail once, then the
     stage's records are read again and the new ones dialled."""
-    from hivemind.p2p import PeerID as _PeerID
-
     from protocol.errors import PeerUnavailable
     from roles.worker import chain as chain_module
 
@@ -249,10 +249,6 @@ def test_a_next_worker_that_cannot_be_reached_is_dialled_again_at_the_addresses_
 
     asyncio.run(main())
     assert dialled == [["/ip4/127.0.0.1/tcp/1"], ["/ip4/127.0.0.1/tcp/2"]]
-    assert isinstance(_PEER, _PeerID)
-
-
-_PEER = __import__("hivemind.p2p", fromlist=["PeerID"]).PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
 
 
 def test_workers_too_old_to_chain_are_kept_off_routes_and_a_stage_of_only_them_goes_the_trainer_way(caplog):
@@ -274,8 +270,6 @@ def test_workers_too_old_to_chain_are_kept_off_routes_and_a_stage_of_only_them_g
 
 
 def test_a_worker_announces_that_it_chains_and_an_old_record_reads_as_not():
-    from protocol.dht_schema import WorkerRecord
-
     assert WorkerRecord(stage=0, max_batch=1, throughput=1.0).chain is False
     body = WorkerRecord(stage=0, max_batch=1, throughput=1.0, chain=True).model_dump()
     assert WorkerRecord.model_validate(body).chain is True

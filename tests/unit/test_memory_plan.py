@@ -100,8 +100,8 @@ def test_a_gpu_worker_sizes_its_batch_to_half_the_memory_its_weights_leave_free(
     plan = plan_memory(run, 1, "cuda:0", max_batch=1)
     free = 80 * GIB
     batch = plan.auto_max_batch(free, cap=4096)
-    weights = plan_memory(run, 1, "cuda:0", max_batch=1).device_bytes - plan_memory(run, 1, "cuda:0", 2).device_bytes \
-        + plan_memory(run, 1, "cuda:0", max_batch=1).device_bytes  # the plan at batch 0
+    # The plan is linear in the batch: extrapolated to batch 0 it is what the weights need.
+    weights = 2 * plan_memory(run, 1, "cuda:0", 1).device_bytes - plan_memory(run, 1, "cuda:0", 2).device_bytes
     half = weights + (free - weights) // 2
     assert plan_memory(run, 1, "cuda:0", batch).device_bytes <= half < plan_memory(run, 1, "cuda:0", batch + 1).device_bytes
     assert 1 < batch < plan.max_batch_that_fits(free), "half the card, not all of it"
