@@ -155,7 +155,8 @@ def export_main(argv: list[str]) -> int:
     import torch
 
     from protocol.run_config import load_run_config
-    from roles.model.hf_export import llama_config_dict, llama_state_dict, load_stages
+    from roles.model.hf_export import (MODELING_FILE, llama_config_dict, llama_state_dict, load_stages,
+                                       modeling_source, needs_remote_code)
     from roles.model.hf_tokenizer import write_tokenizer_files
 
     run = load_run_config(args.config)
@@ -182,6 +183,8 @@ def export_main(argv: list[str]) -> int:
         config = llama_config_dict(run, eos_token_id=eos)
         config["torch_dtype"] = args.dtype
         (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if needs_remote_code(run):
+            (work / MODELING_FILE).write_text(modeling_source())
         (work / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos, "do_sample": True, "temperature": 0.8},
             indent=2) + "\n")
@@ -197,8 +200,10 @@ def export_main(argv: list[str]) -> int:
     params = sum(p.numel() for s in stages for p in s.parameters())
     print(f"exported run {run.run_id} ({run.model.n_layers} layers, {params:,} trained parameters; stage steps "
           f"{steps}) to {out}: "
-          f"LlamaForCausalLM, {args.dtype}, {shards} weight file(s); load it with "
-          f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+          f"{config['architectures'][0]}, {args.dtype}, {shards} weight file(s); load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}"
+          f"{', trust_remote_code=True' if needs_remote_code(run) else ''})"
+          f"{' (the stock Llama plus its stage anchors, in ' + MODELING_FILE + ')' if needs_remote_code(run) else ''}")
     return ExitCode.OK
 
 
@@ -212,7 +217,10 @@ def generate_main(argv: list[str]) -> int:
 
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    # An export of a stage-anchors run carries its own modeling file (roles/model/hf_anchored.py),
+    # written by `agora-node export`; nothing else is trusted to run code.
+    ours = json.loads((model_dir / "config.json").read_text()).get("model_type") == "agora_anchored_llama"
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=ours).eval()
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     room = model.config.max_position_embeddings - ids.shape[1]
     if room <= 0:

@@ -41,7 +41,7 @@ from protocol.errors import ConfigError
 from protocol.exit_codes import ExitCode
 from protocol.identity import Identity
 from protocol.records import REVOKED_SUBKEY
-from protocol.run_config import RunConfig, load_run_config
+from protocol.run_config import RunConfig, load_run_config, parse_run_config
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
             client, identity, settings.role, hardware=measured_hardware(device), announce_maddrs=visible,
             account_token=settings.account_token, preferred_stage=_requested_stage(settings), on_wait=on_wait,
             timeout_s=settings.admission_timeout_s, relay_ok=getattr(settings, "relay", "off") != "off")
-        run = RunConfig.model_validate(admission.run_config)
+        run = parse_run_config(admission.run_config, "the authorizer's run config")
         requested = _requested_stage(settings)
         if requested is not None and admission.stage is not None and requested != admission.stage:
             logger.warning("the authorizer placed this worker on stage %d, not the requested %d", admission.stage,

@@ -29,6 +29,10 @@ from protocol.files import atomic_write
 
 StageKind = Literal["head", "body", "tail"]
 ModelKind = Literal["transformer", "surrogate"]
+MODEL_CONSTRUCTIONS = ("fixed-embedding", "stage-anchors")
+"""How the residual stream outside span(U_k) is made (roles/model/stage.py explains both):
+'fixed-embedding' is the report's fixed random token table; 'stage-anchors' (issue 24) gives each
+stage a learned token table of its own there. A node refuses a construction it does not build."""
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -61,6 +65,29 @@ class ModelConfig(BaseModel):
         default=True,
         description="Tail blocks use full-rank output projections (no boundary follows them).",
     )
+    construction: str = Field(
+        default="fixed-embedding",
+        description="How the residual stream outside span(U_k) is made: 'stage-anchors' (every "
+        "stage adds a learned token table of its own there; the presets' choice) or "
+        "'fixed-embedding' (one fixed random token table shared by all stages, as in the report; "
+        "the meaning of a run config that predates this field).",
+    )
+    anchor_rank: Optional[int] = Field(
+        default=None,
+        gt=0,
+        description="stage-anchors only: factor each stage's token table as [vocab, r] x [r, "
+        "d_model] to bound its size at large vocabularies; unset: a full [vocab, d_model] table.",
+    )
+
+    @field_validator("construction")
+    @classmethod
+    def _known_construction(cls, value: str) -> str:
+        if value not in MODEL_CONSTRUCTIONS:
+            raise ValueError(
+                f"this run trains the model construction {value!r}, which this agora-node does not "
+                f"build (it builds {', '.join(MODEL_CONSTRUCTIONS)}); upgrade agora-node to join it"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
@@ -73,6 +100,11 @@ class ModelConfig(BaseModel):
             raise ValueError(
                 f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; "
                 f"pick n_heads that divides it"
+            )
+        if self.anchor_rank is not None and self.construction != "stage-anchors":
+            raise ValueError(
+                f"anchor_rank is set but construction is {self.construction!r}; anchors exist only "
+                f"with construction 'stage-anchors'"
             )
         if (self.d_model // self.n_heads) % 2:
             raise ValueError(
@@ -794,12 +826,19 @@ def load_run_config(source: str, overrides: dict | None = None) -> RunConfig:
     data = _read_source(source)
     if overrides:
         data = _deep_merge(data, overrides)
+    return parse_run_config(data, f"config {source}")
+
+
+def parse_run_config(data: Any, source: str) -> RunConfig:
+    """Validate a run config's fields (a file's, or the authorizer's answer); raises `ConfigError`
+    with one line naming `source`, the field and the fix, e.g. a model construction this
+    agora-node does not build."""
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
         more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-        raise ConfigError(f"config {source}: {_describe_error(errors[0])}{more}") from exc
+        raise ConfigError(f"{source}: {_describe_error(errors[0])}{more}") from exc
 
 
 def dump_run_config(cfg: RunConfig, path: str | os.PathLike[str]) -> None:

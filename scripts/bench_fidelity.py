@@ -70,21 +70,9 @@ completed and dropped samples against the target (`unaccounted` should be 0), an
 `steps.closed_by` counts why its replicas closed their steps, so short steps can be told apart
 from samples really lost. No churn figures are quoted here until a run has measured them.
 
-`--ablation` instead trains one-process variants that move one difference between the subspace
-model and a plain Llama at a time (scripts/_fidelity_ablation.py) and reports held-out losses over
-three run seeds, plus a longer-horizon check (about 6 minutes on two cores). Measured here (tiny,
-batch 16, 2,400 samples, mean of seeds 0-2): subspace 1.103, plain Llama 0.880 (subspace +26%;
-plain's seed spread is 0.17, the subspace model's 0.005). Rank alone: subspace_rank = d with
-T_fixed kept 1.079 (2% better than rank k, still 24% behind plain). Rank-k writes with a learned
-full-rank embedding 0.778 (better than plain). Plain + frozen T_fixed 1.105, plain with its
-learned embedding started at T_fixed's scale 1.110 (both +26%). T_fixed scaled to std 0.02,
-learned part still rank k: 1.130. T_fixed at std 0.02 and the whole embedding learnable (rank
-d): 0.914 (+5%, within plain's seed spread). So the cost is the token embedding, not the rank of
-the residual writes: a fixed random table of row norm ~1 (6x a learned one) dominates the
-residual stream, and only k of its d dimensions can learn; either property alone keeps the whole
-gap. It is a slow start rather than a lower ceiling: subspace vs plain is +7.8% at 2x the tokens
-(4,800 samples; the ~8% the issue quotes) and +1.9% at 4x (9,600), seed 0. The JSON's "notes"
-say the same.
+`--ablation` instead trains the construction ablation of scripts/bench_construction.py (issue 24:
+one-process candidates against transformers' Llama at the demo's budget, three seeds; that script
+is the place to run it with other sizes and budgets).
 """
 
 from __future__ import annotations
@@ -892,41 +880,12 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def bench_ablation(args: argparse.Namespace) -> dict:
-    from _fidelity_ablation import VARIANTS, run_ablation
-    from protocol.run_config import load_run_config
+    """scripts/bench_construction.py --ablation at the demo's budget (10 steps, one seed with --quick)."""
+    import bench_construction
 
-    steps = 40 if args.quick else SETTINGS["demo"].steps
-    seeds = [0] if args.quick else [0, 1, 2]
-    base = load_run_config("tiny", {"optimizer": {"total_steps": steps}})
-    log(f"[ablation] {len(VARIANTS)} variants x {len(seeds)} seed(s), {steps} steps of {base.target_batch_size}")
-    out = run_ablation(base, steps=steps, seeds=seeds, variants=list(VARIANTS), log=log)
-    horizon = {}
-    for factor in () if args.quick else (2, 4):
-        longer = load_run_config("tiny", {"optimizer": {"total_steps": steps * factor}})
-        found = run_ablation(longer, steps=steps * factor, seeds=[0], variants=["subspace", "plain"], log=log)
-        horizon[f"{steps * factor * base.target_batch_size}_samples"] = {
-            "subspace": found["variants"]["subspace"]["held_out_loss_mean"],
-            "plain": found["variants"]["plain"]["held_out_loss_mean"],
-            "subspace_vs_plain": found["attribution"]["subspace_vs_plain"]}
-    out["horizon_seed_0"] = horizon
-    out["notes"] = ABLATION_NOTES
-    return out
-
-
-ABLATION_NOTES = [
-    "The subspace model's gap to a plain Llama at equal tokens comes from its token embedding, not from the "
-    "rank of its residual writes: with a learned full-rank embedding, rank-k writes train as well as (here "
-    "better than) full-rank ones, while raising the rank to d with T_fixed kept recovers ~2 of ~26 points.",
-    "T_fixed costs in two ways, each enough on its own to keep the whole gap: its rows have norm ~1 (std "
-    "d^-1/2, ~6x a learned embedding's 0.02), so they dominate the residual stream the blocks write into (a "
-    "plain Llama given the frozen T_fixed, or a learned embedding started at that scale, loses as much), and "
-    "only k of its d dimensions learn (T_fixed scaled down to std 0.02 does not help while the learned part is "
-    "rank k). Scaled down with the whole embedding learnable (rank d), it matches plain within seed noise.",
-    "It is a slow start rather than a lower ceiling: the gap shrinks from ~26% at 2,400 samples to ~8% at "
-    "4,800 and ~2% at 9,600 (horizon_seed_0). Inside the design the learned part of the embedding must stay in "
-    "span(U_k) (a boundary carries k values), so closing the gap early means a smaller T_fixed together with "
-    "a learned embedding every stage can regenerate; the experiment does not test such a scheme.",
-]
+    return bench_construction.bench("tiny", "10" if args.quick else "demo", [0] if args.quick else [0, 1, 2],
+                                    ["hf_llama", *bench_construction.ABLATION],
+                                    {**bench_construction.MODELS, **bench_construction.ABLATION})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -942,7 +901,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, metavar="N", help="optimizer steps (default: the setting's)")
     p.add_argument("--lanes", type=int, default=LANES, metavar="N", help=f"lanes per trainer (default {LANES})")
     p.add_argument("--ablation", action="store_true",
-                   help="instead of the swarm, train the one-process variants of the subspace ablation")
+                   help="instead of the swarm, train the one-process candidates of the construction ablation "
+                        "(scripts/bench_construction.py --ablation)")
     p.add_argument("--max-in-flight-ratio", type=float, help="run config staleness.max_in_flight_ratio")
     p.add_argument("--max-delayed-per-step", type=int, help="run config staleness.max_delayed_per_step")
     p.add_argument("--no-forward-gate", action="store_true",

@@ -9,8 +9,12 @@ untied LM head, no biases. Two things are reparameterised and fold into dense we
 - the embedding is the fixed table plus the trained coordinates: `T_fixed + E U_kᵀ`.
 
 The fused `qkv_proj` splits row-wise into q, k and v (our view is [3, heads, head_dim]); the
-rotary convention needs no permutation (HF's `rotate_half` is ours). Nothing of ours falls outside
-the stock class, so the export loads with `AutoModelForCausalLM` and no remote code.
+rotary convention needs no permutation (HF's `rotate_half` is ours). In the fixed-embedding
+construction nothing of ours falls outside the stock class, so the export loads with
+`AutoModelForCausalLM` and no remote code. In the stage-anchors construction each stage's anchor
+swaps in at its first layer, which a stock Llama cannot do: the export is then the stock class
+plus that swap (roles/model/hf_anchored.py, shipped beside the weights as `modeling_agora.py`),
+loaded with `trust_remote_code=True`; the head's anchor folds into the embedding.
 """
 
 from __future__ import annotations
@@ -26,7 +30,20 @@ from protocol.errors import ConfigError
 from protocol.run_config import RunConfig
 from roles.model.stage import StageModel, build_stage_model
 
-__all__ = ["full_logits", "llama_config_dict", "llama_state_dict", "load_stages"]
+__all__ = ["MODELING_FILE", "full_logits", "llama_config_dict", "llama_state_dict", "load_stages", "needs_remote_code"]
+
+MODELING_FILE = "modeling_agora.py"
+"""What roles/model/hf_anchored.py is called inside an export of a stage-anchors run."""
+
+
+def needs_remote_code(run: RunConfig) -> bool:
+    """Whether the export of `run` is the stock Llama plus our anchor swap (hf_anchored.py)."""
+    return run.model.construction == "stage-anchors"
+
+
+def modeling_source() -> str:
+    """The text of the modeling file an anchored export ships."""
+    return (Path(__file__).with_name("hf_anchored.py")).read_text()
 
 
 def load_stages(run: RunConfig, files: list[Path]) -> list[StageModel]:
@@ -86,10 +103,17 @@ def llama_state_dict(run: RunConfig, stages: list[StageModel]) -> dict[str, Tens
     """The `LlamaForCausalLM` parameters of the model the stages make up, in float32."""
     d = run.model.d_model
     head, tail = stages[0], stages[-1]
+    out: dict[str, Tensor] = {}
     with torch.no_grad():
-        embedding = (head.fixed_embedding.double()
-                     + head.embedding.detach().double() @ head.basis.double().T).float()
-    out: dict[str, Tensor] = {"model.embed_tokens.weight": embedding}
+        embedding = head.embedding.detach().double() @ head.basis.double().T
+        if head.fixed_embedding is not None:
+            embedding = head.fixed_embedding.double() + embedding
+        if head.anchor is not None:
+            every_token = torch.arange(run.model.vocab_size)
+            embedding = embedding + head.anchor_rows(every_token).double()
+            for index, stage in enumerate(stages):
+                out.update(_anchor_tensors(index, stage))
+    out["model.embed_tokens.weight"] = embedding.float()
     for stage_index, stage in enumerate(stages):
         first = run.stages[stage_index].first_layer
         for local, block in enumerate(stage.blocks):
@@ -109,8 +133,37 @@ def llama_state_dict(run: RunConfig, stages: list[StageModel]) -> dict[str, Tens
     return {name: tensor.contiguous().clone() for name, tensor in out.items()}
 
 
+def _anchor_tensors(index: int, stage: StageModel) -> dict[str, Tensor]:
+    """A stage's anchor as hf_anchored.py reads it: rows already scaled and projected off U_k
+    (a factored anchor keeps its [vocab, r] codes and takes both in its [r, d] basis)."""
+    from roles.model.stage import ANCHOR_SCALE
+
+    basis = stage.basis.double()
+    off_subspace = torch.eye(basis.shape[0], dtype=torch.float64) - basis @ basis.T
+    prefix = f"agora_anchors.{index}."
+    if stage.anchor_basis is None:
+        rows = ANCHOR_SCALE * stage.anchor.detach().double() @ off_subspace
+        return {prefix + "rows": rows.float()}
+    factor = ANCHOR_SCALE * stage.anchor_basis.detach().double() @ off_subspace
+    return {prefix + "rows": stage.anchor.detach().float(), prefix + "basis": factor.float()}
+
+
 def llama_config_dict(run: RunConfig, *, eos_token_id: int, bos_token_id: Optional[int] = None) -> dict:
-    """The `config.json` of the export (a `LlamaConfig`)."""
+    """The `config.json` of the export (a `LlamaConfig`, or in the stage-anchors construction
+    the config of hf_anchored.py's class, which extends it)."""
+    m = run.model
+    if needs_remote_code(run):
+        module = MODELING_FILE.removesuffix(".py")
+        return {**_llama_fields(run, eos_token_id, bos_token_id),
+                "architectures": ["AgoraAnchoredLlamaForCausalLM"], "model_type": "agora_anchored_llama",
+                "auto_map": {"AutoConfig": f"{module}.AgoraAnchoredLlamaConfig",
+                             "AutoModelForCausalLM": f"{module}.AgoraAnchoredLlamaForCausalLM"},
+                "agora_stage_first_layers": [stage.first_layer for stage in run.stages],
+                "agora_anchor_rank": m.anchor_rank}
+    return _llama_fields(run, eos_token_id, bos_token_id)
+
+
+def _llama_fields(run: RunConfig, eos_token_id: int, bos_token_id: Optional[int]) -> dict:
     m = run.model
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -128,8 +181,10 @@ def full_logits(stages: list[StageModel], tokens: Tensor) -> Tensor:
     """Our model's next-token logits [B, T, vocab] (float32) on `tokens` [B, T]: the reference an
     export must reproduce."""
     with torch.no_grad():
-        hidden = stages[0].embed(tokens)
-        for stage in stages:
+        hidden = stages[0].enter(None, tokens)
+        for index, stage in enumerate(stages):
+            if index and stage.anchor is not None:
+                hidden = stage.enter(stages[index - 1].leave(hidden, tokens), tokens)
             hidden = stage.run_blocks(hidden)
         tail = stages[-1]
         return tail.lm_head(tail.final_norm(hidden)).float()

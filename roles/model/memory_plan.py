@@ -33,7 +33,15 @@ def stage_parameter_count(run: RunConfig, stage_index: int) -> int:
         count += vocab * k
     if kind == "tail":
         count += d + vocab * d
+    if model.construction == "stage-anchors":
+        r = model.anchor_rank
+        count += vocab * d if r is None else vocab * r + r * d
     return count
+
+
+def _fixed_table_values(run: RunConfig) -> int:
+    """Values of the fixed token table a stage regenerates: none in the stage-anchors construction."""
+    return run.model.vocab_size * run.model.d_model if run.model.construction == "fixed-embedding" else 0
 
 
 def _activation_bytes_per_sample(run: RunConfig, stage_index: int, flash: bool) -> int:
@@ -184,13 +192,13 @@ def plan_memory(run: RunConfig, stage_index: int, device: str, max_batch: int) -
     param_bytes = num_params * b
     basis_copies = 1 + run.stages[stage_index].num_layers
     fixed_buffer_bytes = (
-        model.vocab_size * model.d_model * b
+        _fixed_table_values(run) * b
         + basis_copies * model.d_model * model.subspace_rank * _WIDE
     )
     activation = _activation_bytes_per_sample(run, stage_index, flash=device.startswith("cuda"))
     optimizer_host_bytes = 3 * num_params * _WIDE
     host_bytes = (
-        optimizer_host_bytes + num_params * _WIDE + model.vocab_size * model.d_model * _WIDE
+        optimizer_host_bytes + num_params * _WIDE + _fixed_table_values(run) * _WIDE
     )
     # Head and body stages accumulate the next step's samples beside the open step's while its
     # last samples are in flight, and keep the previous weights for pinned recomputes [issue 7];

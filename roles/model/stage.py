@@ -10,6 +10,15 @@ coordinates stay float32 (wider if the module is cast to float64), so `forward` 
 coordinates whatever the compute dtype. The fixed embedding is stored in `run.dtype` to save
 device memory; both sides of a boundary read the same rounded table, so nothing is lost. A worker
 may also run the stage under autocast: the boundary arithmetic, norms and loss switch it off.
+
+What fills the residual stream outside span(U_k) is the run's `model.construction` [issue 24]:
+- 'fixed-embedding' (the report's): one fixed random token table T_fixed, rows of norm ~1, that
+  every stage regenerates from `subspace_seed`; nothing outside span(U_k) ever learns.
+- 'stage-anchors': no T_fixed. Every stage adds a learned token table of its own, its `anchor`,
+  projected orthogonal to U_k, to the stream it reconstructs; the projection at its exit removes
+  it again, so the boundary still carries exactly the k coordinates, and each stage's blocks read
+  a full-width learned embedding as a plain Llama's do. Anchors are stored divided by
+  `ANCHOR_SCALE` and multiplied back: under AdamW that is a larger learning rate for them.
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ from roles.model.subspace import (
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INIT_STD = 0.02
+ANCHOR_SCALE = 4.0
+"""stage-anchors: an anchor's stored values times this are its rows; with AdamW that moves anchors
+this many times faster than the other weights at the same effective init (issue 24's ablation)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -63,13 +75,13 @@ class StageModel(nn.Module):
         self.max_seq_len = model.max_seq_len
         compute_dtype = torch_dtype(run.dtype)
 
+        self.construction = model.construction
         basis = subspace_basis(model.d_model, model.subspace_rank, model.subspace_seed)
         self.register_buffer("basis", basis, persistent=False)
-        self.register_buffer(
-            "fixed_embedding",
-            fixed_token_embedding(model.vocab_size, model.d_model, model.subspace_seed),
-            persistent=False,
-        )
+        fixed = None
+        if self.construction == "fixed-embedding":
+            fixed = fixed_token_embedding(model.vocab_size, model.d_model, model.subspace_seed)
+        self.register_buffer("fixed_embedding", fixed, persistent=False)
         if self.kind == "head":
             self.embedding = nn.Parameter(torch.empty(model.vocab_size, model.subspace_rank))
         full_rank = self.kind == "tail" and model.tail_full_rank
@@ -79,12 +91,22 @@ class StageModel(nn.Module):
         if self.kind == "tail":
             self.final_norm = RMSNorm(model.d_model, model.norm_eps)
             self.lm_head = DenseLinear(model.d_model, model.vocab_size)
+        # Created last so that a fixed-embedding stage keeps the parameter order (and so the
+        # checkpoint layout and seeded init) it always had.
+        self.anchor: nn.Parameter | None = None
+        self.anchor_basis: nn.Parameter | None = None
+        if self.construction == "stage-anchors":
+            width = model.anchor_rank or model.d_model
+            self.anchor = nn.Parameter(torch.empty(model.vocab_size, width))
+            if model.anchor_rank:
+                self.anchor_basis = nn.Parameter(torch.empty(model.anchor_rank, model.d_model))
 
         self._reset_parameters(
             torch.Generator(device="cpu").manual_seed(stage_init_seed(run.seed, stage_index)),
             out_std=_INIT_STD / math.sqrt(2 * model.n_layers),
         )
-        self.fixed_embedding = self.fixed_embedding.to(compute_dtype)
+        if self.fixed_embedding is not None:
+            self.fixed_embedding = self.fixed_embedding.to(compute_dtype)
         for param in self.parameters():
             param.data = param.data.to(compute_dtype)
         self.to(device)
@@ -98,6 +120,12 @@ class StageModel(nn.Module):
             if self.kind == "tail":
                 self.final_norm.reset_parameters()
                 self.lm_head.reset_parameters(generator, _INIT_STD)
+            if self.anchor is not None and self.anchor_basis is None:
+                self.anchor.normal_(0.0, _INIT_STD / ANCHOR_SCALE, generator=generator)
+            elif self.anchor is not None:  # rows codes @ basis, of std _INIT_STD at init
+                self.anchor.normal_(0.0, 1.0, generator=generator)
+                rank = self.anchor_basis.shape[0]
+                self.anchor_basis.normal_(0.0, _INIT_STD / (ANCHOR_SCALE * rank**0.5), generator=generator)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Everything the optimizer steps and the averager syncs; U_k and the fixed embedding are
@@ -109,11 +137,38 @@ class StageModel(nn.Module):
         return []
 
     def embed(self, tokens: Tensor) -> Tensor:
-        """Head only: residual stream T_fixed[tokens] + E[tokens] U_k^T, already in span(U_k)
-        around the fixed embedding, as eq. (2) needs."""
+        """Head only: the part of the residual stream that crosses the head's boundary,
+        E[tokens] U_k^T, plus T_fixed[tokens] in the fixed-embedding construction (eq. 2)."""
         with without_autocast(self.basis):
             trainable = F.embedding(tokens, self.embedding).to(self.basis.dtype) @ self.basis.T
+            if self.fixed_embedding is None:
+                return trainable
             return self.fixed_embedding[tokens].to(self.basis.dtype) + trainable
+
+    def anchor_rows(self, tokens: Tensor) -> Tensor:
+        """stage-anchors: this stage's anchor rows [B, T, d], orthogonal to U_k, in the stream's
+        dtype; the projection keeps them out of the boundary coordinates."""
+        with without_autocast(self.basis):
+            rows = F.embedding(tokens, self.anchor)
+            if self.anchor_basis is not None:
+                rows = rows @ self.anchor_basis
+            rows = rows.to(self.basis.dtype) * ANCHOR_SCALE
+            return rows - (rows @ self.basis) @ self.basis.T
+
+    def enter(self, coords: Tensor | None, tokens: Tensor) -> Tensor:
+        """The residual stream at this stage's first block: the head embeds the tokens, other
+        stages reconstruct it from the boundary coordinates; then this stage's anchor, if any."""
+        if self.kind == "head":
+            hidden = self.embed(tokens)
+        else:
+            hidden = reconstruct(coords.to(self.basis.dtype), tokens, self.fixed_embedding, self.basis)
+        if self.anchor is not None:
+            hidden = hidden + self.anchor_rows(tokens)
+        return hidden
+
+    def leave(self, hidden: Tensor, tokens: Tensor) -> Tensor:
+        """Head and body: the boundary coordinates [B, T, k] of the stream after the blocks."""
+        return compress(hidden, tokens, self.fixed_embedding, self.basis)
 
     def run_blocks(self, hidden: Tensor) -> Tensor:
         """Apply this stage's blocks to the residual stream."""
@@ -139,16 +194,10 @@ class StageModel(nn.Module):
         since an out-of-range id would trip a device-side assert on CUDA.
         """
         self._check_inputs(coords, tokens)
-        if self.kind == "head":
-            hidden = self.embed(tokens)
-        else:
-            hidden = reconstruct(
-                coords.to(self.basis.dtype), tokens, self.fixed_embedding, self.basis
-            )
-        hidden = self.run_blocks(hidden)
+        hidden = self.run_blocks(self.enter(coords, tokens))
         if self.kind == "tail":
             return self.loss_from_hidden(hidden, tokens)
-        return compress(hidden, tokens, self.fixed_embedding, self.basis)
+        return self.leave(hidden, tokens)
 
     def _check_inputs(self, coords: Tensor | None, tokens: Tensor) -> None:
         check_stage_inputs(self.kind, coords, tokens, max_seq_len=self.max_seq_len, subspace_rank=self.subspace_rank)
@@ -189,8 +238,10 @@ def build_stage_model(run: RunConfig, stage_index: int, device: torch.device | s
 
 class FullModel(nn.Module):
     """The unsplit model, run straight through the stages' own modules on the full residual
-    stream with no compression between them. It shares the stages' parameters, so its loss and
-    gradients are the reference the pipeline must reproduce."""
+    stream with no compression between them (in the stage-anchors construction the stream's part
+    outside span(U_k) is each stage's own, so there a boundary swaps the anchors, as the pipeline
+    does). It shares the stages' parameters, so its loss and gradients are the reference the
+    pipeline must reproduce."""
 
     def __init__(self, stages: list[StageModel]):
         super().__init__()
@@ -206,7 +257,9 @@ class FullModel(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Per-sample mean next-token loss [B], as the tail stage would return it."""
-        hidden = self.stages[0].embed(tokens)
-        for stage in self.stages:
+        hidden = self.stages[0].enter(None, tokens)
+        for index, stage in enumerate(self.stages):
+            if index and stage.anchor is not None:
+                hidden = stage.enter(self.stages[index - 1].leave(hidden, tokens), tokens)
             hidden = stage.run_blocks(hidden)
         return self.stages[-1].loss_from_hidden(hidden, tokens)

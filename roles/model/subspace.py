@@ -11,6 +11,7 @@ positional embedding, so the PE term of eq. (2) is zero here.
 from __future__ import annotations
 
 import hashlib
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -74,21 +75,28 @@ def without_autocast(tensor: Tensor) -> torch.autocast:
     return torch.autocast(device_type=tensor.device.type, enabled=False)
 
 
-def compress(hidden: Tensor, tokens: Tensor, fixed_emb: Tensor, U: Tensor) -> Tensor:
+def compress(hidden: Tensor, tokens: Tensor, fixed_emb: Optional[Tensor], U: Tensor) -> Tensor:
     """Boundary coordinates [B, T, k] = (hidden - T_fixed[tokens]) @ U_k, eq. (2).
 
-    Lossless when `hidden - T_fixed[tokens]` lies in span(U_k), which the reparameterized model
-    guarantees; computed in `hidden`'s dtype, with autocast off.
+    Lossless when `hidden - T_fixed[tokens]` lies in span(U_k) up to what the receiving stage
+    regenerates itself, which the reparameterized model guarantees. `fixed_emb` None: the
+    construction has no fixed table (stage anchors, orthogonal to U_k, vanish in the projection).
+    Computed in `hidden`'s dtype, with autocast off.
     """
     with without_autocast(hidden):
-        return (hidden - fixed_emb[tokens].to(hidden.dtype)) @ U.to(hidden.dtype)
+        if fixed_emb is not None:
+            hidden = hidden - fixed_emb[tokens].to(hidden.dtype)
+        return hidden @ U.to(hidden.dtype)
 
 
-def reconstruct(coords: Tensor, tokens: Tensor, fixed_emb: Tensor, U: Tensor) -> Tensor:
-    """The residual stream [B, T, d] = T_fixed[tokens] + coords @ U_k^T, inverse of `compress`;
-    computed in `coords`' dtype, with autocast off."""
+def reconstruct(coords: Tensor, tokens: Tensor, fixed_emb: Optional[Tensor], U: Tensor) -> Tensor:
+    """The residual stream [B, T, d] = T_fixed[tokens] + coords @ U_k^T, inverse of `compress`
+    (no T_fixed term when `fixed_emb` is None); computed in `coords`' dtype, with autocast off."""
     with without_autocast(coords):
-        return fixed_emb[tokens].to(coords.dtype) + coords @ U.to(coords.dtype).T
+        stream = coords @ U.to(coords.dtype).T
+        if fixed_emb is not None:
+            stream = fixed_emb[tokens].to(coords.dtype) + stream
+        return stream
 
 
 def fingerprint(tensor: Tensor) -> str:

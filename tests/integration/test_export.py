@@ -33,7 +33,9 @@ def _compare(run_config: str, checkpoints: Path, export: Path, tokens: torch.Ten
 
     run = load_run_config(run_config)
     ours = full_logits(load_stages(run, sorted(checkpoints.glob("*.safetensors"))), tokens)
-    model = AutoModelForCausalLM.from_pretrained(str(export)).eval()
+    from roles.model.hf_export import needs_remote_code
+
+    model = AutoModelForCausalLM.from_pretrained(str(export), trust_remote_code=needs_remote_code(run)).eval()
     with torch.no_grad():
         theirs = model(tokens).logits
     assert theirs.shape == ours.shape
@@ -60,7 +62,8 @@ def test_a_swarms_checkpoints_export_to_a_llama_that_transformers_loads_with_equ
     result = _cli("export", "--config", config, "--checkpoint", str(ckpt), "--output", str(out))
     assert result.returncode == 0, result.stderr
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+            "tokenizer_config.json", "modeling_agora.py"} <= {p.name for p in out.iterdir()}
+    assert "trust_remote_code=True" in result.stdout, result.stdout
 
     tokens = torch.randint(0, 256, (3, 48), generator=torch.Generator().manual_seed(0))
     diff = _compare(config, ckpt, out, tokens)
@@ -82,7 +85,9 @@ def test_a_swarms_checkpoints_export_to_a_llama_that_transformers_loads_with_equ
     assert again.returncode == 2 and "not empty" in again.stderr
 
 
-def test_a_trained_tokenizer_travels_with_the_export_and_bad_checkpoints_are_refused(run_config_path, tmp_path):
+@pytest.mark.parametrize("model", [{"anchor_rank": 8}, {"construction": "fixed-embedding"}],
+                         ids=["factored-anchors", "fixed-embedding"])
+def test_a_trained_tokenizer_travels_with_the_export_and_bad_checkpoints_are_refused(run_config_path, tmp_path, model):
     from corpus.prepare import PrepareOptions, prepare
     from protocol.run_config import load_run_config
     from roles.model.stage import build_stage_model
@@ -94,7 +99,7 @@ def test_a_trained_tokenizer_travels_with_the_export_and_bad_checkpoints_are_ref
     corpus = tmp_path / "corpus"
     prepare(PrepareOptions(inputs=[str(tmp_path / "docs.jsonl")], output=corpus, train_tokenizer=400,
                            shard_tokens=4096, progress=False))
-    config = run_config_path(model={"vocab_size": 512})
+    config = run_config_path(model={"vocab_size": 512, **model})
     run = load_run_config(config)
     ckpt = tmp_path / "ckpt"
     generator = torch.Generator().manual_seed(1)
@@ -120,6 +125,7 @@ def test_a_trained_tokenizer_travels_with_the_export_and_bad_checkpoints_are_ref
     assert theirs.eos_token_id == ours.separator_id
     tokens = torch.tensor([ours.encode(text)[:64]])
     assert _compare(config, ckpt, out, tokens) < LOGIT_ATOL
+    assert (out / "modeling_agora.py").exists() == (run.model.construction == "stage-anchors")
 
     # refused in one sentence: a stage missing, a checkpoint of another run
     (ckpt / f"{run.run_id}-stage1.safetensors").unlink()

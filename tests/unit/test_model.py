@@ -17,9 +17,16 @@ from roles.model.subspace import (
 )
 
 
-@pytest.fixture(scope="module")
-def tiny() -> RunConfig:
-    return load_run_config("tiny")
+@pytest.fixture(scope="module", params=["stage-anchors", "fixed-embedding"])
+def tiny(request) -> RunConfig:
+    """The tiny preset in each construction: the presets' stage anchors, and the fixed embedding
+    that run configs written before issue 24 still name."""
+    return load_run_config("tiny", {"model": {"construction": request.param}})
+
+
+def own_part(stage: StageModel, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """What of a stage's stream the next stage must get back: all of it but this stage's anchor."""
+    return hidden if stage.anchor is None else hidden - stage.anchor_rows(tokens)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -110,15 +117,42 @@ def test_basis_is_orthonormal_and_seeded():
 
 
 def test_boundary_round_trip_is_lossless(tiny):
-    head = StageModel(tiny, 0)
+    head, body = StageModel(tiny, 0), StageModel(tiny, 1)
     tokens = sample_tokens()
     with torch.no_grad():
-        hidden = head.run_blocks(head.embed(tokens))
-        coords = compress(hidden, tokens, head.fixed_embedding, head.basis)
-        rebuilt = reconstruct(coords, tokens, head.fixed_embedding, head.basis)
+        hidden = head.run_blocks(head.enter(None, tokens))
+        coords = head.leave(hidden, tokens)
+        rebuilt = reconstruct(coords, tokens, body.fixed_embedding, body.basis)
+        passed = body.enter(coords, tokens)
     assert coords.shape == (3, 64, tiny.model.subspace_rank)
     assert torch.equal(coords, head(None, tokens).detach())
-    assert relative_error(rebuilt, hidden) <= 1e-5
+    assert relative_error(rebuilt, own_part(head, hidden, tokens)) <= 1e-5
+    assert relative_error(own_part(body, passed, tokens), own_part(head, hidden, tokens)) <= 1e-5
+
+
+def test_stage_anchors_stay_off_the_boundary():
+    """Each stage's anchor lies outside span(U_k): its rows vanish in the projection, so a stage
+    may learn its own anchor without the boundary carrying anything but the k coordinates."""
+    run = load_run_config("tiny")
+    assert run.model.construction == "stage-anchors"
+    stages = build(run)
+    tokens = sample_tokens()
+    with torch.no_grad():
+        for stage in stages:
+            stage.anchor.normal_()  # far from init, as after training
+            rows = stage.anchor_rows(tokens)
+            assert stage.fixed_embedding is None
+            assert (rows @ stage.basis).norm() <= 1e-5 * rows.norm()
+        assert not torch.equal(stages[0].anchor_rows(tokens), stages[1].anchor_rows(tokens))
+
+
+def test_factored_anchors_count_and_train():
+    run = load_run_config("tiny", {"model": {"anchor_rank": 8}})
+    stages = build(run)
+    assert stages[1].anchor.shape == (256, 8) and stages[1].anchor_basis.shape == (8, 64)
+    loss = FullModel.from_stages(stages)(sample_tokens(batch=2, seq_len=16)).sum()
+    loss.backward()
+    assert stages[1].anchor.grad.abs().sum() > 0 and stages[1].anchor_basis.grad.abs().sum() > 0
 
 
 def test_boundaries_stay_exact_under_autocast(tiny):
@@ -126,18 +160,18 @@ def test_boundaries_stay_exact_under_autocast(tiny):
     head = StageModel(tiny, 0)
     tokens = sample_tokens()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        hidden = head.run_blocks(head.embed(tokens))
+        hidden = head.run_blocks(head.enter(None, tokens))
         coords = head(None, tokens)
         rebuilt = reconstruct(coords, tokens, head.fixed_embedding, head.basis)
     assert hidden.dtype == coords.dtype == torch.float32
-    assert relative_error(rebuilt, hidden) <= 1e-5
+    assert relative_error(rebuilt, own_part(head, hidden, tokens)) <= 1e-5
 
 
 def test_block_writes_only_inside_the_subspace(tiny):
     body = StageModel(tiny, 1)
     tokens = sample_tokens()
     with torch.no_grad():
-        hidden = reconstruct(torch.randn(3, 64, 16), tokens, body.fixed_embedding, body.basis)
+        hidden = body.enter(torch.randn(3, 64, 16), tokens)
         block = body.blocks[0]
         for update in (block.attn(block.attn_norm(hidden)), block.mlp(block.mlp_norm(hidden))):
             outside = update - update @ body.basis @ body.basis.T
@@ -185,7 +219,7 @@ def test_replicas_start_identical_and_stages_differ(tiny):
     first, second = build(tiny), build(tiny)
     for a, b in zip(first, second):
         assert torch.equal(a.basis, b.basis)
-        assert torch.equal(a.fixed_embedding, b.fixed_embedding)
+        assert (a.fixed_embedding is None and b.fixed_embedding is None) or torch.equal(a.fixed_embedding, b.fixed_embedding)
         for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
             assert torch.equal(pa, pb), name
     qkv = [stage.blocks[0].attn.qkv_proj.weight for stage in first]

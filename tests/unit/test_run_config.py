@@ -82,6 +82,10 @@ def test_overrides_deep_merge():
         ({"run_id": "a/b"}, ("run_id:",)),
         ({"model": {"colour": "blue"}}, ("model.colour:", "not a known field")),
         ({"optimizer": {"warmup_steps": 5000}}, ("warmup_steps 5000 exceeds total_steps 2000",)),
+        ({"model": {"construction": "learned-subspace"}},
+         ("model.construction:", "'learned-subspace', which this agora-node does not build", "upgrade agora-node")),
+        ({"model": {"construction": "fixed-embedding", "anchor_rank": 8}},
+         ("anchor_rank is set but construction is 'fixed-embedding'",)),
     ],
 )
 def test_validation_errors_are_one_line(overrides, fragments):
@@ -155,3 +159,18 @@ def test_a_yaml_config_may_start_from_a_preset(tmp_path):
     path.write_text("preset: huge\n")
     with pytest.raises(ConfigError, match="preset 'huge' does not exist"):
         load_run_config(str(path))
+
+
+def test_a_run_config_names_its_construction_and_old_ones_keep_theirs(tmp_path):
+    """The presets train the stage-anchors construction; a config written before the field existed
+    means the report's fixed embedding, so an old run's checkpoints still load as what they were."""
+    from protocol.run_config import parse_run_config
+
+    assert load_run_config("tiny").model.construction == "stage-anchors"
+    assert load_run_config("8b").model.construction == "fixed-embedding"
+    old = load_run_config("tiny").model_dump(mode="json")
+    del old["model"]["construction"]
+    assert parse_run_config(old, "an old file").model.construction == "fixed-embedding"
+    with pytest.raises(ConfigError) as error:
+        parse_run_config({**old, "model": {**old["model"], "construction": "v9"}}, "the authorizer's run config")
+    assert_one_line(error, "the authorizer's run config: model.construction:", "upgrade agora-node")
