@@ -216,10 +216,10 @@ def generate_main(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     # An export of a stage-anchors run carries its own modeling file (roles/model/hf_anchored.py),
     # written by `agora-node export`; nothing else is trusted to run code.
     ours = json.loads((model_dir / "config.json").read_text()).get("model_type") == "agora_anchored_llama"
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=ours)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=ours).eval()
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     room = model.config.max_position_embeddings - ids.shape[1]

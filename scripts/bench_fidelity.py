@@ -26,8 +26,9 @@ optimizers (`StageOptimizer.for_stage`) and schedule:
 - `reference.order_noise` retrains the reference with the samples of every 4 consecutive steps
   reshuffled among them (3 runs, `--noise-runs`): the held-out loss's run-to-run spread from order
   alone, which a single swarm run's gap must be read against (`aim.gap_in_noise_std`).
-- `unconstrained` trains a plain Llama of the same shape (roles/model/plain.py: learned
-  full-rank embedding, full-rank writes) on the swarm's steps: the price of the subspace model.
+- `unconstrained` trains transformers' `LlamaForCausalLM` of the same shape (roles/model/plain.py:
+  learned full-rank embedding, full-rank writes) on the swarm's steps: the price of the subspace
+  model.
 
 Figures, for each: final training loss (mean step loss over the last 10% of steps), held-out loss
 (256 samples of the corpus under seed + 1000; the swarm's from its checkpoints, evaluated with

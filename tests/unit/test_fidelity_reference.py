@@ -125,7 +125,7 @@ def test_plain_model_init_is_seeded(run):
     for x, y in zip(a.parameters(), b.parameters()):
         assert torch.equal(x, y)
     other = PlainModel(run.model_copy(update={"seed": run.seed + 1}))
-    assert not torch.equal(a.embedding.weight, other.embedding.weight)
+    assert not torch.equal(a.llama.model.embed_tokens.weight, other.llama.model.embed_tokens.weight)
 
 
 def test_replay_at_current_versions_is_the_plain_reference(run):
