@@ -5,11 +5,11 @@ This file is copied into the export as `modeling_agora.py` and loaded by
 and transformers. The model is a stock `LlamaForCausalLM` plus one thing a stock Llama cannot
 express: where a pipeline stage of the run began, the residual stream's token-dependent part
 outside the shared subspace changes from the previous stage's anchor rows to this stage's
-(agora-node's roles/model/stage.py). The head's anchor is folded into `embed_tokens`; at the
-first layer of every later stage a pre-hook adds `rows_s[ids] - rows_{s-1}[ids]`, where
-`rows_s[ids]` is `agora_anchors.{s}.rows[ids]`, times `agora_anchors.{s}.basis` when the run
-factored its anchors. The rows are stored already projected off the subspace and scaled, so no
-basis of the run is needed here.
+(agora-node's roles/model/stage.py). At the first layer of every stage after the head a pre-hook
+adds `rows_s[ids] - rows_{s-1}[ids]`, where `rows_s[ids]` is `agora_anchors.{s}.rows[ids]`, times
+`agora_anchors.{s}.basis` when the run factored its anchors, and zero for a stage without one
+(the head; a head anchor, if a run had one, is also folded into `embed_tokens`). The rows are
+stored already projected off the subspace and scaled, so no basis of the run is needed here.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ class AgoraAnchoredLlamaConfig(LlamaConfig):
 
     model_type = "agora_anchored_llama"
 
-    def __init__(self, agora_stage_first_layers=(0,), agora_anchor_rank=None, **kwargs):
+    def __init__(self, agora_stage_first_layers=(0,), agora_anchored_stages=(), agora_anchor_rank=None, **kwargs):
         self.agora_stage_first_layers = list(agora_stage_first_layers)
+        self.agora_anchored_stages = list(agora_anchored_stages)
         self.agora_anchor_rank = agora_anchor_rank
         super().__init__(**kwargs)
 
@@ -50,8 +51,9 @@ class AgoraAnchoredLlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, config: AgoraAnchoredLlamaConfig):
         super().__init__(config)
         firsts = config.agora_stage_first_layers
-        self.agora_anchors = nn.ModuleList(
-            _StageAnchor(config.vocab_size, config.hidden_size, config.agora_anchor_rank) for _ in firsts)
+        self.agora_anchors = nn.ModuleDict({
+            str(stage): _StageAnchor(config.vocab_size, config.hidden_size, config.agora_anchor_rank)
+            for stage in config.agora_anchored_stages})
         self._anchor_ids = None
         for stage in range(1, len(firsts)):
             self.model.layers[firsts[stage]].register_forward_pre_hook(self._swap_hook(stage), with_kwargs=True)
@@ -60,12 +62,16 @@ class AgoraAnchoredLlamaForCausalLM(LlamaForCausalLM):
         def hook(module, args, kwargs):
             if self._anchor_ids is None:
                 raise ValueError("this model needs input_ids (its stage anchors are token tables), not inputs_embeds")
-            shift = self.agora_anchors[stage](self._anchor_ids) - self.agora_anchors[stage - 1](self._anchor_ids)
+            shift = self._rows(stage) - self._rows(stage - 1)
             if args:
                 return (args[0] + shift.to(args[0].dtype), *args[1:]), kwargs
             kwargs["hidden_states"] = kwargs["hidden_states"] + shift.to(kwargs["hidden_states"].dtype)
             return args, kwargs
         return hook
+
+    def _rows(self, stage: int):
+        anchor = self.agora_anchors[str(stage)] if str(stage) in self.agora_anchors else None
+        return 0.0 if anchor is None else anchor(self._anchor_ids)
 
     def forward(self, input_ids=None, *args, **kwargs):
         self._anchor_ids = input_ids

@@ -14,7 +14,7 @@ construction nothing of ours falls outside the stock class, so the export loads 
 `AutoModelForCausalLM` and no remote code. In the stage-anchors construction each stage's anchor
 swaps in at its first layer, which a stock Llama cannot do: the export is then the stock class
 plus that swap (roles/model/hf_anchored.py, shipped beside the weights as `modeling_agora.py`),
-loaded with `trust_remote_code=True`; the head's anchor folds into the embedding.
+loaded with `trust_remote_code=True` (the head has no anchor).
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ def llama_state_dict(run: RunConfig, stages: list[StageModel]) -> dict[str, Tens
         if head.fixed_embedding is not None:
             embedding = head.fixed_embedding.double() + embedding
         if head.anchor is not None:
-            every_token = torch.arange(run.model.vocab_size)
-            embedding = embedding + head.anchor_rows(every_token).double()
-            for index, stage in enumerate(stages):
+            embedding = embedding + head.anchor_rows(torch.arange(run.model.vocab_size)).double()
+        for index, stage in enumerate(stages):
+            if stage.anchor is not None:
                 out.update(_anchor_tensors(index, stage))
     out["model.embed_tokens.weight"] = embedding.float()
     for stage_index, stage in enumerate(stages):
@@ -159,6 +159,7 @@ def llama_config_dict(run: RunConfig, *, eos_token_id: int, bos_token_id: Option
                 "auto_map": {"AutoConfig": f"{module}.AgoraAnchoredLlamaConfig",
                              "AutoModelForCausalLM": f"{module}.AgoraAnchoredLlamaForCausalLM"},
                 "agora_stage_first_layers": [stage.first_layer for stage in run.stages],
+                "agora_anchored_stages": list(range(1, run.num_stages)),
                 "agora_anchor_rank": m.anchor_rank}
     return _llama_fields(run, eos_token_id, bos_token_id)
 
