@@ -14,7 +14,7 @@ of text no model trained on. (A hand-built plain Llama of ours, with the stage m
 Models (`--models`, default the table's four):
   hf_llama         transformers.LlamaForCausalLM (roles/model/plain.py), the reference
   fixed_embedding  the stage model in the report's construction (a fixed random token table)
-  stage_anchors    the stage model in the presets' construction (a learned anchor per stage after the head)
+  stage_anchors    the stage model in the presets' construction (a learned anchor per stage)
 
 `--ablation` trains the candidates of the issue instead, one row each (see ABLATION): the fixed
 table's scale and its relation to U_k, the learning rate and init of the head's E, a norm at the
@@ -124,7 +124,7 @@ def _fixed(run: RunConfig, *, scale: float = 1.0, orthogonal: bool = False, e_lr
     return model, _trainable(stages)
 
 
-def _anchors(run: RunConfig, *, anchor_lr: Optional[float] = None, anchor_init: float = 1.0, head_anchor: bool = False,
+def _anchors(run: RunConfig, *, anchor_lr: Optional[float] = None, anchor_init: float = 1.0, head_anchor: bool = True,
              anchor_rank: Optional[int] = None, fixed_scale: float = 0.0, rank: Optional[int] = None) -> Built:
     """The stage-anchors construction; `anchor_lr` replaces ANCHOR_SCALE's learning-rate factor,
     `fixed_scale` > 0 keeps the report's fixed table under the anchors at that scale."""
@@ -138,13 +138,8 @@ def _anchors(run: RunConfig, *, anchor_lr: Optional[float] = None, anchor_init: 
         table = fixed_token_embedding(run.model.vocab_size, run.model.d_model, run.model.subspace_seed)
         for stage in stages:
             stage.fixed_embedding = table * fixed_scale
-    if head_anchor:  # a head anchor as the other stages' (the head has none by default)
-        head, other = stages[0], stages[1]
-        head.anchor = nn.Parameter(torch.empty_like(other.anchor).normal_(
-            0.0, float(other.anchor.std()), generator=torch.Generator().manual_seed(run.seed)))
-        if other.anchor_basis is not None:
-            head.anchor_basis = nn.Parameter(torch.empty_like(other.anchor_basis).normal_(
-                0.0, float(other.anchor_basis.std()), generator=torch.Generator().manual_seed(run.seed + 1)))
+    if not head_anchor:  # the head embeds with E U_k^T alone
+        stages[0].anchor = stages[0].anchor_basis = None
     for stage in stages:
         if stage.anchor is None:
             continue
@@ -164,8 +159,7 @@ def _hf(run: RunConfig) -> Built:
 MODELS: dict[str, tuple[str, Callable[[RunConfig], Built]]] = {
     "hf_llama": ("transformers.LlamaForCausalLM of the same shape, its own init (roles/model/plain.py)", _hf),
     "fixed_embedding": ("stage model, the report's construction: fixed random token table, row norm ~1", _fixed),
-    "stage_anchors": ("stage model, the presets' construction: a learned anchor per stage after the head, "
-                      "outside span(U_k)",
+    "stage_anchors": ("stage model, the presets' construction: a learned anchor per stage outside span(U_k)",
                       _anchors),
 }
 
@@ -189,17 +183,20 @@ ABLATION: dict[str, tuple[str, Callable[[RunConfig], Built]]] = {
     "fixed/rank_2k": ("subspace rank doubled", lambda run: _fixed(run, rank=min(run.model.d_model, 2 * run.model.subspace_rank))),
     "fixed/rank_d": ("subspace rank = d_model (full-rank writes, fixed table kept)",
                      lambda run: _fixed(run, rank=run.model.d_model)),
-    "anchors/default": ("a learned anchor per stage after the head, 4x learning rate, no fixed table", _anchors),
+    "anchors/default": ("a learned anchor per stage, 4x learning rate, no fixed table", _anchors),
     "anchors/lr_x1": ("anchors at the base learning rate", lambda run: _anchors(run, anchor_lr=1.0)),
     "anchors/lr_x8": ("anchors at 8x the learning rate", lambda run: _anchors(run, anchor_lr=8.0)),
     "anchors/init_x6": ("anchors initialised at 6x (std 0.12, near the fixed table's)",
                         lambda run: _anchors(run, anchor_init=6.0)),
-    "anchors/head_anchor": ("an anchor at the head too (its embedding then full-rank)",
-                            lambda run: _anchors(run, head_anchor=True)),
+    "anchors/no_head_anchor": ("no anchor at the head (it embeds with E U_k^T alone, as light as the report's)",
+                               lambda run: _anchors(run, head_anchor=False)),
     "anchors/factored_d/2": ("anchors factored at rank d/2", lambda run: _anchors(run, anchor_rank=run.model.d_model // 2)),
     "anchors/factored_d/8": ("anchors factored at rank d/8", lambda run: _anchors(run, anchor_rank=max(1, run.model.d_model // 8))),
     "anchors/with_fixed_0.16": ("anchors on top of the fixed table at std 0.02",
                                 lambda run: _anchors(run, fixed_scale=0.02 * run.model.d_model ** 0.5)),
+    "anchors/with_fixed": ("anchors on top of the report's fixed table (row norm ~1)",
+                           lambda run: _anchors(run, fixed_scale=1.0)),
+
     "anchors/rank_2k": ("anchors with the subspace rank doubled",
                         lambda run: _anchors(run, rank=min(run.model.d_model, 2 * run.model.subspace_rank))),
 }

@@ -8,7 +8,7 @@ outside the shared subspace changes from the previous stage's anchor rows to thi
 (agora-node's roles/model/stage.py). At the first layer of every stage after the head a pre-hook
 adds `rows_s[ids] - rows_{s-1}[ids]`, where `rows_s[ids]` is `agora_anchors.{s}.rows[ids]`, times
 `agora_anchors.{s}.basis` when the run factored its anchors, and zero for a stage without one
-(the head; a head anchor, if a run had one, is also folded into `embed_tokens`). The rows are
+(the head's anchor is also folded into `embed_tokens`, where the stream begins). The rows are
 stored already projected off the subspace and scaled, so no basis of the run is needed here.
 """
 

@@ -14,7 +14,7 @@ construction nothing of ours falls outside the stock class, so the export loads 
 `AutoModelForCausalLM` and no remote code. In the stage-anchors construction each stage's anchor
 swaps in at its first layer, which a stock Llama cannot do: the export is then the stock class
 plus that swap (roles/model/hf_anchored.py, shipped beside the weights as `modeling_agora.py`),
-loaded with `trust_remote_code=True` (the head has no anchor).
+loaded with `trust_remote_code=True`; the head's anchor also folds into the embedding.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def llama_config_dict(run: RunConfig, *, eos_token_id: int, bos_token_id: Option
                 "auto_map": {"AutoConfig": f"{module}.AgoraAnchoredLlamaConfig",
                              "AutoModelForCausalLM": f"{module}.AgoraAnchoredLlamaForCausalLM"},
                 "agora_stage_first_layers": [stage.first_layer for stage in run.stages],
-                "agora_anchored_stages": list(range(1, run.num_stages)),
+                "agora_anchored_stages": list(range(run.num_stages)),
                 "agora_anchor_rank": m.anchor_rank}
     return _llama_fields(run, eos_token_id, bos_token_id)
 

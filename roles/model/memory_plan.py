@@ -33,7 +33,7 @@ def stage_parameter_count(run: RunConfig, stage_index: int) -> int:
         count += vocab * k
     if kind == "tail":
         count += d + vocab * d
-    if model.construction == "stage-anchors" and kind != "head":
+    if model.construction == "stage-anchors":
         r = model.anchor_rank
         count += vocab * d if r is None else vocab * r + r * d
     return count

@@ -14,12 +14,12 @@ may also run the stage under autocast: the boundary arithmetic, norms and loss s
 What fills the residual stream outside span(U_k) is the run's `model.construction` [issue 24]:
 - 'fixed-embedding' (the report's): one fixed random token table T_fixed, rows of norm ~1, that
   every stage regenerates from `subspace_seed`; nothing outside span(U_k) ever learns.
-- 'stage-anchors': no T_fixed. Every stage after the head adds a learned token table of its own,
-  its `anchor`, projected orthogonal to U_k, to the stream it reconstructs; the projection at its
-  exit removes it again, so the boundary still carries exactly the k coordinates, and each
-  stage's blocks read a full-width learned embedding as a plain Llama's do. The head embeds with
-  E U_k^T alone and stays as light as the report's (an anchor there trained no better). Anchors
-  are stored divided by `ANCHOR_SCALE` and multiplied back: under AdamW a larger learning rate.
+- 'stage-anchors': no T_fixed. Every stage adds a learned token table of its own, its `anchor`,
+  projected orthogonal to U_k, to the stream it reconstructs (the head: to E U_k^T); the
+  projection at its exit removes it again, so the boundary still carries exactly the k
+  coordinates, and each stage's blocks read a full-width learned embedding as a plain Llama's do.
+  Anchors are stored divided by `ANCHOR_SCALE` and multiplied back: under AdamW a larger learning
+  rate.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class StageModel(nn.Module):
         # checkpoint layout and seeded init) it always had.
         self.anchor: nn.Parameter | None = None
         self.anchor_basis: nn.Parameter | None = None
-        if self.construction == "stage-anchors" and self.kind != "head":
+        if self.construction == "stage-anchors":
             width = model.anchor_rank or model.d_model
             self.anchor = nn.Parameter(torch.empty(model.vocab_size, width))
             if model.anchor_rank:
