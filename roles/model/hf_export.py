@@ -100,7 +100,8 @@ def _dense_output(module) -> Tensor:
 
 
 def llama_state_dict(run: RunConfig, stages: list[StageModel]) -> dict[str, Tensor]:
-    """The `LlamaForCausalLM` parameters of the model the stages make up, in float32."""
+    """The `LlamaForCausalLM` parameters of the model the stages make up, in float32, plus
+    `agora_anchors.*` (hf_anchored.py) in the stage-anchors construction."""
     d = run.model.d_model
     head, tail = stages[0], stages[-1]
     out: dict[str, Tensor] = {}
