@@ -87,31 +87,7 @@ CPU_COMPUTE: dict[str, Any] = {
 # A byte-level model of about 10.8M parameters (as a plain Llama) for judging how the construction
 # learns at more than toy size on this machine (issue 24's `small`): cpu-compute's widths at the
 # demo's batch; one optimizer step of 16 x 128 tokens takes about 0.7 s in one process on two cores.
-SMALL: dict[str, Any] = {
-    "run_id": "small",
-    "model": {
-        "vocab_size": 256,
-        "d_model": 384,
-        "n_layers": 6,
-        "n_heads": 6,
-        "ffn_dim": 1024,
-        "subspace_rank": 32,
-        "subspace_seed": 1234,
-        "max_seq_len": 128,
-        "construction": "stage-anchors",
-    },
-    "stages": _stages(2, 2, 2),
-    "optimizer": {
-        "lr": 1e-3,
-        "weight_decay": 0.0,
-        "warmup_steps": 10,
-        "total_steps": 2000,
-    },
-    "target_batch_size": 16,
-    "seq_len": 128,
-    "seed": 0,
-    "dtype": "float32",
-}
+SMALL: dict[str, Any] = {**copy.deepcopy(CPU_COMPUTE), "run_id": "small", "target_batch_size": 16}
 
 # The report's 1B ablation model [6]: rank 40 at d=2048 (a 51x smaller boundary), four stages.
 ONE_B: dict[str, Any] = {
