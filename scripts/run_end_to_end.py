@@ -220,14 +220,14 @@ def main() -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from roles.model.hf_export import full_logits, load_stages
+        from roles.model.hf_export import full_logits, load_stages, needs_remote_code
 
         newest = checkpoints.latest()
         files = [checkpoints.fetch_stage(newest, s, root / "fetched") for s in range(run.num_stages)]
         tokens = torch.randint(0, run.model.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
         ours = full_logits(load_stages(run, files), tokens)
         with torch.no_grad():
-            theirs = AutoModelForCausalLM.from_pretrained(str(out)).eval()(tokens).logits
+            theirs = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=needs_remote_code(run)).eval()(tokens).logits
         generated = _cli("generate", "--model", str(out), "--prompt", "The", "--max-new-tokens", "40").stdout.strip()
         report["export"] = {"step": newest.step, "stdout": exported.stdout.strip(),
                             "max_abs_logit_diff": float((theirs - ours).abs().max()), "generated": generated}

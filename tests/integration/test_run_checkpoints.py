@@ -123,11 +123,11 @@ def test_a_killed_swarm_resumes_from_the_newest_complete_checkpoint_in_s3_and_ex
 
     from transformers import AutoModelForCausalLM
 
-    from roles.model.hf_export import full_logits, load_stages
+    from roles.model.hf_export import full_logits, load_stages, needs_remote_code
 
     files = [store.fetch_stage(newest, s, tmp_path / "fetched") for s in range(run.num_stages)]
     tokens = torch.randint(0, run.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     ours = full_logits(load_stages(run, files), tokens)
     with torch.no_grad():
-        theirs = AutoModelForCausalLM.from_pretrained(str(out)).eval()(tokens).logits
+        theirs = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=needs_remote_code(run)).eval()(tokens).logits
     assert float((theirs - ours).abs().max()) < 1e-4
