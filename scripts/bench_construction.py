@@ -92,9 +92,8 @@ class BoundaryNormModel(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         hidden = self.stages[0].run_blocks(self.stages[0].enter(None, tokens))
-        for index in range(1, len(self.stages)):
-            stage = self.stages[index]
-            hidden = stage.enter(self.stages[index - 1].leave(hidden, tokens), tokens)
+        for sender, stage in zip(self.stages, self.stages[1:]):
+            hidden = stage.enter(sender.leave(hidden, tokens), tokens)
             hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
             hidden = stage.run_blocks(hidden)
         return self.stages[-1].loss_from_hidden(hidden, tokens)
@@ -196,14 +195,9 @@ ABLATION: dict[str, tuple[str, Callable[[RunConfig], Built]]] = {
                                 lambda run: _anchors(run, fixed_scale=0.02 * run.model.d_model ** 0.5)),
     "anchors/with_fixed": ("anchors on top of the report's fixed table (row norm ~1)",
                            lambda run: _anchors(run, fixed_scale=1.0)),
-
     "anchors/rank_2k": ("anchors with the subspace rank doubled",
                         lambda run: _anchors(run, rank=min(run.model.d_model, 2 * run.model.subspace_rank))),
 }
-
-
-def size_config(size: str) -> RunConfig:
-    return load_run_config(size)
 
 
 def steps_for(budget: str, run: RunConfig) -> int:
@@ -254,7 +248,7 @@ def boundary_error(model: nn.Module, tokens: Tensor) -> Optional[float]:
 
 
 def bench(size: str, budget: str, seeds: list[int], names: list[str], table: dict) -> dict:
-    base = size_config(size)
+    base = load_run_config(size)
     steps = steps_for(budget, base)
     tokens = steps * base.target_batch_size * base.seq_len
     log(f"[{size} {budget}] {steps} steps of {base.target_batch_size} x {base.seq_len} tokens "

@@ -63,6 +63,8 @@ class AgoraAnchoredLlamaForCausalLM(LlamaForCausalLM):
             if self._anchor_ids is None:
                 raise ValueError("this model needs input_ids (its stage anchors are token tables), not inputs_embeds")
             shift = self._rows(stage) - self._rows(stage - 1)
+            if not torch.is_tensor(shift):  # neither stage has an anchor: nothing to swap
+                return None
             if args:
                 return (args[0] + shift.to(args[0].dtype), *args[1:]), kwargs
             kwargs["hidden_states"] = kwargs["hidden_states"] + shift.to(kwargs["hidden_states"].dtype)

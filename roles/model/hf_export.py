@@ -140,13 +140,15 @@ def _anchor_tensors(index: int, stage: StageModel) -> dict[str, Tensor]:
     from roles.model.stage import ANCHOR_SCALE
 
     basis = stage.basis.double()
-    off_subspace = torch.eye(basis.shape[0], dtype=torch.float64) - basis @ basis.T
+
+    def off_subspace(rows: Tensor) -> Tensor:  # no [d, d] projector: d may be 5,120
+        rows = ANCHOR_SCALE * rows.detach().double()
+        return (rows - (rows @ basis) @ basis.T).float()
+
     prefix = f"agora_anchors.{index}."
     if stage.anchor_basis is None:
-        rows = ANCHOR_SCALE * stage.anchor.detach().double() @ off_subspace
-        return {prefix + "rows": rows.float()}
-    factor = ANCHOR_SCALE * stage.anchor_basis.detach().double() @ off_subspace
-    return {prefix + "rows": stage.anchor.detach().float(), prefix + "basis": factor.float()}
+        return {prefix + "rows": off_subspace(stage.anchor)}
+    return {prefix + "rows": stage.anchor.detach().float(), prefix + "basis": off_subspace(stage.anchor_basis)}
 
 
 def llama_config_dict(run: RunConfig, *, eos_token_id: int, bos_token_id: Optional[int] = None) -> dict:
@@ -182,11 +184,9 @@ def _llama_fields(run: RunConfig, eos_token_id: int, bos_token_id: Optional[int]
 def full_logits(stages: list[StageModel], tokens: Tensor) -> Tensor:
     """Our model's next-token logits [B, T, vocab] (float32) on `tokens` [B, T]: the reference an
     export must reproduce."""
+    from roles.model.stage import FullModel
+
     with torch.no_grad():
-        hidden = stages[0].enter(None, tokens)
-        for index, stage in enumerate(stages):
-            if index and stage.anchor is not None:
-                hidden = stage.enter(stages[index - 1].leave(hidden, tokens), tokens)
-            hidden = stage.run_blocks(hidden)
+        hidden = FullModel.from_stages(stages).final_hidden(tokens)
         tail = stages[-1]
         return tail.lm_head(tail.final_norm(hidden)).float()

@@ -256,11 +256,16 @@ class FullModel(nn.Module):
         """The reference model over `stages`, in pipeline order."""
         return cls(stages)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Per-sample mean next-token loss [B], as the tail stage would return it."""
+    def final_hidden(self, tokens: Tensor) -> Tensor:
+        """The residual stream after the tail's blocks [B, T, d]."""
         hidden = self.stages[0].enter(None, tokens)
         for index, stage in enumerate(self.stages):
-            if index and stage.anchor is not None:
-                hidden = stage.enter(self.stages[index - 1].leave(hidden, tokens), tokens)
+            previous = self.stages[index - 1]
+            if index and (stage.anchor is not None or previous.anchor is not None):
+                hidden = stage.enter(previous.leave(hidden, tokens), tokens)
             hidden = stage.run_blocks(hidden)
-        return self.stages[-1].loss_from_hidden(hidden, tokens)
+        return hidden
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Per-sample mean next-token loss [B], as the tail stage would return it."""
+        return self.stages[-1].loss_from_hidden(self.final_hidden(tokens), tokens)
