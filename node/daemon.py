@@ -322,7 +322,7 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         if preload is not None:  # before the role forks hivemind's averager, no thread of ours may import
             await until_stopped(preload.finish(), stop, "while importing the role")
         role = _build_role(settings, run, stage, device, swarm, p2p, membership.maddrs, trust.authenticator,
-                           trust.auth_state, designated_reducer=trust.reducer)
+                           trust.auth_state, designated_reducer=trust.reducer, identity=identity)
         if metrics is not None:
             metrics.attach(role)
         trust.start_background(stop, swarm)
@@ -385,7 +385,7 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
 
 
 def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator, auth_state=None,
-                designated_reducer: bool = False):
+                designated_reducer: bool = False, identity=None):
     """The role, given its own settings section with what the node resolved (stage, device, and
     whether the authorizer designated it a reducer)."""
     if settings.role == "worker":
@@ -395,7 +395,7 @@ def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator,
             logger.info("the authorizer designated this worker a reducer of stage %s", stage)
         config = settings.worker.model_copy(update={"stage": stage, "device": device,
                                                     "reducer": settings.worker.reducer or designated_reducer})
-        return WorkerRole(config, run, swarm, p2p, maddrs, authenticator, auth_state)
+        return WorkerRole(config, run, swarm, p2p, maddrs, authenticator, auth_state, identity=identity)
     from roles.trainer.role import TrainerRole
 
     return TrainerRole(settings.trainer, run, swarm, p2p, authenticator)

@@ -230,6 +230,22 @@ class StepGradientsReply(WireModel):
     consumed: int = Field(default=0, ge=0)
 
 
+class SparseLoCoFragmentRequest(WireModel):
+    """One replica's fragment of a SparseLoCo round, as signed bytes (roles/worker/sparseloco/codec.py
+    checks them; the receiver's limit is the fragment's own arithmetic)."""
+
+    stage: int = Field(ge=0)
+    round: int = Field(ge=0)
+    fragment: int = Field(ge=0)
+    data: bytes = Field(max_length=1 << 28)
+
+
+class SparseLoCoFragmentReply(WireModel):
+    """Empty when taken."""
+
+    taken: bool = True
+
+
 PeerIdText = Annotated[str, Field(min_length=1, max_length=128)]
 
 MAX_CHAIN_STAGES = 64

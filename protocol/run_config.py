@@ -204,6 +204,83 @@ class StalenessConfig(BaseModel):
     )
 
 
+AVERAGING_METHODS = ("asyncsparta", "sparseloco")
+"""How the replicas of a stage are kept together: AsyncSPARTA's weight averaging [report 4.2] or
+SparseLoCo's compressed pseudo-gradient exchange (roles/worker/sparseloco)."""
+
+
+class SparseLoCoConfig(BaseModel):
+    """SparseLoCo [Sarfi et al. 2025, as Crucible runs it]: every `inner_steps` stage steps each
+    replica sends the top `topk_per_chunk` coordinates of each `chunk_size` chunk of its error-fed
+    pseudo-gradient, quantised to `bits` bits with one scale per chunk, and every replica applies
+    the mean of what arrived with an outer SGD step of `outer_lr` from the last consensus.
+
+    Streaming: the stage's flat parameters are cut into `fragments` parts of whole chunks; part f
+    is captured at inner step f * floor(H / P) + 1 of each cycle and applied `overlap_steps` steps
+    later, so its transfer overlaps that much training.
+    """
+
+    model_config = _FROZEN
+
+    inner_steps: int = Field(
+        default=15, ge=1, description="H: stage steps every replica takes on its own samples between two exchanges."
+    )
+    chunk_size: int = Field(
+        default=4096, ge=16, le=65536,
+        description="Elements per chunk (chunks never cross a tensor); top-k is taken within each chunk.",
+    )
+    topk_per_chunk: int = Field(
+        default=64, ge=1, description="Coordinates kept per full chunk (64 of 4096: 1.56% dense)."
+    )
+    bits: Literal[2, 4, 8] = Field(
+        default=2, description="Bits per kept value: a signed level times the chunk's scale."
+    )
+    error_decay: float = Field(
+        default=0.95, ge=0.0, le=1.0,
+        description="beta: the error-feedback buffer is decayed by this before the new pseudo-gradient is added.",
+    )
+    outer_lr: float = Field(
+        default=1.0, gt=0.0, description="alpha: the outer SGD step on the mean of the replicas' sparse updates."
+    )
+    fragments: int = Field(
+        default=1, ge=1, description="P: parts the parameters are exchanged in, spread over each H-step cycle."
+    )
+    overlap_steps: int = Field(
+        default=0, ge=0, description="tau: inner steps a fragment's transfer overlaps before its aggregate is applied."
+    )
+    transport: Literal["swarm", "store"] = Field(
+        default="swarm",
+        description="swarm: each replica pushes its fragment to the stage's other replicas over the swarm's "
+                    "authenticated streams; store: each uploads it to an object store and fetches the others'.",
+    )
+    store: Optional[str] = Field(
+        default=None,
+        description="fsspec URL of the store for transport 'store' (a directory, file:///dir, s3://bucket/prefix); "
+                    "unset: the run's checkpoints.store.",
+    )
+    round_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="A replica waits this long after its own fragment for the others'; whoever is missing then "
+                    "is left out of the round.",
+    )
+    max_norm_ratio: float = Field(
+        default=10.0, gt=1.0,
+        description="A fragment whose norm is more than this many times above or below this replica's own "
+                    "is refused and its sender named (replicas' updates are alike; garbage is not).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> SparseLoCoConfig:
+        if self.topk_per_chunk > self.chunk_size:
+            raise ValueError(f"topk_per_chunk {self.topk_per_chunk} must not exceed chunk_size {self.chunk_size}")
+        if self.overlap_steps >= self.inner_steps:
+            raise ValueError(f"overlap_steps {self.overlap_steps} must be below inner_steps {self.inner_steps}")
+        if self.fragments > self.inner_steps:
+            raise ValueError(f"fragments {self.fragments} must not exceed inner_steps {self.inner_steps} "
+                             f"(one capture per inner step at most)")
+        return self
+
+
 class AveragingConfig(BaseModel):
     """AsyncSPARTA: how the replicas of a stage average a rotating slice of their weights [report 4.2].
 
@@ -214,6 +291,15 @@ class AveragingConfig(BaseModel):
     model_config = _FROZEN
 
     enabled: bool = Field(default=True, description="Average within the stage at all.")
+    method: Literal["asyncsparta", "sparseloco"] = Field(
+        default="asyncsparta",
+        description="asyncsparta: replicas average a rotating slice of their weights every average_every steps; "
+                    "sparseloco: they exchange a 97-99% sparse, 2-bit pseudo-gradient every sparseloco.inner_steps "
+                    "steps (settings under `sparseloco`).",
+    )
+    sparseloco: SparseLoCoConfig = Field(
+        default_factory=SparseLoCoConfig, description="SparseLoCo's settings; used only with method sparseloco."
+    )
     average_every: int = Field(
         default=20, gt=0, description="Optimizer steps between two averaging rounds (N)."
     )
@@ -291,6 +377,11 @@ class AveragingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> AveragingConfig:
+        if self.method == "sparseloco" and self.gradients == "every_step":
+            raise ValueError(
+                "method sparseloco and gradients every_step exclude each other: with every_step the replicas "
+                "apply one update each step and have no pseudo-gradient to exchange; set gradients: off (or auto)"
+            )
         if self.request_timeout_s >= self.matchmaking_time_s:
             raise ValueError(
                 f"request_timeout_s {self.request_timeout_s} must be below matchmaking_time_s "
@@ -720,7 +811,18 @@ class RunConfig(BaseModel):
                 f"seq_len {self.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}; "
                 f"lower seq_len or raise max_seq_len"
             )
+        if self.averaging.method == "sparseloco" and self.sparseloco_store is None \
+                and self.averaging.sparseloco.transport == "store":
+            raise ValueError(
+                "averaging.sparseloco.transport is store but no store is named: set averaging.sparseloco.store "
+                "or checkpoints.store to a URL every replica reaches (s3://bucket/prefix, a shared directory)"
+            )
         return self
+
+    @property
+    def sparseloco_store(self) -> Optional[str]:
+        """The object store SparseLoCo's 'store' transport uses: its own, else the checkpoints' store."""
+        return self.averaging.sparseloco.store or self.checkpoints.store
 
     @property
     def num_stages(self) -> int:

@@ -76,6 +76,12 @@ LINGER_MAX_BYTES = 1 << 20
 client can read the refusal."""
 
 FRAME_HEADER_BYTES = 4
+
+
+def frame_bytes(request: WireModel, seq: int = 1) -> int:
+    """The bytes `request` takes on a stream as RpcClient writes it (frame header, envelope, body):
+    what a sender reports as sent on the wire."""
+    return FRAME_HEADER_BYTES + len(pack({"seq": seq, "body": to_body(request)}))
 """The length prefix of every frame (protocol/framing.py), counted in the byte counters."""
 
 

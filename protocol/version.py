@@ -30,6 +30,9 @@ STEP_COUNTS = HANDLER_PREFIX + "step_counts"
 """A replica's sample counts, pushed to the other replicas of its stage on every change."""
 STEP_GRADIENTS = HANDLER_PREFIX + "step_gradients"
 """A replica's gradient sum for one step, pushed to the other replicas of its stage before it steps."""
+SPARSELOCO_FRAGMENT = HANDLER_PREFIX + "sparseloco_fragment"
+"""A replica's signed, compressed pseudo-gradient fragment for one SparseLoCo round, pushed to the
+other replicas of its stage (roles/worker/sparseloco/transport.py)."""
 EVALUATE = HANDLER_PREFIX + "evaluate"
 """A held-out sample's forward through one stage, for the run's evaluation: no gradient, no step
 tag, nothing counted towards a step (roles/trainer/evaluation.py)."""

@@ -54,6 +54,8 @@ MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 _SIDECAR = re.compile(r"^stage-(\d+)\.([A-Za-z0-9]{1,128})\.json$")
 _OPTIM_PREFIX = "optimizer.state."
+_OUTER_PREFIX = "optimizer.outer."
+"""An outer method's tensors (SparseLoCo's anchor: StageOptimizer.outer_state)."""
 
 
 STORE_CHUNK_BYTES = 4 << 20
@@ -139,6 +141,8 @@ def stage_state_tensors(names: Sequence[str], params: Sequence[torch.Tensor],
                     tensors[f"{_OPTIM_PREFIX}{index}.{key}"] = value.detach()
                 else:
                     other.setdefault(str(index), {})[key] = value
+        for name, value in (optimizer_state.get("outer") or {}).items():
+            tensors[f"{_OUTER_PREFIX}{name}"] = value.detach()
         metadata["optimizer"] = json.dumps({
             "version": optimizer_state["version"], "local_step": optimizer_state["local_step"],
             "samples_consumed": optimizer_state["samples_consumed"], "param_groups": torch_state["param_groups"],
@@ -168,7 +172,9 @@ def read_stage_state(path: str | os.PathLike[str], names: Sequence[str]) -> Stag
                     state.setdefault(int(index), {}).update(values)
                 optimizer = {"version": info["version"], "local_step": info["local_step"],
                              "samples_consumed": info["samples_consumed"],
-                             "optimizer": {"state": state, "param_groups": info["param_groups"]}}
+                             "optimizer": {"state": state, "param_groups": info["param_groups"]},
+                             "outer": {key[len(_OUTER_PREFIX):]: handle.get_tensor(key)
+                                       for key in sorted(keys) if key.startswith(_OUTER_PREFIX)}}
     except CheckpointStoreError:
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged object is refused in one sentence

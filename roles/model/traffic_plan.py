@@ -170,6 +170,8 @@ def gradient_exchange_on(run: RunConfig, stage_index: int) -> bool:
     always or never as the run says, else where the plan's exchange fits `gradient_max_mbps`
     [issue 20]. Every replica of a stage decides alike, from the run config alone."""
     mode = run.averaging.gradients
+    if run.averaging.method == "sparseloco":
+        return False  # the replicas step on their own samples between exchanges (config forbids every_step)
     if mode != "auto":
         return mode == "every_step"
     return _gradient_mbps(run, stage_index, 3.0) <= run.averaging.gradient_max_mbps

@@ -18,7 +18,7 @@ import math
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -153,6 +153,11 @@ class StageOptimizer:
             self._grad_buffers = [self._host_buffer(p) for p in self._params]
         self._optimizer = torch.optim.AdamW(self._master, lr=lr, **self._hparams)
         self._averaged = [*self._payload, *self._master]
+        self.outer_state: Optional[Callable[[], dict[str, torch.Tensor]]] = None
+        """Tensors of an outer method that travel with the optimizer's state (SparseLoCo's consensus
+        anchor, roles/worker/sparseloco): into checkpoints and state transfer, by name."""
+        self.loaded_outer: dict[str, torch.Tensor] = {}
+        """The outer tensors the last loaded state carried (empty for a state without them)."""
         self.previous: Optional[list[torch.Tensor]] = (
             [torch.empty_like(p, requires_grad=False) for p in self._params] if keep_previous else None)
         self.previous_version: Optional[int] = None
@@ -388,8 +393,11 @@ class StageOptimizer:
         The tensors are live references: hold `lock` until they are serialized if steps may run.
         """
         with self.lock:
-            return {"version": STATE_VERSION, "local_step": self.local_step,
-                    "samples_consumed": self.samples_consumed, "optimizer": self._optimizer.state_dict()}
+            state = {"version": STATE_VERSION, "local_step": self.local_step,
+                     "samples_consumed": self.samples_consumed, "optimizer": self._optimizer.state_dict()}
+            if self.outer_state is not None:
+                state["outer"] = self.outer_state()
+            return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint's moments and step; this node's configured hyperparameters win."""
@@ -401,6 +409,7 @@ class StageOptimizer:
                 group.update(self._hparams)
             self.local_step = int(state["local_step"])
             self.samples_consumed = int(state["samples_consumed"])
+            self.loaded_outer = {k: v for k, v in (state.get("outer") or {}).items() if isinstance(v, torch.Tensor)}
             self._clear_grads()
             self._next_grads = [None] * len(self._params)
             self.next_accumulated = 0

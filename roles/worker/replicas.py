@@ -335,7 +335,21 @@ class StageReplicas:
         return StepGradientsReply(closed=True, samples=total.samples, stage_samples=total.stage_samples,
                                   grad=total.grad, members=list(total.members), consumed=total.consumed)
 
-    # ---- plumbing ----
+    # ---- plumbing (also what the stage's SparseLoCo fragments travel over) ----
+
+    @property
+    def client(self) -> RpcClient:
+        return self._client
+
+    @property
+    def loop(self) -> Optional[asyncio.AbstractEventLoop]:
+        return self._loop
+
+    async def peer(self, peer: str) -> PeerID:
+        return await self._peer(peer)
+
+    async def is_member(self, peer: str) -> bool:
+        return await self._is_member(peer)
 
     async def _is_member(self, peer: str) -> bool:
         """Whether `peer` is a replica of this stage, reading the stage's records once more if it

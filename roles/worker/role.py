@@ -27,8 +27,9 @@ from protocol.auth_state import SharedAuthState
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import Phase, ProgressRecord, WorkerRecord, progress_key, workers_key
 from protocol.errors import ConfigError, ErrorCode, ProtocolError
-from protocol.messages import InfoReply
-from protocol.transport import RpcClient, RpcServer
+from protocol.identity import Identity
+from protocol.messages import InfoReply, SparseLoCoFragmentReply, SparseLoCoFragmentRequest, parse_model
+from protocol.transport import RpcClient, RpcServer, frame_bytes
 from roles.announcer import Announcer
 from roles.checkpoint_store import CheckpointStore, CheckpointStoreError, resolve_store_url
 from roles.periodic import every, wait_any
@@ -39,6 +40,8 @@ from roles.model.stage import build_stage_model
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome
 from roles.worker.averaging.service import AveragingService
+from roles.worker.sparseloco.service import SparseLoCoService
+from roles.worker.sparseloco.transport import FragmentInbox, RoundKey, StoreTransport, SwarmTransport
 from roles.worker.chain import ChainHandler, StageDirectory
 from roles.worker.checkpoint import StageCheckpoints
 from roles.worker.config import WorkerConfig
@@ -77,7 +80,8 @@ class WorkerState(enum.Enum):
 
 class WorkerRole:
     def __init__(self, config: WorkerConfig, run: RunConfig, swarm: SwarmDHT, p2p: P2P, maddrs: list[str],
-                 authenticator: Optional[PeerAuthenticator] = None, auth_state: Optional[SharedAuthState] = None):
+                 authenticator: Optional[PeerAuthenticator] = None, auth_state: Optional[SharedAuthState] = None,
+                 identity: Optional[Identity] = None):
         self.config = config
         self.run_config = run
         self.swarm = swarm
@@ -95,7 +99,11 @@ class WorkerRole:
                                                   payload=[t for _, t in self.model.averaged_payload()])
         self.layout = FlatLayout.of_stage(self.model)
         self.layout.check(self.optimizer.master_params)
-        self.sync = SyncPhases(run.sync, run.averaging.segments)
+        sparseloco = run.averaging.method == "sparseloco"
+        # SparseLoCo's joiner loads the consensus anchor with the state and is in step at once: no
+        # weight or optimizer sync (which only AsyncSPARTA's weight-0 rounds would end).
+        self.sync = SyncPhases(run.sync.model_copy(update={"weight_sync_steps": 0, "optimizer_sync_steps": 0})
+                               if sparseloco else run.sync, run.averaging.segments)
         autocast = None
         if self.device.type == "cuda" and run.dtype != "float32":
             autocast = getattr(torch, run.dtype)
@@ -141,7 +149,7 @@ class WorkerRole:
         )
         self.replicas.refresh_members = self.progress.read_soon
         self.averaging = AveragingService(
-            run.averaging, swarm=swarm, run_id=run.run_id, stage=config.stage, store=self.optimizer,
+            run.averaging.model_copy(update={"enabled": False}) if sparseloco else run.averaging, swarm=swarm, run_id=run.run_id, stage=config.stage, store=self.optimizer,
             index_sets=SegmentIndexSets(self.layout, run.averaging.segments, seed=run.seed, stage=config.stage),
             reducer=config.reducer, local_step=lambda: self.optimizer.local_step, phase=lambda: self.phase,
             samples_processed=lambda: self.runtime.counters["backward_requests"], on_round=self._on_round,
@@ -152,6 +160,16 @@ class WorkerRole:
         self.averaging.health = averaging_health(run.termination)  # the averaging rule's thresholds
         self.averaging.gradients_exchanged = self.replicas.exchange is not None
         self.runtime.after_step.append(self.averaging.after_step)
+        self.sparseloco: Optional[SparseLoCoService] = None
+        if sparseloco:
+            if identity is None:
+                raise ConfigError("averaging.method sparseloco signs every fragment: the worker needs its identity")
+            self.sparseloco = SparseLoCoService(
+                run, config.stage, self.layout, self.optimizer, self_id=swarm.peer_id, identity=identity,
+                active=lambda: self.phase == Phase.ACTIVE, on_parted=self._sparseloco_parted,
+                stopping=lambda: self.runtime.stopping)
+            self.runtime.after_step.append(self.sparseloco.after_step)
+            self.runtime.after_step_unlocked.append(self.sparseloco.after_step_unlocked)
         self._probe_client: Optional[RpcClient] = None
         self.reachability: Optional[Reachability] = None
         self.state_server = StateServer(
@@ -288,6 +306,7 @@ class WorkerRole:
             "joined": self.joined,
             "sync_phases": self.sync.summary(),
             "averaging": self.averaging.summary(),
+            **({"sparseloco": self.sparseloco.summary()} if self.sparseloco is not None else {}),
             **self.replicas.summary(),
             "state_served": {**self.state_server.counters, **self.donor.counters},
             **({"checkpoints": self.checkpoint_writer.summary()} if self.checkpoint_writer is not None else {}),
@@ -306,6 +325,8 @@ class WorkerRole:
         await self._join_stage()
         self.averaging.begin()
         await self.replicas.start(self.server)
+        if self.sparseloco is not None:
+            await self._start_sparseloco()
         self.runtime.start()
         await self.server.add_handler(version.FORWARD, self.handlers.forward, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.BACKWARD, self.handlers.backward, roles=frozenset({"trainer"}))
@@ -465,6 +486,61 @@ class WorkerRole:
         if transition is not None:
             logger.warning("stage %d: %s; rejoining through weight sync", self.config.stage, reason)
             self._log_transition(transition)
+
+    # ---- SparseLoCo ----
+
+    async def _start_sparseloco(self) -> None:
+        """The fragments' transport, and the handler the swarm transport is pushed to."""
+        run, slc = self.run_config, self.sparseloco
+        members = lambda: list(self.ledger.peers.members)  # noqa: E731 - the stage's replicas with a live record
+        if run.averaging.sparseloco.transport == "store":
+            transport = StoreTransport(run.sparseloco_store, run.run_id, self.config.stage, self.swarm.peer_id,
+                                       members, slc.max_bytes)
+        else:
+            self._fragment_inbox = FragmentInbox(slc.max_bytes)
+            await self.server.add_handler(version.SPARSELOCO_FRAGMENT, self._serve_fragment, roles=frozenset({"worker"}))
+            transport = SwarmTransport(self.swarm.peer_id, self._fragment_inbox, self._push_fragment, members)
+        slc.begin(transport)
+
+    async def _push_fragment(self, peer: str, key: RoundKey, data: bytes, deadline: float) -> int:
+        request = SparseLoCoFragmentRequest(stage=self.config.stage, round=key.round, fragment=key.fragment, data=data)
+        await self.replicas.client.request(await self.replicas.peer(peer), version.SPARSELOCO_FRAGMENT, request,
+                                           SparseLoCoFragmentReply, timeout_s=max(0.1, deadline - time.monotonic()))
+        return frame_bytes(request)
+
+    async def _serve_fragment(self, peer_id, body: dict) -> SparseLoCoFragmentReply:
+        request = parse_model(SparseLoCoFragmentRequest, body)
+        if request.stage != self.config.stage:
+            raise ProtocolError(f"this worker serves stage {self.config.stage}, not {request.stage}", ErrorCode.WRONG_STAGE)
+        peer = peer_id.to_base58()
+        if not await self.replicas.is_member(peer):
+            raise ProtocolError("only a replica of this stage with a progress record may send fragments",
+                                ErrorCode.NOT_READY)
+        self._fragment_inbox.newest = max(self._fragment_inbox.newest, self.optimizer.local_step)
+        self._fragment_inbox.put(peer, RoundKey(request.round, request.fragment), request.data,
+                                 self.run_config.averaging.sparseloco.inner_steps)
+        return SparseLoCoFragmentReply()
+
+    def _sparseloco_parted(self, reason: str) -> None:
+        """Compute thread: this replica's anchor is not the stage's. Reload the stage's state (with
+        the anchor) from a donor on the event loop; until then it captures nothing."""
+        loop = self.replicas.loop
+        if loop is not None:
+            loop.call_soon_threadsafe(lambda: self._tasks.append(
+                asyncio.create_task(self._sparseloco_reload(reason), name="sparseloco-reload")))
+
+    async def _sparseloco_reload(self, reason: str) -> None:
+        self.optimizer.loaded_outer = {}
+        try:
+            donated = await self._load_from_donors()
+        except StateLoadError as exc:
+            donated = None
+            logger.warning("sparseloco: could not reload the stage's state (%s); carrying on from this replica's", exc)
+        if donated is None:
+            logger.warning("sparseloco: no donor to reload from; this replica takes its own weights as its anchor")
+        self.sparseloco.restart_from_loaded()
+        self.runtime.counters["sparseloco_reloads"] += 1
+        logger.info("sparseloco: %s after %s", "reloaded the stage's state" if donated else "restarted", reason)
 
     async def _state_candidates(self) -> list[tuple[str, list[str]]]:
         """Other workers of the stage that may serve its state (peer id, maddrs), fastest first."""

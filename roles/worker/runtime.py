@@ -235,6 +235,9 @@ class StageRuntime:
         self.after_step: list[Callable[[int], None]] = []
         """Called by the compute thread after every step, optimizer lock held, with the steps applied:
         run checkpoints are written and averaging snapshots taken from here, at exactly the agreed step."""
+        self.after_step_unlocked: list[Callable[[int], None]] = []
+        """Called by the compute thread after every step with the lock released: hooks that may wait
+        on the network (a SparseLoCo round's aggregate) and take the lock themselves to apply it."""
         self.tagging: Optional[Callable[[int], Optional[list[TagGrant]]]] = None
         """Tail with replicas: step tags for n untagged samples from the stage's tagger, in order
         (roles/worker/step_tagger.py); fewer or none when it has none to give yet."""
@@ -589,6 +592,8 @@ class StageRuntime:
             self.ledger.stepped(opt.local_step - 1, due)
             for hook in self.after_step:
                 hook(opt.local_step)
+        for hook in self.after_step_unlocked:
+            hook(opt.local_step)
         if due.reason != "complete":
             why = {"peer_ahead": "a replica of this stage was ahead",
                    "peer_due": "a replica of this stage closed it",

@@ -119,6 +119,8 @@ def freeze(names: Sequence[str], params: Sequence[torch.Tensor], optimizer_state
                     tensors.append((f"optimizer.state.{index}.{key}", value))
                 else:
                     other.setdefault(str(index), {})[key] = value
+        for name in sorted(optimizer_state.get("outer") or {}):
+            tensors.append((f"optimizer.outer.{name}", optimizer_state["outer"][name]))
         optimizer = {"version": optimizer_state["version"], "local_step": optimizer_state["local_step"],
                      "samples_consumed": optimizer_state["samples_consumed"],
                      "param_groups": torch_state["param_groups"], "other_state": other}
@@ -184,7 +186,9 @@ def thaw(blob: bytes | bytearray, names: Sequence[str]) -> tuple[dict[str, Any],
             state.setdefault(int(index), {}).update(values)
         optimizer = {"version": info["version"], "local_step": info["local_step"],
                      "samples_consumed": info["samples_consumed"],
-                     "optimizer": {"state": state, "param_groups": info["param_groups"]}}
+                     "optimizer": {"state": state, "param_groups": info["param_groups"]},
+                     "outer": {name[len("optimizer.outer."):]: tensor for name, tensor in sorted(tensors.items())
+                               if name.startswith("optimizer.outer.")}}
     metadata = {"run_id": str(header.get("run_id")), "stage": str(header.get("stage")),
                 "step": str(header.get("step")), "layout": str(header.get("layout"))}
     return header, StageState(parameters={name: tensors[name] for name in names}, optimizer=optimizer,

@@ -1,0 +1,10 @@
+"""SparseLoCo within a stage [issue 25]: an alternative to AsyncSPARTA (`averaging.method:
+sparseloco`). Every replica steps on its own samples; every H steps it sends the largest coordinates
+of its error-fed pseudo-gradient, two bits each, and every replica applies the mean of what arrived.
+
+    chunks.py     which coordinates form a chunk (never across a tensor) and a fragment
+    codec.py      top-k per chunk, b-bit quantisation with a scale per chunk, the signed wire form
+    outer.py      the consensus anchor, the error-feedback buffer and the outer step
+    transport.py  how fragments travel: pushed over the swarm's streams, or through an object store
+    service.py    when a fragment is captured, exchanged and applied, and what is reported
+"""

@@ -1,0 +1,320 @@
+"""When a SparseLoCo fragment is captured, exchanged and applied, and what is reported [issue 25].
+
+After stage step t (the compute thread, the optimizer's lock held) every fragment due at t
+(chunks.fragment_due) is captured: its pseudo-gradient is folded into the error buffer, compressed,
+signed, and handed to the event loop, which exchanges it (transport.py) while training goes on.
+After step t + tau (the lock released) the compute thread waits for that exchange if it is still
+running (the wait on the critical path, measured), checks every fragment that arrived, and applies
+the mean of the good ones with its own (outer.py) under the lock. A worker outside its active phase
+neither captures nor applies: a joiner starts at the next cycle, from the anchor it loaded.
+
+A fragment is refused, and its sender named in the log and the counts, when it does not decode or
+verify (codec.py), when its sender is not who delivered it, or when its norm is more than
+`max_norm_ratio` times away from this replica's own. A replica whose anchor differs from the one the
+other replicas agree on has parted from them (it missed a fragment they applied); it says so and
+the worker reloads its stage's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from protocol.errors import AgoraError, ErrorCode, ProtocolError
+from protocol.identity import Identity
+from protocol.run_config import RunConfig
+from protocol.stats import Distribution
+from roles.worker.layout import FlatLayout
+from roles.worker.sparseloco.chunks import Fragment, fragment_due, plan_fragments
+from roles.worker.sparseloco.codec import (
+    HEADER_BUDGET_BYTES,
+    Compressed,
+    Envelope,
+    decode_fragment,
+    decompress,
+    encode_fragment,
+    expected_payload_bytes,
+)
+from roles.worker.sparseloco.outer import Capture, SparseLoCoState
+from roles.worker.sparseloco.transport import Exchanged, FragmentTransport, RoundKey
+
+logger = logging.getLogger(__name__)
+
+RECENT_ROUNDS = 8
+ANCHOR_KEY = "sparseloco.anchor"
+"""The anchor's name among the optimizer's outer tensors (checkpoints, state transfer)."""
+
+
+@dataclass
+class RoundReport:
+    """One fragment's round as this replica saw it."""
+
+    round: int
+    fragment: int
+    status: str  # complete | partial | alone | failed
+    applied_from: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    refused: dict[str, str] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wait_s: float = 0.0
+    update_norm: float = 0.0
+
+    def describe(self) -> str:
+        peers = len(self.applied_from)
+        text = (f"sparseloco round {self.round} fragment {self.fragment}: {self.status}, applied {peers} "
+                f"fragment(s), sent {self.bytes_sent} B, received {self.bytes_received} B, waited {self.wait_s:.2f}s")
+        if self.missing:
+            text += f"; missing {', '.join(p[-8:] for p in self.missing)}"
+        if self.refused:
+            text += "; refused " + ", ".join(f"{p[-8:]} ({why})" for p, why in sorted(self.refused.items()))
+        return text
+
+
+class SparseLoCoService:
+    """One replica's SparseLoCo: its state, its rounds and their counts."""
+
+    def __init__(self, run: RunConfig, stage: int, layout: FlatLayout, optimizer, *, self_id: str,
+                 identity: Identity, active: Callable[[], bool],
+                 on_parted: Callable[[str], None] = lambda why: None,
+                 stopping: Callable[[], bool] = lambda: False):
+        self.config = run.averaging.sparseloco
+        self.run_id = run.run_id
+        self.stage = stage
+        self.layout = layout
+        self.optimizer = optimizer
+        self.self_id = self_id
+        self.identity = identity
+        self.active = active
+        self.on_parted = on_parted
+        self.stopping = stopping
+        self.fragments: list[Fragment] = plan_fragments(layout, chunk_size=self.config.chunk_size,
+                                                        topk=self.config.topk_per_chunk,
+                                                        fragments=self.config.fragments)
+        self.transport: Optional[FragmentTransport] = None
+        self.state: Optional[SparseLoCoState] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._inflight: dict[int, tuple[Capture, concurrent.futures.Future, int]] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.refused_by_sender: collections.Counter[str] = collections.Counter()
+        self.recent: collections.deque[RoundReport] = collections.deque(maxlen=RECENT_ROUNDS)
+        self.wait_s = Distribution()
+        """Seconds the compute thread waited for an exchange to finish (the critical path), per round."""
+        self.wait_total_s = 0.0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.parted: Optional[str] = None
+
+    # ---- arithmetic ----
+
+    def max_bytes(self, fragment: int) -> int:
+        if not 0 <= fragment < len(self.fragments):
+            return 0
+        return expected_payload_bytes(self.fragments[fragment], self.config.bits) + HEADER_BUDGET_BYTES
+
+    @property
+    def kept(self) -> int:
+        return sum(f.kept for f in self.fragments)
+
+    @property
+    def density(self) -> float:
+        return self.kept / self.layout.numel
+
+    def expected_round_bytes(self) -> int:
+        """The method's arithmetic for one whole cycle (all fragments) sent to one peer."""
+        return sum(expected_payload_bytes(f, self.config.bits) for f in self.fragments)
+
+    # ---- lifecycle ----
+
+    def begin(self, transport: FragmentTransport) -> None:
+        """Start from the weights the worker holds now (after state loading): they are the anchor."""
+        self._loop = asyncio.get_running_loop()
+        self.transport = transport
+        with self.optimizer.lock:
+            self.state = SparseLoCoState.starting_at(self._read_all())
+            loaded = self.optimizer.loaded_outer.get(ANCHOR_KEY)
+            if loaded is not None and loaded.numel() == self.layout.numel:
+                self.state.anchor.copy_(loaded.reshape(-1))  # a joiner takes its donor's consensus
+            self.optimizer.outer_state = lambda: {ANCHOR_KEY: self.state.anchor}
+        logger.info("sparseloco: %d fragment(s) of %d parameters, %d kept per cycle (%.2f%% dense), %d-bit values, "
+                    "H %d, tau %d, over the %s; %d bytes to each replica per cycle (dense: %d)",
+                    len(self.fragments), self.layout.numel, self.kept, 100 * self.density, self.config.bits,
+                    self.config.inner_steps, self.config.overlap_steps, transport.name,
+                    self.expected_round_bytes(), 4 * self.layout.numel)
+
+    def restart_from_loaded(self) -> None:
+        """The worker reloaded its stage's state (it had parted): the loaded weights are the anchor."""
+        with self.optimizer.lock:
+            for f in list(self._inflight):
+                self._inflight.pop(f)[1].cancel()
+            if self.state is not None:
+                loaded = self.optimizer.loaded_outer.get(ANCHOR_KEY)
+                fits = loaded is not None and loaded.numel() == self.layout.numel
+                self.state.reset(self._read_all(), loaded.reshape(-1) if fits else None)
+        self.parted = None
+
+    def _read_all(self) -> torch.Tensor:
+        return self.layout.read(self.optimizer.master_params, 0, self.layout.numel)
+
+    # ---- the compute thread ----
+
+    def after_step(self, step: int) -> None:
+        """Lock held: capture the fragments due after `step` and start their exchange."""
+        if self.state is None or self._loop is None or not self.active() or self.parted:
+            return
+        for f in fragment_due(step, self.config.fragments, self.config.inner_steps):
+            if f >= len(self.fragments):
+                continue
+            if f in self._inflight:  # the previous capture of this fragment was never applied
+                self.counters["captures_overrun"] += 1
+                continue
+            frag = self.fragments[f]
+            weights = self.layout.read(self.optimizer.master_params, frag.start, frag.numel)
+            cap = self.state.capture(step, frag, weights, beta=self.config.error_decay, bits=self.config.bits)
+            data = encode_fragment(cap.own, self._envelope(step, f, anchor=cap.anchor), self.identity)
+            deadline = time.monotonic() + self.config.round_timeout_s
+            future = asyncio.run_coroutine_threadsafe(
+                self.transport.exchange(RoundKey(step, f), data, deadline), self._loop)
+            self._inflight[f] = (cap, future, step + self.config.overlap_steps)
+            self.counters["captures"] += 1
+
+    def after_step_unlocked(self, step: int) -> None:
+        """Lock free: wait for and apply every fragment whose aggregate is due after `step`."""
+        for f, (cap, future, apply_at) in sorted(self._inflight.items()):
+            if apply_at <= step:
+                self._finish(f, cap, future)
+
+    def _finish(self, f: int, cap: Capture, future: concurrent.futures.Future) -> None:
+        started = time.monotonic()
+        exchanged: Optional[Exchanged] = None
+        while exchanged is None:
+            try:
+                exchanged = future.result(timeout=0.2)
+            except concurrent.futures.TimeoutError:
+                if self.stopping():
+                    return  # the worker leaves: nothing is applied, the weights stay as they are
+            except (concurrent.futures.CancelledError, AgoraError, OSError, asyncio.TimeoutError) as exc:
+                logger.warning("sparseloco round %d fragment %d: the exchange failed (%s); applying this "
+                               "replica's own fragment alone", cap.round, f, exc)
+                exchanged = Exchanged({}, 0, 0, ())
+        waited = time.monotonic() - started
+        report = self._screen(cap, exchanged)
+        report.wait_s = waited
+        with self.optimizer.lock:
+            self._inflight.pop(f, None)
+            frag = self.fragments[f]
+            contributions = {self.self_id: cap.own, **report.contributions}
+            weights_now = self.layout.read(self.optimizer.master_params, frag.start, frag.numel)
+            new_weights, applied = self.state.apply(f, contributions, weights_now, alpha=self.config.outer_lr)
+            self.layout.write(self.optimizer.master_params, frag.start, new_weights)
+            self.optimizer.push_master_to_device()
+        report.applied_from = applied.senders
+        report.update_norm = applied.update_norm
+        del report.contributions
+        self._record(report, waited)
+
+    # ---- checking what arrived ----
+
+    def _screen(self, cap: Capture, exchanged: Exchanged) -> "_Screened":
+        f = cap.fragment.index
+        expected_env = self._envelope(cap.round, f)
+        frag = self.fragments[f]
+        good: dict[str, Compressed] = {}
+        refused: dict[str, str] = {}
+        anchors: collections.Counter[str] = collections.Counter()
+        for sender, data in sorted(exchanged.received.items()):
+            try:
+                envelope, compressed = decode_fragment(data, expected_env, frag)
+                if envelope.sender != sender:
+                    raise ProtocolError(f"signed by {envelope.sender[-8:]}, delivered as {sender[-8:]}",
+                                        ErrorCode.UNAUTHENTICATED)
+                norm = float(decompress(compressed, frag).norm())
+                ratio = self.config.max_norm_ratio
+                if cap.own_norm > 0 and not (cap.own_norm / ratio <= norm <= cap.own_norm * ratio):
+                    raise ProtocolError(f"norm {norm:.3g} against this replica's {cap.own_norm:.3g} "
+                                        f"(more than {ratio:g}x apart)", ErrorCode.INVALID_TENSOR)
+            except ProtocolError as exc:
+                refused[sender] = str(exc)
+                self.refused_by_sender[sender] += 1
+                self.counters[f"fragments_refused_{exc.code.name.lower()}"] += 1
+                logger.warning("sparseloco round %d fragment %d: refused the fragment of %s: %s",
+                               cap.round, f, sender, exc)
+                continue
+            good[sender] = compressed
+            anchors[envelope.anchor] += 1
+        self._check_anchor(cap, anchors)
+        missing = tuple(p for p in exchanged.expected if p not in exchanged.received)
+        if not exchanged.expected and not good:
+            status = "alone"
+        elif good and not missing and not refused:
+            status = "complete"
+        elif good:
+            status = "partial"
+        else:
+            status = "failed"
+        return _Screened(round=cap.round, fragment=f, status=status, missing=missing, refused=refused,
+                         bytes_sent=exchanged.bytes_sent, bytes_received=exchanged.bytes_received,
+                         contributions=good)
+
+    def _check_anchor(self, cap: Capture, anchors: collections.Counter[str]) -> None:
+        """The others agree on an anchor this replica does not hold: it parted from them."""
+        if not anchors:
+            return
+        top, count = anchors.most_common(1)[0]
+        if top != cap.anchor and count >= 1 and count > sum(anchors.values()) - count:
+            self.counters["anchor_mismatches"] += 1
+            if self.parted is None:
+                self.parted = (f"round {cap.round} fragment {cap.fragment.index}: {count} replica(s) agree on anchor "
+                               f"{top}, this replica holds {cap.anchor}")
+                logger.warning("sparseloco: this replica parted from its stage (%s); reloading its state", self.parted)
+                self.on_parted(self.parted)
+
+    def _record(self, report: RoundReport, waited: float) -> None:
+        self.counters[f"rounds_{report.status}"] += 1
+        self.bytes_sent += report.bytes_sent
+        self.bytes_received += report.bytes_received
+        self.wait_s.observe(waited)
+        self.wait_total_s += waited
+        self.recent.append(report)
+        log = logger.info if report.status in ("complete", "alone") else logger.warning
+        log("%s", report.describe())
+
+    def _envelope(self, round_id: int, fragment: int, anchor: str = "") -> Envelope:
+        c = self.config
+        return Envelope(self.run_id, self.stage, round_id, fragment, self.layout.digest, c.chunk_size,
+                        c.topk_per_chunk, c.bits, sender=self.self_id, anchor=anchor)
+
+    # ---- reporting ----
+
+    def summary(self) -> dict:
+        rounds = {k[len("rounds_"):]: v for k, v in self.counters.items() if k.startswith("rounds_")}
+        return {
+            "method": "sparseloco",
+            "transport": None if self.transport is None else self.transport.name,
+            "fragments": len(self.fragments),
+            "density": round(self.density, 5),
+            "bits": self.config.bits,
+            "expected_bytes_per_cycle": self.expected_round_bytes(),
+            "dense_bytes_per_cycle": 4 * self.layout.numel,
+            "rounds": rounds,
+            "captures": self.counters["captures"],
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "wait_s": round(self.wait_total_s, 3),
+            "refused": {k: v for k, v in self.counters.items() if k.startswith("fragments_refused_")},
+            "refused_senders": dict(self.refused_by_sender),
+            "anchor_mismatches": self.counters["anchor_mismatches"],
+            "recent": [r.describe() for r in self.recent],
+        }
+
+
+@dataclass
+class _Screened(RoundReport):
+    contributions: dict[str, Compressed] = field(default_factory=dict)
