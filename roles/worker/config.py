@@ -88,6 +88,13 @@ class WorkerConfig(BaseModel):
     test_averaging_poison: Literal["", "nan", "huge"] = Field(
         default="", json_schema_extra=HIDDEN,
         description="TESTS ONLY: send NaN or huge parts to the other reducers in every all-reduce (fault injection)")
+    test_sparseloco_poison: Literal["", "huge", "garbage"] = Field(
+        default="", json_schema_extra=HIDDEN,
+        description="TESTS ONLY: send SparseLoCo fragments scaled 1e4 (huge) or with a flipped byte (garbage)")
+    test_sparseloco_exit: str = Field(
+        default="", pattern=r"^$|^(before|after)_send:[0-9]+$", json_schema_extra=HIDDEN,
+        description="TESTS ONLY: SIGKILL this worker in SparseLoCo round N, before or after its fragment left "
+                    "(before_send:N, after_send:N)")
     test_fail_forwards: int = Field(
         default=0, ge=0, json_schema_extra=HIDDEN,
         description="TESTS ONLY: answer the first N forward requests with an internal error (failing calls)")

@@ -167,7 +167,9 @@ class WorkerRole:
             self.sparseloco = SparseLoCoService(
                 run, config.stage, self.layout, self.optimizer, self_id=swarm.peer_id, identity=identity,
                 active=lambda: self.phase == Phase.ACTIVE, on_parted=self._sparseloco_parted,
-                stopping=lambda: self.runtime.stopping)
+                stopping=lambda: self.runtime.stopping, test_poison=config.test_sparseloco_poison,
+                test_exit=config.test_sparseloco_exit)
+            self.sparseloco.health = averaging_health(run.termination)
             self.runtime.after_step.append(self.sparseloco.after_step)
             self.runtime.after_step_unlocked.append(self.sparseloco.after_step_unlocked)
         self._probe_client: Optional[RpcClient] = None
@@ -586,6 +588,7 @@ class WorkerRole:
         """Serve until `stop` is set, the compute thread dies or the worker must leave its stage."""
         crashed, left = self.runtime.crashed.listen(), self.averaging.left.listen()
         fired = self.termination.fired.listen()
+        waits = [left] if self.sparseloco is None else [left, self.sparseloco.left.listen()]
         rules = self.run_config.termination
         self._probe_client = RpcClient(self.p2p, timeout_s=rules.check_period_s,
                                        authenticator=self.server.authenticator)
@@ -617,12 +620,13 @@ class WorkerRole:
         while not stop.is_set():
             if self.runtime.failure is not None and not self.termination.compute_error(self.runtime.failure):
                 raise RuntimeError(f"compute thread failed: {self.runtime.failure}") from self.runtime.failure
-            if self.averaging.leave_reason:
-                self.termination.averaging_left(self.averaging.leave_reason)
+            reason = self.averaging.leave_reason or (self.sparseloco.leave_reason if self.sparseloco else None)
+            if reason:
+                self.termination.averaging_left(reason)
                 if self.termination.firing is None:  # cannot happen while the rule is on (averaging_health)
-                    raise WorkerLeftStage(f"worker left stage {self.config.stage}: {self.averaging.leave_reason}")
+                    raise WorkerLeftStage(f"worker left stage {self.config.stage}: {reason}")
             self.termination.raise_if_fired()
-            await wait_any(stop, crashed, left, fired)
+            await wait_any(stop, crashed, *waits, fired)
 
     def _progress_read(self, ok: bool, why: str) -> None:
         self.termination.progress_read(ok, why)

@@ -71,3 +71,66 @@ def test_two_replicas_exchange_sparse_fragments_and_end_equal(make_swarm, run_co
     for stage in (0, 1):
         a, b = _weights(dirs[(stage, 0)]), _weights(dirs[(stage, 1)])
         assert all(torch.equal(a[n], b[n]) for n in a), f"stage {stage} replicas differ"
+
+
+def _peer_id(worker) -> str:
+    return worker.summary()["peer_id"] if worker.summary() and "peer_id" in worker.summary() else ""
+
+
+@pytest.mark.timeout(400)
+def test_replicas_killed_before_and_after_sending_and_a_poisoner(make_swarm, run_config_path, tmp_path):
+    """Three replicas per stage. Stage 1: one replica is SIGKILLed in round 10 before its fragment
+    leaves, another in round 15 right after: the survivor finishes both rounds without waiting out
+    the deadline, leaves the first out and counts the second. Stage 0: one replica sends fragments
+    scaled 1e4; both others refuse every one, name it, and stay bit-identical."""
+    steps = 30
+    config = run_config_path(stages=TWO_STAGES, target_batch_size=TARGET, averaging={
+        "method": "sparseloco", "sparseloco": {"inner_steps": H, "round_timeout_s": 15.0}})
+    swarm = make_swarm(config, common_args=COMMON)
+    faults = {(0, 2): {"AGORA_TEST_SPARSELOCO_POISON": "huge"},
+              (1, 1): {"AGORA_TEST_SPARSELOCO_EXIT": "before_send:10"},
+              (1, 2): {"AGORA_TEST_SPARSELOCO_EXIT": "after_send:15"}}
+    workers, dirs = {}, {}
+    for stage in (0, 1):
+        for replica in (0, 1, 2):
+            dirs[(stage, replica)] = str(tmp_path / f"s{stage}r{replica}")
+            workers[(stage, replica)] = swarm.start(
+                "worker", stage=stage, wait_ready=not workers, name=f"worker-s{stage}-r{replica}",
+                env=faults.get((stage, replica), {}),
+                args=["--checkpoint-dir", dirs[(stage, replica)], "--checkpoint-period-s", "3600"])
+    for worker in list(workers.values())[1:]:
+        swarm.wait_ready(worker)
+    trainer = swarm.start("trainer", args=["--lanes", "6", "--max-samples", str(steps * TARGET),
+                                           "--discovery-period-s", "1"])
+    assert swarm.wait(trainer, 300) == 0, trainer.log_tail()
+    done = trainer.summary()
+    assert done["samples_completed"] + done["samples_dropped"] == steps * TARGET, done
+    time.sleep(1.0)
+    for key in ((1, 1), (1, 2)):
+        assert workers[key].proc.wait(timeout=10) == -signal.SIGKILL, workers[key].log_tail()
+    summaries = {}
+    for key in ((0, 0), (0, 1), (0, 2), (1, 0)):
+        assert swarm.stop(workers[key], signal.SIGTERM) == 0, workers[key].log_tail()
+        summaries[key] = workers[key].summary()
+
+    survivor = summaries[(1, 0)]["sparseloco"]
+    rounds = {r["round"]: r for r in survivor["recent"]}
+    assert 10 in rounds and 15 in rounds, survivor
+    r10, r15 = rounds[10], rounds[15]
+    # round 10: the replica that died before sending is left out, the one alive is in
+    assert r10["status"] == "partial" and len(r10["applied_from"]) == 2 and len(r10["missing"]) == 1, r10
+    # round 15: the replica that died right after sending is still counted
+    assert len(r15["applied_from"]) >= 2, r15
+    assert all(r["wait_s"] <= 15.0 + 3.0 for r in survivor["recent"]), survivor["recent"]
+
+    poisoner_refused = []
+    for key in ((0, 0), (0, 1)):
+        slc = summaries[key]["sparseloco"]
+        assert slc["refused"].get("fragments_refused_invalid_tensor", 0) >= steps // H - 1, (key, slc)
+        assert len(slc["refused_senders"]) == 1, (key, slc)
+        poisoner_refused.append(next(iter(slc["refused_senders"])))
+        assert all(len(r["applied_from"]) == 2 for r in slc["recent"]), (key, slc["recent"])
+    import json as _j; print(_j.dumps({str(k): v["sparseloco"] for k, v in summaries.items()}, indent=None))
+    assert poisoner_refused[0] == poisoner_refused[1]
+    a, b = _weights(dirs[(0, 0)]), _weights(dirs[(0, 1)])
+    assert all(torch.equal(a[n], b[n]) for n in a), "the two honest stage-0 replicas differ"

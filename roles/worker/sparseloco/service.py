@@ -21,6 +21,8 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -31,6 +33,8 @@ from protocol.errors import AgoraError, ErrorCode, ProtocolError
 from protocol.identity import Identity
 from protocol.run_config import RunConfig
 from protocol.stats import Distribution
+from roles.periodic import Signal
+from roles.worker.averaging.health import RoundHealth
 from roles.worker.layout import FlatLayout
 from roles.worker.sparseloco.chunks import Fragment, fragment_due, plan_fragments
 from roles.worker.sparseloco.codec import (
@@ -67,6 +71,12 @@ class RoundReport:
     wait_s: float = 0.0
     update_norm: float = 0.0
 
+    def to_summary(self) -> dict:
+        return {"round": self.round, "fragment": self.fragment, "status": self.status,
+                "applied_from": list(self.applied_from), "missing": list(self.missing),
+                "refused": dict(self.refused), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "wait_s": round(self.wait_s, 3), "update_norm": self.update_norm}
+
     def describe(self) -> str:
         peers = len(self.applied_from)
         text = (f"sparseloco round {self.round} fragment {self.fragment}: {self.status}, applied {peers} "
@@ -84,7 +94,7 @@ class SparseLoCoService:
     def __init__(self, run: RunConfig, stage: int, layout: FlatLayout, optimizer, *, self_id: str,
                  identity: Identity, active: Callable[[], bool],
                  on_parted: Callable[[str], None] = lambda why: None,
-                 stopping: Callable[[], bool] = lambda: False):
+                 stopping: Callable[[], bool] = lambda: False, test_poison: str = "", test_exit: str = ""):
         self.config = run.averaging.sparseloco
         self.run_id = run.run_id
         self.stage = stage
@@ -111,6 +121,16 @@ class SparseLoCoService:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.parted: Optional[str] = None
+        self.health = RoundHealth()
+        """The averaging rule's window (the worker sets it from the run config: averaging_health)."""
+        self.leave_reason: Optional[str] = None
+        self.left = Signal()
+        """Fired once `leave_reason` is set: the worker must leave its stage."""
+        self.test_poison = test_poison
+        self.test_exit: tuple[str, int] = ("", -1)
+        if test_exit:
+            when, at = test_exit.split(":")
+            self.test_exit = (when, int(at))
 
     # ---- arithmetic ----
 
@@ -178,10 +198,16 @@ class SparseLoCoService:
             frag = self.fragments[f]
             weights = self.layout.read(self.optimizer.master_params, frag.start, frag.numel)
             cap = self.state.capture(step, frag, weights, beta=self.config.error_decay, bits=self.config.bits)
-            data = encode_fragment(cap.own, self._envelope(step, f, anchor=cap.anchor), self.identity)
+            data = encode_fragment(self._poisoned(cap.own), self._envelope(step, f, anchor=cap.anchor), self.identity)
+            if self.test_poison == "garbage":
+                data = data[:-40] + bytes([data[-40] ^ 0xFF]) + data[-39:]
+            if self.test_exit == ("before_send", step):
+                _test_kill(f"before sending round {step}")
             deadline = time.monotonic() + self.config.round_timeout_s
+            on_sent = (lambda: _test_kill(f"after sending round {step}")) \
+                if self.test_exit == ("after_send", step) else None
             future = asyncio.run_coroutine_threadsafe(
-                self.transport.exchange(RoundKey(step, f), data, deadline), self._loop)
+                self.transport.exchange(RoundKey(step, f), data, deadline, on_sent=on_sent), self._loop)
             self._inflight[f] = (cap, future, step + self.config.overlap_steps)
             self.counters["captures"] += 1
 
@@ -218,7 +244,7 @@ class SparseLoCoService:
         report.applied_from = applied.senders
         report.update_norm = applied.update_norm
         del report.contributions
-        self._record(report, waited)
+        self._record(report, waited, parted=report.parted)
 
     # ---- checking what arrived ----
 
@@ -228,7 +254,7 @@ class SparseLoCoService:
         frag = self.fragments[f]
         good: dict[str, Compressed] = {}
         refused: dict[str, str] = {}
-        anchors: collections.Counter[str] = collections.Counter()
+        anchors: dict[str, str] = {}
         for sender, data in sorted(exchanged.received.items()):
             try:
                 envelope, compressed = decode_fragment(data, expected_env, frag)
@@ -248,11 +274,12 @@ class SparseLoCoService:
                                cap.round, f, sender, exc)
                 continue
             good[sender] = compressed
-            anchors[envelope.anchor] += 1
-        self._check_anchor(cap, anchors)
+            anchors[sender] = envelope.anchor
+        parted = self._check_anchor(cap, anchors)
         missing = tuple(p for p in exchanged.expected if p not in exchanged.received)
-        if not exchanged.expected and not good:
-            status = "alone"
+        gone = set(exchanged.unreachable)
+        if not good and all(p in gone for p in missing):
+            status = "alone"  # nobody expected, or everyone expected is gone (its push failed)
         elif good and not missing and not refused:
             status = "complete"
         elif good:
@@ -261,23 +288,42 @@ class SparseLoCoService:
             status = "failed"
         return _Screened(round=cap.round, fragment=f, status=status, missing=missing, refused=refused,
                          bytes_sent=exchanged.bytes_sent, bytes_received=exchanged.bytes_received,
-                         contributions=good)
+                         contributions=good, parted=parted)
 
-    def _check_anchor(self, cap: Capture, anchors: collections.Counter[str]) -> None:
-        """The others agree on an anchor this replica does not hold: it parted from them."""
-        if not anchors:
-            return
-        top, count = anchors.most_common(1)[0]
-        if top != cap.anchor and count >= 1 and count > sum(anchors.values()) - count:
-            self.counters["anchor_mismatches"] += 1
-            if self.parted is None:
-                self.parted = (f"round {cap.round} fragment {cap.fragment.index}: {count} replica(s) agree on anchor "
-                               f"{top}, this replica holds {cap.anchor}")
-                logger.warning("sparseloco: this replica parted from its stage (%s); reloading its state", self.parted)
-                self.on_parted(self.parted)
+    def _check_anchor(self, cap: Capture, anchors: dict[str, str]) -> bool:
+        """Whether this replica parted from its stage: the replicas (this one included) are grouped
+        by the anchor they held; the largest group, ties to the group with the smallest peer id,
+        is the stage's consensus, chosen alike by every replica that saw the same fragments."""
+        groups: dict[str, list[str]] = collections.defaultdict(list)
+        for sender, digest in {**anchors, self.self_id: cap.anchor}.items():
+            groups[digest].append(sender)
+        if len(groups) == 1:
+            return False
+        top = min(groups, key=lambda d: (-len(groups[d]), min(groups[d])))
+        if top == cap.anchor:
+            return False
+        self.counters["anchor_mismatches"] += 1
+        if self.parted is None:
+            self.parted = (f"round {cap.round} fragment {cap.fragment.index}: {len(groups[top])} replica(s) hold "
+                           f"anchor {top}, this replica {cap.anchor}")
+            logger.warning("sparseloco: this replica parted from its stage (%s); reloading its state", self.parted)
+            self.on_parted(self.parted)
+        return True
 
-    def _record(self, report: RoundReport, waited: float) -> None:
+    def _record(self, report: RoundReport, waited: float, parted: bool) -> None:
         self.counters[f"rounds_{report.status}"] += 1
+        # The averaging rule [report 3.3.1.6]: a round in which this replica found it had parted
+        # from the stage (the others exchanged without it) is a failure; a failed round alone is
+        # not (the others may have failed it too); every other round resets the count.
+        if parted:
+            self.health.record_failure("sparseloco", report.round)
+            self.health.resolve([("sparseloco", report.round)])
+            why = self.health.should_leave()
+            if why and self.leave_reason is None:
+                self.leave_reason = why.replace("averaging rounds", "SparseLoCo rounds")
+                self.left.fire()
+        elif report.status != "failed":
+            self.health.record_success()
         self.bytes_sent += report.bytes_sent
         self.bytes_received += report.bytes_received
         self.wait_s.observe(waited)
@@ -285,6 +331,12 @@ class SparseLoCoService:
         self.recent.append(report)
         log = logger.info if report.status in ("complete", "alone") else logger.warning
         log("%s", report.describe())
+
+    def _poisoned(self, own: Compressed) -> Compressed:
+        if self.test_poison != "huge":
+            return own
+        logger.warning("test fault: sending a fragment scaled 1e4")
+        return Compressed(own.indices, own.codes, own.scales * 1e4, own.bits)
 
     def _envelope(self, round_id: int, fragment: int, anchor: str = "") -> Envelope:
         c = self.config
@@ -311,10 +363,17 @@ class SparseLoCoService:
             "refused": {k: v for k, v in self.counters.items() if k.startswith("fragments_refused_")},
             "refused_senders": dict(self.refused_by_sender),
             "anchor_mismatches": self.counters["anchor_mismatches"],
-            "recent": [r.describe() for r in self.recent],
+            "recent": [r.to_summary() for r in self.recent],
         }
+
+
+def _test_kill(when: str) -> None:
+    """Test fault (AGORA_TEST_SPARSELOCO_EXIT): die as a machine dies, with nothing flushed."""
+    logger.warning("test fault: SIGKILL %s", when)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
 class _Screened(RoundReport):
     contributions: dict[str, Compressed] = field(default_factory=dict)
+    parted: bool = False
