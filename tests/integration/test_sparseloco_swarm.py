@@ -134,3 +134,45 @@ def test_replicas_killed_before_and_after_sending_and_a_poisoner(make_swarm, run
     assert poisoner_refused[0] == poisoner_refused[1]
     a, b = _weights(dirs[(0, 0)]), _weights(dirs[(0, 1)])
     assert all(torch.equal(a[n], b[n]) for n in a), "the two honest stage-0 replicas differ"
+
+
+@pytest.mark.timeout(300)
+def test_a_joiner_takes_the_consensus_anchor_and_streamed_fragments_keep_replicas_in_agreement(
+        make_swarm, run_config_path, tmp_path):
+    """Streamed SparseLoCo (two fragments per 6-step cycle, each applied one step after its
+    capture) on a stage whose third replica joins mid-run: it loads the anchor with the state from
+    a donor, never finds itself parted, and every replica of the stage ends on the same anchor."""
+    steps = 72
+    config = run_config_path(stages=TWO_STAGES, target_batch_size=TARGET, averaging={
+        "method": "sparseloco", "sparseloco": {"inner_steps": 6, "fragments": 2, "overlap_steps": 1,
+                                               "round_timeout_s": 15.0}})
+    swarm = make_swarm(config, common_args=COMMON)
+    workers = [swarm.start("worker", stage=0, name="worker-s0-r0"),
+               swarm.start("worker", stage=0, wait_ready=False, name="worker-s0-r1"),
+               swarm.start("worker", stage=1, wait_ready=False, name="worker-s1-r0")]
+    for worker in workers[1:]:
+        swarm.wait_ready(worker)
+    log = str(tmp_path / "samples.jsonl")
+    # two lanes: slow enough that the joiner (several seconds to start) arrives mid-run
+    trainer = swarm.start("trainer", env={"AGORA_SAMPLE_LOG": log},
+                          args=["--lanes", "2", "--max-samples", str(steps * TARGET), "--discovery-period-s", "1"])
+    start = time.monotonic()
+    while time.monotonic() - start < 120 and (not os.path.exists(log) or sum(1 for _ in open(log)) < 4 * TARGET):
+        time.sleep(0.2)
+    joiner = swarm.start("worker", stage=0, name="worker-s0-joiner")
+    workers.append(joiner)
+    assert swarm.wait(trainer, 240) == 0, trainer.log_tail()
+    time.sleep(1.0)
+    found = {}
+    for worker in workers:
+        assert swarm.stop(worker, signal.SIGTERM) == 0, worker.log_tail()
+        found[worker.name] = worker.summary()
+    joined = found["worker-s0-joiner"]
+    assert joined["joined"]["loaded_step"] > 0 and joined["joined"]["phase"] == "active", joined["joined"]
+    stage0 = [found[n]["sparseloco"] for n in ("worker-s0-r0", "worker-s0-r1", "worker-s0-joiner")]
+    for slc in stage0:
+        assert slc["fragments"] == 2 and slc["anchor_mismatches"] == 0, slc
+        assert slc["rounds"].get("complete", 0) >= 2, str({k: v for k, v in slc.items() if k != "recent"})
+    assert stage0[0]["anchors"] == stage0[1]["anchors"] == stage0[2]["anchors"], [s["anchors"] for s in stage0]
+    # three replicas' rounds after the join: fragments from all three
+    assert any(len(r["applied_from"]) == 3 for r in stage0[2]["recent"]), stage0[2]["recent"]

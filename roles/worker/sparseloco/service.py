@@ -46,7 +46,7 @@ from roles.worker.sparseloco.codec import (
     encode_fragment,
     expected_payload_bytes,
 )
-from roles.worker.sparseloco.outer import Capture, SparseLoCoState
+from roles.worker.sparseloco.outer import Capture, SparseLoCoState, anchor_digest
 from roles.worker.sparseloco.transport import Exchanged, FragmentTransport, RoundKey
 
 logger = logging.getLogger(__name__)
@@ -345,6 +345,13 @@ class SparseLoCoService:
 
     # ---- reporting ----
 
+    def anchor_digests(self) -> list[str]:
+        """Per fragment, the digest of this replica's consensus anchor now: equal replicas, equal lists."""
+        if self.state is None:
+            return []
+        with self.optimizer.lock:
+            return [anchor_digest(self.state.anchor[f.start:f.end]) for f in self.fragments]
+
     def summary(self) -> dict:
         rounds = {k[len("rounds_"):]: v for k, v in self.counters.items() if k.startswith("rounds_")}
         return {
@@ -363,6 +370,7 @@ class SparseLoCoService:
             "refused": {k: v for k, v in self.counters.items() if k.startswith("fragments_refused_")},
             "refused_senders": dict(self.refused_by_sender),
             "anchor_mismatches": self.counters["anchor_mismatches"],
+            "anchors": self.anchor_digests(),
             "recent": [r.to_summary() for r in self.recent],
         }
 
