@@ -190,7 +190,9 @@ class DhtSource:
                 "stage": s, "replicas": len(workers[s]), "min_replicas": 1, "phases": phases,
                 "step": max((p.local_step for p in progress[s].values()), default=None),
                 "throughput": round(sum(w.throughput for w in workers[s].values()), 3),
-                "averaging": {**rounds, "success_rate": rounds["complete"] / tried if tried else None,
+                "averaging": {"method": "sparseloco" if any(a.method == "sparseloco" for a in averaging[s].values())
+                              else "asyncsparta",
+                              **rounds, "success_rate": rounds["complete"] / tried if tried else None,
                               "last_round_at": max(finished, default=None)},
             })
         now = time.time()
@@ -268,7 +270,8 @@ def stage_rows(overview: dict) -> list[list[str]]:
         rows.append([str(s.get("stage")), f"{_num(s.get('replicas'))}/{_num(s.get('min_replicas'))}",
                      _num(phases.get("active")), _num(phases.get("weight_sync")), _num(phases.get("optimizer_sync")),
                      _num(phases.get("leaving")), _num(s.get("step")), _rate(s.get("throughput")),
-                     "/".join(_num(avg.get(k)) for k in ("complete", "partial", "failed", "skipped")),
+                     ("sparseloco " if avg.get("method") == "sparseloco" else "")
+                     + "/".join(_num(avg.get(k)) for k in ("complete", "partial", "failed", "skipped")),
                      "-" if success is None else f"{success * 100:.0f}%"])
     return [[_clean(cell) for cell in row] for row in rows]
 

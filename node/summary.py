@@ -135,12 +135,31 @@ def _worker(s: dict, uptime_s: Optional[float]) -> list[str]:
             step_facts.append(f"{n} {label}")
     lines.append("; ".join(step_facts))
 
-    lines.append(_averaging(s.get("averaging")))
+    lines.append(_sparseloco(s["sparseloco"]) if "sparseloco" in s else _averaging(s.get("averaging")))
     lines.append(_staleness(s.get("staleness")))
     rejected = _counts({**(s.get("rejected") or {}), **(s.get("auth_rejected") or {})})
     if rejected:
         lines.append(f"rejected requests: {rejected}")
     return lines
+
+
+def _sparseloco(slc: Any) -> str:
+    if not isinstance(slc, dict):
+        return ""
+    rounds = {k: v for k, v in (slc.get("rounds") or {}).items() if isinstance(v, int) and v}
+    if not rounds:
+        return "sparseloco: no rounds"
+    parts = [f"{v} {k}" for k, v in rounds.items()]
+    total = sum(rounds.values())
+    text = (f"sparseloco: {total} round{'s' if total != 1 else ''} ({', '.join(parts)}), "
+            f"{_int(slc, 'bytes_sent') or 0:,} bytes sent at {100 * (_num(slc, 'density') or 0):.2f}% density, "
+            f"{_num(slc, 'wait_s') or 0:.1f}s waited")
+    refused = sum(v for v in (slc.get("refused") or {}).values() if isinstance(v, int))
+    if refused:
+        text += f", {refused} fragment(s) refused"
+    if _int(slc, "anchor_mismatches"):
+        text += f", parted from the stage {_int(slc, 'anchor_mismatches')} time(s)"
+    return text
 
 
 def _averaging(a: Any) -> str:

@@ -139,6 +139,14 @@ class AveragingRecord(RecordModel):
     rounds_failed: int = Field(default=0, ge=0)
     rounds_skipped: int = Field(default=0, ge=0)
     recent: list[RoundSummaryRecord] = Field(default_factory=list, max_length=8)
+    method: str = Field(default="asyncsparta", max_length=16, description="how the stage's replicas are kept "
+                        "together: asyncsparta, or sparseloco (then `recent` holds its fragments' rounds)")
+    density: Optional[float] = Field(default=None, ge=0.0, le=1.0, description="sparseloco: share of the "
+                                     "parameters one cycle sends")
+    bytes_per_round: Optional[int] = Field(default=None, ge=0, description="sparseloco: bytes this replica sent "
+                                           "each other replica in its last round")
+    wait_s: Optional[float] = Field(default=None, ge=0.0, description="sparseloco: seconds the compute thread has "
+                                    "waited for exchanges in all (the critical path)")
 
 
 class TrainerRecord(RecordModel):

@@ -315,7 +315,7 @@
         cells: [String(s.stage), { text: fmtInt(s.replicas) + ' / ' + fmtInt(s.min_replicas), cls: short ? 'status-failed' : '' },
           fmtInt(p.active), fmtInt(p.weight_sync), fmtInt(p.optimizer_sync), fmtInt(p.leaving),
           fmtInt(s.step), fmtRate(s.throughput),
-          [a.complete, a.partial, a.failed, a.skipped].map(fmtInt).join(' / '),
+          (a.method === 'sparseloco' ? 'sparseloco: ' : '') + [a.complete, a.partial, a.failed, a.skipped].map(fmtInt).join(' / '),
           fmtPercent(a.success_rate), fmtAgo(a.last_round_at)],
       };
     });

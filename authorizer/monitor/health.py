@@ -99,6 +99,8 @@ def stage_summaries(nodes: dict[str, NodeState], num_stages: int, min_replicas: 
             "step": max(steps) if steps else None,
             "throughput": round(sum(n.throughput or 0.0 for n in workers), 6),
             "averaging": {
+                # the rounds say which method keeps the replicas together: SparseLoCo's are kind 'sloco'
+                "method": "sparseloco" if any(r.get("kind") == "sloco" for r in rounds) else "asyncsparta",
                 "complete": sum(n.rounds_complete or 0 for n in workers),
                 "partial": sum(n.rounds_partial or 0 for n in workers),
                 "failed": sum(n.rounds_failed or 0 for n in workers),

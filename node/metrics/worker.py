@@ -35,6 +35,10 @@ def attach_worker(metrics: NodeMetrics, role: WorkerRole) -> None:
     metrics.auth_rejections["averaging"] = role.averaging.refusals
     metrics.add("worker", lambda f: _worker(f, role))
     metrics.add("averaging", lambda f: _averaging(f, role))
+    if role.sparseloco is not None:
+        slc = role.sparseloco
+        metrics.bytes["sparseloco"] = lambda: (slc.bytes_sent, slc.bytes_received)
+        metrics.add("sparseloco", lambda f: _sparseloco(f, role))
 
 
 def _worker(f: Families, role: WorkerRole) -> Iterable[Family]:
@@ -102,3 +106,25 @@ def _averaging(f: Families, role: WorkerRole) -> Iterable[Family]:
                   "round judged for divergence (relative L2)", judged.distance if judged is not None else None)
     yield f.counter("agora_averaging_divergence_resyncs_total", "times this replica was its stage's outlier and "
                     "went back to weight sync", counts.get("divergence_resyncs", 0))
+
+
+SPARSELOCO_OUTCOMES = ("complete", "partial", "alone", "failed")
+
+
+def _sparseloco(f: Families, role: WorkerRole) -> Iterable[Family]:
+    slc = role.sparseloco
+    counts = slc.counters
+    yield f.counters("agora_sparseloco_rounds_total", "SparseLoCo fragment rounds by outcome: complete (every "
+                     "expected replica's fragment applied), partial, alone (no other replica), failed (none arrived)",
+                     ("outcome", ), {(o, ): counts.get(f"rounds_{o}", 0) for o in SPARSELOCO_OUTCOMES})
+    yield f.histogram("agora_sparseloco_wait_seconds", "time the compute thread waited for a round's exchange "
+                      "(its share of the critical path)", {(): slc.wait_s.snapshot()})
+    yield f.gauge("agora_sparseloco_density_ratio", "share of the stage's parameters one cycle sends", slc.density)
+    last = slc.recent[-1] if slc.recent else None
+    yield f.gauge("agora_sparseloco_round_bytes", "bytes this replica sent each other replica in its last round",
+                  last.bytes_sent / max(1, last.expected) if last else None)
+    refused = {(k[len("fragments_refused_"):], ): v for k, v in counts.items() if k.startswith("fragments_refused_")}
+    yield f.counters("agora_sparseloco_fragments_refused_total", "fragments of other replicas refused, by reason "
+                     "(a failed check: the error code)", ("reason", ), refused)
+    yield f.counter("agora_sparseloco_anchor_mismatches_total", "rounds in which this replica found its anchor "
+                    "was not its stage's consensus (it reloads the stage's state)", counts.get("anchor_mismatches", 0))

@@ -25,7 +25,7 @@ from protocol import version
 from protocol.auth import PeerAuthenticator
 from protocol.auth_state import SharedAuthState
 from protocol.dht import SwarmDHT
-from protocol.dht_schema import Phase, ProgressRecord, WorkerRecord, progress_key, workers_key
+from protocol.dht_schema import Phase, ProgressRecord, WorkerRecord, averaging_key, progress_key, workers_key
 from protocol.errors import ConfigError, ErrorCode, ProtocolError
 from protocol.identity import Identity
 from protocol.messages import InfoReply, SparseLoCoFragmentReply, SparseLoCoFragmentRequest, parse_model
@@ -170,6 +170,9 @@ class WorkerRole:
                 stopping=lambda: self.runtime.stopping, test_poison=config.test_sparseloco_poison,
                 test_exit=config.test_sparseloco_exit)
             self.sparseloco.health = averaging_health(run.termination)
+            self.sparseloco_announcer = Announcer(swarm, averaging_key(run.run_id, config.stage),
+                                                 lambda: self.sparseloco.record(self.phase),
+                                                 period_s=config.announce_period_s)
             self.runtime.after_step.append(self.sparseloco.after_step)
             self.runtime.after_step_unlocked.append(self.sparseloco.after_step_unlocked)
         self._probe_client: Optional[RpcClient] = None
@@ -601,6 +604,8 @@ class WorkerRole:
             asyncio.create_task(self.progress.run(stop), name="progress"),
             asyncio.create_task(self.replicas.run(stop), name="step-counts"),
             asyncio.create_task(self.averaging.run(stop), name="averaging"),
+            *([asyncio.create_task(self.sparseloco_announcer.run(stop), name="announce-sparseloco")]
+              if self.sparseloco is not None else []),
             asyncio.create_task(every(None, self._update_phase, stop, name="sync phases",
                                       wake=self.runtime.stepped.listen()), name="sync-phases"),
             asyncio.create_task(every(rules.check_period_s, self._watch, stop, name="self-termination rules"),
@@ -681,6 +686,8 @@ class WorkerRole:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.progress.withdraw()
         await self.averaging.shutdown()
+        if self.sparseloco is not None:
+            await self.sparseloco_announcer.withdraw()
         await self.replicas.close()
         self.donor.close()
         if (self.checkpoints is not None and self.config.checkpoint_period_s and not self.averaging.leave_reason

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
+from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, RoundSummaryRecord
 from protocol.errors import AgoraError, ErrorCode, ProtocolError
 from protocol.identity import Identity
 from protocol.run_config import RunConfig
@@ -63,6 +64,10 @@ class RoundReport:
     round: int
     fragment: int
     status: str  # complete | partial | alone | failed
+    expected: int = 0
+    """Other replicas this one expected fragments from."""
+    anchor: str = ""
+    finished_at: float = 0.0
     applied_from: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
     refused: dict[str, str] = field(default_factory=dict)
@@ -76,6 +81,21 @@ class RoundReport:
                 "applied_from": list(self.applied_from), "missing": list(self.missing),
                 "refused": dict(self.refused), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "wait_s": round(self.wait_s, 3), "update_norm": self.update_norm}
+
+    def to_record(self) -> RoundSummaryRecord:
+        """As the stage's averaging record carries a round (the dashboard's rounds table)."""
+        status = {"alone": RoundStatus.SKIPPED}.get(self.status) or RoundStatus(self.status)
+        why = []
+        if self.missing:
+            why.append(f"no fragment from {len(self.missing)} replica(s)")
+        if self.refused:
+            why.append(f"refused {len(self.refused)}")
+        return RoundSummaryRecord(
+            kind="sloco", round=self.round, segment=self.fragment, digest=self.anchor, status=status,
+            group_size=len(self.applied_from), expected_group_size=self.expected + 1,
+            averaging_success=len(self.applied_from) / (self.expected + 1), duration_s=self.wait_s,
+            weight=1.0, failure_reason="; ".join(why)[:512],
+            banned_senders=[p for p in sorted(self.refused)][:16], finished_at=self.finished_at)
 
     def describe(self) -> str:
         peers = len(self.applied_from)
@@ -243,6 +263,9 @@ class SparseLoCoService:
             self.optimizer.push_master_to_device()
         report.applied_from = applied.senders
         report.update_norm = applied.update_norm
+        report.anchor = applied.anchor
+        report.expected = len(exchanged.expected)
+        report.finished_at = time.time()
         del report.contributions
         self._record(report, waited, parted=report.parted)
 
@@ -344,6 +367,18 @@ class SparseLoCoService:
                         c.topk_per_chunk, c.bits, sender=self.self_id, anchor=anchor)
 
     # ---- reporting ----
+
+    def record(self, phase: Phase) -> AveragingRecord:
+        """What the stage's averaging record says of this replica (`{run}/stage/{s}/averaging`)."""
+        c = self.counters
+        last = self.recent[-1] if self.recent else None
+        return AveragingRecord(
+            phase=phase, round_kind="sloco", round=last.round if last else 0, segment=last.fragment if last else 0,
+            digest=last.anchor if last else "", rounds_complete=c["rounds_complete"],
+            rounds_partial=c["rounds_partial"], rounds_failed=c["rounds_failed"], rounds_skipped=c["rounds_alone"],
+            recent=[r.to_record() for r in self.recent], method="sparseloco", density=min(1.0, self.density),
+            bytes_per_round=last.bytes_sent // max(1, last.expected) if last else None,
+            wait_s=round(self.wait_total_s, 3))
 
     def anchor_digests(self) -> list[str]:
         """Per fragment, the digest of this replica's consensus anchor now: equal replicas, equal lists."""
