@@ -140,6 +140,18 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
     }
     if args.workers_per_stage == 1 or args.averaging_off:
         overrides["averaging"] = {"enabled": False}
+    else:
+        averaging: dict[str, Any] = {}
+        if getattr(args, "averaging_method", "asyncsparta") == "sparseloco":
+            averaging["method"] = "sparseloco"
+            averaging["sparseloco"] = {"inner_steps": args.inner_steps, "transport": args.sparseloco_transport}
+            if args.sparseloco_transport == "store":
+                averaging["sparseloco"]["store"] = os.path.join(os.path.dirname(os.path.abspath(
+                    args.out or "fidelity.json")), f"sparseloco-store-{os.getpid()}")
+        if getattr(args, "gradients", None):
+            averaging["gradients"] = args.gradients
+        if averaging:
+            overrides["averaging"] = averaging
     staleness: dict[str, Any] = {}
     if args.max_in_flight_ratio is not None:
         staleness["max_in_flight_ratio"] = args.max_in_flight_ratio
@@ -504,6 +516,8 @@ def _stage_figures(summary: Optional[dict]) -> dict:
         "compute_s": summary.get("compute_s"),
         "averaging_rounds": _round_counts(summary.get("averaging")),
         "gradient_exchange": summary.get("gradient_exchange"),
+        "sparseloco": ({k: v for k, v in summary["sparseloco"].items() if k not in ("recent", "anchors")}
+                       if summary.get("sparseloco") else None),
         # backwards run through a kept forward graph (backward_kept) against recomputed ones
         "backward_kept": (summary.get("counters") or {}).get("backward_kept", 0) if summary else None,
         "kept_activations": summary.get("kept_activations"),
@@ -915,6 +929,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--churn", action="store_true",
                    help="kill replica 1 of the middle stage at 40%% of the samples and restart it 5 s later "
                         "with the same identity and checkpoint directory (needs --workers-per-stage 2 or more)")
+    p.add_argument("--averaging-method", choices=("asyncsparta", "sparseloco"), default="asyncsparta",
+                   help="run config averaging.method with replicas (default asyncsparta)")
+    p.add_argument("--gradients", choices=("auto", "every_step", "off"),
+                   help="run config averaging.gradients (default: the preset's, auto)")
+    p.add_argument("--inner-steps", type=int, default=15, metavar="H",
+                   help="averaging.sparseloco.inner_steps with --averaging-method sparseloco (default 15)")
+    p.add_argument("--sparseloco-transport", choices=("swarm", "store"), default="swarm",
+                   help="averaging.sparseloco.transport (store: a directory beside --out)")
     p.add_argument("--averaging-off", action="store_true",
                    help="run config averaging.enabled = false even with replicas")
     p.add_argument("--noise-runs", type=int, default=None,

@@ -268,3 +268,50 @@ def test_sparseloco_turns_the_per_step_gradient_exchange_off_and_uses_the_checkp
     assert not any(gradient_exchange_on(run, s) for s in range(run.num_stages))
     assert run.sparseloco_store == "s3://bucket/run"
     assert load_run_config("tiny").averaging.method == "asyncsparta"
+
+
+# ---- the transports' bookkeeping ----
+
+def test_store_transport_in_a_directory_sees_the_others_uploads_and_ignores_oversized_ones(tmp_path):
+    import asyncio
+    import time as _time
+
+    from roles.worker.sparseloco.transport import RoundKey, StoreTransport
+
+    members = ["A", "B", "C"]
+    limit = lambda fragment: 100  # noqa: E731
+    a = StoreTransport(str(tmp_path), "run", 1, "A", lambda: members, limit)
+    b = StoreTransport(f"file://{tmp_path}", "run", 1, "B", lambda: members, limit)
+    key = RoundKey(5, 0)
+
+    async def scenario():
+        # C uploads something far too large for a fragment: nobody waits for or reads it
+        big = tmp_path / "run" / "sparseloco" / "stage-1" / "r0000000005-f0"
+        big.mkdir(parents=True)
+        (big / "C.frag").write_bytes(b"x" * 500)
+        started = _time.monotonic()
+        got_a, got_b = await asyncio.gather(a.exchange(key, b"from A", started + 2.0),
+                                            b.exchange(key, b"from B", started + 2.0))
+        return got_a, got_b, _time.monotonic() - started
+
+    got_a, got_b, took = asyncio.run(scenario())
+    assert got_a.received == {"B": b"from B"} and got_b.received == {"A": b"from A"}
+    assert got_a.bytes_sent == len(b"from A") and got_a.expected == ("B", "C")
+    assert 1.5 < took < 4.0  # C never delivered a usable fragment: both waited for it until the deadline
+    assert not list(tmp_path.rglob("*.part"))  # uploads were renamed into place
+
+
+def test_the_inbox_takes_one_fragment_per_sender_and_round_near_its_own():
+    from roles.worker.sparseloco.transport import FragmentInbox, RoundKey
+
+    inbox = FragmentInbox(lambda fragment: 10)
+    inbox.newest = 100
+    inbox.put("A", RoundKey(100, 0), b"abc", round_step=5)
+    for sender, key, data, code in (("A", RoundKey(100, 0), b"abc", ErrorCode.INVALID_REQUEST),   # again
+                                    ("B", RoundKey(200, 0), b"abc", ErrorCode.INVALID_REQUEST),   # far ahead
+                                    ("B", RoundKey(100, 0), b"x" * 11, ErrorCode.FRAME_TOO_LARGE)):
+        with pytest.raises(ProtocolError) as raised:
+            inbox.put(sender, key, data, round_step=5)
+        assert raised.value.code == code
+    assert inbox.take(RoundKey(100, 0)) == {"A": b"abc"}
+    assert inbox.counters == {"taken": 1, "refused_repeat": 1, "refused_round": 1, "refused_size": 1}

@@ -206,6 +206,8 @@ class StoreTransport:
             self.fs.pipe_file(path, data)
 
     def _list(self, key: RoundKey) -> dict[str, int]:
+        # fsspec caches listings (s3fs's dircache): a cached one never shows a later upload
+        self.fs.invalidate_cache(self._dir(key))
         try:
             entries = self.fs.ls(self._dir(key), detail=True)
         except FileNotFoundError:
