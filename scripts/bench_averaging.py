@@ -244,6 +244,151 @@ def _compare(dhts, stores, index_sets, replicas: int, rounds: int, tag: str) -> 
                 side.close()
 
 
+# ---- SparseLoCo [issue 25] ----------------------------------------------------------------------
+
+SPARSELOCO_H = 15
+
+
+async def _sparseloco_exchange(fragments: list[bytes], key, rounds: int, transport: str, tmp: str) -> dict:
+    """Median wall time of a round in which R replicas (one P2P daemon each, in this process)
+    exchange their fragments: `swarm` pushes over our RPC streams (SwarmTransport), `store`
+    goes through a directory (StoreTransport), as the workers do."""
+    from hivemind.p2p import P2P
+
+    from protocol import version
+    from protocol.messages import SparseLoCoFragmentReply, SparseLoCoFragmentRequest, parse_model
+    from protocol.transport import RpcClient, RpcServer, frame_bytes
+    from roles.worker.sparseloco.transport import FragmentInbox, RoundKey, StoreTransport, SwarmTransport
+
+    replicas = len(fragments)
+    limit = lambda f: 2 * max(map(len, fragments)) + 4096  # noqa: E731
+    times, sent = [], []
+    if transport == "store":
+        ids = [f"replica{r}" for r in range(replicas)]
+        sides = [StoreTransport(tmp, "bench", 0, ids[r], lambda: ids, limit) for r in range(replicas)]
+        for n in range(rounds):
+            k = RoundKey(key + n, 0)
+            t0 = time.perf_counter()
+            done = await asyncio.gather(*(sides[r].exchange(k, fragments[r], time.monotonic() + 120)
+                                          for r in range(replicas)))
+            times.append(time.perf_counter() - t0)
+            assert all(len(d.received) == replicas - 1 for d in done), [len(d.received) for d in done]
+            sent.append(done[0].bytes_sent + done[0].bytes_received)
+        return {"round_s": round(statistics.median(times), 4), "bytes_per_round": sent[0]}
+    first = await P2P.create()
+    p2ps = [first] + [await P2P.create(initial_peers=await first.get_visible_maddrs()) for _ in range(replicas - 1)]
+    ids = [p.peer_id.to_base58() for p in p2ps]
+    servers, clients, sides = [], [], []
+    try:
+        for r, p2p in enumerate(p2ps):
+            inbox = FragmentInbox(limit)
+            server = RpcServer(p2p, max_frame_bytes=1 << 28)
+
+            async def serve(peer_id, body, inbox=inbox):
+                req = parse_model(SparseLoCoFragmentRequest, body)
+                inbox.put(peer_id.to_base58(), RoundKey(req.round, req.fragment), req.data, SPARSELOCO_H)
+                return SparseLoCoFragmentReply()
+
+            await server.add_handler(version.SPARSELOCO_FRAGMENT, serve)
+            client = RpcClient(p2p, timeout_s=120, max_frame_bytes=1 << 28)
+
+            async def push(peer, k, data, deadline, client=client):
+                from hivemind.p2p import PeerID
+
+                req = SparseLoCoFragmentRequest(stage=0, round=k.round, fragment=k.fragment, data=data)
+                await client.request(PeerID.from_base58(peer), version.SPARSELOCO_FRAGMENT, req,
+                                     SparseLoCoFragmentReply, timeout_s=max(0.1, deadline - time.monotonic()))
+                return frame_bytes(req)
+
+            servers.append(server)
+            clients.append(client)
+            sides.append(SwarmTransport(ids[r], inbox, push, lambda: ids))
+        for n in range(rounds + 1):  # the first round opens the streams
+            k = RoundKey(key + n, 0)
+            t0 = time.perf_counter()
+            done = await asyncio.gather(*(sides[r].exchange(k, fragments[r], time.monotonic() + 120)
+                                          for r in range(replicas)))
+            if n:
+                times.append(time.perf_counter() - t0)
+            assert all(len(d.received) == replicas - 1 for d in done), [len(d.received) for d in done]
+            sent.append(done[0].bytes_sent)
+        return {"round_s": round(statistics.median(times), 4), "bytes_per_round": sent[-1]}
+    finally:
+        for client in clients:
+            await client.close()
+        for server in servers:
+            await server.shutdown()
+        for p in p2ps:
+            await p.shutdown()
+
+
+def _sparseloco_section(sizes: list[int], replica_counts: list[int], rounds: int) -> dict:
+    """Per stage size: the compressor's cost on the compute thread, the fragment's bytes against
+    the arithmetic and the dense pseudo-gradient, and per replica count the exchange's wall time
+    over the swarm and through a store, with the bytes per replica per step against AsyncSPARTA's."""
+    import tempfile
+
+    from protocol.identity import load_or_create_identity
+    from protocol.run_config import SparseLoCoConfig
+    from roles.worker.layout import FlatLayout
+    from roles.worker.sparseloco.chunks import plan_fragments
+    from roles.worker.sparseloco.codec import Envelope, decode_fragment, encode_fragment, expected_payload_bytes
+    from roles.worker.sparseloco.outer import SparseLoCoState
+
+    config = SparseLoCoConfig()
+    out: dict = {"settings": {**config.model_dump(mode="json"), "inner_steps": SPARSELOCO_H,
+                              "asyncsparta": {"segments": SEGMENTS, "average_every": 20}}, "results": []}
+    tmp = tempfile.mkdtemp(prefix="bench-sparseloco-")
+    ids = [load_or_create_identity(os.path.join(tmp, f"id{r}.key")) for r in range(max(replica_counts))]
+    for size in sizes:
+        layout = FlatLayout(["w", "b"], [(size - 1000, ), (1000,)])
+        [frag] = plan_fragments(layout, chunk_size=config.chunk_size, topk=config.topk_per_chunk, fragments=1)
+        anchor = torch.randn(size)
+        fragments, capture_s = [], []
+        for r in range(max(replica_counts)):
+            state = SparseLoCoState.starting_at(anchor)
+            weights = anchor - 0.01 * torch.randn(size)
+            t0 = time.perf_counter()
+            cap = state.capture(SPARSELOCO_H, frag, weights, beta=config.error_decay, bits=config.bits)
+            env = Envelope("bench", 0, SPARSELOCO_H, 0, layout.digest, config.chunk_size, config.topk_per_chunk,
+                           config.bits, sender=ids[r].peer_id.to_base58(), anchor=cap.anchor)
+            fragments.append(encode_fragment(cap.own, env, ids[r]))
+            capture_s.append(time.perf_counter() - t0)
+        probe = Envelope("bench", 0, SPARSELOCO_H, 0, layout.digest, config.chunk_size, config.topk_per_chunk,
+                         config.bits)
+        t0 = time.perf_counter()
+        decoded = [decode_fragment(data, probe, frag)[1] for data in fragments[:2]]
+        state = SparseLoCoState.starting_at(anchor)
+        state.capture(SPARSELOCO_H, frag, anchor - 0.01, beta=config.error_decay, bits=config.bits)
+        state.apply(0, {"a": decoded[0], "b": decoded[1]}, anchor, alpha=config.outer_lr)
+        apply_two_s = time.perf_counter() - t0
+        arithmetic = expected_payload_bytes(frag, config.bits)
+        entry: dict = {"params": size, "fragment_bytes": len(fragments[0]), "arithmetic_bytes": arithmetic,
+                       "over_arithmetic": round(len(fragments[0]) / arithmetic - 1, 5),
+                       "dense_bytes": 4 * size, "compression": round(4 * size / len(fragments[0]), 1),
+                       "capture_s": round(statistics.median(capture_s), 4), "apply_two_s": round(apply_two_s, 4),
+                       "replicas": []}
+        for replicas in replica_counts:
+            row: dict = {"replicas": replicas}
+            for transport in ("swarm", "store"):
+                try:
+                    row[transport] = asyncio.run(_sparseloco_exchange(fragments[:replicas], 1000 * replicas, rounds,
+                                                                      transport, os.path.join(tmp, "store")))
+                except Exception as exc:  # noqa: BLE001 - one broken combination must not lose the rest
+                    row[transport] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            sparta = 2 * (replicas - 1) / replicas * 4 * math.ceil(size / SEGMENTS) / 20
+            row["bytes_per_replica_per_step"] = {
+                "sparseloco_swarm": round((replicas - 1) * len(fragments[0]) / SPARSELOCO_H),
+                "sparseloco_store": round(replicas * len(fragments[0]) / SPARSELOCO_H),
+                "asyncsparta": round(sparta),
+                "gradients_every_step": (replicas - 1) * 4 * size}
+            row["asyncsparta_over_sparseloco"] = round(sparta / row["bytes_per_replica_per_step"]["sparseloco_swarm"], 2)
+            entry["replicas"].append(row)
+            log(f"sparseloco {size / 1e6:.0f}M x {replicas}: {json.dumps(row)}")
+        out["results"].append(entry)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10e6,50e6,100e6", help="stage sizes in parameters")
@@ -251,6 +396,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4, help="measured rounds per combination (after a warm-up)")
     parser.add_argument("--budget-s", type=float, default=450.0, help="skip combinations that would exceed this")
     parser.add_argument("--quick", action="store_true", help="only the smallest stage, 2 and 4 replicas, 1 round")
+    parser.add_argument("--method", choices=("asyncsparta", "sparseloco", "both"), default="both",
+                        help="which method's section to run (default both)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     sizes = [int(float(s)) for s in args.sizes.split(",")]
@@ -259,6 +406,13 @@ def main() -> int:
         sizes, replica_counts, args.rounds = sizes[:1], [r for r in replica_counts if r <= 4], 1
     torch.set_num_threads(1)
     started = time.monotonic()
+    if args.method == "sparseloco":
+        text = json.dumps({"machine": machine_info(), "sparseloco": _sparseloco_section(sizes, replica_counts,
+                                                                                         max(args.rounds, 1))})
+        print(text, flush=True)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return 0
 
     import hivemind
 
@@ -328,6 +482,8 @@ def main() -> int:
     finally:
         for dht in dhts:
             dht.shutdown()
+    if args.method == "both":
+        result["sparseloco"] = _sparseloco_section(sizes, replica_counts, max(args.rounds, 1))
     ratios = [e["ratio_vs_hivemind"] for e in result["results"] if "ratio_vs_hivemind" in e]
     result["summary"] = {
         "combinations_measured": len(ratios),

@@ -16,6 +16,11 @@ Three parts, each a scenario file in scenarios/ played with overrides:
     scenarios/bench-preempt.yaml with contributors of a stage preempted by operator orders while
     they send their chunks, and reducers preempted while sending chunks and while sending reduced
     chunks back: completeness seen by the survivors in the round it happened and the rounds after.
+`sparseloco` (issue 25)
+    bench-grid with SparseLoCo in place of AsyncSPARTA (H 6; 1,280 of 4,096 of the surrogate's
+    5% vector kept, which is SparseLoCo's default density of the real 8B body stage) and the same
+    points with AsyncSPARTA, contributors at 200 and 50 Mbit/s, 80 ms: rounds by outcome, bytes
+    each body replica sent per step, and the compute thread's wait per round (the critical path).
 `churn`
     scenarios/bench-churn.yaml for `--churn-s` seconds without churn, then with 25% of the workers
     SIGKILLed every 30 s and restarted with the same identity: tokens/s retained, samples
@@ -126,6 +131,59 @@ def run_grid(out: Path, quick: bool) -> list[dict[str, Any]]:
         link = {"up_mbit": mbit, "down_mbit": mbit, "rtt_ms": rtt}
         result = play("bench-grid", {"links.contributor": link}, out / f"grid-{rtt}ms-{mbit}mbit")
         rows.append({"rtt_ms": rtt, "mbit": mbit, **_brief(result)})
+    return rows
+
+
+SPARSELOCO_POINTS = [(80, 200), (80, 50)]
+SPARSELOCO_TOPK = 1280
+"""The surrogate body stage averages a 44.2M-value vector: AsyncSPARTA's 5% round of the real 8B
+four-block body (874M parameters). 1,280 of every 4,096 of it (31%) is as many kept values as 64 of
+4,096 (SparseLoCo's default) of the whole real stage, so a SparseLoCo round moves the real stage's
+bytes (about 31 MB per replica and cycle)."""
+
+
+def _sparseloco_figures(result: dict[str, Any], stage: int = 1) -> dict[str, Any]:
+    """What the body stage's replicas did with SparseLoCo, from their summaries: rounds by outcome,
+    bytes each replica sent per stage step, and the time the compute thread waited per round."""
+    rows = []
+    for item in result.get("summaries", []):
+        summary = item.get("summary") or {}
+        slc = summary.get("sparseloco")
+        if item.get("stage") != stage or not slc:
+            continue
+        steps = (summary.get("steps") or {}).get("taken") or summary.get("local_step") or 0
+        rounds = slc.get("rounds") or {}
+        ran = sum(rounds.values())
+        rows.append({"node": item["name"], "steps": steps, "rounds": rounds,
+                     "bytes_sent_per_step": round(slc["bytes_sent"] / steps) if steps else None,
+                     "wait_s_per_round": round(slc["wait_s"] / ran, 3) if ran else None,
+                     "wait_s_per_step": round(slc["wait_s"] / steps, 4) if steps else None})
+    total = {k: sum((r["rounds"].get(k, 0) for r in rows)) for k in ("complete", "partial", "failed", "alone")}
+    return {"replicas": rows, "rounds": total,
+            "bytes_sent_per_step_mean": round(sum(r["bytes_sent_per_step"] or 0 for r in rows) / len(rows)) if rows else None,
+            "wait_s_per_round_mean": (round(sum(r["wait_s_per_round"] or 0 for r in rows) / len(rows), 3)
+                                      if rows else None)}
+
+
+def run_sparseloco(out: Path, quick: bool) -> list[dict[str, Any]]:
+    """The grid's scenario at 200 and 50 Mbit/s (80 ms) with SparseLoCo (H 6, as the grid averages
+    every 6 steps) in place of AsyncSPARTA, and the same points with AsyncSPARTA for comparison."""
+    points = SPARSELOCO_POINTS[:1] if quick else SPARSELOCO_POINTS
+    rows = []
+    for rtt, mbit in points:
+        link = {"up_mbit": mbit, "down_mbit": mbit, "rtt_ms": rtt}
+        for method in ("sparseloco", "asyncsparta"):
+            log(f"sparseloco part: {method}, contributors at {rtt} ms RTT, {mbit} Mbit/s")
+            overrides: dict[str, Any] = {"links.contributor": link}
+            if method == "sparseloco":
+                overrides["run.overrides.averaging"] = {
+                    "method": "sparseloco", "sparseloco": {"inner_steps": 6, "topk_per_chunk": SPARSELOCO_TOPK,
+                                                           "round_timeout_s": 60.0}}
+            result = play("bench-grid", overrides, out / f"sparseloco-{method}-{rtt}ms-{mbit}mbit")
+            row = {"method": method, "rtt_ms": rtt, "mbit": mbit, **_brief(result)}
+            if method == "sparseloco":
+                row["sparseloco"] = _sparseloco_figures(result)
+            rows.append(row)
     return rows
 
 
@@ -292,9 +350,10 @@ def main() -> int:
     out = Path(args.out or f"/tmp/bench_network-{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
-    unknown = set(parts) - {"grid", "preempt", "churn"}
+    unknown = set(parts) - {"grid", "preempt", "churn", "sparseloco"}
     if unknown:
-        print(f"bench_network: --only {','.join(sorted(unknown))}: parts are grid, preempt, churn", file=sys.stderr)
+        print(f"bench_network: --only {','.join(sorted(unknown))}: parts are grid, preempt, churn, sparseloco",
+              file=sys.stderr)
         return 2
     numbers = [n.strip() for n in args.cases.split(",") if n.strip()]
     if any(not n.isdigit() or not 1 <= int(n) <= len(PREEMPT_CASES) for n in numbers):
@@ -324,6 +383,8 @@ def run_parts(parts: list[str], report: dict[str, Any], out: Path, args: argpars
             report["grid"] = run_grid(out, args.quick)
         elif part == "preempt":
             report["preempt"] = run_preempt(out, args.quick, args.preempt_at_s, args.cases)
+        elif part == "sparseloco":
+            report["sparseloco"] = run_sparseloco(out, args.quick)
         else:
             report["churn"] = run_churn(out, args.quick, args.churn_s)
         (out / "bench_network.partial.json").write_text(json.dumps(report, indent=1, default=str))

@@ -12,6 +12,8 @@ consensus then) and its gap to:
 
 - `one_process`: one model on every step's whole batch (what bench_fidelity calls the reference,
   and what the swarm with `averaging.gradients: every_step` trains exactly);
+- `asyncsparta N20`: the replicas average one of 20 seeded 5% segments every 20 steps (AsyncSPARTA
+  with `averaging.gradients: off`, the workers' index sets), the mean of the replicas evaluated;
 - `average_every_H`: the same replicas and H, exchanging their pseudo-gradients dense and exact
   (SparseLoCo with top-k = chunk, 8 bits, no error decay): what compression costs on top of
   infrequent exchange.
@@ -44,15 +46,22 @@ from roles.model.stage import FullModel  # noqa: E402
 from roles.worker.layout import FlatLayout  # noqa: E402
 from roles.worker.optimizer import StageOptimizer  # noqa: E402
 from roles.worker.sparseloco.chunks import fragment_due, plan_fragments  # noqa: E402
+from roles.worker.averaging.index_sets import SegmentIndexSets  # noqa: E402
+from roles.worker.averaging.schedule import segment_of  # noqa: E402
 from roles.worker.sparseloco.outer import SparseLoCoState  # noqa: E402
 
 HELD_OUT = 256
+SEGMENTS = 20
 
 
 @dataclass(frozen=True)
 class Candidate:
     name: str
     inner_steps: int
+    method: str = "sparseloco"
+    """sparseloco, or asyncsparta: every `inner_steps` steps the replicas replace one of 20 seeded
+    segments (5% of each stage) with their mean, as AsyncSPARTA's rounds do with the workers'
+    index sets, and the model evaluated is the mean of the replicas (as bench_fidelity's swarm)."""
     topk: int = 64
     chunk: int = 4096
     bits: int = 2
@@ -73,7 +82,10 @@ def _run(run, steps: int, replicas: int, cand: Optional[Candidate], held_out) ->
                            for i, s in enumerate(stages)])
         layouts.append([FlatLayout.of_stage(s) for s in stages])
     states, plans = [], []
-    if cand is not None:
+    sparta_sets = []
+    if cand is not None and cand.method == "asyncsparta":
+        sparta_sets = [SegmentIndexSets(lay, SEGMENTS, seed=run.seed, stage=i) for i, lay in enumerate(layouts[0])]
+    elif cand is not None:
         for r in range(copies):
             states.append([SparseLoCoState.starting_at(lay.read(opt.master_params, 0, lay.numel))
                            for lay, opt in zip(layouts[r], optimizers[r])])
@@ -92,7 +104,19 @@ def _run(run, steps: int, replicas: int, cand: Optional[Candidate], held_out) ->
                 opt.step(stage_samples=batch)
             step_loss += float(out.detach().sum())
         losses.append(step_loss / batch)
-        if cand is not None and fragment_due(step + 1, 1, cand.inner_steps):
+        if sparta_sets and (step + 1) % cand.inner_steps == 0:
+            segment = segment_of((step + 1) // cand.inner_steps, SEGMENTS)
+            for s, sets in enumerate(sparta_sets):
+                index = sets.get(segment)
+                values = []
+                for r in range(copies):
+                    out_r = torch.empty(len(index))
+                    FlatLayout.gather(optimizers[r][s].master_params, index.pieces, out_r)
+                    values.append(out_r)
+                mean = torch.stack(values).mean(0)
+                for r in range(copies):
+                    FlatLayout.add_(optimizers[r][s].master_params, index.pieces, mean - values[r])
+        elif cand is not None and cand.method == "sparseloco" and fragment_due(step + 1, 1, cand.inner_steps):
             for s, frag in enumerate(plans):
                 caps = {}
                 for r in range(copies):
@@ -105,18 +129,24 @@ def _run(run, steps: int, replicas: int, cand: Optional[Candidate], held_out) ->
                     new, _ = states[r][s].apply(0, caps, now, alpha=cand.alpha)
                     lay.write(opt.master_params, 0, new)
     tail = losses[-max(1, steps // 10):]
+    if copies > 1:  # the mean of the replicas (equal after a SparseLoCo round that closed the run)
+        with torch.no_grad():
+            for params in zip(*(m.parameters() for m, _ in models)):
+                params[0].copy_(torch.stack([p.detach() for p in params]).mean(0))
     return {"held_out_loss": round(evaluate(models[0][0], held_out), 4),
             "final_train_loss": round(statistics.fmean(tail), 4)}
 
 
 def candidates(quick: bool) -> list[Candidate]:
     if quick:
-        return [Candidate("default H15 k64", 15), Candidate("dense H15", 15, topk=4096, bits=8, beta=0.0)]
+        return [Candidate("H15 k64", 15), Candidate("dense exact H15", 15, topk=4096, bits=8, beta=0.0),
+                Candidate("asyncsparta N20", 20, method="asyncsparta")]
     out = []
     for h in (15, 5, 2):
-        out.append(Candidate(f"dense exact, H{h}", h, topk=4096, bits=8, beta=0.0))
+        out.append(Candidate(f"dense exact H{h}", h, topk=4096, bits=8, beta=0.0))
         for k in (64, 256, 1024):
             out.append(Candidate(f"H{h} k{k}", h, topk=k))
+    out.append(Candidate("asyncsparta N20", 20, method="asyncsparta"))
     out += [Candidate("H5 k256 beta0.9", 5, topk=256, beta=0.9), Candidate("H5 k256 beta0.99", 5, topk=256, beta=0.99),
             Candidate("H5 k256 alpha0.7", 5, topk=256, alpha=0.7), Candidate("H5 k256 4 bits", 5, topk=256, bits=4)]
     return out
@@ -148,16 +178,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     for cand in chosen:
         t = time.monotonic()
         found = _run(run, steps, args.replicas, cand, held_out)
-        found.update(name=cand.name, inner_steps=cand.inner_steps, topk_per_chunk=cand.topk, bits=cand.bits,
+        found.update(name=cand.name, method=cand.method, inner_steps=cand.inner_steps, topk_per_chunk=cand.topk, bits=cand.bits,
                      error_decay=cand.beta, outer_lr=cand.alpha, density=round(cand.topk / cand.chunk, 5),
                      gap_vs_one_process=round(found["held_out_loss"] / ref["held_out_loss"] - 1, 4),
                      wall_s=round(time.monotonic() - t, 1))
         results.append(found)
         log(f"{cand.name}: held-out {found['held_out_loss']} ({100 * found['gap_vs_one_process']:+.1f}%)")
     dense = {r["inner_steps"]: r["held_out_loss"] for r in results if r["name"].startswith("dense")}
+    sparta = next((r["held_out_loss"] for r in results if r["method"] == "asyncsparta"), None)
     for r in results:
-        if r["inner_steps"] in dense:
+        if r["inner_steps"] in dense and r["method"] == "sparseloco":
             r["gap_vs_average_every_H"] = round(r["held_out_loss"] / dense[r["inner_steps"]] - 1, 4)
+        if sparta is not None:
+            r["gap_vs_asyncsparta"] = round(r["held_out_loss"] / sparta - 1, 4)
     out = {"benchmark": "sparseloco", "quick": args.quick, "machine": machine_info(),
            "config": {"preset": "tiny", "replicas": args.replicas, "steps": steps, "target_batch_size": args.batch,
                       "seed": args.seed, "samples": steps * args.batch},

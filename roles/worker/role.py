@@ -167,7 +167,8 @@ class WorkerRole:
             self.sparseloco = SparseLoCoService(
                 run, config.stage, self.layout, self.optimizer, self_id=swarm.peer_id, identity=identity,
                 active=lambda: self.phase == Phase.ACTIVE, on_parted=self._sparseloco_parted,
-                stopping=lambda: self.runtime.stopping, test_poison=config.test_sparseloco_poison,
+                stopping=lambda: self.runtime.stopping, members=lambda: list(self.ledger.peers.members),
+                test_poison=config.test_sparseloco_poison,
                 test_exit=config.test_sparseloco_exit)
             self.sparseloco.health = averaging_health(run.termination)
             self.sparseloco_announcer = Announcer(swarm, averaging_key(run.run_id, config.stage),

@@ -142,7 +142,7 @@ def test_a_joiner_takes_the_consensus_anchor_and_streamed_fragments_keep_replica
     """Streamed SparseLoCo (two fragments per 6-step cycle, each applied one step after its
     capture) on a stage whose third replica joins mid-run: it loads the anchor with the state from
     a donor, never finds itself parted, and every replica of the stage ends on the same anchor."""
-    steps = 72
+    steps = 60
     config = run_config_path(stages=TWO_STAGES, target_batch_size=TARGET, averaging={
         "method": "sparseloco", "sparseloco": {"inner_steps": 6, "fragments": 2, "overlap_steps": 1,
                                                "round_timeout_s": 15.0}})
@@ -152,15 +152,17 @@ def test_a_joiner_takes_the_consensus_anchor_and_streamed_fragments_keep_replica
                swarm.start("worker", stage=1, wait_ready=False, name="worker-s1-r0")]
     for worker in workers[1:]:
         swarm.wait_ready(worker)
-    log = str(tmp_path / "samples.jsonl")
-    # two lanes: slow enough that the joiner (several seconds to start) arrives mid-run
-    trainer = swarm.start("trainer", env={"AGORA_SAMPLE_LOG": log},
-                          args=["--lanes", "2", "--max-samples", str(steps * TARGET), "--discovery-period-s", "1"])
-    start = time.monotonic()
-    while time.monotonic() - start < 120 and (not os.path.exists(log) or sum(1 for _ in open(log)) < 4 * TARGET):
-        time.sleep(0.2)
+    # The stage trains 11 steps, then a third replica joins while it stands still (a join under
+    # load is timed by the machine, not by the test), then the three train 49 more. After step 11
+    # no fragment is between its capture and its apply (captures at 9 and 12, tau 1): a donor
+    # snapshot taken then holds its fragment's old anchor, and the joiner would part and reload.
+    first = swarm.start("trainer", args=["--lanes", "6", "--max-samples", str(11 * TARGET),
+                                         "--discovery-period-s", "1"])
+    assert swarm.wait(first, 200) == 0, first.log_tail()
     joiner = swarm.start("worker", stage=0, name="worker-s0-joiner")
     workers.append(joiner)
+    trainer = swarm.start("trainer", args=["--lanes", "6", "--max-samples", str((steps - 11) * TARGET),
+                                           "--discovery-period-s", "1"])
     assert swarm.wait(trainer, 240) == 0, trainer.log_tail()
     time.sleep(1.0)
     found = {}
