@@ -28,8 +28,8 @@ from protocol.dht import SwarmDHT
 from protocol.dht_schema import Phase, ProgressRecord, WorkerRecord, averaging_key, progress_key, workers_key
 from protocol.errors import ConfigError, ErrorCode, ProtocolError
 from protocol.identity import Identity
-from protocol.messages import InfoReply, SparseLoCoFragmentReply, SparseLoCoFragmentRequest, parse_model
-from protocol.transport import RpcClient, RpcServer, frame_bytes
+from protocol.messages import InfoReply
+from protocol.transport import RpcClient, RpcServer
 from roles.announcer import Announcer
 from roles.checkpoint_store import CheckpointStore, CheckpointStoreError, resolve_store_url
 from roles.periodic import every, wait_any
@@ -41,7 +41,7 @@ from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome
 from roles.worker.averaging.service import AveragingService
 from roles.worker.sparseloco.service import SparseLoCoService
-from roles.worker.sparseloco.transport import FragmentInbox, RoundKey, StoreTransport, SwarmTransport
+from roles.worker.sparseloco.endpoint import SparseLoCoEndpoint
 from roles.worker.chain import ChainHandler, StageDirectory
 from roles.worker.checkpoint import StageCheckpoints
 from roles.worker.config import WorkerConfig
@@ -149,7 +149,8 @@ class WorkerRole:
         )
         self.replicas.refresh_members = self.progress.read_soon
         self.averaging = AveragingService(
-            run.averaging.model_copy(update={"enabled": False}) if sparseloco else run.averaging, swarm=swarm, run_id=run.run_id, stage=config.stage, store=self.optimizer,
+            run.averaging.model_copy(update={"enabled": False}) if sparseloco else run.averaging,
+            swarm=swarm, run_id=run.run_id, stage=config.stage, store=self.optimizer,
             index_sets=SegmentIndexSets(self.layout, run.averaging.segments, seed=run.seed, stage=config.stage),
             reducer=config.reducer, local_step=lambda: self.optimizer.local_step, phase=lambda: self.phase,
             samples_processed=lambda: self.runtime.counters["backward_requests"], on_round=self._on_round,
@@ -168,8 +169,7 @@ class WorkerRole:
                 run, config.stage, self.layout, self.optimizer, self_id=swarm.peer_id, identity=identity,
                 active=lambda: self.phase == Phase.ACTIVE, on_parted=self._sparseloco_parted,
                 stopping=lambda: self.runtime.stopping, members=lambda: list(self.ledger.peers.members),
-                test_poison=config.test_sparseloco_poison,
-                test_exit=config.test_sparseloco_exit)
+                test_poison=config.test_sparseloco_poison, test_exit=config.test_sparseloco_exit)
             self.sparseloco.health = averaging_health(run.termination)
             self.sparseloco_announcer = Announcer(swarm, averaging_key(run.run_id, config.stage),
                                                  lambda: self.sparseloco.record(self.phase),
@@ -496,36 +496,9 @@ class WorkerRole:
     # ---- SparseLoCo ----
 
     async def _start_sparseloco(self) -> None:
-        """The fragments' transport, and the handler the swarm transport is pushed to."""
-        run, slc = self.run_config, self.sparseloco
-        members = lambda: list(self.ledger.peers.members)  # noqa: E731 - the stage's replicas with a live record
-        if run.averaging.sparseloco.transport == "store":
-            transport = StoreTransport(run.sparseloco_store, run.run_id, self.config.stage, self.swarm.peer_id,
-                                       members, slc.max_bytes)
-        else:
-            self._fragment_inbox = FragmentInbox(slc.max_bytes)
-            await self.server.add_handler(version.SPARSELOCO_FRAGMENT, self._serve_fragment, roles=frozenset({"worker"}))
-            transport = SwarmTransport(self.swarm.peer_id, self._fragment_inbox, self._push_fragment, members)
-        slc.begin(transport)
-
-    async def _push_fragment(self, peer: str, key: RoundKey, data: bytes, deadline: float) -> int:
-        request = SparseLoCoFragmentRequest(stage=self.config.stage, round=key.round, fragment=key.fragment, data=data)
-        await self.replicas.client.request(await self.replicas.peer(peer), version.SPARSELOCO_FRAGMENT, request,
-                                           SparseLoCoFragmentReply, timeout_s=max(0.1, deadline - time.monotonic()))
-        return frame_bytes(request)
-
-    async def _serve_fragment(self, peer_id, body: dict) -> SparseLoCoFragmentReply:
-        request = parse_model(SparseLoCoFragmentRequest, body)
-        if request.stage != self.config.stage:
-            raise ProtocolError(f"this worker serves stage {self.config.stage}, not {request.stage}", ErrorCode.WRONG_STAGE)
-        peer = peer_id.to_base58()
-        if not await self.replicas.is_member(peer):
-            raise ProtocolError("only a replica of this stage with a progress record may send fragments",
-                                ErrorCode.NOT_READY)
-        self._fragment_inbox.newest = max(self._fragment_inbox.newest, self.optimizer.local_step)
-        self._fragment_inbox.put(peer, RoundKey(request.round, request.fragment), request.data,
-                                 self.run_config.averaging.sparseloco.inner_steps)
-        return SparseLoCoFragmentReply()
+        endpoint = SparseLoCoEndpoint(self.run_config, self.config.stage, self.sparseloco, self.replicas,
+                                      lambda: self.optimizer.local_step)
+        self.sparseloco.begin(await endpoint.start(self.server))
 
     def _sparseloco_parted(self, reason: str) -> None:
         """Compute thread: this replica's anchor is not the stage's. Reload the stage's state (with

@@ -256,9 +256,10 @@ class SparseLoCoService:
 
     def after_step_unlocked(self, step: int) -> None:
         """Lock free: wait for and apply every fragment whose aggregate is due after `step`."""
-        for f, (cap, future, apply_at) in sorted(self._inflight.items()):
-            if apply_at <= step:
-                self._finish(f, cap, future)
+        with self.optimizer.lock:  # a reload on the event loop may clear them meanwhile
+            due = sorted((f, cap, future) for f, (cap, future, apply_at) in self._inflight.items() if apply_at <= step)
+        for f, cap, future in due:
+            self._finish(f, cap, future)
 
     def _finish(self, f: int, cap: Capture, future: concurrent.futures.Future) -> None:
         started = time.monotonic()
@@ -277,9 +278,18 @@ class SparseLoCoService:
         report = self._screen(cap, exchanged)
         report.wait_s = waited
         with self.optimizer.lock:
+            if self.state.pending.get(f) is not cap:
+                return  # the replica reloaded its state meanwhile: this round is void
             self._inflight.pop(f, None)
             frag = self.fragments[f]
             contributions = {self.self_id: cap.own, **report.contributions}
+            if exchanged.expected and exchanged.bytes_sent == 0 and report.contributions:
+                # Our fragment reached nobody, so the others applied theirs without it: apply
+                # exactly theirs, and keep ours in the error buffer for the next round.
+                self.state.withdraw(f)
+                self.state.pending[f] = cap  # apply() pops it; its `own` is not among the contributions
+                contributions = dict(report.contributions)
+                self.counters["fragments_withdrawn"] += 1
             weights_now = self.layout.read(self.optimizer.master_params, frag.start, frag.numel)
             new_weights, applied = self.state.apply(f, contributions, weights_now, alpha=self.config.outer_lr)
             self.layout.write(self.optimizer.master_params, frag.start, new_weights)
