@@ -165,23 +165,36 @@ def _sparseloco_figures(result: dict[str, Any], stage: int = 1) -> dict[str, Any
                                       if rows else None)}
 
 
+def _tx_per_step(result: dict[str, Any], stage: int = 1) -> dict[str, Any]:
+    """Bytes each body worker's host sent per stage step, as the lab's link counted them
+    (pipeline and averaging together; stage 0's lone worker shows the pipeline's share)."""
+    steps = {i["name"]: ((i.get("summary") or {}).get("steps") or {}).get("taken") for i in result.get("summaries", [])}
+    stages = {i["name"]: i.get("stage") for i in result.get("summaries", [])}
+    traffic = result.get("traffic") or {}
+    return {name: round(t["tx_bytes"] / steps[name]) for name, t in traffic.items()
+            if steps.get(name) and stages.get(name) in (0, stage)}
+
+
 def run_sparseloco(out: Path, quick: bool) -> list[dict[str, Any]]:
     """The grid's scenario at 200 and 50 Mbit/s (80 ms) with SparseLoCo (H 6, as the grid averages
-    every 6 steps) in place of AsyncSPARTA, and the same points with AsyncSPARTA for comparison."""
+    every 6 steps) in place of AsyncSPARTA, streamed (two fragments, each applied two steps after
+    its capture), and the same points with AsyncSPARTA for comparison."""
     points = SPARSELOCO_POINTS[:1] if quick else SPARSELOCO_POINTS
     rows = []
     for rtt, mbit in points:
         link = {"up_mbit": mbit, "down_mbit": mbit, "rtt_ms": rtt}
-        for method in ("sparseloco", "asyncsparta"):
+        for method in ("sparseloco", "sparseloco-streamed", "asyncsparta"):
             log(f"sparseloco part: {method}, contributors at {rtt} ms RTT, {mbit} Mbit/s")
             overrides: dict[str, Any] = {"links.contributor": link}
-            if method == "sparseloco":
-                overrides["run.overrides.averaging"] = {
-                    "method": "sparseloco", "sparseloco": {"inner_steps": 6, "topk_per_chunk": SPARSELOCO_TOPK,
-                                                           "round_timeout_s": 60.0}}
+            if method.startswith("sparseloco"):
+                settings = {"inner_steps": 6, "topk_per_chunk": SPARSELOCO_TOPK, "round_timeout_s": 60.0}
+                if method == "sparseloco-streamed":  # two halves, each applied two steps after its capture
+                    settings.update(fragments=2, overlap_steps=2)
+                overrides["run.overrides.averaging"] = {"method": "sparseloco", "sparseloco": settings}
             result = play("bench-grid", overrides, out / f"sparseloco-{method}-{rtt}ms-{mbit}mbit")
             row = {"method": method, "rtt_ms": rtt, "mbit": mbit, **_brief(result)}
-            if method == "sparseloco":
+            row["tx_bytes_per_step"] = _tx_per_step(result)
+            if method.startswith("sparseloco"):
                 row["sparseloco"] = _sparseloco_figures(result)
             rows.append(row)
     return rows

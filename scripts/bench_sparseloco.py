@@ -2,7 +2,7 @@
 equal tokens, in one process [issue 25]. Prints ONE JSON object on stdout (progress on stderr);
 `--out PATH` also writes it; `--quick` runs a short smoke version.
 
-R replicas of the whole tiny model (the stages chained by FullModel, as bench_fidelity's
+R replicas of the whole model (`--preset` tiny or small; the stages chained by FullModel, as bench_fidelity's
 reference) each take every step on their 1/R share of the step's samples, with the workers'
 optimizer (StageOptimizer per stage: AdamW, stage-wise clipping, the schedule by the stage's
 samples), and every H steps each stage runs a SparseLoCo round with the workers' own code
@@ -154,6 +154,7 @@ def candidates(quick: bool) -> list[Candidate]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=("tiny", "small"), default="tiny")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--steps", type=int, default=150, help="steps of target_batch_size (default: the demo's 150)")
     p.add_argument("--batch", type=int, default=16)
@@ -164,7 +165,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     torch.manual_seed(0)
     steps = 30 if args.quick else args.steps
-    run = load_run_config("tiny", {"target_batch_size": args.batch, "seed": args.seed,
+    run = load_run_config(args.preset, {"target_batch_size": args.batch, "seed": args.seed,
                                    "optimizer": {"total_steps": steps}})
     held_out = held_out_tokens(run, HELD_OUT)
     started = time.monotonic()
@@ -192,7 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if sparta is not None:
             r["gap_vs_asyncsparta"] = round(r["held_out_loss"] / sparta - 1, 4)
     out = {"benchmark": "sparseloco", "quick": args.quick, "machine": machine_info(),
-           "config": {"preset": "tiny", "replicas": args.replicas, "steps": steps, "target_batch_size": args.batch,
+           "config": {"preset": args.preset, "replicas": args.replicas, "steps": steps, "target_batch_size": args.batch,
                       "seed": args.seed, "samples": steps * args.batch},
            "one_process": ref, "candidates": results, "elapsed_s": round(time.monotonic() - started, 1)}
     text = json.dumps(out)
