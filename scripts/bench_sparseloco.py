@@ -179,7 +179,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for cand in chosen:
         t = time.monotonic()
         found = _run(run, steps, args.replicas, cand, held_out)
-        found.update(name=cand.name, method=cand.method, inner_steps=cand.inner_steps, topk_per_chunk=cand.topk, bits=cand.bits,
+        found.update(name=cand.name, method=cand.method, inner_steps=cand.inner_steps, topk_per_chunk=cand.topk,
+                     bits=cand.bits,
                      error_decay=cand.beta, outer_lr=cand.alpha, density=round(cand.topk / cand.chunk, 5),
                      gap_vs_one_process=round(found["held_out_loss"] / ref["held_out_loss"] - 1, 4),
                      wall_s=round(time.monotonic() - t, 1))

@@ -96,6 +96,7 @@ class MemoryPlan:
     dtype: str = ""
     num_params: int = 0
     payload_values: int = 0  # a surrogate's untrained averaged values (host RAM, counted in host_bytes)
+    outer_host_bytes: int = 0  # SparseLoCo's anchor, error buffer and captured weights (host RAM, in host_bytes)
 
     @property
     def _static_device_bytes(self) -> int:
@@ -174,6 +175,8 @@ class MemoryPlan:
             f"  host total        {gib(self.host_bytes)}",
             f"    of which AdamW  {gib(self.optimizer_host_bytes)}",
         ]
+        if self.outer_host_bytes:
+            rows.append(f"    of which SparseLoCo {gib(self.outer_host_bytes)}")
         return "\n".join(rows)
 
 
@@ -220,7 +223,16 @@ def plan_memory(run: RunConfig, stage_index: int, device: str, max_batch: int) -
         dtype=run.dtype,
         num_params=num_params,
     )
-    return replace(plan, device_bytes=plan._device_total(max_batch))
+    return _with_outer(run, replace(plan, device_bytes=plan._device_total(max_batch)), num_params)
+
+
+def _with_outer(run: RunConfig, plan: MemoryPlan, averaged_values: int) -> MemoryPlan:
+    """SparseLoCo keeps three float32 copies of what it exchanges in host RAM: the consensus anchor,
+    the error-feedback buffer, and the weights of each fragment between capture and apply."""
+    if run.averaging.method != "sparseloco":
+        return plan
+    outer = 3 * averaged_values * _WIDE
+    return replace(plan, outer_host_bytes=outer, host_bytes=plan.host_bytes + outer)
 
 
 def _plan_surrogate(run: RunConfig, stage_index: int, device: str, max_batch: int) -> MemoryPlan:
@@ -249,4 +261,5 @@ def _plan_surrogate(run: RunConfig, stage_index: int, device: str, max_batch: in
         num_params=num_params,
         payload_values=sizes.surrogate_payload_count(run, stage_index),
     )
-    return replace(plan, device_bytes=plan._device_total(max_batch))
+    return _with_outer(run, replace(plan, device_bytes=plan._device_total(max_batch)),
+                       num_params + sizes.surrogate_payload_count(run, stage_index))

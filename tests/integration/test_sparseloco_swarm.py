@@ -46,8 +46,9 @@ def test_two_replicas_exchange_sparse_fragments_and_end_equal(make_swarm, run_co
     for stage in (0, 1):
         for replica in (0, 1):
             dirs[(stage, replica)] = str(tmp_path / f"s{stage}r{replica}")
-            workers.append(swarm.start("worker", stage=stage, wait_ready=not workers, name=f"worker-s{stage}-r{replica}",
-                                       args=["--checkpoint-dir", dirs[(stage, replica)], "--checkpoint-period-s", "3600"]))
+            workers.append(swarm.start(
+                "worker", stage=stage, wait_ready=not workers, name=f"worker-s{stage}-r{replica}",
+                args=["--checkpoint-dir", dirs[(stage, replica)], "--checkpoint-period-s", "3600"]))
     for worker in workers[1:]:
         swarm.wait_ready(worker)
     trainer = swarm.start("trainer", args=["--lanes", "6", "--max-samples", str(STEPS * TARGET),

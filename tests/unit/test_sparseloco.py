@@ -315,3 +315,16 @@ def test_the_inbox_takes_one_fragment_per_sender_and_round_near_its_own():
         assert raised.value.code == code
     assert inbox.take(RoundKey(100, 0)) == {"A": b"abc"}
     assert inbox.counters == {"taken": 1, "refused_repeat": 1, "refused_round": 1, "refused_size": 1}
+
+
+def test_the_memory_plan_counts_sparselocos_three_host_copies():
+    from protocol.run_config import load_run_config
+    from roles.model.memory_plan import plan_memory, stage_parameter_count
+
+    base = load_run_config("tiny")
+    slc = load_run_config("tiny", {"averaging": {"method": "sparseloco"}})
+    for stage in range(base.num_stages):
+        a, b = plan_memory(base, stage, "cpu", 8), plan_memory(slc, stage, "cpu", 8)
+        assert b.outer_host_bytes == 3 * 4 * stage_parameter_count(slc, stage)
+        assert b.host_bytes - a.host_bytes == b.outer_host_bytes and a.outer_host_bytes == 0
+        assert "SparseLoCo" in b.describe()

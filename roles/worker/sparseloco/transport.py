@@ -260,7 +260,8 @@ class StoreTransport:
                                    key.round, peer[-8:], size)
                     continue
                 try:
-                    received[peer] = await self._timed(deadline, self._get, posixpath.join(self._dir(key), f"{peer}.frag"))
+                    path = posixpath.join(self._dir(key), f"{peer}.frag")
+                    received[peer] = await self._timed(deadline, self._get, path)
                 except Exception as exc:  # noqa: BLE001
                     self.errors += 1
                     logger.debug("fetching %s's fragment failed (%s)", peer[-8:], exc)
