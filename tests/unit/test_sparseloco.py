@@ -328,3 +328,14 @@ def test_the_memory_plan_counts_sparselocos_three_host_copies():
         assert b.outer_host_bytes == 3 * 4 * stage_parameter_count(slc, stage)
         assert b.host_bytes - a.host_bytes == b.outer_host_bytes and a.outer_host_bytes == 0
         assert "SparseLoCo" in b.describe()
+
+
+def test_the_inbox_forgets_rounds_that_fell_out_of_its_window():
+    from roles.worker.sparseloco.transport import FragmentInbox, RoundKey
+
+    inbox = FragmentInbox(lambda fragment: 10)
+    inbox.newest = 100
+    inbox.put("A", RoundKey(90, 0), b"late", round_step=5)  # a round this replica already exchanged
+    inbox.newest = 200
+    inbox.put("A", RoundKey(200, 0), b"new", round_step=5)
+    assert not inbox.has(RoundKey(90, 0), "A") and inbox.has(RoundKey(200, 0), "A")

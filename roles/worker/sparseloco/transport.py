@@ -89,6 +89,8 @@ class FragmentInbox:
             self.counters["refused_round"] += 1
             raise ProtocolError(f"round {key.round} is far from this replica's ({self.newest})",
                                 ErrorCode.INVALID_REQUEST)
+        if self.newest >= 0:  # late fragments of rounds already exchanged (or sat out) are dropped
+            self.forget_before(self.newest - self.window * round_step)
         held = self._held[key]
         if sender in held:
             self.counters["refused_repeat"] += 1
