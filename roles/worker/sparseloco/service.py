@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, RoundSummaryRecord
-from protocol.errors import AgoraError, ErrorCode, ProtocolError
+from protocol.errors import ErrorCode, ProtocolError
 from protocol.identity import Identity
 from protocol.run_config import RunConfig
 from protocol.stats import Distribution
@@ -270,9 +270,9 @@ class SparseLoCoService:
             except concurrent.futures.TimeoutError:
                 if self.stopping():
                     return  # the worker leaves: nothing is applied, the weights stay as they are
-            except (concurrent.futures.CancelledError, AgoraError, OSError, asyncio.TimeoutError) as exc:
-                logger.warning("sparseloco round %d fragment %d: the exchange failed (%s); applying this "
-                               "replica's own fragment alone", cap.round, f, exc)
+            except Exception as exc:  # noqa: BLE001 - a failed exchange must not kill the compute thread
+                logger.warning("sparseloco round %d fragment %d: the exchange failed (%s: %s); applying this "
+                               "replica's own fragment alone", cap.round, f, type(exc).__name__, exc)
                 exchanged = Exchanged({}, 0, 0, ())
         waited = time.monotonic() - started
         report = self._screen(cap, exchanged)
