@@ -82,7 +82,7 @@ class RoundReport:
         return {"round": self.round, "fragment": self.fragment, "status": self.status,
                 "applied_from": list(self.applied_from), "missing": list(self.missing),
                 "refused": dict(self.refused), "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "wait_s": round(self.wait_s, 3), "update_norm": self.update_norm}
+                "wait_s": round(self.wait_s, 3), "update_norm": self.update_norm, "anchor": self.anchor}
 
     def to_record(self) -> RoundSummaryRecord:
         """As the stage's averaging record carries a round (the dashboard's rounds table)."""
@@ -282,14 +282,9 @@ class SparseLoCoService:
                 return  # the replica reloaded its state meanwhile: this round is void
             self._inflight.pop(f, None)
             frag = self.fragments[f]
+            # Our own always counts: a push that failed may have failed because its peer died, and
+            # the living must agree; a replica whose fragment the others lacked parts and reloads.
             contributions = {self.self_id: cap.own, **report.contributions}
-            if exchanged.expected and exchanged.bytes_sent == 0 and report.contributions:
-                # Our fragment reached nobody, so the others applied theirs without it: apply
-                # exactly theirs, and keep ours in the error buffer for the next round.
-                self.state.withdraw(f)
-                self.state.pending[f] = cap  # apply() pops it; its `own` is not among the contributions
-                contributions = dict(report.contributions)
-                self.counters["fragments_withdrawn"] += 1
             weights_now = self.layout.read(self.optimizer.master_params, frag.start, frag.numel)
             new_weights, applied = self.state.apply(f, contributions, weights_now, alpha=self.config.outer_lr)
             self.layout.write(self.optimizer.master_params, frag.start, new_weights)
