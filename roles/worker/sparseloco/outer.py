@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from roles.worker.layout import FlatLayout
 from roles.worker.sparseloco.chunks import Fragment
 from roles.worker.sparseloco.codec import Compressed, compress, decompress
 
@@ -86,15 +85,6 @@ class SparseLoCoState:
         self.pending[fragment.index] = cap
         return cap
 
-    def withdraw(self, fragment: int) -> Optional[Capture]:
-        """A capture whose fragment never left this replica (the round failed before it was sent):
-        what was taken out of the error buffer goes back in, so nothing is lost."""
-        cap = self.pending.pop(fragment, None)
-        if cap is not None:
-            lo, hi = cap.fragment.start, cap.fragment.end
-            decompress(cap.own, cap.fragment, out=self.error[lo:hi])
-        return cap
-
     @torch.no_grad()
     def apply(self, fragment: int, contributions: dict[str, Compressed], weights_now: torch.Tensor, *,
               alpha: float) -> tuple[torch.Tensor, Applied]:
@@ -120,6 +110,3 @@ class SparseLoCoState:
         self.error.zero_()
         self.pending.clear()
 
-
-def read_flat(layout: FlatLayout, tensors: Sequence[torch.Tensor], fragment: Fragment) -> torch.Tensor:
-    return layout.read(tensors, fragment.start, fragment.numel)
