@@ -11,6 +11,7 @@ wait at once by killing the half-started DHT.
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import logging
 import multiprocessing as mp
@@ -26,7 +27,7 @@ from hivemind.utils.auth import AuthorizerBase
 
 from node.lifecycle import StopRequested, kill_tree
 from protocol.auth_state import SharedAuthState
-from protocol.dht_schema import WorkerRecord, schema_for_run, workers_key
+from protocol.dht_schema import Phase, WorkerRecord, schema_for_run, workers_key
 from protocol.errors import ConfigError
 from protocol.identity import Identity
 from protocol.records import SignedRecordValidator
@@ -311,3 +312,40 @@ async def check_identity_not_live(swarm, run_id: str, num_stages: int, own_maddr
         await probe.shutdown()
     raise ConfigError(f"duplicate identity: peer {me} is already live in the run at {', '.join(addresses)}; "
                       "stop that node or start this one with another --identity")
+
+
+async def check_same_model(swarm, run) -> None:
+    """Refuse to join a run whose workers train another model than this node's run config
+    describes: in an open run every node loads its own file, and two constructions or subspace
+    seeds exchange coordinates of the same shape. Refused when more live workers announce one
+    other model digest than announce ours; a minority of others is only logged (trainers keep
+    them off their routes), so one misconfigured node cannot lock the run's own nodes out."""
+    me = swarm.peer_id
+    found = await asyncio.gather(*(swarm.get(workers_key(run.run_id, s), WorkerRecord)
+                                   for s in range(run.num_stages)), return_exceptions=True)
+    ours, others, constructions = 0, collections.Counter(), {}
+    for records in found:
+        if not isinstance(records, dict):
+            continue
+        for peer, record in records.items():
+            if peer == me or record.phase == Phase.LEAVING or not record.model_digest:
+                continue
+            if record.trains_other_model(run.model_digest):
+                others[record.model_digest] += 1
+                constructions[record.model_digest] = record.construction
+            else:
+                ours += 1
+    if not others:
+        return
+    digest, count = others.most_common(1)[0]
+    theirs = constructions[digest]
+    what = (f"construction {theirs!r}, this config {run.model.construction!r}"
+            if theirs and theirs != run.model.construction else "the model section or the stage layout differs")
+    if count <= ours:
+        logger.warning("%d live worker(s) of run %s train another model (digest %s: %s); %d train this one (%s), "
+                       "so this node joins, and trainers keep the others off their routes",
+                       sum(others.values()), run.run_id, digest, what, ours, run.model_digest)
+        return
+    raise ConfigError(f"run {run.run_id}: {count} live worker(s) train another model than this node's run config "
+                      f"describes (model digest {digest} against this config's {run.model_digest}: {what}); every "
+                      f"node of a run must load the same run config, so start this node with the run owner's file")

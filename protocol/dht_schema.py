@@ -54,6 +54,16 @@ class WorkerRecord(RecordModel):
                                         "(wall clock): a trainer lifts a ban when this changes (a restart)")
     chain: bool = Field(default=False, description="serves agora/v1/chain (worker-to-worker routing); false in "
                         "the records of workers older than it, which a trainer then keeps off chained routes")
+    model_digest: str = Field(default="", max_length=64, description="RunConfig.model_digest of the worker's run "
+                              "config: nodes whose digest differs train another model, and are refused or kept "
+                              "off routes; empty in the records of workers older than it")
+    construction: str = Field(default="", max_length=32, description="the run config's model.construction, so a "
+                              "refusal can name the difference")
+
+    def trains_other_model(self, model_digest: str) -> bool:
+        """True when the record names a model digest and it is not `model_digest` (a record of a
+        worker older than the digest names none, and is taken at its word)."""
+        return bool(self.model_digest) and self.model_digest != model_digest
 
 
 class ProgressRecord(RecordModel):

@@ -820,6 +820,22 @@ class RunConfig(BaseModel):
         return self
 
     @property
+    def model_digest(self) -> str:
+        """16 hex digits of what defines the model the stages compute: `model`, the stage cut and
+        the surrogate section. Nodes of a run compare it through their records, since nodes of two
+        constructions or subspace seeds exchange coordinates of the same shape and would silently
+        train different models (values left at their defaults are left out, so a field a later
+        version adds with a default does not change it)."""
+        import hashlib
+        import json
+
+        defining = {"model": self.model.model_dump(mode="json", exclude_defaults=True),
+                    "stages": [stage.model_dump(mode="json") for stage in self.stages],
+                    "surrogate": None if self.surrogate is None else self.surrogate.model_dump(
+                        mode="json", exclude_defaults=True)}
+        return hashlib.sha256(json.dumps(defining, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
     def sparseloco_store(self) -> Optional[str]:
         """The object store SparseLoCo's 'store' transport uses: its own, else the checkpoints' store."""
         return self.averaging.sparseloco.store or self.checkpoints.store

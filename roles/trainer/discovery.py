@@ -1,7 +1,10 @@
 """Periodic worker discovery [report 3.3.2.2]: read every stage's worker records from the DHT,
 hand the routable ones to that stage's balancer, and remember their addresses.
 
-Workers in weight sync or leaving are not routable; a worker whose record lapsed is dropped.
+Workers in weight sync or leaving are not routable; a worker whose record lapsed is dropped. So
+is a worker whose record names another model digest than this trainer's run config: it trains a
+different model (another construction, subspace seed or stage cut), and its coordinates would
+mean something else to its neighbours. It is named once in the log.
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ ROUTABLE_PHASES = (Phase.ACTIVE, Phase.OPTIMIZER_SYNC)
 
 
 class WorkerDiscovery:
-    def __init__(self, swarm: SwarmDHT, run_id: str, balancers: list[StageBalancer], *, period_s: float):
+    def __init__(self, swarm: SwarmDHT, run_id: str, balancers: list[StageBalancer], *, period_s: float,
+                 model_digest: str = ""):
         self.swarm = swarm
         self.run_id = run_id
+        self.model_digest = model_digest
+        self.other_model: set[str] = set()
+        """Workers kept off routes because they train another model (each named once in the log)."""
         self.balancers = balancers
         self.period_s = period_s
         self.maddrs: dict[str, list[str]] = {}
@@ -37,6 +44,7 @@ class WorkerDiscovery:
         for stage, records in enumerate(results):
             routable = {
                 peer: r for peer, r in records.items() if r.phase in ROUTABLE_PHASES and r.stage == stage
+                and not self._other_model(peer, r)
             }
             self.records[stage] = routable
             for peer, record in routable.items():
@@ -46,6 +54,17 @@ class WorkerDiscovery:
                 for peer, r in routable.items()
             )
         self._refreshed.set()
+
+    def _other_model(self, peer: str, record: WorkerRecord) -> bool:
+        if not self.model_digest or not record.trains_other_model(self.model_digest):
+            return False
+        if peer not in self.other_model:
+            self.other_model.add(peer)
+            logger.warning("worker %s of stage %d trains another model (model digest %s, construction %r; this "
+                           "trainer's run config has %s): it is kept off routes; every node of a run must load the "
+                           "same run config", peer[-8:], record.stage, record.model_digest,
+                           record.construction or "?", self.model_digest)
+        return True
 
     def request_refresh(self) -> None:
         """Ask for a refresh before the next period (a stage just ran out of workers)."""

@@ -65,7 +65,8 @@ class TrainerRole:
         self.state = TrainerState.WAITING
         self.client = RpcClient(p2p, timeout_s=config.request_timeout_s, authenticator=authenticator)
         self.balancers = [StageBalancer(s, ban_s=config.ban_s) for s in range(run.num_stages)]
-        self.discovery = WorkerDiscovery(swarm, run.run_id, self.balancers, period_s=config.discovery_period_s)
+        self.discovery = WorkerDiscovery(swarm, run.run_id, self.balancers, period_s=config.discovery_period_s,
+                                         model_digest=run.model_digest)
         self.skipping = StageSkipping(run.num_stages, run.skipping)
         """Body stages routed around while they have no reachable worker (run config `skipping:`)."""
         self.driver = PipelineDriver(
@@ -183,7 +184,10 @@ class TrainerRole:
                 return True
             if time.monotonic() - last_log > self.config.wait_log_period_s:
                 missing = [s for s, c in enumerate(counts) if c == 0]
-                logger.info("waiting for workers: stage(s) %s have none yet (workers per stage: %s)", missing, counts)
+                other = (f"; {len(self.discovery.other_model)} worker(s) seen train another model and are not counted"
+                         if self.discovery.other_model else "")
+                logger.info("waiting for workers: stage(s) %s have none yet (workers per stage: %s%s)",
+                            missing, counts, other)
                 last_log = time.monotonic()
             await wait_any(stop, timeout=1.0)
         return False
@@ -331,6 +335,7 @@ class TrainerRole:
             "tokens_per_s": round(self.accounting.tokens / wall, 2) if wall > 0 else 0.0,
             "routing": self.run_config.routing.path,
             **({"routing_fallbacks": self.chained.fallbacks} if self.chained is not None else {}),
+            **({"workers_other_model": len(self.discovery.other_model)} if self.discovery.other_model else {}),
             "forward_retries": self.driver.stats.forward_retries,
             "backward_fallbacks": self.driver.stats.backward_fallbacks,
             "served": served,

@@ -232,7 +232,8 @@ class WorkerRole:
             host_rss_bytes=host_rss_bytes(), host_memory_total_bytes=host_memory_total_bytes(),
             device_memory_used_bytes=device_used, device_memory_total_bytes=device_total,
             relayed_bytes=sum(self.server.relayed_bytes), started_at=self._started_at,
-            chain=not self.config.test_without_chain,
+            chain=not self.config.test_without_chain, model_digest=self.run_config.model_digest,
+            construction=self.run_config.model.construction,
         )
 
     def _on_peers(self) -> None:
