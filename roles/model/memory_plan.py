@@ -67,6 +67,10 @@ def _activation_bytes_per_sample(run: RunConfig, stage_index: int, flash: bool) 
     per_block = 2 * norm + attention + mlp + 2 * subspace_out
     saved = per_block * run.stages[stage_index].num_layers
     saved += t * (k * _WIDE + d * _WIDE)  # boundary coordinates and the reconstructed stream
+    if model.construction == "stage-anchors" and model.anchor_rank is not None:
+        # a factored anchor's [T, r] rows, kept for its second factor's gradient; a full anchor
+        # keeps nothing (its projection off U_k multiplies by a buffer)
+        saved += t * model.anchor_rank * _WIDE
     if kind == "head":
         saved += t * k * b
     if kind == "tail":

@@ -5,12 +5,53 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from protocol.run_config import load_run_config
 from roles.model.memory_plan import MemoryPlan, plan_memory, stage_parameter_count
 from roles.model.stage import StageModel
 
 GIB = 1 << 30
+
+
+def _saved_bytes(stage: StageModel, run) -> int:
+    """Bytes autograd keeps for one sample's forward through the stage (its loss at the tail),
+    parameters and buffers not counted, each storage once."""
+    own = {t.data_ptr() for t in (*stage.parameters(), *stage.buffers())}
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        key = (tensor.data_ptr(), tensor.numel())
+        if tensor.data_ptr() not in own and key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    tokens = torch.randint(0, run.model.vocab_size, (1, run.seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        coords = None if stage.kind == "head" else torch.randn(1, run.seq_len, run.model.subspace_rank,
+                                                                 requires_grad=True)
+        hidden = stage.run_blocks(stage.enter(coords, tokens))
+        if stage.kind == "tail":
+            stage.loss_from_hidden(hidden, tokens)
+        else:
+            stage.leave(hidden, tokens)
+    return total
+
+
+@pytest.mark.parametrize("model", [{"construction": "stage-anchors"}, {"construction": "stage-anchors", "anchor_rank": 8},
+                                   {"construction": "fixed-embedding"}])
+def test_the_activation_estimate_covers_what_autograd_keeps_in_either_construction(model):
+    """The estimate (saved tensors plus the backward's transients) is at least what autograd
+    saves, and not wildly more: anchors add their factored rows, nothing at full rank (the
+    projection off U_k saves no copy of them, U_k being a buffer)."""
+    run = load_run_config("tiny", {"model": model})
+    for index in range(run.num_stages):
+        saved = _saved_bytes(StageModel(run, index), run)
+        planned = plan_memory(run, index, "cpu", max_batch=1).activation_bytes_per_sample
+        assert saved <= planned <= 3 * saved, (index, saved, planned)
 
 
 @pytest.mark.parametrize("overrides", [None, {"model": {"tail_full_rank": False}}])
