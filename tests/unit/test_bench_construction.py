@@ -80,6 +80,9 @@ def test_a_quick_run_reports_every_model_against_the_reference(tmp_path, capsys)
     for name in ("stage_anchors", "fixed_embedding"):
         assert models[name]["held_out_mean"] > 0 and "gap_vs_hf_llama" in models[name]
     assert models["stage_anchors"]["parameters"] > models["fixed_embedding"]["parameters"]
+    # seed 0's own held-out set is the common one
+    assert all(m["runs"][0]["held_out_common"] == m["runs"][0]["held_out_loss"] for m in models.values())
+    assert all(m["common_spread"] == 0.0 for m in models.values())
 
 
 def test_bad_arguments_are_one_line_errors(capsys):
