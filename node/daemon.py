@@ -305,7 +305,7 @@ def _push_token(identity, trust):
 
 async def _run_role(settings, run, stage, device, identity, trust, membership, stop, life, metrics=None,
                     preload=None) -> int:
-    from node.swarm import check_identity_not_live, check_same_model
+    from node.swarm import check_identity_not_live, check_same_model, read_worker_records
     from protocol.dht import SwarmDHT
 
     role = live = None
@@ -316,10 +316,12 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         swarm = SwarmDHT(membership.dht, identity.peer_id.to_base58())
         if metrics is not None:
             metrics.joined(swarm)
+        workers = await until_stopped(read_worker_records(swarm, run.run_id, run.num_stages), stop,
+                                      "while reading the run's workers")
         if settings.identity is not None:
-            await until_stopped(check_identity_not_live(swarm, run.run_id, run.num_stages, membership.maddrs),
+            await until_stopped(check_identity_not_live(swarm.peer_id, workers, membership.maddrs),
                                 stop, "while checking the identity")
-        await until_stopped(check_same_model(swarm, run), stop, "while checking the run's model")
+        check_same_model(run, workers, swarm.peer_id)
         if preload is not None:  # before the role forks hivemind's averager, no thread of ours may import
             await until_stopped(preload.finish(), stop, "while importing the role")
         role = _build_role(settings, run, stage, device, swarm, p2p, membership.maddrs, trust.authenticator,

@@ -281,23 +281,27 @@ def check_ports_free(host_maddrs: list[str]) -> None:
                 raise ConfigError(f"--host-maddrs: cannot listen on {transport} {ip}:{port}: {exc.strerror}") from None
 
 
-async def check_identity_not_live(swarm, run_id: str, num_stages: int, own_maddrs: list[str]) -> None:
+async def read_worker_records(swarm, run_id: str, num_stages: int) -> list[dict[str, WorkerRecord]]:
+    """Every stage's worker records, read once for the checks a node makes before it joins (a
+    stage whose read failed counts as having none)."""
+    found = await asyncio.gather(*(swarm.get(workers_key(run_id, s), WorkerRecord) for s in range(num_stages)),
+                                 return_exceptions=True)
+    return [records if isinstance(records, dict) else {} for records in found]
+
+
+async def check_identity_not_live(me: str, records: list[dict[str, WorkerRecord]], own_maddrs: list[str]) -> None:
     """Refuse to serve if another live process holds our key: a worker record under our own peer
     id whose addresses answer a dial, made from a throwaway libp2p identity (one cannot dial
     oneself). A dead process's record does not answer, and our new records supersede it."""
     from hivemind.p2p import P2P, PeerID
 
-    from protocol.transport import dial
-
-    me = swarm.peer_id
-    records = await asyncio.gather(*(swarm.get(workers_key(run_id, s), WorkerRecord) for s in range(num_stages)),
-                                   return_exceptions=True)
     from protocol.relays import transport_address
+    from protocol.transport import dial
 
     own = {transport_address(m) for m in own_maddrs}
     addresses: list[str] = []
     for found in records:
-        if isinstance(found, dict) and me in found:
+        if me in found:
             addresses += [m for m in found[me].maddrs if transport_address(m) not in own]
     if not addresses:
         return
@@ -314,20 +318,15 @@ async def check_identity_not_live(swarm, run_id: str, num_stages: int, own_maddr
                       "stop that node or start this one with another --identity")
 
 
-async def check_same_model(swarm, run) -> None:
+def check_same_model(run, records: list[dict[str, WorkerRecord]], me: str) -> None:
     """Refuse to join a run whose workers train another model than this node's run config
     describes: in an open run every node loads its own file, and two constructions or subspace
     seeds exchange coordinates of the same shape. Refused when more live workers announce one
     other model digest than announce ours; a minority of others is only logged (trainers keep
     them off their routes), so one misconfigured node cannot lock the run's own nodes out."""
-    me = swarm.peer_id
-    found = await asyncio.gather(*(swarm.get(workers_key(run.run_id, s), WorkerRecord)
-                                   for s in range(run.num_stages)), return_exceptions=True)
     ours, others, constructions = 0, collections.Counter(), {}
-    for records in found:
-        if not isinstance(records, dict):
-            continue
-        for peer, record in records.items():
+    for stage_records in records:
+        for peer, record in stage_records.items():
             if peer == me or record.phase == Phase.LEAVING or not record.model_digest:
                 continue
             if record.trains_other_model(run.model_digest):

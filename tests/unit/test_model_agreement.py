@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from node.swarm import check_same_model
+from node.swarm import check_same_model, read_worker_records
 from protocol.dht_schema import Phase, WorkerRecord
 from protocol.errors import ConfigError
 from protocol.run_config import load_run_config
@@ -36,7 +36,9 @@ class Swarm:
     async def get(self, key, model):
         assert model is WorkerRecord
         stage = int(key.split("/stage/")[1].split("/")[0])
-        return dict(self.by_stage.get(stage, {}))
+        if self.by_stage.get(stage) is None:
+            raise TimeoutError("no DHT peer answered")
+        return dict(self.by_stage[stage])
 
 
 def test_the_digest_covers_what_defines_the_model_and_nothing_else():
@@ -60,9 +62,11 @@ def test_a_default_written_out_does_not_change_the_digest():
 
 def test_a_node_of_another_model_is_refused_in_one_sentence_naming_the_difference():
     ours, theirs = _run(model={"construction": "fixed-embedding"}), _run()
-    swarm = Swarm({0: {"a": _record(0, theirs)}, 1: {"b": _record(1, theirs)}})
+    swarm = Swarm({0: {"a": _record(0, theirs)}, 1: {"b": _record(1, theirs)}, 2: None})
+    records = asyncio.run(read_worker_records(swarm, ours.run_id, ours.num_stages))
+    assert [sorted(r) for r in records] == [["a"], ["b"], []], "a stage whose read failed counts as none"
     with pytest.raises(ConfigError) as refused:
-        asyncio.run(check_same_model(swarm, ours))
+        check_same_model(ours, records, swarm.peer_id)
     message = str(refused.value)
     assert "\n" not in message
     assert "2 live worker(s) train another model" in message
@@ -73,9 +77,9 @@ def test_a_node_of_another_model_is_refused_in_one_sentence_naming_the_differenc
 
 def test_a_node_matching_the_run_joins_and_a_minority_of_others_is_only_logged(caplog):
     ours, other = _run(), _run(model={"subspace_seed": 99})
-    swarm = Swarm({0: {"a": _record(0, ours), "x": _record(0, other)}, 1: {"b": _record(1, ours)}})
+    records = [{"a": _record(0, ours), "x": _record(0, other)}, {"b": _record(1, ours)}, {}]
     with caplog.at_level(logging.WARNING, logger="node.swarm"):
-        asyncio.run(check_same_model(swarm, ours))
+        check_same_model(ours, records, "me")
     assert "1 live worker(s) of run agree train another model" in caplog.text
     assert "the model section or the stage layout differs" in caplog.text
 
@@ -89,14 +93,14 @@ def test_a_node_matching_the_run_joins_and_a_minority_of_others_is_only_logged(c
 def test_nothing_to_compare_with_lets_the_node_join(records):
     ours, theirs = _run(), _run(model={"construction": "fixed-embedding"})
     kinds = {None: _record(0, theirs), "no-digest": _record(0), "leaving": _record(0, theirs, Phase.LEAVING)}
-    swarm = Swarm({stage: {peer: kinds[kind] for peer, kind in peers.items()} for stage, peers in records.items()})
-    asyncio.run(check_same_model(swarm, ours))
+    read = [{peer: kinds[kind] for peer, kind in records.get(stage, {}).items()} for stage in range(ours.num_stages)]
+    check_same_model(ours, read, "me")
 
 
 def test_a_trainer_keeps_workers_of_another_model_off_its_routes_and_names_each_once(caplog):
     ours, theirs = _run(), _run(model={"construction": "fixed-embedding"})
     swarm = Swarm({0: {"good": _record(0, ours), "bad": _record(0, theirs), "old": _record(0)},
-                   1: {"tail": _record(1, ours)}})
+                   1: {"tail": _record(1, ours)}, 2: {}})
     balancers = [StageBalancer(stage) for stage in range(ours.num_stages)]
     discovery = WorkerDiscovery(swarm, ours.run_id, balancers, period_s=1.0, model_digest=ours.model_digest)
     with caplog.at_level(logging.WARNING, logger="roles.trainer.discovery"):
