@@ -227,7 +227,7 @@ async def until_stopped(awaitable: Awaitable[T], stop: asyncio.Event, phase: str
 async def _serve(settings: NodeSettings, device: str, identity, life: ProcessLifecycle) -> int:
     import torch
 
-    from node.reachability import apply_daemon_flags, plan_reachability
+    from node.reachability import apply_daemon_flags
     from node.swarm import join_swarm_until_stopped
     from node.trust import establish_trust
 
@@ -257,7 +257,7 @@ async def _serve(settings: NodeSettings, device: str, identity, life: ProcessLif
                 _check_trainer_data(settings, run)
             if metrics is not None:
                 metrics.admitted(run.run_id, stage, _credential_expiry(trust))
-            reachability = plan_reachability(settings.relay, relays=trust.relays, relayed_by_authorizer=trust.relayed)
+            reachability = trust.reachability(settings.relay)
             apply_daemon_flags(reachability)
             membership = await join_swarm_until_stopped(
                 identity=identity, run_id=run.run_id, num_stages=run.num_stages,
@@ -266,7 +266,13 @@ async def _serve(settings: NodeSettings, device: str, identity, life: ProcessLif
                 bootstrap_timeout_s=settings.bootstrap_timeout_s,
                 stop=stop, auth_state=trust.auth_state, authorizer=trust.dht_authorizer,
                 before_fork=preload.pause, after_fork=preload.forked,
+                own_maddrs=reachability.own_maddrs(identity.peer_id.to_base58()) if reachability.relayed else None,
             )
+            if not membership.maddrs:
+                await asyncio.to_thread(membership.shutdown)
+                raise ConfigError(
+                    f"libp2p reports no address this node listens at (--host-maddrs {' '.join(trust.host_maddrs)}); "
+                    "listen on an address of this machine, e.g. --host-maddrs /ip4/0.0.0.0/tcp/31337")
             logger.info("%s", reachability.describe(membership.maddrs))
         except BaseException:
             await trust.close()
@@ -305,6 +311,7 @@ def _push_token(identity, trust):
 
 async def _run_role(settings, run, stage, device, identity, trust, membership, stop, life, metrics=None,
                     preload=None) -> int:
+    from node.reachability import wait_for_relay_slot
     from node.swarm import check_identity_not_live, check_same_model, read_worker_records
     from protocol.dht import SwarmDHT
 
@@ -313,6 +320,15 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
     try:
         p2p = await membership.dht.replicate_p2p()
         life.note_resources()
+        reachability = trust.reachability(settings.relay)
+        # every relay of the run, also those down at admission: they may come back
+        trust.start_relay_pass(stop, p2p, list(dict.fromkeys([*reachability.relays, *trust.relays])),
+                               relayed=reachability.relayed)
+        if reachability.relayed:
+            # a slot on any relay, before the node announces itself: else nobody could reach it
+            await until_stopped(
+                wait_for_relay_slot(identity.peer_id.to_base58(), reachability.relays, stop, greet=trust.greet_relays),
+                stop, "while waiting for a relay slot")
         swarm = SwarmDHT(membership.dht, identity.peer_id.to_base58())
         if metrics is not None:
             metrics.joined(swarm)
@@ -329,10 +345,6 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         if metrics is not None:
             metrics.attach(role)
         trust.start_background(stop, swarm)
-        from node.reachability import plan_reachability
-
-        reachability = plan_reachability(settings.relay, relays=trust.relays, relayed_by_authorizer=trust.relayed)
-        trust.start_relay_pass(stop, p2p, reachability.relays, relayed=reachability.relayed)
         if hasattr(role, "start"):
             await until_stopped(role.start(), stop, "while joining the stage")
         life.note_resources()

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 from protocol import hivemind_adapter
+from protocol.errors import ConfigError
 from protocol.relays import circuit_address, peer_of
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,12 @@ class Reachability:
     def announce_maddrs(self) -> list[str]:
         """A relayed node's announced addresses: one circuit address per relay."""
         return [circuit_address(relay) for relay in self.relays] if self.relayed else []
+
+    def own_maddrs(self, peer_id: str) -> list[str]:
+        """A relayed node's full addresses (with its /p2p/<id>), as peers dial them. Its daemon
+        cannot say them: p2pd's autorelay keeps only private-class addresses of the announced set
+        until its own relay list fills, so behind a relay on a public address it reports none."""
+        return [f"{address}/p2p/{peer_id}" for address in self.announce_maddrs]
 
     def daemon_flags(self) -> dict:
         """p2pd flags for the node's libp2p daemon (set before hivemind starts it)."""
@@ -75,8 +83,15 @@ class Reachability:
         return f"reachable directly at {', '.join(direct) or 'no address'}"
 
 
-def plan_reachability(mode: str, *, relays: list[str], relayed_by_authorizer: bool) -> Reachability:
-    """`mode` is --relay: auto, off or a relay's multiaddr."""
+def plan_reachability(mode: str, *, relays: list[str], relayed_by_authorizer: bool,
+                      answering: Optional[list[str]] = None) -> Reachability:
+    """`mode` is --relay: auto, off or a relay's multiaddr. `answering`: the relays that accepted
+    the node's credential at admission; a relayed node reserves and announces only those when any
+    did. p2pd's autorelay takes no slot anywhere while one of its static relays is down (measured
+    on the NAT lab: a restarted node behind NAT with one dead relay of two listed stayed unreachable
+    through the live one for the whole minute it waited)."""
+    if answering:
+        relays = [relay for relay in relays if relay in answering] or relays
     if mode == "off":
         return Reachability(relayed=False, relays=list(relays))
     if mode != "auto":  # a relay named by hand: always through it (and the run's others)
@@ -87,6 +102,82 @@ def plan_reachability(mode: str, *, relays: list[str], relayed_by_authorizer: bo
 def apply_daemon_flags(reachability: Reachability) -> None:
     """Flags for every libp2p daemon this process starts from now on (hivemind's DHT forks after)."""
     hivemind_adapter.set_daemon_flags(**reachability.daemon_flags())
+
+
+RELAY_SLOT_TIMEOUT_S = 60.0
+"""How long a relayed node waits for its first slot on a relay before it gives up joining."""
+
+RELAY_SLOT_PROGRESS_EVERY_S = 5.0
+
+RELAY_SLOT_PROBE_TIMEOUT_S = 3.0
+
+
+class NoRelaySlot(ConfigError):
+    """No relay of the run carries this node: nobody without a connection to it can reach it."""
+
+
+async def wait_for_relay_slot(peer_id: str, relays: list[str], stop: asyncio.Event, *,
+                              greet: Optional[Callable[[], Awaitable[object]]] = None,
+                              timeout_s: float = RELAY_SLOT_TIMEOUT_S,
+                              progress_every_s: float = RELAY_SLOT_PROGRESS_EVERY_S) -> list[str]:
+    """Wait until at least one relay carries this node, and return those that do (their circuit
+    addresses). Whether a relay carries it is tried as a stranger would: a throwaway libp2p peer (one
+    cannot dial oneself) opens a connection to this node through the relay's circuit address, which
+    works only while the node holds a slot there. Between tries `greet` shows the relays the
+    node's credential again (a relay drops a peer that has not). Logs a progress line every
+    `progress_every_s`; raises NoRelaySlot after `timeout_s`, StopRequested if `stop` is set."""
+    from hivemind.p2p import PeerID
+
+    from node.lifecycle import StopRequested
+    from protocol.hivemind_adapter import create_plain_p2p, disconnect
+    from protocol.transport import dial
+    from roles.periodic import wait_any
+
+    began = time.monotonic()
+    reasons: dict[str, str] = {}
+    me = PeerID.from_base58(peer_id)
+    probe = await create_plain_p2p(host_maddrs=["/ip4/127.0.0.1/tcp/0"], dht_mode="client")
+    try:
+        next_progress = began + progress_every_s
+        while True:
+            carrying = []
+            for relay in relays:
+                try:
+                    await dial(probe, me, [circuit_address(relay)], RELAY_SLOT_PROBE_TIMEOUT_S)
+                    carrying.append(circuit_address(relay))
+                except Exception as exc:  # no slot there (yet), or the relay is unreachable
+                    reasons[relay] = "no answer" if isinstance(exc, asyncio.TimeoutError) else _first_line(exc)
+                finally:
+                    try:
+                        await asyncio.wait_for(disconnect(probe, me), 2.0)
+                    except Exception:  # not connected: nothing to close
+                        pass
+            waited = time.monotonic() - began
+            if carrying:
+                logger.info("%d of %d relay(s) carry this node (checked through a circuit after %.1f s)",
+                            len(carrying), len(relays), waited)
+                return carrying
+            if waited >= timeout_s:
+                raise NoRelaySlot(
+                    f"no relay of the run gave this node a slot within {timeout_s:.0f} s "
+                    f"({'; '.join(f'{r}: {why}' for r, why in reasons.items())}), so no peer could reach it; "
+                    f"check that this machine can open outbound TCP connections to the relays' ports, or ask the "
+                    f"run's owner whether the relays are up; or forward a TCP port on your router and start the "
+                    f"node with --host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/<public IP>/tcp/PORT")
+            if time.monotonic() >= next_progress:
+                logger.info("waiting for a slot on the run's relays: 0 of %d carry this node yet (%.0f s of at most "
+                            "%.0f s)", len(relays), waited, timeout_s)
+                next_progress += progress_every_s
+                if greet is not None:
+                    await greet()
+            if await wait_any(stop, timeout=1.0):
+                raise StopRequested("while waiting for a relay slot")
+    finally:
+        await probe.shutdown()
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 class RelayPass:
@@ -108,6 +199,10 @@ class RelayPass:
 
     async def greet_all(self) -> int:
         """Greet every relay at once; returns how many accepted."""
+        return len(await self.greet_each())
+
+    async def greet_each(self) -> list[str]:
+        """Greet every relay at once; returns those that accepted."""
         results = await asyncio.gather(*(self._greet(relay) for relay in self.relays))
         accepted = sum(results)
         if self.relayed and self.relays and not accepted and not self._none_left:
@@ -115,7 +210,7 @@ class RelayPass:
                          "reach it (the ones connected still can); it greets the relays again every %.0f s",
                          RELAY_PASS_EVERY_S)
         self._none_left = bool(self.relays) and not accepted
-        return accepted
+        return [relay for relay, ok in zip(self.relays, results) if ok]
 
     async def _greet(self, relay: str) -> bool:
         from hivemind.p2p import PeerID
@@ -147,13 +242,14 @@ class RelayPass:
         await self.client.close()
 
 
-async def greet_relays(p2p, relays: list[str], authenticator, timeout_s: float = 3.0) -> Optional[int]:
+async def greet_relays(p2p, relays: list[str], authenticator, timeout_s: float = 3.0) -> Optional[list[str]]:
     """One pass over `relays` from `p2p` (the admission listener, which has the node's identity),
-    before the node's own daemon starts and reserves: the relay then knows its peer id already."""
+    before the node's own daemon starts and reserves: the relay then knows its peer id already.
+    Returns the relays that accepted (None when there was nobody to greet)."""
     if not relays or authenticator is None:
         return None
     relay_pass = RelayPass(p2p, relays, authenticator, timeout_s=timeout_s)
     try:
-        return await relay_pass.greet_all()
+        return await relay_pass.greet_each()
     finally:
         await relay_pass.close()

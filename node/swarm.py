@@ -98,8 +98,17 @@ def _bootstrap_failed(error: BaseException, initial_peers: list[str], host_maddr
     return ConfigError(f"could not start the libp2p node on {host_maddrs}: {message}; check --host-maddrs")
 
 
-def _membership(dht: hivemind.DHT, validator: SignedRecordValidator) -> SwarmMembership:
-    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+def _membership(dht: hivemind.DHT, validator: SignedRecordValidator,
+                own_maddrs: Optional[list[str]] = None) -> SwarmMembership:
+    """`own_maddrs`: the node's addresses when it knows them better than its daemon (a relayed
+    node: node/reachability.py)."""
+    if own_maddrs is not None:
+        maddrs = list(own_maddrs)
+    else:
+        try:
+            maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        except ValueError:  # hivemind's "No multiaddrs found": the caller says what that means
+            maddrs = []
     logger.info("joined the swarm as %s (pid %d)", dht.peer_id, os.getpid())
     return SwarmMembership(dht=dht, validator=validator, maddrs=maddrs)
 
@@ -126,13 +135,15 @@ async def join_swarm_until_stopped(*, identity: Identity, run_id: str, num_stage
                                    auth_state: Optional[SharedAuthState] = None,
                                    authorizer: Optional[AuthorizerBase] = None,
                                    before_fork: Optional[Callable[[], Awaitable[None]]] = None,
-                                   after_fork: Optional[Callable[[], None]] = None) -> SwarmMembership:
+                                   after_fork: Optional[Callable[[], None]] = None,
+                                   own_maddrs: Optional[list[str]] = None) -> SwarmMembership:
     """Start the DHT and bootstrap. Raises ConfigError (exit 2) if no initial peer answers within
     `bootstrap_timeout_s` and StopRequested if `stop` is set first (the half-started DHT is killed
     with its p2pd). Peers that refuse connections are retried until the deadline: nodes admitted
     together are handed each other as bootstrap peers and may still be starting. `before_fork` is
     awaited right before each fork of the DHT process and `after_fork` called right after it (the
-    node's preload thread stops across the fork: node/preload.py)."""
+    node's preload thread stops across the fork: node/preload.py). `own_maddrs`: the addresses the
+    node is reached at, where its daemon cannot tell them (a relayed node)."""
     deadline = time.monotonic() + bootstrap_timeout_s
     delay_s = 1.0
     earlier: list[str] = []
@@ -143,7 +154,7 @@ async def join_swarm_until_stopped(*, identity: Identity, run_id: str, num_stage
                 identity=identity, run_id=run_id, num_stages=num_stages, initial_peers=initial_peers,
                 host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, bootstrap_timeout_s=max(left, 1.0),
                 stop=stop, client_mode=client_mode, auth_state=auth_state, authorizer=authorizer,
-                before_fork=before_fork, after_fork=after_fork)
+                before_fork=before_fork, after_fork=after_fork, own_maddrs=own_maddrs)
         except _BootstrapFailed as failed:
             left = deadline - time.monotonic()
             if not initial_peers or left <= delay_s:
@@ -178,7 +189,8 @@ async def _join_once(*, identity: Identity, run_id: str, num_stages: int, initia
                      stop: asyncio.Event, client_mode: bool, auth_state: Optional[SharedAuthState],
                      authorizer: Optional[AuthorizerBase],
                      before_fork: Optional[Callable[[], Awaitable[None]]] = None,
-                     after_fork: Optional[Callable[[], None]] = None) -> SwarmMembership:
+                     after_fork: Optional[Callable[[], None]] = None,
+                     own_maddrs: Optional[list[str]] = None) -> SwarmMembership:
     dht, validator = _new_dht(identity=identity, run_id=run_id, num_stages=num_stages, initial_peers=initial_peers,
                               host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
                               bootstrap_timeout_s=bootstrap_timeout_s, client_mode=client_mode,
@@ -226,7 +238,7 @@ async def _join_once(*, identity: Identity, run_id: str, num_stages: int, initia
         await asyncio.to_thread(kill_tree, dht.pid)
         dht.join(1)
         raise _BootstrapFailed(error)
-    return _membership(dht, validator)
+    return _membership(dht, validator, own_maddrs)
 
 
 # ---- duplicate identity ----

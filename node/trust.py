@@ -78,6 +78,8 @@ class Trust:
     relays: list[str] = field(default_factory=list)
     """The run's relays the authorizer listed (multiaddrs with /p2p/<id>)."""
     relayed: bool = False
+    answering_relays: Optional[list[str]] = None
+    """The relays that accepted this node's credential at admission (None: none were greeted)."""
     """The authorizer could not dial this node back and admitted it to serve through the relays."""
     _relay_pass: Optional[object] = None
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -103,6 +105,17 @@ class Trust:
 
         self._relay_pass = RelayPass(p2p, relays, self.authenticator, relayed=relayed)
         self._tasks.append(asyncio.create_task(self._relay_pass.run(stop), name="relay-pass"))
+
+    async def greet_relays(self) -> int:
+        """Show every relay this node's credential again now; returns how many accepted."""
+        return 0 if self._relay_pass is None else await self._relay_pass.greet_all()
+
+    def reachability(self, mode: str):
+        """How this node is reached (node/reachability.py), from --relay `mode` and its admission."""
+        from node.reachability import plan_reachability
+
+        return plan_reachability(mode, relays=self.relays, relayed_by_authorizer=self.relayed,
+                                 answering=self.answering_relays)
 
     def _apply(self, revocations: RevocationList) -> bool:
         """Keep `revocations` if it is valid and newer; log it only when its content changed."""
@@ -229,6 +242,7 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
     client = AuthorizerClient(urls)
     probe = None
     trust_dir = None
+    answering = None
     try:
         probe, visible, host_maddrs = await _listen_for_probe(identity, settings)
 
@@ -255,7 +269,7 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
         relays = _relays_for(settings, admission)
         if relays:
             # before the node's own daemon starts and reserves: the relays know this peer id by then
-            await greet_relays(probe, relays, authenticator)
+            answering = await greet_relays(probe, relays, authenticator)
     except BaseException:
         remove_trust_dir(trust_dir)
         await client.close()
@@ -272,7 +286,7 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
         auth_state=auth_state, authenticator=authenticator,
         dht_authorizer=CredentialDHTAuthorizer(identity, auth_state), client=client, keeper=keeper,
         revocation_refresh_s=settings.revocation_refresh_s, trust_dir=trust_dir, reducer=admission.reducer,
-        relays=relays, relayed=admission.relayed,
+        relays=relays, relayed=admission.relayed, answering_relays=answering,
     )
 
 

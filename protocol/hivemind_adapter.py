@@ -339,6 +339,19 @@ def daemon_flags() -> dict[str, Any]:
     return dict(_daemon_flags)
 
 
+async def create_plain_p2p(**kwargs: Any) -> P2P:
+    """A P2P started without the flags set for this process's own node (a throwaway probe must not
+    reserve relay slots or pose as private): they are set aside until its daemon has started. No
+    other task of the process may start a daemon meanwhile."""
+    saved = dict(_daemon_flags)
+    _daemon_flags.clear()
+    try:
+        return await P2P.create(**kwargs)
+    finally:
+        _daemon_flags.clear()
+        _daemon_flags.update(saved)
+
+
 def _install_flag_hook() -> None:
     original = getattr(P2P, "_make_process_args", None)
     if original is None or getattr(original, "_agora_hook", False):
