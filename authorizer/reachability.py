@@ -86,6 +86,52 @@ def dialable(maddrs: list[str], *, allow_private: bool) -> tuple[list[str], list
     return accepted, refused
 
 
+_LAN_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
+    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7"))
+"""Addresses a home or carrier network hands out behind its NAT (RFC 1918, RFC 6598, IPv6 ULA)."""
+
+
+def _behind_nat(host) -> bool:
+    return (host.is_loopback or host.is_link_local or host.is_unspecified
+            or any(host.version == net.version and host in net for net in _LAN_NETWORKS))
+
+
+def _announced_hosts(maddrs: list[str]) -> list[ipaddress._BaseAddress]:
+    hosts = []
+    for maddr in maddrs:
+        try:
+            hosts.append(ipaddress.ip_address(_describe(strip_peer_suffix(maddr)[0])[0]))
+        except ValueError:  # a DNS name, or no host at all
+            pass
+    return hosts
+
+
+def behind_router_advice(rejection: Rejection, announced: list[str], source: str, *, relay_ok: bool) -> Rejection:
+    """Advice that works for a node that announced only loopback or LAN addresses, which is a node
+    behind a router: opening a port "on 192.168.1.2" is no use to anyone outside. It names the
+    router's public address as the authorizer saw it, the port forward and --announce-maddrs that
+    make the node reachable directly, and the relay that needs no port at all."""
+    hosts = _announced_hosts(announced)
+    try:
+        seen = ipaddress.ip_address(source)
+    except ValueError:  # no address seen: nothing says the node is behind a router
+        return rejection
+    if not hosts or not all(_behind_nat(h) for h in hosts) or _behind_nat(seen):
+        return rejection  # a public address announced, or the authorizer on the node's own LAN
+    ports = [port for _, transport, port in map(_describe, (strip_peer_suffix(m)[0] for m in announced))
+             if transport == "tcp" and port not in (None, "0")]
+    port = ports[0] if ports else "PORT"
+    public = str(seen)
+    relay = ("ask the run's owner to run a relay (agora-node --role relay): with one, the authorizer admits a node "
+             "it cannot dial and the node serves through it, with no port to open" if relay_ok else
+             "start the node without --relay off: it then serves through the run's relays, if the run has any")
+    return Rejection(rejection.reason, (
+        f"this node announced only addresses of its own machine or LAN ({', '.join(map(str, hosts))}), which no "
+        f"peer on the internet can dial: it is behind a router (the authorizer saw it come from {public}). Either "
+        f"forward TCP port {port} on that router to this machine and start the node with --host-maddrs "
+        f"/ip4/0.0.0.0/tcp/{port} --announce-maddrs /ip4/{public}/tcp/{port}; or {relay}"))
+
+
 class Dialer:
     """Dials nodes back with a lazily started libp2p daemon; bounded fan-out, bounded time."""
 

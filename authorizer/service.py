@@ -38,7 +38,7 @@ from authorizer.models import (
 from authorizer.placement import choose_pool
 from authorizer.policy import TRAINER_POOL, Policy
 from authorizer.ratelimit import RATE_LIMITED_REASON, Limiter
-from authorizer.reachability import Dialer, ReachabilityUnavailable
+from authorizer.reachability import Dialer, ReachabilityUnavailable, behind_router_advice
 from authorizer.rejections import RejectionLedger
 from authorizer.schema import ADMITTED, QUEUED
 from authorizer.store import NewParticipant, Store, UnrecordedRejection
@@ -140,6 +140,10 @@ class Authorizer:
                     logger.info("%s %s cannot be dialled back (%s); admitting it to serve through the run's relays",
                                 request.role, request.peer_id, rejection.reason.value)
                     rejection, new = None, dataclasses.replace(new, reachability="relayed")
+                elif rejection is not None and rejection.reason in (RejectReason.UNREACHABLE,
+                                                                    RejectReason.NO_DIALABLE_ADDRESS):
+                    rejection = behind_router_advice(rejection, new.announce_maddrs, source,
+                                                     relay_ok=request.relay_ok)
         position = None
         if rejection is not None:
             if self.rejections.keep(source):

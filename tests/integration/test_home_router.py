@@ -111,6 +111,12 @@ def test_home_workers_join_serve_restart_and_survive_a_relay(home_lab):
     lab = run.lab
     assert not lab.addresses["ra"].startswith(("10.", "192.168.", "172.")), "the internet side must be public-class"
     run.authorizer()
+    # before the run has a relay: refused, with advice that works behind a router
+    refused = run.worker("w1a", "--host-maddrs", f"/ip4/0.0.0.0/tcp/{PORT}", stage=1, wait_ready=False)
+    assert run.swarm.wait(refused, 90) == 4, refused.log_tail()
+    advice = _log(refused)
+    assert f"forward TCP port {PORT} on that router" in advice and lab.public_address("w1a") in advice, advice
+    assert "ask the run's owner to run a relay" in advice and "Traceback" not in advice, advice
     relays = [run.relay("ra"), run.relay("rb")]
     for name, stage in (("w0", 0), ("w2", 2)):
         run.worker(name, "--host-maddrs", f"/ip4/0.0.0.0/tcp/{PORT}",
@@ -119,7 +125,7 @@ def test_home_workers_join_serve_restart_and_survive_a_relay(home_lab):
     began = time.monotonic()
     home = {
         # the short command: no --host-maddrs (127.0.0.1 only), behind one router
-        "w1a": run.worker("w1a", stage=1),
+        "w1a": run.worker("w1a", stage=1, incarnation=1),
         # listening on every interface behind a carrier NAT and a router
         "w1b": run.worker("w1b", "--host-maddrs", f"/ip4/0.0.0.0/tcp/{PORT}", stage=1),
         # a forwarded port, announced at the router's public address
@@ -147,6 +153,7 @@ def test_home_workers_join_serve_restart_and_survive_a_relay(home_lab):
     assert run.swarm.wait(trainer, 240) == 0, trainer.log_tail(40)
     summary = trainer.summary()
     assert summary["samples_completed"] == 240 and summary["samples_dropped"] == 0, summary
+    assert summary["samples_skipping_a_stage"] == 0, summary  # stage 1 was never routed around
     served = summary["served"]["1"]
     stage_total = sum(served.values())
     for name in ("w1a", "w1b"):
@@ -156,7 +163,7 @@ def test_home_workers_join_serve_restart_and_survive_a_relay(home_lab):
     # the home worker behind one router, killed and restarted with its identity, serves again
     run.swarm.stop(home["w1a"], sig=signal.SIGKILL, timeout_s=5)
     began = time.monotonic()
-    again = run.worker("w1a", stage=1, incarnation=1)
+    again = run.worker("w1a", stage=1, incarnation=2)
     restart_s = time.monotonic() - began
     assert "reachable through the run's relays" in _log(again), _log(again)[-3000:]
     trainer = run.trainer("t0", 120, incarnation=1)

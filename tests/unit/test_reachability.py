@@ -98,3 +98,38 @@ def test_a_relay_listed_at_two_addresses_is_named_once():
     line = Reachability(relayed=True, relays=[RELAY, same], forced=True).describe([])
     assert line.count(peer_of(RELAY)[:12]) == 1, line
     assert "/ip4/198.51.100.4/tcp/4001, /ip4/192.0.2.7/tcp/4001" in line, line
+
+
+def test_a_relayed_node_announces_its_own_circuits_on_the_relays_that_answered():
+    # p2pd reports no address for such a node behind a public relay: it says them itself
+    plan = plan_reachability("auto", relays=[RELAY, OTHER], relayed_by_authorizer=True)
+    assert plan.own_maddrs(NODE) == [f"{circuit_address(RELAY)}/p2p/{NODE}", f"{circuit_address(OTHER)}/p2p/{NODE}"]
+    # a relay that did not accept the credential at admission is left out of the reservations
+    # (p2pd takes no slot anywhere while a static relay is down) and of the announcements
+    plan = plan_reachability("auto", relays=[RELAY, OTHER], relayed_by_authorizer=True, answering=[OTHER])
+    assert plan.relays == [OTHER] and plan.daemon_flags()["trustedRelays"] == OTHER
+    assert plan.own_maddrs(NODE) == [f"{circuit_address(OTHER)}/p2p/{NODE}"]
+    # none answered: all are kept, and the slot check says what is wrong
+    assert plan_reachability("auto", relays=[RELAY, OTHER], relayed_by_authorizer=True, answering=[]).relays == [
+        RELAY, OTHER]
+    assert plan_reachability("auto", relays=[RELAY], relayed_by_authorizer=False).own_maddrs(NODE) == []
+
+
+def test_advice_for_a_node_behind_a_router_names_its_public_address():
+    from authorizer.admission import Rejection, RejectReason
+    from authorizer.reachability import behind_router_advice
+
+    original = Rejection(RejectReason.UNREACHABLE, "open TCP port 31337 on 192.168.1.2")
+    lan = [f"/ip4/192.168.1.2/tcp/31337/p2p/{NODE}", f"/ip4/127.0.0.1/tcp/31337/p2p/{NODE}"]
+    advice = behind_router_advice(original, lan, "203.0.113.9", relay_ok=True)
+    assert advice.reason == RejectReason.UNREACHABLE
+    assert "--announce-maddrs /ip4/203.0.113.9/tcp/31337" in advice.message
+    assert "forward TCP port 31337" in advice.message and "run a relay" in advice.message
+    refused_relays = behind_router_advice(original, lan, "203.0.113.9", relay_ok=False).message
+    assert "without --relay off" in refused_relays
+    # a public address announced: the dial-back's own message (which port to open) stands
+    public = [f"/ip4/203.0.113.9/tcp/31337/p2p/{NODE}"]
+    assert behind_router_advice(original, public, "203.0.113.9", relay_ok=True) is original
+    # the authorizer on the node's own machine or LAN, or no source seen: the dial-back's message stands
+    for source in ("127.0.0.1", "192.168.1.1", "unknown"):
+        assert behind_router_advice(original, lan, source, relay_ok=True) is original
