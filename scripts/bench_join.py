@@ -1,16 +1,18 @@
 #!/usr/bin/env python
-"""How fast a SIGKILLed worker serves again [issue 22, point 6]: a real swarm on 127.0.0.1 (an
+"""How fast a SIGKILLed worker serves again: a real swarm on 127.0.0.1 (an
 authorizer, `--stages` stages of `--replicas` workers each, `--trainers` trainers, the tiny
 preset) trains while every `--every-s` seconds a `--fraction` of the workers (at least one) is
-SIGKILLed and restarted at once with the same `--identity` and listen port, as a contributor's
-supervisor (systemd `Restart=always`) does.
+SIGKILLed and restarted with the same `--identity` and listen port (at once, or `--restart-delay-s`
+later), as a contributor's supervisor (systemd `Restart=always`) does.
 
 Per restart it reports the seconds from the restart to
 
 - each phase of the join, read from the worker's JSON log: admitted, joined the swarm (DHT
   bootstrap done), the averager process started, joined the stage (state loaded), and
 - `ready_s`: the readiness line (the worker serves forwards from then on), and
-- `serving_s`: the first request it answered (its Prometheus counter of requests moves).
+- `serving_s`: the first request it answered (its Prometheus counter of requests moves), and
+- `cpu_s_at_ready`: the CPU seconds its processes had used by then (against `ready_s`: how much of
+  the start was computing, and how much waiting for a core or the network).
 
 At the end the trainers are stopped with SIGTERM and their summaries say where every sample went:
 each sample started is completed or dropped with a reason (`samples_accounted`).
@@ -175,13 +177,15 @@ class Bench:
                 # with --baseline, every other restart runs the baseline tree: both under the same load
                 tree = self.args.baseline if self.args.baseline and restarts % 2 == 1 else None
                 restarts += 1
-                thread = threading.Thread(target=self._restart, args=(name, time.monotonic() - t0, tree), daemon=True)
+                thread = threading.Thread(target=self._restart, args=(name, time.monotonic() - t0, tree,
+                                                                      self.args.restart_delay_s), daemon=True)
                 thread.start()
                 self._threads.append(thread)
         for thread in self._threads:
             thread.join(self.args.restart_timeout_s + 10)
 
-    def _restart(self, name: str, t_s: float, tree: Optional[str] = None) -> None:
+    def _restart(self, name: str, t_s: float, tree: Optional[str] = None, delay_s: float = 0.0) -> None:
+        time.sleep(delay_s)  # the machine was down for a while
         started, started_unix = time.monotonic(), time.time()
         row: dict = {"node": name, "t_s": round(t_s, 1), "tree": "baseline" if tree else "this"}
         self.restarts.append(row)
@@ -189,6 +193,7 @@ class Bench:
             node = self._start_worker(name, wait_ready=False, tree=tree)
             self.swarm.wait_ready(node, timeout_s=self.args.restart_timeout_s)
             row["ready_s"] = round(time.monotonic() - started, 2)
+            row["cpu_s_at_ready"] = _tree_cpu_s(node.pid)
             url = _metrics_url(node)
             deadline = started + self.args.restart_timeout_s
             while time.monotonic() < deadline and node.proc.poll() is None:
@@ -241,6 +246,30 @@ def _median(rows: list[dict], key: str) -> Optional[float]:
     return rounded(statistics.median(values), 2) if values else None
 
 
+def _tree_cpu_s(pid: int) -> Optional[float]:
+    """CPU seconds (user + system) the node's process and its live descendants (p2pd, the DHT and
+    averager processes) have used: against `ready_s`, how much of a start was waiting for a core."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        total = 0.0
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+                total += times.user + times.system
+            except psutil.Error:
+                pass
+        return round(total, 2)
+    except psutil.Error:
+        return None
+
+
+def _max(rows: list[dict], key: str) -> Optional[float]:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return rounded(max(values), 2) if values else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, default=2)
@@ -250,6 +279,7 @@ def main() -> None:
     p.add_argument("--duration-s", type=float, default=150.0, help="churn for this long after the trainers start")
     p.add_argument("--every-s", type=float, default=30.0, help="kill and restart workers this often")
     p.add_argument("--fraction", type=float, default=0.25, help="of the workers killed each time (at least one)")
+    p.add_argument("--restart-delay-s", type=float, default=0.0, help="restart a killed worker this much later")
     p.add_argument("--announce-period-s", type=float, default=5.0)
     p.add_argument("--restart-timeout-s", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=1)
@@ -282,7 +312,11 @@ def main() -> None:
         phases = sorted({k for r in mine for k in r.get("phases_s", {}) if k != "joined_as"})
         report[f"median_s_{tree}" if args.baseline else "median_s"] = {
             "restarts": len(mine), "ready": _median(mine, "ready_s"), "serving": _median(mine, "serving_s"),
+            "cpu_at_ready": _median(mine, "cpu_s_at_ready"),
             **{k: _median([r["phases_s"] for r in mine], k) for k in phases}}
+        report[f"max_s_{tree}" if args.baseline else "max_s"] = {
+            "ready": _max(mine, "ready_s"), "serving": _max(mine, "serving_s"),
+            **{k: _max([r["phases_s"] for r in mine], k) for k in phases}}
         serving = [r.get("serving_s") for r in mine]
         report[f"max_serving_s_{tree}" if args.baseline else "max_serving_s"] = (
             None if None in serving else max(serving))  # None: a restart never served

@@ -92,7 +92,10 @@ def _add_up(sub) -> None:
 
 
 def _down(args: argparse.Namespace) -> int:
-    removed = cleanup_stale(args.prefix)
+    from node.netlab.natlab import PREFIX as NAT_LAB_PREFIX
+
+    prefixes = [args.prefix] if args.prefix else [PREFIX, NAT_LAB_PREFIX]
+    removed = [line for prefix in prefixes for line in cleanup_stale(prefix)]
     for line in removed:
         print(line)
     print(f"removed {len(removed)} leftover(s) of dead labs", file=sys.stderr)
@@ -101,7 +104,7 @@ def _down(args: argparse.Namespace) -> int:
 
 def _add_down(sub) -> None:
     p = sub.add_parser("down", help="remove the leftovers of labs whose controller died")
-    p.add_argument("--prefix", default=PREFIX)
+    p.add_argument("--prefix", default=None, help="only labs of this prefix (default: the TUN lab's and the NAT lab's)")
     p.set_defaults(func=_down)
 
 
