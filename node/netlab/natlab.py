@@ -7,9 +7,9 @@ meets on its way in:
 
   - an "internet": a bridge in its own namespace; every public host (authorizer, relays, public
     workers, trainers) is a namespace with one veth onto it, on an address of
-    INTERNET_SUBNET (198.18.0.0/15 by default: a range reserved for benchmarks, routed nowhere,
-    and not one of the private classes 10/8, 172.16/12, 192.168/16 or 100.64/10 that libp2p
-    treats as a LAN);
+    INTERNET_SUBNET (198.18.0.0/24 by default, of the range reserved for benchmarks: routed
+    nowhere, and not one of the private classes 10/8, 172.16/12, 192.168/16 or 100.64/10 that
+    libp2p treats as a LAN, so a relay there is treated as a real one on the internet is);
   - home routers: a namespace with a WAN veth on the internet (or on a carrier router's LAN, for
     two levels of NAT) and a LAN bridge on 192.168.N.0/24; nftables masquerades whatever leaves by
     the WAN and forwards nothing in but replies (established, related); a port forward (DNAT) is

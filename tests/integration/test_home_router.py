@@ -172,4 +172,7 @@ def test_home_workers_join_serve_restart_and_survive_a_relay(home_lab):
     assert summary["samples_completed"] == 120 and summary["samples_dropped"] == 0, summary
     assert summary["served"]["1"].get(again.peer_id, 0) > 0, summary["served"]
     assert restart_s < 60, restart_s
+    print(f"home workers ready in {ready_s:.1f} s (three, one after another); stage 1 shares "
+          f"{ {n: round(served.get(home[n].peer_id, 0) / stage_total, 3) for n in home} }; restarted home worker "
+          f"ready in {restart_s:.1f} s, served {summary['served']['1'].get(again.peer_id, 0)} of 120 afterwards")
 
