@@ -62,6 +62,20 @@ class StreamLimits:
     """Bytes of frames one peer has announced and not yet delivered in full, over all its streams."""
     min_transfer_rate_bps: float = 64 << 10
     """A frame must arrive at least this fast (after `idle_timeout_s` of grace), or its stream is closed."""
+    shun_after_strikes: int = 8
+    """Silent streams of a peer that never said a valid hello evicted, timed out or refused before
+    it is shunned: its new streams closed on arrival, its connection dropped (protocol/stream_gate.py)."""
+    shun_base_s: float = 2.0
+    """How long a first shun lasts; each one earned again lasts twice as long."""
+    shun_max_s: float = 300.0
+    """The longest shun; a peer with no strike for this long starts afresh."""
+    shun_disconnect_every_s: float = 1.0
+    """A shunned peer's connection is dropped at most this often while its streams keep arriving."""
+    new_unauthenticated_per_s: float = 64.0
+    """New streams per second of all peers that have not said a valid hello yet, together (a peer's
+    first stream passes regardless)."""
+    new_unauthenticated_burst: int = 256
+    """How many such streams may arrive at once above that rate."""
 
     def frame_deadline_s(self, length: int) -> float:
         """How long reading a frame of `length` bytes may take."""

@@ -53,6 +53,7 @@ from protocol.messages import (
     to_body,
 )
 from protocol.relays import is_relayed
+from protocol.stream_gate import StreamGate
 from protocol.stream_limits import HELLO_MAX_BYTES, StreamBudget, StreamLimits, source_key
 from protocol.version import PROTOCOL_VERSION
 
@@ -186,6 +187,7 @@ class RpcServer:
         self.authenticator = authenticator
         self.limits = limits or StreamLimits()
         self.budget = StreamBudget(self.limits)
+        self.gate = StreamGate(self.limits, now=time.monotonic())
         self.rejected: collections.Counter[str] = collections.Counter()
         """Error replies sent, by error code."""
         self.auth_rejected: collections.Counter[str] = collections.Counter()
@@ -194,6 +196,12 @@ class RpcServer:
         """Streams or frames refused by the limits, by reason (too_many_streams, over_byte_budget, ...)."""
         self.streams_closed: collections.Counter[str] = collections.Counter()
         """Streams the server closed on its own, by reason (idle_timeout, hello_timeout, expired, ...)."""
+        self.peers_disconnected = 0
+        """Connections of shunned peers dropped."""
+        self._disconnecting: dict[str, asyncio.Task] = {}
+        self._held: dict[str, list[asyncio.StreamWriter]] = {}
+        """Streams of shunned peers, held unread until their shun ends."""
+        self._held_total = 0
         self.served: collections.Counter[str] = collections.Counter()
         self.bytes_received = 0
         """Bytes of request frames read (length prefixes included), for the node's metrics."""
@@ -212,11 +220,16 @@ class RpcServer:
         flat.update({f"streams_refused_{k}": v for k, v in self.streams_refused.items()})
         flat.update({f"streams_closed_{k}": v for k, v in self.streams_closed.items()})
         flat["streams_open"] = len(self._sessions)
+        flat["streams_held"] = self._held_total
+        flat["peers_shunned"] = self.gate.shuns
+        flat["peers_disconnected"] = self.peers_disconnected
         return flat
 
     async def add_handler(self, name: str, handler: Handler, *, roles: Optional[frozenset[str]] = None) -> None:
         """Serve `name`; `roles` limits which credential roles may call it (authenticated runs)."""
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if self._turned_away(info.peer_id, writer):
+                return
             try:
                 await self._serve_stream(name, handler, roles, info, reader, writer)
             except asyncio.CancelledError:
@@ -230,6 +243,66 @@ class RpcServer:
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep(), name="rpc-stream-sweeper")
 
+    def _turned_away(self, peer_id: PeerID, writer: asyncio.StreamWriter) -> bool:
+        """Refuse a stream of a shunned peer, or one over the rate of new streams from peers
+        without a valid hello, as it arrives: nothing read, no session, no timer, no reply.
+
+        A shunned peer's stream is held, unread, until the shun ends (within the allowance of
+        silent streams per peer and in total): a flood that re-opens what the node closes then
+        has nothing to re-open, where closing at once let it cycle a stream per round trip (and
+        dropping the connection, all of them: it re-dials at once). Over that allowance the stream
+        is closed at once and the connection dropped (at most once per `shun_disconnect_every_s`)."""
+        peer = peer_id.to_base58()
+        now = time.monotonic()
+        refusal = self.gate.admit(peer, self.budget.unauthenticated[peer], now)
+        if refusal is None:
+            return False
+        if refusal == "shunned":
+            held = self._held.setdefault(peer, [])
+            if (len(held) < self.limits.max_unauthenticated_per_peer
+                    and self._held_total < self.limits.max_unauthenticated_total):
+                self.streams_refused["shunned"] += 1
+                held.append(writer)
+                self._held_total += 1
+                return True
+            refusal = "shunned_over_allowance"
+            if self.gate.should_disconnect(peer, now):
+                self._disconnect(peer)
+        self.streams_refused[refusal] += 1
+        writer.close()
+        return True
+
+    def _release_held(self, now: float) -> None:
+        """Close the held streams of peers whose shun has ended."""
+        for peer in [p for p in self._held if not self.gate.shunned(p, now)]:
+            for writer in self._held.pop(peer):
+                writer.close()
+                self._held_total -= 1
+
+    def _strike(self, peer: str) -> None:
+        """A silent stream of `peer` was evicted, timed out or refused."""
+        if self.gate.strike(peer, time.monotonic()):
+            logger.debug("peer %s shunned: its streams keep going without a hello", peer)
+
+    def _disconnect(self, peer: str) -> None:
+        """Drop `peer`'s libp2p connection, in the background (one call to the daemon per peer at a
+        time): its open streams go with it, and its next stream costs it a new connection."""
+        if peer in self._disconnecting:
+            return
+
+        async def drop() -> None:
+            try:
+                await asyncio.wait_for(hivemind_adapter.disconnect(self.p2p, PeerID.from_base58(peer)), 5.0)
+                self.peers_disconnected += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - gone already, or the daemon is stopping
+                logger.debug("could not drop the connection of %s: %s", peer, exc)
+            finally:
+                self._disconnecting.pop(peer, None)
+
+        self._disconnecting[peer] = asyncio.create_task(drop(), name="rpc-drop-shunned-peer")
+
     async def _serve_stream(self, name, handler, roles, info, reader, writer) -> None:
         peer_id: PeerID = info.peer_id
         peer = peer_id.to_base58()
@@ -241,6 +314,8 @@ class RpcServer:
             self._evict(victim)
         if refusal is not None:
             self.streams_refused[refusal] += 1
+            if refusal == "too_many_unauthenticated":
+                self._strike(peer)
             held = (f"{self.limits.max_streams_per_peer} streams" if refusal == "too_many_streams" else
                     f"{self.limits.max_unauthenticated_per_peer} streams that have not sent their hello")
             await self._refuse(writer, ErrorCode.RATE_LIMITED,
@@ -271,6 +346,7 @@ class RpcServer:
         we leave unread, so the close does not reset it."""
         self.streams_closed["evicted"] += 1
         self._count(ErrorCode.RATE_LIMITED)
+        self._strike(session.peer)
         session.deadline = None
         with contextlib.suppress(Exception):  # the stream may be gone already
             session.writer.write(encode_frame(_error(
@@ -326,6 +402,7 @@ class RpcServer:
             await self._refuse(session.writer, exc.code, str(exc), reader)
             return False
         self.budget.authenticated(session)
+        self.gate.trust(session.peer)
         session.credential = credential
         await write_frame(session.writer, pack(ack))
         return True
@@ -433,6 +510,8 @@ class RpcServer:
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            if self._held:
+                self._release_held(now)
             for session in list(self._sessions):
                 if session.handling is not None and not session.caller_left and _caller_gone(session.reader):
                     session.caller_left = True  # it timed out or died: nobody waits for the answer
@@ -450,11 +529,16 @@ class RpcServer:
                     self.streams_closed[reason] += 1
                     session.deadline = None
                     session.writer.close()
+                    if reason == "hello_timeout":
+                        self._strike(session.peer)
 
     async def shutdown(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
+        for task in list(self._disconnecting.values()):
+            task.cancel()
+        await asyncio.gather(*self._disconnecting.values(), return_exceptions=True)
         for name in self._names:
             try:
                 await self.p2p.remove_binary_stream_handler(name)
@@ -462,6 +546,7 @@ class RpcServer:
                 pass
         for session in list(self._sessions):
             session.writer.close()
+        self._release_held(float("inf"))
 
 
 @dataclass(eq=False)

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import time
+import types
+import uuid
 
 import psutil
 import pytest
@@ -371,3 +374,185 @@ def test_throwaway_peer_ids_cannot_shut_a_trainer_out(make_swarm, authorizer, tm
     swarm.stop(trainer)
     summary = trainer.summary()
     assert summary is not None and summary["samples_dropped"] == 0, summary
+
+
+THREE_STAGES = [{"first_layer": 0, "last_layer": 1}, {"first_layer": 1, "last_layer": 2},
+                {"first_layer": 2, "last_layer": 3}]
+FLOOD_S = 25.0
+QUIET_S = 10.0
+PROBE_EVERY_S = 0.2
+
+
+@pytest.fixture
+def authorizer3(tmp_path, run_config_path):
+    from authorizer.testing import AuthorizerProcess
+
+    config = run_config_path(stages=THREE_STAGES, run_id=f"flood-{uuid.uuid4().hex[:6]}")
+    process = AuthorizerProcess(
+        ["--run-config", config, "--data-dir", str(tmp_path / "authorizer"), "--port", "0",
+         "--credential-ttl-s", "600", "--admin-token", "test-admin-token-0123456789", "--stage-capacity", "4"],
+        log_path=str(tmp_path / "authorizer.log"))
+    process.start()
+    yield process
+    process.stop()
+
+
+class _Flood(_Sybils):
+    """`SYBILS` stock libp2p peers, each holding `SILENT_PER_SYBIL` streams to `worker` that never
+    say hello and opening another as soon as one is closed (evicted, refused or disconnected):
+    the stream flood that stalled a worker before streams were refused on arrival."""
+
+    def __init__(self, worker, addresses: list[str]):
+        super().__init__(worker, addresses)
+        self.seen = {"opened": 0, "open_failed": 0}
+        self.flooding = asyncio.Event()
+
+    async def _hold(self, p2p):
+        from protocol import version
+
+        await self.flooding.wait()
+        while not self._stopping:
+            try:
+                reader, writer = await asyncio.wait_for(_open(p2p, self.peer, version.FORWARD), 10)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - refused or disconnected: the flood tries again at once
+                self.seen["open_failed"] += 1
+                await asyncio.sleep(0.01)
+                continue
+            self.seen["opened"] += 1
+            with contextlib.suppress(Exception):
+                while await reader.read(4096):
+                    pass
+            writer.close()
+
+
+def _flood_process(peer_id: str, maddrs: list[str], addresses: list[str], conn) -> None:
+    """The flood, in a process of its own (so that its event loop is not the honest probe's):
+    starts its daemons, says "up", floods from "go" to "stop", then sends what it saw."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with _Flood(types.SimpleNamespace(peer_id=peer_id, maddrs=maddrs), addresses) as flood:
+            conn.send("up")
+            for word in ("go", "stop"):
+                while not await loop.run_in_executor(None, conn.poll, 1.0):
+                    pass
+                assert conn.recv() == word
+                flood.flooding.set()
+            seen = dict(flood.seen)
+        conn.send(seen)
+
+    asyncio.run(main())
+
+
+class _FloodChild:
+    """`_flood_process` in a forked child, its daemons killed whatever becomes of it."""
+
+    def __init__(self, worker):
+        parent, child = multiprocessing.Pipe()
+        self.conn = parent
+        self.proc = multiprocessing.Process(target=_flood_process, daemon=True, args=(
+            worker.peer_id, worker.maddrs, [f"127.0.0.{n}" for n in range(2, 8)], child))
+        self.proc.start()
+        self.descendants: list[psutil.Process] = []
+
+    def wait_up(self, timeout_s: float) -> None:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError("the flood's daemons did not come up")
+        assert self.conn.recv() == "up"
+        self.descendants = psutil.Process(self.proc.pid).children(recursive=True)
+
+    async def go(self) -> None:
+        self.conn.send("go")
+
+    async def stop(self) -> dict:
+        self.conn.send("stop")
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, self.conn.poll, 60):
+            return {}
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        for process in self.descendants:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+
+
+async def _honest_calls(probe: "_HonestProbe", until: float) -> list[float]:
+    """Fresh-stream INFO calls to the worker every PROBE_EVERY_S until `until` (a new client each
+    time, so each call opens a stream and says its hello): their latencies, a failure as infinite."""
+    latencies = []
+    while time.monotonic() < until:
+        started = time.monotonic()
+        try:
+            await probe.info()
+            latencies.append(time.monotonic() - started)
+        except Exception:  # noqa: BLE001 - a refused or timed-out honest call
+            latencies.append(float("inf"))
+        await asyncio.sleep(max(0.0, started + PROBE_EVERY_S - time.monotonic()))
+    return latencies
+
+
+async def _window(probe: "_HonestProbe", window_s: float) -> dict:
+    """The trainer's rate through the worker (backward samples/s) and honest call latencies."""
+    first = await probe.info()
+    t0 = time.monotonic()
+    latencies = await _honest_calls(probe, t0 + window_s)
+    last = await probe.info()
+    rate = (last["counters"]["backward_requests"] - first["counters"]["backward_requests"]) / (time.monotonic() - t0)
+    return {"rate": rate, "latencies": latencies, "counters": last["counters"]}
+
+
+async def _flood_scenario(worker, authorizer_url, tmp_path, flood: _FloodChild) -> dict:
+    async with _HonestProbe(worker, authorizer_url, str(tmp_path / "probe.key")) as probe:
+        while (await probe.info())["counters"]["backward_requests"] < 20:  # the trainer is training
+            await asyncio.sleep(1.0)
+        quiet = await _window(probe, QUIET_S)
+        await flood.go()
+        await asyncio.sleep(2.0)  # the flood is on
+        flooded = await _window(probe, FLOOD_S - 2.0)
+        seen = await flood.stop()
+    return {"quiet": quiet, "flood": flooded, "seen": seen}
+
+
+def _p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+@pytest.mark.solo
+@pytest.mark.timeout(300)
+def test_a_stream_flood_does_not_stall_a_worker(make_swarm, authorizer3, tmp_path):
+    """36 throwaway peer ids x 8 silent streams, each re-opened as soon as the worker closes it,
+    for 25 s against the head worker of a 3-stage swarm: honest calls to it stay under 1 s and
+    the trainer keeps at least half its rate without the flood."""
+    swarm = make_swarm(None)
+    workers = [swarm.start("worker", args=_node_args(authorizer3, name)) for name in ("alice", "bob", "erin")]
+    head = next(w for w in workers if w.stage == 0)
+    flood = _FloodChild(head)  # its daemons start while the trainer does
+    try:
+        trainer = swarm.start("trainer", args=[*_node_args(authorizer3, "carol"), "--max-samples", "1000000",
+                                               "--lanes", "2"])
+        flood.wait_up(150)
+        report = asyncio.run(asyncio.wait_for(_flood_scenario(head, authorizer3.url, tmp_path, flood), 150))
+    finally:
+        flood.close()
+    lines = []
+    for label in ("quiet", "flood"):
+        window = report[label]
+        latencies = window["latencies"]
+        streams = {k: v for k, v in window["counters"].items() if k.startswith(("streams_", "peers_"))}
+        lines.append(f"{label}: trainer {window['rate']:.1f} samples/s; honest calls max {max(latencies):.3f} s, "
+                     f"p95 {_p95(latencies):.3f} s ({len(latencies)} calls); worker {streams}")
+    print("\n".join(lines), f"\nattackers {report['seen']}")
+    quiet, flooded = report["quiet"], report["flood"]
+    assert trainer.proc.poll() is None, trainer.log_tail()
+    # the flood did fill the allowance of silent streams, and its peer ids were shunned for it
+    assert flooded["counters"]["streams_closed_evicted"] > 0 and flooded["counters"]["peers_shunned"] >= SYBILS, \
+        flooded["counters"]
+    assert max(flooded["latencies"]) < 1.0, sorted(flooded["latencies"])[-5:]
+    assert flooded["rate"] >= 0.5 * quiet["rate"], (flooded["rate"], quiet["rate"])

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from protocol.codec import pack, unpack
 from protocol.errors import ErrorCode, PeerUnavailable
 from protocol.framing import read_frame, write_frame
+from protocol.stream_gate import MAX_TRACKED_PEERS, StreamGate
 from protocol.stream_limits import StreamBudget, StreamLimits, source_key
 from protocol.transport import RpcClient, RpcServer, hello_frame
 from tests.support.polling import poll_until
@@ -91,6 +92,70 @@ def test_of_sources_holding_as_many_the_one_with_the_oldest_stream_evicts():
     budget.open(young, "p", "s1")
     budget.open(object(), "q", "s2")
     assert budget.open(object(), "r", "s3") == (None, [old])
+
+
+GATE = StreamLimits(shun_after_strikes=3, shun_base_s=2.0, shun_max_s=16.0, shun_disconnect_every_s=1.0,
+                    new_unauthenticated_per_s=10.0, new_unauthenticated_burst=5)
+
+
+def test_a_peer_whose_silent_streams_keep_being_evicted_is_shunned_with_back_off():
+    gate = StreamGate(GATE)
+    assert [gate.strike("sybil", 0.0) for _ in range(3)] == [False, False, True]  # the third strike shuns
+    assert gate.admit("sybil", 0, 0.5) == "shunned" and gate.shunned("sybil", 1.9)
+    # its connection is dropped at most once a second while its streams keep arriving
+    assert [gate.should_disconnect("sybil", t) for t in (0.5, 0.9, 1.6, 1.7)] == [True, False, True, False]
+    assert gate.strike("sybil", 1.0) is False, "no strikes while shunned: the shun does not grow by itself"
+    assert gate.admit("sybil", 0, 2.0) is None and not gate.should_disconnect("sybil", 2.0)
+    # earned again: twice as long, then four times, up to shun_max_s
+    for shuns, until in ((1, 3.0 + 4.0), (2, 7.0 + 8.0), (3, 15.0 + 16.0), (4, 31.0 + 16.0)):
+        start = until - min(16.0, 2.0 * 2 ** shuns)
+        assert [gate.strike("sybil", start) for _ in range(3)][-1] is True
+        assert gate.shunned("sybil", until - 0.01) and not gate.shunned("sybil", until)
+    # quiet for shun_max_s: forgiven, the next shun is a first one again
+    assert [gate.strike("sybil", 100.0) for _ in range(3)][-1] is True
+    assert not gate.shunned("sybil", 102.0)
+
+
+def test_a_peer_that_said_a_valid_hello_is_never_shunned_nor_rate_limited():
+    gate = StreamGate(GATE)
+    gate.strike("trainer", 0.0)
+    gate.strike("trainer", 0.0)
+    gate.trust("trainer")  # its hello checked out: strikes forgotten
+    assert not any(gate.strike("trainer", 0.0) for _ in range(10))
+    assert all(gate.admit("trainer", 8, 0.0) is None for _ in range(100))  # the bucket does not apply
+    assert not gate.shunned("trainer", 0.0) and not gate.should_disconnect("trainer", 0.0)
+    # a shunned peer that proves itself (a hello on a stream admitted before the shun) is let in
+    for _ in range(3):
+        gate.strike("late", 0.0)
+    gate.trust("late")
+    assert gate.admit("late", 0, 0.1) is None
+
+
+def test_new_streams_of_untrusted_peers_share_one_bucket_but_a_first_stream_always_passes():
+    gate = StreamGate(GATE)
+    # throwaway peer ids do not multiply the rate: five at once (the burst), then ten a second
+    assert [gate.admit(f"id{i}", 1, 0.0) for i in range(5)] == [None] * 5
+    assert gate.admit("id0", 1, 0.0) == "unauthenticated_rate"
+    assert gate.admit("id1", 1, 0.05) == "unauthenticated_rate"
+    assert gate.admit("id2", 1, 0.1) is None  # one token refilled after 0.1 s
+    # a peer's first stream (no silent stream held, no strike) passes with the bucket empty: an
+    # honest newcomer's hello is on the way; a throwaway id gets no more than that
+    assert gate.admit("newcomer", 0, 0.1) is None
+    assert gate.admit("id0", 0, 0.1) == "unauthenticated_rate", "id0 was struck by its refusal"
+    # refusals are strikes: a peer that keeps arriving over the rate is shunned
+    assert gate.admit("id1", 1, 0.1) == "unauthenticated_rate" and not gate.shunned("id1", 0.1)
+    assert gate.admit("id1", 1, 0.1) == "unauthenticated_rate" and gate.shunned("id1", 0.1)  # third strike
+    assert gate.admit("id1", 1, 60.0) is None
+
+
+def test_the_gate_remembers_a_bounded_number_of_peers():
+    gate = StreamGate(GATE)
+    gate.trust("trainer")
+    for i in range(MAX_TRACKED_PEERS + 100):
+        gate.strike(f"id{i}", 0.0)
+        if i % 1000 == 0:
+            gate.admit("trainer", 0, 0.0)  # seen recently: kept
+    assert gate.tracked == MAX_TRACKED_PEERS and gate.trusted("trainer")
 
 
 @pytest.mark.parametrize("addr, key", [
@@ -384,7 +449,10 @@ def test_throwaway_peer_ids_from_a_few_addresses_cannot_shut_out_an_honest_calle
                 finally:
                     await client.close()
                 assert replies == [{"echo": {"r": round_, "i": i}} for i in range(4)]
-            assert server.streams_refused == {}, server.streams_refused
+            # the attackers' evicted streams shun them: their new streams are closed on arrival
+            # (protocol/stream_gate.py); the honest peer is never refused
+            assert set(server.streams_refused) <= {"shunned", "unauthenticated_rate"}, server.streams_refused
+            assert not server.gate.shunned(honest.peer_id.to_base58(), asyncio.get_running_loop().time())
             assert server.served[HANDLER] == 20
             assert evicted and all(e["error"]["code"] == ErrorCode.RATE_LIMITED and "evicted" in e["error"]["message"]
                                    for e in evicted), evicted[:3]
