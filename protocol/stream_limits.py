@@ -25,6 +25,11 @@ counted against that allowance at all.
 `StreamBudget` is only the bookkeeping: the transport asks it before opening a stream or reading
 a frame, closes what it says to evict, and answers a refusal with a typed error
 (`ErrorCode.RATE_LIMITED`) and the reason.
+
+These limits bound what a peer holds, not how fast its streams come: a flood that re-opens every
+evicted stream stays within them while it costs the node a session per round trip. Who may open a
+stream at all (strikes, shuns with back-off, one bucket of new streams for every peer without a
+valid hello) is protocol/stream_gate.py's, consulted before this budget; its settings are here too.
 """
 
 from __future__ import annotations

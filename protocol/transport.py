@@ -16,7 +16,10 @@ and gets the reply validated into its model, or a plain map with `call`.
 Hostile input never escapes a handler: it is answered with a typed error reply, counted by code,
 and the stream keeps serving unless its framing or its authentication is broken. What one peer
 may hold (streams, unauthenticated streams, buffered bytes, idle time) is bounded by
-protocol/stream_limits.py; refusals and closes are counted by reason.
+protocol/stream_limits.py; a peer that floods streams without a hello is refused as its streams
+arrive, before any session or read (protocol/stream_gate.py: strikes, shuns with back-off, one
+bucket of new streams for all peers without a valid hello); refusals and closes are counted by
+reason.
 """
 
 from __future__ import annotations
