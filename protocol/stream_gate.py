@@ -19,9 +19,10 @@ remembers, per peer that has not said a valid hello yet:
   `shun_max_s` starts afresh;
 - and, for all such peers together, a token bucket of new streams (`new_unauthenticated_per_s`,
   `new_unauthenticated_burst`), so that peer ids, which cost nothing, cannot multiply the rate.
-  A peer's first stream (no strikes, no silent stream held) passes even with the bucket empty: it
-  is how an honest newcomer's hello gets in during a flood, and a throwaway peer id gets no more
-  than that one before its strikes shun it.
+  A peer without strikes passes even with the bucket empty while it holds fewer than
+  NEWCOMER_STREAMS silent streams, as many as a client opens before its first ack: that is how an
+  honest newcomer's hellos get in during a flood, and a throwaway peer id gets no more than those
+  before its first strike.
 
 A peer that said a valid hello is trusted: never struck, never shunned, never counted against
 the bucket. Its credential answers for it, and the holding limits still bound it. Only silent
@@ -38,8 +39,13 @@ from typing import Optional
 from protocol.stream_limits import StreamLimits
 
 MAX_TRACKED_PEERS = 4096
-"""Peers remembered at once (least recently seen forgotten first): throwaway peer ids must not
-grow the table without bound."""
+"""Peers with strikes or shuns remembered at once, and as many trusted ones (least recently seen
+forgotten first): throwaway peer ids must not grow the tables without bound, nor push trusted
+peers out."""
+
+NEWCOMER_STREAMS = 4
+"""Silent streams a peer without strikes may open past an empty bucket: a client opens this many
+at once before its first ack (protocol/transport.py HELLOS_IN_FLIGHT_PER_PEER)."""
 
 
 @dataclass(eq=False)
@@ -50,7 +56,6 @@ class _Standing:
     shunned_until: float = 0.0
     last_strike: float = 0.0
     last_disconnect: float = float("-inf")
-    trusted: bool = False
 
 
 class StreamGate:
@@ -60,6 +65,8 @@ class StreamGate:
     def __init__(self, limits: StreamLimits, *, now: float = 0.0):
         self.limits = limits
         self._peers: collections.OrderedDict[str, _Standing] = collections.OrderedDict()
+        """Untrusted peers with strikes or shuns."""
+        self._trusted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._tokens = float(limits.new_unauthenticated_burst)
         self._refilled = now
         self.shuns = 0
@@ -68,27 +75,30 @@ class StreamGate:
     def admit(self, peer: str, silent_held: int, now: float) -> Optional[str]:
         """Whether a new stream of `peer` (which holds `silent_held` silent streams) may open: None,
         or the reason it is refused ("shunned", "unauthenticated_rate")."""
+        if peer in self._trusted:
+            self._trusted.move_to_end(peer)
+            return None
         standing = self._peers.get(peer)
         if standing is not None:
             self._peers.move_to_end(peer)
-            if standing.trusted:
-                return None
             if now < standing.shunned_until:
                 return "shunned"
         self._refill(now)
         if self._tokens >= 1.0:
             self._tokens -= 1.0
             return None
-        if silent_held == 0 and (standing is None or standing.strikes == 0):
-            return None  # a newcomer's first stream: its hello is on the way
+        if silent_held < NEWCOMER_STREAMS and (standing is None or standing.strikes == 0):
+            return None  # a newcomer's first streams: their hellos are on the way
         self.strike(peer, now)
         return "unauthenticated_rate"
 
     def strike(self, peer: str, now: float) -> bool:
         """An untrusted `peer`'s silent stream was evicted, timed out or refused. True if this
         shuns it (now): the caller drops its connection."""
+        if peer in self._trusted:
+            return False
         standing = self._standing(peer)
-        if standing.trusted or now < standing.shunned_until:
+        if now < standing.shunned_until:
             return False
         if now - standing.last_strike > self.limits.shun_max_s:
             standing.strikes = standing.shuns = 0  # quiet long enough: forgiven
@@ -108,14 +118,17 @@ class StreamGate:
 
     def trust(self, peer: str) -> None:
         """`peer` said a valid hello: its strikes and shuns are forgotten."""
-        standing = self._standing(peer)
-        standing.trusted, standing.strikes, standing.shuns, standing.shunned_until = True, 0, 0, 0.0
+        self._peers.pop(peer, None)
+        self._trusted[peer] = None
+        self._trusted.move_to_end(peer)
+        while len(self._trusted) > MAX_TRACKED_PEERS:
+            self._trusted.popitem(last=False)
 
     def should_disconnect(self, peer: str, now: float) -> bool:
         """Whether to drop the connection of shunned `peer`, whose stream just arrived: at most once
         per `shun_disconnect_every_s` (each drop costs the node a call to its daemon)."""
         standing = self._peers.get(peer)
-        if standing is None or standing.trusted or now >= standing.shunned_until:
+        if standing is None or now >= standing.shunned_until:
             return False
         if now - standing.last_disconnect < self.limits.shun_disconnect_every_s:
             return False
@@ -127,11 +140,11 @@ class StreamGate:
         return standing is not None and now < standing.shunned_until
 
     def trusted(self, peer: str) -> bool:
-        standing = self._peers.get(peer)
-        return standing is not None and standing.trusted
+        return peer in self._trusted
 
     @property
     def tracked(self) -> int:
+        """Untrusted peers remembered."""
         return len(self._peers)
 
     def _standing(self, peer: str) -> _Standing:

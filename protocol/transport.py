@@ -56,7 +56,7 @@ from protocol.messages import (
     to_body,
 )
 from protocol.relays import is_relayed
-from protocol.stream_gate import StreamGate
+from protocol.stream_gate import NEWCOMER_STREAMS, StreamGate
 from protocol.stream_limits import HELLO_MAX_BYTES, StreamBudget, StreamLimits, source_key
 from protocol.version import PROTOCOL_VERSION
 
@@ -66,9 +66,10 @@ Handler = Callable[[PeerID, dict], Awaitable[Union[dict, WireModel]]]
 M = TypeVar("M", bound=WireModel)
 T = TypeVar("T")
 
-HELLOS_IN_FLIGHT_PER_PEER = 4
+HELLOS_IN_FLIGHT_PER_PEER = NEWCOMER_STREAMS
 """New streams a client opens to one peer at once (half the server's default allowance of streams
-before their hello): a burst of calls opens streams a few at a time instead of being refused."""
+before their hello): a burst of calls opens streams a few at a time instead of being refused, and
+a newcomer's streams pass a server's gate even while a flood has emptied its bucket."""
 
 _CLOSING_CODES = frozenset({ErrorCode.UNAUTHENTICATED, ErrorCode.RATE_LIMITED, ErrorCode.FRAME_TOO_LARGE})
 """Error replies after which the server closes the stream: the client must not pool it."""

@@ -507,15 +507,37 @@ async def _window(probe: "_HonestProbe", window_s: float) -> dict:
     return {"rate": rate, "latencies": latencies, "counters": last["counters"]}
 
 
+def _cpu_s(processes: dict[str, list[psutil.Process]]) -> dict[str, float]:
+    """CPU seconds (user and system) each group of processes has used so far."""
+    used = {}
+    for label, group in processes.items():
+        used[label] = 0.0
+        for process in group:
+            with contextlib.suppress(psutil.Error):
+                times = process.cpu_times()
+                used[label] += times.user + times.system
+    return used
+
+
 async def _flood_scenario(worker, authorizer_url, tmp_path, flood: _FloodChild) -> dict:
+    head = psutil.Process(worker.pid)
+    processes = {"worker": [head], "worker's children": head.children(recursive=True),
+                 "flood": [psutil.Process(flood.proc.pid)], "flood's daemons": flood.descendants}
     async with _HonestProbe(worker, authorizer_url, str(tmp_path / "probe.key")) as probe:
         while (await probe.info())["counters"]["backward_requests"] < 20:  # the trainer is training
             await asyncio.sleep(1.0)
+        before, t0 = _cpu_s(processes), time.monotonic()
         quiet = await _window(probe, QUIET_S)
+        during, t1 = _cpu_s(processes), time.monotonic()
         await flood.go()
         await asyncio.sleep(2.0)  # the flood is on
+        started, t2 = _cpu_s(processes), time.monotonic()
         flooded = await _window(probe, FLOOD_S - 2.0)
+        after, t3 = _cpu_s(processes), time.monotonic()
         seen = await flood.stop()
+    # CPU used per second of the window: 1.0 is one core busy
+    quiet["cpu"] = {k: (during[k] - before[k]) / (t1 - t0) for k in before}
+    flooded["cpu"] = {k: (after[k] - started[k]) / (t3 - t2) for k in after}
     return {"quiet": quiet, "flood": flooded, "seen": seen}
 
 
@@ -547,7 +569,8 @@ def test_a_stream_flood_does_not_stall_a_worker(make_swarm, authorizer3, tmp_pat
         latencies = window["latencies"]
         streams = {k: v for k, v in window["counters"].items() if k.startswith(("streams_", "peers_"))}
         lines.append(f"{label}: trainer {window['rate']:.1f} samples/s; honest calls max {max(latencies):.3f} s, "
-                     f"p95 {_p95(latencies):.3f} s ({len(latencies)} calls); worker {streams}")
+                     f"p95 {_p95(latencies):.3f} s ({len(latencies)} calls); worker {streams}; cores busy "
+                     f"{ {k: round(v, 2) for k, v in window['cpu'].items()} }")
     print("\n".join(lines), f"\nattackers {report['seen']}")
     quiet, flooded = report["quiet"], report["flood"]
     assert trainer.proc.poll() is None, trainer.log_tail()

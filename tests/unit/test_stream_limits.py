@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from protocol.codec import pack, unpack
 from protocol.errors import ErrorCode, PeerUnavailable
 from protocol.framing import read_frame, write_frame
-from protocol.stream_gate import MAX_TRACKED_PEERS, StreamGate
+from protocol.stream_gate import MAX_TRACKED_PEERS, NEWCOMER_STREAMS, StreamGate
 from protocol.stream_limits import StreamBudget, StreamLimits, source_key
 from protocol.transport import RpcClient, RpcServer, hello_frame
 from tests.support.polling import poll_until
@@ -131,31 +131,39 @@ def test_a_peer_that_said_a_valid_hello_is_never_shunned_nor_rate_limited():
     assert gate.admit("late", 0, 0.1) is None
 
 
-def test_new_streams_of_untrusted_peers_share_one_bucket_but_a_first_stream_always_passes():
+def test_new_streams_of_untrusted_peers_share_one_bucket_but_a_newcomers_first_ones_pass():
     gate = StreamGate(GATE)
+    held = NEWCOMER_STREAMS  # past a newcomer's allowance
     # throwaway peer ids do not multiply the rate: five at once (the burst), then ten a second
-    assert [gate.admit(f"id{i}", 1, 0.0) for i in range(5)] == [None] * 5
-    assert gate.admit("id0", 1, 0.0) == "unauthenticated_rate"
-    assert gate.admit("id1", 1, 0.05) == "unauthenticated_rate"
-    assert gate.admit("id2", 1, 0.1) is None  # one token refilled after 0.1 s
-    # a peer's first stream (no silent stream held, no strike) passes with the bucket empty: an
-    # honest newcomer's hello is on the way; a throwaway id gets no more than that
-    assert gate.admit("newcomer", 0, 0.1) is None
+    assert [gate.admit(f"id{i}", held, 0.0) for i in range(5)] == [None] * 5
+    assert gate.admit("id0", held, 0.0) == "unauthenticated_rate"
+    assert gate.admit("id1", held, 0.05) == "unauthenticated_rate"
+    assert gate.admit("id2", held, 0.1) is None  # one token refilled after 0.1 s
+    # a peer without strikes opens as many streams as a client does before its first ack with the
+    # bucket empty: an honest newcomer's hellos are on the way; a throwaway id gets no more
+    assert [gate.admit("newcomer", n, 0.1) for n in range(NEWCOMER_STREAMS + 1)] == \
+        [None] * NEWCOMER_STREAMS + ["unauthenticated_rate"]
     assert gate.admit("id0", 0, 0.1) == "unauthenticated_rate", "id0 was struck by its refusal"
     # refusals are strikes: a peer that keeps arriving over the rate is shunned
-    assert gate.admit("id1", 1, 0.1) == "unauthenticated_rate" and not gate.shunned("id1", 0.1)
-    assert gate.admit("id1", 1, 0.1) == "unauthenticated_rate" and gate.shunned("id1", 0.1)  # third strike
-    assert gate.admit("id1", 1, 60.0) is None
+    assert gate.admit("id1", held, 0.1) == "unauthenticated_rate" and not gate.shunned("id1", 0.1)
+    assert gate.admit("id1", held, 0.1) == "unauthenticated_rate" and gate.shunned("id1", 0.1)  # third strike
+    assert gate.shuns == 1
+    assert gate.admit("id1", held, 60.0) is None
 
 
-def test_the_gate_remembers_a_bounded_number_of_peers():
+def test_the_gate_remembers_a_bounded_number_of_peers_and_keeps_trusted_ones():
     gate = StreamGate(GATE)
     gate.trust("trainer")
     for i in range(MAX_TRACKED_PEERS + 100):
         gate.strike(f"id{i}", 0.0)
+    assert gate.tracked == MAX_TRACKED_PEERS and gate.trusted("trainer")
+    # id0 (one strike, the oldest) was forgotten: two more are not its third
+    assert [gate.strike("id0", 0.0) for _ in range(2)] == [False, False]
+    for i in range(MAX_TRACKED_PEERS):
+        gate.trust(f"peer{i}")
         if i % 1000 == 0:
             gate.admit("trainer", 0, 0.0)  # seen recently: kept
-    assert gate.tracked == MAX_TRACKED_PEERS and gate.trusted("trainer")
+    assert gate.trusted("trainer") and not gate.trusted("peer0")
 
 
 @pytest.mark.parametrize("addr, key", [
