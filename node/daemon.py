@@ -327,7 +327,8 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         if reachability.relayed:
             # a slot on any relay, before the node announces itself: else nobody could reach it
             await until_stopped(
-                wait_for_relay_slot(identity.peer_id.to_base58(), reachability.relays, stop, greet=trust.greet_relays),
+                wait_for_relay_slot(identity.peer_id.to_base58(), reachability.relays, stop, greet=trust.greet_relays,
+                                    timeout_s=settings.relay_slot_timeout_s),
                 stop, "while waiting for a relay slot")
         swarm = SwarmDHT(membership.dht, identity.peer_id.to_base58())
         if metrics is not None:

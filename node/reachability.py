@@ -104,9 +104,6 @@ def apply_daemon_flags(reachability: Reachability) -> None:
     hivemind_adapter.set_daemon_flags(**reachability.daemon_flags())
 
 
-RELAY_SLOT_TIMEOUT_S = 60.0
-"""How long a relayed node waits for its first slot on a relay before it gives up joining."""
-
 RELAY_SLOT_PROGRESS_EVERY_S = 5.0
 
 RELAY_SLOT_PROBE_TIMEOUT_S = 3.0
@@ -118,14 +115,13 @@ class NoRelaySlot(ConfigError):
 
 async def wait_for_relay_slot(peer_id: str, relays: list[str], stop: asyncio.Event, *,
                               greet: Optional[Callable[[], Awaitable[object]]] = None,
-                              timeout_s: float = RELAY_SLOT_TIMEOUT_S,
-                              progress_every_s: float = RELAY_SLOT_PROGRESS_EVERY_S) -> list[str]:
-    """Wait until at least one relay carries this node, and return those that do (their circuit
-    addresses). Whether a relay carries it is tried as a stranger would: a throwaway libp2p peer (one
-    cannot dial oneself) opens a connection to this node through the relay's circuit address, which
-    works only while the node holds a slot there. Between tries `greet` shows the relays the
-    node's credential again (a relay drops a peer that has not). Logs a progress line every
-    `progress_every_s`; raises NoRelaySlot after `timeout_s`, StopRequested if `stop` is set."""
+                              timeout_s: float = 60.0,
+                              progress_every_s: float = RELAY_SLOT_PROGRESS_EVERY_S) -> None:
+    """Wait until a relay carries this node. That is tried as a stranger would: a throwaway libp2p
+    peer (one cannot dial oneself) opens a connection to this node at its circuit addresses, which
+    works only once a relay holds a slot for it. Meanwhile a progress line every
+    `progress_every_s`, and `greet` shows the relays the node's credential again (a relay drops a
+    peer that has not). Raises NoRelaySlot after `timeout_s`, StopRequested if `stop` is set."""
     from hivemind.p2p import PeerID
 
     from node.lifecycle import StopRequested
@@ -134,42 +130,39 @@ async def wait_for_relay_slot(peer_id: str, relays: list[str], stop: asyncio.Eve
     from roles.periodic import wait_any
 
     began = time.monotonic()
-    reasons: dict[str, str] = {}
     me = PeerID.from_base58(peer_id)
+    circuits = [circuit_address(relay) for relay in relays]
     probe = await create_plain_p2p(host_maddrs=["/ip4/127.0.0.1/tcp/0"], dht_mode="client")
     try:
         next_progress = began + progress_every_s
         while True:
-            carrying = []
-            for relay in relays:
+            try:  # p2pd dials every circuit at once: any relay holding a slot answers
+                await dial(probe, me, circuits, RELAY_SLOT_PROBE_TIMEOUT_S)
+            except Exception as exc:  # no slot anywhere yet, or no relay can be reached
+                reason = "no answer" if isinstance(exc, asyncio.TimeoutError) else _first_line(exc)
+            else:
+                logger.info("a relay of the run carries this node (checked through a circuit after %.1f s)",
+                            time.monotonic() - began)
+                return
+            finally:
                 try:
-                    await dial(probe, me, [circuit_address(relay)], RELAY_SLOT_PROBE_TIMEOUT_S)
-                    carrying.append(circuit_address(relay))
-                except Exception as exc:  # no slot there (yet), or the relay is unreachable
-                    reasons[relay] = "no answer" if isinstance(exc, asyncio.TimeoutError) else _first_line(exc)
-                finally:
-                    try:
-                        await asyncio.wait_for(disconnect(probe, me), 2.0)
-                    except Exception:  # not connected: nothing to close
-                        pass
+                    await asyncio.wait_for(disconnect(probe, me), 2.0)
+                except Exception:  # not connected: nothing to close
+                    pass
             waited = time.monotonic() - began
-            if carrying:
-                logger.info("%d of %d relay(s) carry this node (checked through a circuit after %.1f s)",
-                            len(carrying), len(relays), waited)
-                return carrying
-            if waited >= timeout_s:
-                raise NoRelaySlot(
-                    f"no relay of the run gave this node a slot within {timeout_s:.0f} s "
-                    f"({'; '.join(f'{r}: {why}' for r, why in reasons.items())}), so no peer could reach it; "
-                    f"check that this machine can open outbound TCP connections to the relays' ports, or ask the "
-                    f"run's owner whether the relays are up; or forward a TCP port on your router and start the "
-                    f"node with --host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/<public IP>/tcp/PORT")
             if time.monotonic() >= next_progress:
-                logger.info("waiting for a slot on the run's relays: 0 of %d carry this node yet (%.0f s of at most "
-                            "%.0f s)", len(relays), waited, timeout_s)
+                logger.info("waiting for a slot on the run's relays: none of %d carries this node yet (%.0f s of at "
+                            "most %.0f s)", len(relays), waited, timeout_s)
                 next_progress += progress_every_s
                 if greet is not None:
                     await greet()
+            if waited >= timeout_s:
+                raise NoRelaySlot(
+                    f"no relay of the run gave this node a slot within {timeout_s:.0f} s (through "
+                    f"{', '.join(relays)}: {reason}), so no peer could reach it; check that this machine can open "
+                    f"outbound TCP connections to the relays' ports, or ask the run's owner whether the relays are "
+                    f"up; or forward a TCP port on your router and start the node with --host-maddrs "
+                    f"/ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/<public IP>/tcp/PORT")
             if await wait_any(stop, timeout=1.0):
                 raise StopRequested("while waiting for a relay slot")
     finally:

@@ -72,6 +72,8 @@ class NodeSettings(BaseModel):
     relay: str = Field(default="auto", description="how peers reach this node when they cannot dial it: auto (through "
                        "the run's relays, only if the authorizer cannot dial it back), off (never: an unreachable "
                        "node is refused), or a relay's multiaddr ending in /p2p/<id> (always through that relay)")
+    relay_slot_timeout_s: float = Field(default=60.0, gt=0, description="how long a node reached through relays "
+                                        "waits for a slot on one before it gives up joining")
     identity: Optional[str] = Field(default=None, description="file holding the libp2p key, created if missing; "
                                     "keeps the peer id across restarts")
     bootstrap_timeout_s: float = Field(default=30.0, gt=0, description="how long to try reaching the initial peers")

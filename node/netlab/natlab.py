@@ -194,6 +194,10 @@ class NatLab:
         self._nft(router, f"add rule ip agora_nat prerouting iifname \"wan\" tcp dport {port} "
                           f"dnat to {self.addresses[to]}:{to_port or port}\n")
 
+    def block_port(self, router: str, port: int) -> None:
+        """`router` drops whatever its LAN sends to TCP `port` anywhere (an outbound firewall rule)."""
+        self._nft(router, f"insert rule ip agora_nat forward iifname \"lan\" tcp dport {port} drop\n")
+
     def _nft(self, name: str, rules: str) -> None:
         result = subprocess.run(self.command(name, ["nft", "-f", "-"]), input=rules, text=True, capture_output=True)
         if result.returncode != 0:

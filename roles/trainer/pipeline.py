@@ -96,11 +96,18 @@ class EvaluatedSample:
     version: int
 
 
+RECONNECT_TIMEOUT_S = 5.0
+"""How long a worker whose connection died may take to answer a dial before it counts as gone."""
+
+
 @dataclass
 class PipelineStats:
     forward_retries: int = 0
     backward_fallbacks: int = 0
     served: collections.Counter = field(default_factory=collections.Counter)  # (stage, peer) -> samples
+    reconnected: int = 0
+    """Calls that failed with their connection while the worker answered again at once (a relay it
+    was reached through died): retried there, the worker not banned."""
 
 
 class PipelineDriver:
@@ -108,10 +115,13 @@ class PipelineDriver:
                  connect: Callable[[str], Awaitable[None]], id_prefix: str = "",
                  max_attempts: int = 3, timeout_s: float = 30.0,
                  on_no_workers: Optional[Callable[[], None]] = None,
-                 skipping: Optional[StageSkipping] = None):
+                 skipping: Optional[StageSkipping] = None,
+                 reconnect: Optional[Callable[[str], Awaitable[None]]] = None):
         self.client = client
         self.balancers = balancers
         self.connect = connect
+        self.reconnect = reconnect
+        """Dials a worker at its announced addresses again (raises when none answers)."""
         self.id_prefix = id_prefix
         self.max_attempts = max_attempts
         self.timeout_s = timeout_s
@@ -124,6 +134,19 @@ class PipelineDriver:
     @property
     def num_stages(self) -> int:
         return len(self.balancers)
+
+    async def _connection_lost(self, peer: str, exc: Exception) -> bool:
+        """Whether `exc` took only the connection, not the worker: it is unreachable, yet a dial at
+        its announced addresses answers at once (the relay it was reached through died, and the
+        worker holds a slot on another). Such a worker is retried, not banned."""
+        if self.reconnect is None or not isinstance(exc, PeerUnavailable):
+            return False
+        try:
+            await asyncio.wait_for(self.reconnect(peer), RECONNECT_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - no answer anywhere: the worker is gone
+            return False
+        self.stats.reconnected += 1
+        return True
 
     async def _call(self, stage: int, peer: str, handler: str, request: WireModel, reply: type[R]) -> R:
         await self.connect(peer)
@@ -145,9 +168,12 @@ class PipelineDriver:
         `give_up_unreachable`: the stage is being skipped already, so a worker that cannot be
         reached ends the attempts at once instead of being waited for (its record has not lapsed)."""
         tried: list[str] = []
+        reconnected: set[str] = set()  # at most once per worker, and it costs no attempt
         last_error = "no attempt made"
         unreachable = True
-        for _ in range(self.max_attempts):
+        attempts = 0
+        while attempts < self.max_attempts:
+            attempts += 1
             try:
                 peer = self.balancers[stage].choose(1.0, exclude=tried)
             except NoWorkersError as exc:
@@ -162,6 +188,12 @@ class PipelineDriver:
             except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
                 if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
                     raise SampleDropped("rejected", f"stage {stage} worker {peer[-8:]}: {exc}") from exc
+                if peer not in reconnected and await self._connection_lost(peer, exc):
+                    reconnected.add(peer)
+                    tried.remove(peer)
+                    attempts -= 1
+                    self.retries.count("reconnected", f"stage {stage} worker {peer[-8:]}: {exc}")
+                    continue
                 unreachable = unreachable and isinstance(exc, PeerUnavailable)
                 if give_up_unreachable and isinstance(exc, PeerUnavailable):
                     self.balancers[stage].report_failure(peer)
@@ -344,12 +376,17 @@ class PipelineDriver:
         `may_skip`: the stage could be passed through, so a pinned worker that is unreachable
         while the stage is already skipped (it died) is not waited for."""
         unreachable = True
+        reconnected = False
         for attempt in range(self.max_attempts):
             try:
                 return await self._call(stage, peer, version.BACKWARD, request, BackwardReply), 0
             except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
                 if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
                     raise SampleDropped("rejected", f"stage {stage} backward: {exc}") from exc
+                if not reconnected and await self._connection_lost(peer, exc):
+                    reconnected = True
+                    self.retries.count("backward_reconnected", f"pinned backward worker {peer[-8:]}: {exc}")
+                    continue
                 unreachable = unreachable and isinstance(exc, PeerUnavailable)
                 if may_skip and unreachable and self.skipping.active(stage):
                     self.balancers[stage].report_failure(peer)

@@ -73,7 +73,7 @@ class TrainerRole:
         self.driver = PipelineDriver(
             self.client, self.balancers, connect=self._connect, id_prefix=f"{swarm.peer_id[-8:]}-",
             max_attempts=config.max_attempts, timeout_s=config.request_timeout_s,
-            on_no_workers=self.discovery.request_refresh, skipping=self.skipping,
+            on_no_workers=self.discovery.request_refresh, skipping=self.skipping, reconnect=self._reconnect,
         )
         self.chained = (ChainedRouting(self.driver, run.routing, describe_worker=self._worker_without_chain)
                         if run.routing.path == "workers" else None)
@@ -173,6 +173,10 @@ class TrainerRole:
             logger.debug("dialing %s failed: %s", peer[-8:], exc)
             return
         self._connected.add(peer)
+
+    async def _reconnect(self, peer: str) -> None:
+        """Dial a worker at its announced addresses again (PeerUnavailable when none answers)."""
+        await dial(self.p2p, PeerID.from_base58(peer), self.discovery.maddrs.get(peer, []))
 
     async def wait_for_workers(self, stop: asyncio.Event) -> bool:
         """Block until every stage has a routable worker; report what is missing meanwhile."""
@@ -338,6 +342,7 @@ class TrainerRole:
             **({"routing_fallbacks": self.chained.fallbacks} if self.chained is not None else {}),
             **({"workers_other_model": len(self.discovery.other_model)} if self.discovery.other_model else {}),
             "forward_retries": self.driver.stats.forward_retries,
+            "reconnected": self.driver.stats.reconnected,
             "backward_fallbacks": self.driver.stats.backward_fallbacks,
             "served": served,
             "eval": self.evaluator.summary() if self.evaluator is not None else [],

@@ -4,14 +4,14 @@ NAT, and only the documented commands.
 
 The run: an authorizer and two relays started as docs/operations.md "Relays" says, a stage-0 and a
 stage-2 worker and a trainer on the internet; stage 1 is served only from homes: one worker behind
-a router with the short command of docs/contributing-compute.md, one behind a carrier NAT and a
-router listening on 0.0.0.0 (the "Ports" section), and one behind a router that forwards its port
-(--announce-maddrs), which must come out direct. Needs root and nftables; skipped otherwise."""
+a router with the short command of docs/contributing-compute.md, and one behind a carrier NAT and a
+router listening on 0.0.0.0 (the "Ports" section); a stage-2 worker behind a router that forwards
+its port (--announce-maddrs) must come out direct, and one whose router blocks the relays' port
+must say so and leave. Needs root and nftables; skipped otherwise."""
 
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -97,7 +97,8 @@ def home_lab(tmp_path):
              Site("home1", router=True), Site("w1a", behind="home1"),
              Site("cgn", router=True, carrier=True), Site("home2", router=True, behind="cgn"),
              Site("w1b", behind="home2"),
-             Site("home3", router=True), Site("w1c", behind="home3")]
+             Site("home3", router=True), Site("w1c", behind="home3"),
+             Site("home4", router=True), Site("w1d", behind="home4")]
     with NatLab(sites) as lab:
         run = HomeRun(lab, str(tmp_path))
         try:
@@ -106,6 +107,7 @@ def home_lab(tmp_path):
             run.swarm.stop_all(timeout_s=20)
 
 
+@pytest.mark.timeout(600)
 def test_home_workers_join_serve_restart_and_survive_a_relay(home_lab):
     run = home_lab
     lab = run.lab
@@ -128,15 +130,23 @@ def test_home_workers_join_serve_restart_and_survive_a_relay(home_lab):
         "w1a": run.worker("w1a", stage=1, incarnation=1),
         # listening on every interface behind a carrier NAT and a router
         "w1b": run.worker("w1b", "--host-maddrs", f"/ip4/0.0.0.0/tcp/{PORT}", stage=1),
-        # a forwarded port, announced at the router's public address
+        # a forwarded port, announced at the router's public address (beside the public stage-2 worker)
         "w1c": run.worker("w1c", "--host-maddrs", f"/ip4/0.0.0.0/tcp/{PORT}",
-                          "--announce-maddrs", f"/ip4/{lab.public_address('w1c')}/tcp/{PORT}", stage=1),
+                          "--announce-maddrs", f"/ip4/{lab.public_address('w1c')}/tcp/{PORT}", stage=2),
     }
     ready_s = time.monotonic() - began
+    # a router that lets nothing out to the relays' port: no slot anywhere, said in one line
+    lab.block_port("home4", RELAY_PORT)
+    cut_off = run.worker("w1d", "--relay-slot-timeout-s", "8", stage=1, wait_ready=False)
+    assert run.swarm.wait(cut_off, 90) == 2, cut_off.log_tail()
+    log = _log(cut_off)
+    assert "waiting for a slot on the run's relays: none of 2 carries this node yet" in log, log[-3000:]
+    assert "agora-node: error: no relay of the run gave this node a slot within 8 s" in log, log[-3000:]
+    assert "left the run at the authorizer" in log and "Traceback" not in log, log[-3000:]
     for name in ("w1a", "w1b"):
         log = _log(home[name])
         assert "reachable through the run's relays" in log, log[-3000:]
-        assert re.search(r"2 of 2 relay\(s\) carry this node|1 of 2 relay\(s\) carry this node", log), log[-3000:]
+        assert "a relay of the run carries this node (checked through a circuit" in log, log[-3000:]
         assert all("/p2p-circuit/" in m for m in home[name].maddrs), home[name].maddrs
         assert "Traceback" not in log, log[-3000:]
     assert "reachable directly at" in _log(home["w1c"]), _log(home["w1c"])[-3000:]
@@ -144,7 +154,7 @@ def test_home_workers_join_serve_restart_and_survive_a_relay(home_lab):
     assert ready_s < 120, ready_s
 
     # training through them; a relay dies mid-run
-    trainer = run.trainer("t0", 240)
+    trainer = run.trainer("t0", 400)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and "training starts" not in _log(trainer):
         time.sleep(0.5)
@@ -152,13 +162,15 @@ def test_home_workers_join_serve_restart_and_survive_a_relay(home_lab):
     run.swarm.stop(relays[0], sig=signal.SIGKILL, timeout_s=5)
     assert run.swarm.wait(trainer, 240) == 0, trainer.log_tail(40)
     summary = trainer.summary()
-    assert summary["samples_completed"] == 240 and summary["samples_dropped"] == 0, summary
+    assert summary["samples_completed"] == 400 and summary["samples_dropped"] == 0, summary
     assert summary["samples_skipping_a_stage"] == 0, summary  # stage 1 was never routed around
     served = summary["served"]["1"]
     stage_total = sum(served.values())
     for name in ("w1a", "w1b"):
         share = served.get(home[name].peer_id, 0) / stage_total
         assert share >= 0.2, (name, served)
+    served_2 = summary["served"]["2"].get(home["w1c"].peer_id, 0)
+    assert served_2 > 0, summary["served"]
 
     # the home worker behind one router, killed and restarted with its identity, serves again
     run.swarm.stop(home["w1a"], sig=signal.SIGKILL, timeout_s=5)
@@ -173,6 +185,7 @@ def test_home_workers_join_serve_restart_and_survive_a_relay(home_lab):
     assert summary["served"]["1"].get(again.peer_id, 0) > 0, summary["served"]
     assert restart_s < 60, restart_s
     print(f"home workers ready in {ready_s:.1f} s (three, one after another); stage 1 shares "
-          f"{ {n: round(served.get(home[n].peer_id, 0) / stage_total, 3) for n in home} }; restarted home worker "
+          f"{ {n: round(served.get(home[n].peer_id, 0) / stage_total, 3) for n in ('w1a', 'w1b')} }; stage 2 "
+          f"served {served_2} by the forwarded port; restarted home worker "
           f"ready in {restart_s:.1f} s, served {summary['served']['1'].get(again.peer_id, 0)} of 120 afterwards")
 
