@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 
 import pytest
@@ -324,6 +325,54 @@ def test_streams_without_a_hello_are_few_and_short_lived():
             assert server.budget.unauthenticated_total == 0
             for _, writer, _ in silent:
                 writer.close()
+        finally:
+            await client.close()
+            for p2p in (attacker, honest, server_p2p):
+                await p2p.shutdown()
+
+    run(scenario())
+
+
+def test_a_shunned_peers_streams_are_held_unread_until_its_shun_ends_and_past_that_dropped():
+    """Silent streams that time out shun their peer: its next streams are neither read nor closed
+    (a flood that re-opens what is closed has nothing to re-open) until the shun ends; past its
+    allowance a stream is closed and the connection dropped. An honest peer is served throughout."""
+    async def scenario():
+        limits = dataclasses.replace(LIMITS, hello_timeout_s=0.4, shun_after_strikes=2, shun_base_s=1.5)
+        server, server_p2p, attacker, honest = await _pair(limits)
+        client = RpcClient(honest, timeout_s=5)
+        peer = attacker.peer_id.to_base58()
+
+        async def earn_a_shun():
+            silent = [await _open(attacker, server_p2p, hello=False) for _ in range(2)]
+            assert all([await _closed(reader) for reader, _, _ in silent])  # hello_timeout: two strikes
+            assert server.gate.shunned(peer, asyncio.get_running_loop().time())
+
+        try:
+            await earn_a_shun()
+            held = [await _open(attacker, server_p2p, hello=False) for _ in range(2)]
+            await asyncio.to_thread(poll_until, lambda: server.streams_refused["shunned"] == 2, 5,
+                                    "the shunned peer's streams to be held")
+            assert server.counters()["streams_held"] == 2 and server.budget.unauthenticated_total == 0
+            assert await client.call(server_p2p.peer_id, HANDLER, {"x": 3}) == {"echo": {"x": 3}}
+            # held, not closed, until the shun (1.5 s) ends
+            reading = [asyncio.ensure_future(_closed(reader)) for reader, _, _ in held]
+            await asyncio.sleep(0.5)
+            assert not any(task.done() for task in reading)
+            assert all(await asyncio.gather(*reading)) and server.counters()["streams_held"] == 0
+            # shunned again (for 3 s, twice as long): past the allowance of two, dropped
+            await earn_a_shun()
+            held = [await _open(attacker, server_p2p, hello=False) for _ in range(2)]
+            await asyncio.to_thread(poll_until, lambda: server.counters()["streams_held"] == 2, 5,
+                                    "the shunned peer's streams to be held")
+            with contextlib.suppress(Exception):  # the drop may beat the open
+                await _open(attacker, server_p2p, hello=False)
+            await asyncio.to_thread(poll_until, lambda: server.peers_disconnected == 1, 5,
+                                    "the shunned peer's connection to be dropped")
+            assert server.streams_refused["shunned_over_allowance"] == 1 and server.gate.shuns == 2
+            assert all(await asyncio.gather(*(_closed(reader) for reader, _, _ in held)))
+            assert await client.call(server_p2p.peer_id, HANDLER, {"x": 4}) == {"echo": {"x": 4}}
+            assert not server.gate.shunned(honest.peer_id.to_base58(), asyncio.get_running_loop().time())
         finally:
             await client.close()
             for p2p in (attacker, honest, server_p2p):
