@@ -1,6 +1,7 @@
 """What an outsider can hold of a live worker: nothing before its hello, a bounded number of
 streams after it, and nothing once they go idle, while a trainer keeps training; and throwaway
-peer ids cannot fill the allowance of streams without a hello to shut honest peers out. Real
+peer ids cannot fill the allowance of streams without a hello to shut honest peers out, nor stall
+a worker by re-opening every stream it closes (their streams are refused on arrival). Real
 agora-node processes admitted by a real authorizer; the outsiders are plain libp2p peers."""
 
 from __future__ import annotations
@@ -434,10 +435,11 @@ def _flood_process(peer_id: str, maddrs: list[str], addresses: list[str], conn) 
         loop = asyncio.get_running_loop()
         async with _Flood(types.SimpleNamespace(peer_id=peer_id, maddrs=maddrs), addresses) as flood:
             conn.send("up")
-            for word in ("go", "stop"):
+            while True:
                 while not await loop.run_in_executor(None, conn.poll, 1.0):
                     pass
-                assert conn.recv() == word
+                if conn.recv() != "go":
+                    break  # "stop", whenever it comes
                 flood.flooding.set()
             seen = dict(flood.seen)
         conn.send(seen)
@@ -473,6 +475,9 @@ class _FloodChild:
         return self.conn.recv()
 
     def close(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send("stop")  # its daemons shut down in order
         self.proc.join(30)
         if self.proc.is_alive():
             self.proc.kill()
