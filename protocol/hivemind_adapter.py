@@ -5,7 +5,8 @@ agora-node needs six things hivemind does not expose publicly:
 
 - dial a peer at the addresses it announced (`P2P._client.connect`/`disconnect`): a first call
   must not depend on the DHT having introduced the two peers, and the authorizer's reachability
-  check is exactly such a dial. A relayed address (`.../p2p/<relay>/p2p-circuit`) is encoded here:
+  check is exactly such a dial; a server drops the connection of a peer it shuns for flooding
+  streams (protocol/stream_gate.py). A relayed address (`.../p2p/<relay>/p2p-circuit`) is encoded here:
   hivemind's multiaddr codec writes a `/p2p/` component as a CID, which p2pd cannot parse;
 - pass p2pd flags hivemind's `P2P.create` has no parameter for (`P2P._make_process_args`): the
   run's relays serve with their own limits, contributors serve as nobody's relay, and a node behind
@@ -98,7 +99,8 @@ class PrivateName:
 PRIVATE_API: tuple[PrivateName, ...] = (
     PrivateName("P2P", "_make_process_args", "class", "wrapped: p2pd flags P2P.create does not take"),
     PrivateName("P2P", "_client.connect", "instance", "dial a peer at announced addresses"),
-    PrivateName("P2P", "_client.disconnect", "instance", "drop the reachability probe's connection"),
+    PrivateName("P2P", "_client.disconnect", "instance",
+                "drop the reachability probe's connection, and a shunned stream flooder's"),
     PrivateName("DecentralizedAverager", "_outer_pipe", "instance", "send our calls to the averager process"),
     PrivateName("DecentralizedAverager", "lock_averaged_tensors", "instance",
                 "lock the round buffer with a timeout (get_tensors has none)"),
@@ -368,6 +370,7 @@ _install_flag_hook()
 
 
 async def disconnect(p2p: P2P, peer_id: PeerID) -> None:
+    """Close every libp2p connection to `peer_id` (its streams go with them)."""
     await _private(p2p, "_client", "P2P").disconnect(peer_id)
 
 
