@@ -302,6 +302,8 @@ class WorkerRole:
             "auth_rejected": dict(self.server.auth_rejected),
             "streams_refused": dict(self.server.streams_refused),
             "streams_closed": dict(self.server.streams_closed),
+            "peers_shunned": self.server.gate.shuns,
+            "peers_disconnected": self.server.peers_disconnected,
             "compute_s": round(self.runtime.compute_s, 3),
             "steps": {**self.ledger.summary(),
                       "discarded_at_shutdown": sum(self.runtime.discarded_at_shutdown.values()),
