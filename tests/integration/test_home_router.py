@@ -91,8 +91,10 @@ class HomeRun:
 
 @pytest.fixture
 def home_lab(tmp_path):
-    from node.netlab.natlab import NatLab, Site
+    from node.netlab.cleanup import cleanup_stale
+    from node.netlab.natlab import PREFIX, NatLab, Site
 
+    cleanup_stale(PREFIX)  # what a killed earlier run left (its owner is gone)
     sites = [Site("auth"), Site("ra"), Site("rb"), Site("w0"), Site("w2"), Site("t0"),
              Site("home1", router=True), Site("w1a", behind="home1"),
              Site("cgn", router=True, carrier=True), Site("home2", router=True, behind="cgn"),
