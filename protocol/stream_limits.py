@@ -69,7 +69,8 @@ class StreamLimits:
     """A frame must arrive at least this fast (after `idle_timeout_s` of grace), or its stream is closed."""
     shun_after_strikes: int = 8
     """Silent streams of a peer that never said a valid hello evicted, timed out or refused before
-    it is shunned: its new streams closed on arrival, its connection dropped (protocol/stream_gate.py)."""
+    it is shunned: its new streams refused on arrival and held unread, those past the allowance
+    closed and its connection dropped (protocol/stream_gate.py)."""
     shun_base_s: float = 2.0
     """How long a first shun lasts; each one earned again lasts twice as long."""
     shun_max_s: float = 300.0
@@ -77,8 +78,8 @@ class StreamLimits:
     shun_disconnect_every_s: float = 1.0
     """A shunned peer's connection is dropped at most this often while its streams keep arriving."""
     new_unauthenticated_per_s: float = 64.0
-    """New streams per second of all peers that have not said a valid hello yet, together (a peer's
-    first stream passes regardless)."""
+    """New streams per second of all peers that have not said a valid hello yet, together (a peer
+    without strikes passes regardless with its first NEWCOMER_STREAMS silent streams)."""
     new_unauthenticated_burst: int = 256
     """How many such streams may arrive at once above that rate."""
 

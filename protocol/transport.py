@@ -587,16 +587,9 @@ class RpcClient:
 
     def __init__(self, p2p: P2P, *, timeout_s: float = 30.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                  max_idle_per_peer: int = 16, max_streams_per_peer: int = StreamLimits.max_streams_per_peer,
-                 authenticator: Optional[PeerAuthenticator] = None,
-                 addresses: Optional[Callable[[PeerID], list[str]]] = None):
+                 authenticator: Optional[PeerAuthenticator] = None):
         self.p2p = p2p
         self.authenticator = authenticator
-        self.addresses = addresses
-        """The peer's announced addresses (from its signed records), dialled when a stream cannot be
-        opened: the daemon dials only what its peerstore holds, and libp2p's identify replaces the
-        addresses we dialled with the peer's own list, which lacks a relayed peer's circuits. So
-        once the connection through one relay dies, only this finds the peer through another."""
-        self.redials = 0
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.max_idle_per_peer = max_idle_per_peer
@@ -723,7 +716,7 @@ class RpcClient:
         self._opening[peer_id] += 1
         hello, nonce = hello_frame(handler, peer_id.to_base58(), self.authenticator)
         try:
-            info, reader, writer = await self._open_stream(peer_id, handler)
+            info, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, handler)
         except BaseException:
             self._opening[peer_id] -= 1
             self._closed(peer_id)
@@ -736,19 +729,6 @@ class RpcClient:
             self._close(peer_id, stream)
             raise
         return stream
-
-    async def _open_stream(self, peer_id: PeerID, handler: str):
-        try:
-            return await self.p2p.call_binary_stream_handler(peer_id, handler)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            addresses = self.addresses(peer_id) if self.addresses is not None else []
-            if not addresses:
-                raise
-        await dial(self.p2p, peer_id, addresses, self.timeout_s)  # PeerUnavailable when none answers
-        self.redials += 1
-        return await self.p2p.call_binary_stream_handler(peer_id, handler)
 
     def _evict_idle(self, peer_id: PeerID) -> bool:
         """Close one idle stream to `peer_id` (any handler) to make room; False if none is idle."""

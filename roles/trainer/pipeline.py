@@ -138,7 +138,10 @@ class PipelineDriver:
     async def _connection_lost(self, peer: str, exc: Exception) -> bool:
         """Whether `exc` took only the connection, not the worker: it is unreachable, yet a dial at
         its announced addresses answers at once (the relay it was reached through died, and the
-        worker holds a slot on another). Such a worker is retried, not banned."""
+        worker holds a slot on another). Such a worker is retried, not banned. The dial is needed:
+        the daemon opens a stream only at addresses its peerstore holds, and libp2p's identify
+        replaces the ones we dialled with the worker's own list, which lacks a relayed worker's
+        circuits."""
         if self.reconnect is None or not isinstance(exc, PeerUnavailable):
             return False
         try:

@@ -66,8 +66,7 @@ class TrainerRole:
         self.balancers = [StageBalancer(s, ban_s=config.ban_s) for s in range(run.num_stages)]
         self.discovery = WorkerDiscovery(swarm, run.run_id, self.balancers, period_s=config.discovery_period_s,
                                          model_digest=run.model_digest)
-        self.client = RpcClient(p2p, timeout_s=config.request_timeout_s, authenticator=authenticator,
-                                addresses=lambda peer: self.discovery.maddrs.get(peer.to_base58(), []))
+        self.client = RpcClient(p2p, timeout_s=config.request_timeout_s, authenticator=authenticator)
         self.skipping = StageSkipping(run.num_stages, run.skipping)
         """Body stages routed around while they have no reachable worker (run config `skipping:`)."""
         self.driver = PipelineDriver(

@@ -21,14 +21,20 @@ pytestmark = pytest.mark.integration
 TWO_STAGES = [{"first_layer": 0, "last_layer": 2}, {"first_layer": 2, "last_layer": 3}]
 
 
-@pytest.fixture
-def authorizer(tmp_path, run_config_path):
-    config = run_config_path(stages=TWO_STAGES, run_id=f"auth-{uuid.uuid4().hex[:6]}")
+def started_authorizer(tmp_path, run_config_path, stages: list[dict], run_prefix: str) -> AuthorizerProcess:
+    """An authorizer of a fresh run with `stages`, up to 4 workers a stage; the caller stops it."""
+    config = run_config_path(stages=stages, run_id=f"{run_prefix}-{uuid.uuid4().hex[:6]}")
     process = AuthorizerProcess(
         ["--run-config", config, "--data-dir", str(tmp_path / "authorizer"), "--port", "0",
          "--credential-ttl-s", "600", "--admin-token", "test-admin-token-0123456789", "--stage-capacity", "4"],
         log_path=str(tmp_path / "authorizer.log"))
     process.start()
+    return process
+
+
+@pytest.fixture
+def authorizer(tmp_path, run_config_path):
+    process = started_authorizer(tmp_path, run_config_path, TWO_STAGES, "auth")
     yield process
     process.stop()
 

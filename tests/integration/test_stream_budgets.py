@@ -11,7 +11,6 @@ import contextlib
 import multiprocessing
 import time
 import types
-import uuid
 
 import psutil
 import pytest
@@ -386,14 +385,9 @@ PROBE_EVERY_S = 0.2
 
 @pytest.fixture
 def authorizer3(tmp_path, run_config_path):
-    from authorizer.testing import AuthorizerProcess
+    from tests.integration.test_auth_swarm import started_authorizer
 
-    config = run_config_path(stages=THREE_STAGES, run_id=f"flood-{uuid.uuid4().hex[:6]}")
-    process = AuthorizerProcess(
-        ["--run-config", config, "--data-dir", str(tmp_path / "authorizer"), "--port", "0",
-         "--credential-ttl-s", "600", "--admin-token", "test-admin-token-0123456789", "--stage-capacity", "4"],
-        log_path=str(tmp_path / "authorizer.log"))
-    process.start()
+    process = started_authorizer(tmp_path, run_config_path, THREE_STAGES, "flood")
     yield process
     process.stop()
 
