@@ -311,6 +311,7 @@ def _push_token(identity, trust):
 
 async def _run_role(settings, run, stage, device, identity, trust, membership, stop, life, metrics=None,
                     preload=None) -> int:
+    from node.priority import lower_priority
     from node.reachability import wait_for_relay_slot
     from node.swarm import check_identity_not_live, check_same_model, read_worker_records
     from protocol.dht import SwarmDHT
@@ -351,6 +352,9 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         life.note_resources()
         print(ready_line(settings.role, stage=stage, peer=swarm.peer_id, maddrs=membership.maddrs,
                          metrics=metrics.url if metrics is not None else None), flush=True)
+        lowered = lower_priority(settings.serve_nice)
+        if lowered:
+            logger.info("serving at a lower CPU priority (%s)", lowered)
         if metrics is not None:
             metrics.serving()
             # after the role started: pushes run in a thread, and hivemind forks before any thread exists

@@ -78,6 +78,9 @@ class NodeSettings(BaseModel):
                                     "keeps the peer id across restarts")
     bootstrap_timeout_s: float = Field(default=30.0, gt=0, description="how long to try reaching the initial peers")
     torch_threads: Optional[int] = Field(default=None, ge=1, description="intra-op threads for torch compute")
+    serve_nice: int = Field(default=0, ge=0, le=19, description="CPU priority (nice value, up to 19) a worker or "
+                            "trainer lowers itself to once it serves (0: keep the one it was started at): the "
+                            "host's own programs, and nodes starting beside it, get the CPU first")
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log verbosity")
     log_format: Literal["human", "json"] = Field(default="human", description="stderr log lines for people or "
                                                  "one JSON object per line")

@@ -12,7 +12,9 @@ Per restart it reports the seconds from the restart to
 - `ready_s`: the readiness line (the worker serves forwards from then on), and
 - `serving_s`: the first request it answered (its Prometheus counter of requests moves), and
 - `cpu_s_at_ready`: the CPU seconds its processes had used by then (against `ready_s`: how much of
-  the start was computing, and how much waiting for a core or the network).
+  the start was computing, and how much waiting for a core or the network), and
+- `phases_cpu_s`: the CPU seconds its processes had used by the end of each phase (sampled every
+  0.2 s): where a start's computing goes.
 
 At the end the trainers are stopped with SIGTERM and their summaries say where every sample went:
 each sample started is completed or dropped with a reason (`samples_accounted`).
@@ -189,11 +191,14 @@ class Bench:
         started, started_unix = time.monotonic(), time.time()
         row: dict = {"node": name, "t_s": round(t_s, 1), "tree": "baseline" if tree else "this"}
         self.restarts.append(row)
+        trace = None
         try:
             node = self._start_worker(name, wait_ready=False, tree=tree)
+            trace = _CpuTrace(node.pid)
             self.swarm.wait_ready(node, timeout_s=self.args.restart_timeout_s)
             row["ready_s"] = round(time.monotonic() - started, 2)
             row["cpu_s_at_ready"] = _tree_cpu_s(node.pid)
+            trace.stop()
             url = _metrics_url(node)
             deadline = started + self.args.restart_timeout_s
             while time.monotonic() < deadline and node.proc.poll() is None:
@@ -204,6 +209,10 @@ class Bench:
         except Exception as exc:  # noqa: BLE001 - a restart that fails is a result
             row["error"] = str(exc).splitlines()[0][:300]
         row["phases_s"] = _log_phases(self.workers[name]["node"].log_path, started_unix)
+        if trace is not None:
+            trace.stop()
+            row["phases_cpu_s"] = {phase: trace.at(started_unix + at_s) for phase, at_s in row["phases_s"].items()
+                                   if isinstance(at_s, (int, float))}
         log(f"restart of {name}: {row}")
 
     # -- end --------------------------------------------------------------------------------------
@@ -265,6 +274,33 @@ def _tree_cpu_s(pid: int) -> Optional[float]:
         return None
 
 
+class _CpuTrace:
+    """The CPU seconds of a node's process tree, sampled every 0.2 s from its start until stopped."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.samples: list[tuple[float, float]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(0.2):
+            cpu = _tree_cpu_s(self.pid)
+            if cpu is None:
+                return
+            self.samples.append((time.time(), cpu))
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+    def at(self, unix_s: float) -> Optional[float]:
+        """CPU seconds by `unix_s`: the last sample taken before it."""
+        before = [cpu for t, cpu in self.samples if t <= unix_s]
+        return before[-1] if before else None
+
+
 def _max(rows: list[dict], key: str) -> Optional[float]:
     values = [r[key] for r in rows if r.get(key) is not None]
     return rounded(max(values), 2) if values else None
@@ -314,6 +350,8 @@ def main() -> None:
             "restarts": len(mine), "ready": _median(mine, "ready_s"), "serving": _median(mine, "serving_s"),
             "cpu_at_ready": _median(mine, "cpu_s_at_ready"),
             **{k: _median([r["phases_s"] for r in mine], k) for k in phases}}
+        report[f"median_cpu_s_{tree}" if args.baseline else "median_cpu_s"] = {
+            k: _median([r.get("phases_cpu_s", {}) for r in mine], k) for k in phases}
         report[f"max_s_{tree}" if args.baseline else "max_s"] = {
             "ready": _max(mine, "ready_s"), "serving": _max(mine, "serving_s"),
             **{k: _max([r["phases_s"] for r in mine], k) for k in phases}}
