@@ -104,6 +104,9 @@ class ForwardReply(WireModel):
     """The stage's output at the boundary: the subspace coordinates for the next stage."""
 
     coords: WireTensor
+    version: Optional[int] = Field(default=None, ge=0)
+    """The weight version (steps applied) the output was computed at, for spot checks
+    (roles/trainer/spot_checks.py); None from a worker that predates it."""
 
 
 class BackwardRequest(WireModel):

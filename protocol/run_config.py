@@ -555,6 +555,25 @@ class EvaluationConfig(BaseModel):
     )
 
 
+class VerificationConfig(BaseModel):
+    """Checks of the workers' compute by the trainers: a fraction of the forward hops (and the
+    tail's losses) re-executed on another replica of the same stage at the same weight version and
+    compared (roles/trainer/spot_checks.py)."""
+
+    model_config = _FROZEN
+
+    spot_check_rate: float = Field(
+        default=0.01, ge=0, le=1,
+        description="Fraction of forward hops and tail losses a trainer has another replica of the stage "
+                    "re-execute and compares; 0 turns spot checks off.",
+    )
+    tolerance: float = Field(
+        default=0.02, gt=0, le=1,
+        description="Relative L2 distance between two replicas' outputs (or losses) for the same input at the "
+                    "same weight version beyond which they disagree.",
+    )
+
+
 class CheckpointConfig(BaseModel):
     """Run checkpoints in a store (a directory or an object-store URL): every stage's parameters and
     optimizer state at one agreed step, complete only once the run manifest names them all."""
@@ -760,6 +779,10 @@ class RunConfig(BaseModel):
     evaluation: EvaluationConfig = Field(
         default_factory=EvaluationConfig,
         description="Held-out loss during the run: how often, on how many samples.",
+    )
+    verification: VerificationConfig = Field(
+        default_factory=VerificationConfig,
+        description="Spot checks of the workers' compute by the trainers.",
     )
     checkpoints: CheckpointConfig = Field(
         default_factory=CheckpointConfig,

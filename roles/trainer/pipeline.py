@@ -50,6 +50,7 @@ from protocol.transport import RpcClient
 from roles.event_log import EventAggregator
 from roles.trainer.balancer import StageBalancer
 from roles.trainer.skipping import StageSkipping, skippable
+from roles.trainer.spot_checks import SpotChecks
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=WireModel)
@@ -116,7 +117,8 @@ class PipelineDriver:
                  max_attempts: int = 3, timeout_s: float = 30.0,
                  on_no_workers: Optional[Callable[[], None]] = None,
                  skipping: Optional[StageSkipping] = None,
-                 reconnect: Optional[Callable[[str], Awaitable[None]]] = None):
+                 reconnect: Optional[Callable[[str], Awaitable[None]]] = None,
+                 spot_check_rate: float = 0.0, spot_check_tolerance: float = 0.02):
         self.client = client
         self.balancers = balancers
         self.connect = connect
@@ -128,6 +130,11 @@ class PipelineDriver:
         self.on_no_workers = on_no_workers
         self.skipping = skipping if skipping is not None else StageSkipping(len(balancers))
         self.stats = PipelineStats()
+        self.spot_checks = SpotChecks(
+            spot_check_rate, spot_check_tolerance,
+            evaluate=lambda stage, peer, request: self._call(stage, peer, version.EVALUATE, request, EvaluateReply),
+            replicas=lambda stage: self.balancers[stage].usable())
+        """A fraction of the hops re-executed on another replica of the stage (roles/trainer/spot_checks.py)."""
         self.retries = EventAggregator(logger, "retried", "request", interval_s=10.0, level=logging.INFO)
         """Calls retried on another worker, by cause; the role flushes it with its progress line."""
 
@@ -242,6 +249,8 @@ class PipelineDriver:
                 skipped.append(stage)
                 continue  # the same coordinates go on to the next stage
             self.skipping.served(stage)
+            if self.spot_checks.draw():
+                self.spot_checks.check_forward(stage, route[stage], tokens, coords, forward.coords, forward.version)
             coords = forward.coords
         tail = self.num_stages - 1
         request = BackwardRequest(stage=tail, sample_id=sample_id, tokens=tokens, coords=coords)
@@ -251,6 +260,8 @@ class PipelineDriver:
         versions[tail] = reply.version
         if loss is None or grad is None:
             raise SampleDropped("bad_reply", f"tail worker {route[tail][-8:]} sent no loss or gradient")
+        if self.spot_checks.draw():
+            self.spot_checks.check_loss(tail, route[tail], tokens, coords, loss, reply.version)
         fallbacks = 0
         reached = [s for s in range(self.num_stages) if s not in skipped]
 

@@ -73,6 +73,7 @@ class TrainerRole:
             self.client, self.balancers, connect=self._connect, id_prefix=f"{swarm.peer_id[-8:]}-",
             max_attempts=config.max_attempts, timeout_s=config.request_timeout_s,
             on_no_workers=self.discovery.request_refresh, skipping=self.skipping, reconnect=self._reconnect,
+            spot_check_rate=run.verification.spot_check_rate, spot_check_tolerance=run.verification.tolerance,
         )
         self.chained = (ChainedRouting(self.driver, run.routing, describe_worker=self._worker_without_chain)
                         if run.routing.path == "workers" else None)
@@ -343,6 +344,7 @@ class TrainerRole:
             "forward_retries": self.driver.stats.forward_retries,
             "reconnected": self.driver.stats.reconnected,
             "backward_fallbacks": self.driver.stats.backward_fallbacks,
+            "spot_checks": self.driver.spot_checks.stats.summary(),
             "served": served,
             "eval": self.evaluator.summary() if self.evaluator is not None else [],
             **self.skipping.summary(),
@@ -356,6 +358,7 @@ class TrainerRole:
         self._flush_events()
         if self.evaluator is not None:
             await self.evaluator.close()
+        await self.driver.spot_checks.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

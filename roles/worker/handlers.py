@@ -118,7 +118,8 @@ class WorkerHandlers:
         if self._fail_forwards > 0:
             self._fail_forwards -= 1
             raise ProtocolError("test fault: this forward fails on purpose", ErrorCode.INTERNAL)
-        return ForwardReply(coords=await self._run(TaskKind.FORWARD, request, peer_id))
+        coords = await self._run(TaskKind.FORWARD, request, peer_id)
+        return ForwardReply(coords=coords, version=self.runtime.forwarded.peek(request.sample_id))
 
     async def backward(self, peer_id: PeerID, body: dict) -> BackwardReply:
         return await self._counted(TaskKind.BACKWARD.value, self._backward(peer_id, body))
