@@ -572,6 +572,16 @@ class VerificationConfig(BaseModel):
         description="Relative L2 distance between two replicas' outputs (or losses) for the same input at the "
                     "same weight version beyond which they disagree.",
     )
+    loss_margin: float = Field(
+        default=0.01, gt=0, le=1,
+        description="A disputed output is put in the wrong when the sample's loss through the later stages from "
+                    "it is worse than from the replica's by more than this fraction.",
+    )
+    strikes_to_exclude: int = Field(
+        default=3, ge=1, le=1000,
+        description="Disputes resolved against a worker (and fewer than a third as many in its favour) after "
+                    "which a trainer routes nothing more to it.",
+    )
 
 
 class CheckpointConfig(BaseModel):

@@ -4,7 +4,8 @@ hand the routable ones to that stage's balancer, and remember their addresses.
 Workers in weight sync or leaving are not routable; a worker whose record lapsed is dropped. So
 is a worker whose record names another model digest than this trainer's run config: it trains a
 different model (another construction, subspace seed or stage cut), and its coordinates would
-mean something else to its neighbours. It is named once in the log.
+mean something else to its neighbours. It is named once in the log. And so is a worker this
+trainer's spot checks excluded (roles/trainer/spot_checks.py), from the moment it is excluded.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class WorkerDiscovery:
         self.model_digest = model_digest
         self.other_model: set[str] = set()
         """Workers kept off routes because they train another model (each named once in the log)."""
+        self.excluded: dict[str, str] = {}
+        """Workers kept off routes because they were caught cheating -> why."""
         self.balancers = balancers
         self.period_s = period_s
         self.maddrs: dict[str, list[str]] = {}
@@ -44,16 +47,25 @@ class WorkerDiscovery:
         for stage, records in enumerate(results):
             routable = {
                 peer: r for peer, r in records.items() if r.phase in ROUTABLE_PHASES and r.stage == stage
-                and not self._other_model(peer, r)
+                and not self._other_model(peer, r) and peer not in self.excluded
             }
             self.records[stage] = routable
             for peer, record in routable.items():
                 self.maddrs[peer] = record.maddrs
-            self.balancers[stage].update_workers(
-                WorkerView(peer_id=peer, throughput=r.throughput, max_batch=r.max_batch, incarnation=r.started_at)
-                for peer, r in routable.items()
-            )
+            self._hand_over(stage)
         self._refreshed.set()
+
+    def _hand_over(self, stage: int) -> None:
+        self.balancers[stage].update_workers(
+            WorkerView(peer_id=peer, throughput=r.throughput, max_batch=r.max_batch, incarnation=r.started_at)
+            for peer, r in self.records[stage].items() if peer not in self.excluded
+        )
+
+    def exclude(self, stage: int, peer: str, why: str) -> None:
+        """Route nothing more to `peer`, starting with the next choice."""
+        self.excluded[peer] = why
+        self.records[stage].pop(peer, None)
+        self._hand_over(stage)
 
     def _other_model(self, peer: str, record: WorkerRecord) -> bool:
         if not self.model_digest or not record.trains_other_model(self.model_digest):

@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import random
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional, TypeVar
 
@@ -46,6 +48,7 @@ from protocol.messages import (
     ForwardRequest,
     WireModel,
 )
+from protocol.run_config import VerificationConfig
 from protocol.transport import RpcClient
 from roles.event_log import EventAggregator
 from roles.trainer.balancer import StageBalancer
@@ -118,7 +121,8 @@ class PipelineDriver:
                  on_no_workers: Optional[Callable[[], None]] = None,
                  skipping: Optional[StageSkipping] = None,
                  reconnect: Optional[Callable[[str], Awaitable[None]]] = None,
-                 spot_check_rate: float = 0.0, spot_check_tolerance: float = 0.02):
+                 verification: Optional[VerificationConfig] = None,
+                 exclude: Optional[Callable[[int, str, str], None]] = None):
         self.client = client
         self.balancers = balancers
         self.connect = connect
@@ -130,10 +134,13 @@ class PipelineDriver:
         self.on_no_workers = on_no_workers
         self.skipping = skipping if skipping is not None else StageSkipping(len(balancers))
         self.stats = PipelineStats()
+        verification = verification or VerificationConfig(spot_check_rate=0.0)
         self.spot_checks = SpotChecks(
-            spot_check_rate, spot_check_tolerance,
+            verification.spot_check_rate, verification.tolerance,
             evaluate=lambda stage, peer, request: self._call(stage, peer, version.EVALUATE, request, EvaluateReply),
-            replicas=lambda stage: self.balancers[stage].usable())
+            replicas=lambda stage: self.balancers[stage].usable(), losses=self.continuation_losses,
+            loss_margin=verification.loss_margin, strikes_to_exclude=verification.strikes_to_exclude,
+            exclude=self._excluder(exclude))
         """A fraction of the hops re-executed on another replica of the stage (roles/trainer/spot_checks.py)."""
         self.retries = EventAggregator(logger, "retried", "request", interval_s=10.0, level=logging.INFO)
         """Calls retried on another worker, by cause; the role flushes it with its progress line."""
@@ -332,6 +339,36 @@ class PipelineDriver:
         if reply.loss is None:
             raise SampleDropped("bad_reply", f"tail worker {peer[-8:]} sent no loss")
         return EvaluatedSample(loss=reply.loss, version=reply.version)
+
+    def _excluder(self, exclude: Optional[Callable[[int, str, str], None]]) -> Callable[[int, str, str], None]:
+        def excluded(stage: int, peer: str, why: str) -> None:
+            self.spot_checks.stats.served_before_exclusion[peer] = self.stats.served[(stage, peer)]
+            if exclude is not None:
+                exclude(stage, peer, why)
+        return excluded
+
+    async def continuation_losses(self, stage: int, tokens: torch.Tensor, outputs: list[torch.Tensor]) -> list[float]:
+        """The loss each candidate output of `stage` for one sample leads to, carried through the
+        later stages with `agora/v1/evaluate` by the same worker per stage (chosen at random among
+        the usable ones), so that only the output differs. Raises when a stage cannot answer."""
+        peers = []
+        for later in range(stage + 1, self.num_stages):
+            usable = self.balancers[later].usable()
+            if not usable:
+                raise NoWorkersError(f"stage {later} has no usable worker")
+            peers.append((later, random.choice(usable)))
+        losses = []
+        for coords in outputs:
+            reply = None
+            for later, peer in peers:
+                request = EvaluateRequest(stage=later, sample_id=f"referee-{uuid.uuid4().hex[:16]}", tokens=tokens,
+                                          coords=coords)
+                reply = await self._call(later, peer, version.EVALUATE, request, EvaluateReply)
+                coords = reply.coords
+            if reply is None or reply.loss is None:
+                raise ProtocolError(f"stage {self.num_stages - 1} worker sent no loss")
+            losses.append(reply.loss)
+        return losses
 
     async def _evaluation_hop(self, stage: int, request: EvaluateRequest) -> tuple[str, EvaluateReply]:
         """Up to `max_attempts` workers of the stage, each once. A failure is not reported to the

@@ -73,7 +73,7 @@ class TrainerRole:
             self.client, self.balancers, connect=self._connect, id_prefix=f"{swarm.peer_id[-8:]}-",
             max_attempts=config.max_attempts, timeout_s=config.request_timeout_s,
             on_no_workers=self.discovery.request_refresh, skipping=self.skipping, reconnect=self._reconnect,
-            spot_check_rate=run.verification.spot_check_rate, spot_check_tolerance=run.verification.tolerance,
+            verification=run.verification, exclude=self.discovery.exclude,
         )
         self.chained = (ChainedRouting(self.driver, run.routing, describe_worker=self._worker_without_chain)
                         if run.routing.path == "workers" else None)

@@ -11,9 +11,17 @@ which of its samples are checked: the check goes elsewhere, after its reply.
 
 A check whose replica is at another version is `stale` (no verdict); one with no other replica of
 the stage is `unchecked`. An output further from the replica's than `verification.tolerance`
-(relative L2 distance) is a dispute. A dispute between two replicas does not say which one lied;
-deciding that (a third replica, the authorizer re-executing) and what follows from it are the next
-layers; this one measures agreement, and the disputes are logged with both parties.
+(relative L2 distance) is a dispute.
+
+A dispute says that one of two replicas lied, not which: a liar answers the checks it is asked
+to run falsely too, and with two replicas per stage there is no majority. The loss decides: both
+outputs are carried through the later stages by the same workers (`agora/v1/evaluate`) to the
+sample's loss, and the output whose loss is worse by more than `verification.loss_margin`
+(relative) earns its sender a strike; within the margin the dispute stays unresolved. A lie that
+does not change what the model predicts is not attributed this way (it is counted, and the next
+layer, re-execution by the authorizer, decides those). A worker with
+`verification.strikes_to_exclude` strikes and fewer than a third as many disputes resolved in
+its favour is excluded: this trainer routes nothing more to it.
 """
 
 from __future__ import annotations
@@ -46,21 +54,38 @@ class Dispute:
     version: int
     distance: float
     """Relative L2 distance of the outputs, or of the losses at the tail."""
+    losses: Optional[tuple[float, float]] = None
+    """The sample's loss through the later stages from the worker's output and from the replica's."""
+    struck: Optional[str] = None
+    """Whom the losses put in the wrong, if anyone."""
 
 
 @dataclass
 class SpotCheckStats:
     outcomes: collections.Counter = field(default_factory=collections.Counter)
-    """agreed, disputed, stale, unchecked, busy, failed."""
+    """agreed, disputed (of which some unresolved), stale, unchecked, busy, failed."""
     largest_agreed: float = 0.0
     """The largest distance among the agreed checks: how close honest replicas are."""
     disputes: list[Dispute] = field(default_factory=list)
+    strikes: collections.Counter = field(default_factory=collections.Counter)
+    """Disputes the losses resolved against each worker."""
+    favoured: collections.Counter = field(default_factory=collections.Counter)
+    """Disputes the losses resolved in each worker's favour."""
+    excluded: dict[str, str] = field(default_factory=dict)
+    """Worker -> why it was excluded."""
+    served_before_exclusion: dict[str, int] = field(default_factory=dict)
+    """Worker -> samples this trainer had completed through it when it was excluded."""
 
     def summary(self) -> dict:
-        return {**{k: self.outcomes.get(k, 0) for k in ("agreed", "disputed", "stale", "unchecked", "busy", "failed")},
-                "largest_agreed_distance": self.largest_agreed,
+        return {**{k: self.outcomes.get(k, 0) for k in ("agreed", "disputed", "unresolved", "stale", "unchecked", "busy",
+                                                         "failed")},
+                "resolved": sum(self.strikes.values()), "largest_agreed_distance": self.largest_agreed,
+                "strikes": dict(self.strikes), "excluded": dict(self.excluded),
+                "served_before_exclusion": dict(self.served_before_exclusion),
                 "disputes": [{"stage": d.stage, "worker": d.worker, "checker": d.checker, "version": d.version,
-                              "distance": round(d.distance, 6)} for d in self.disputes[-16:]]}
+                              "distance": round(d.distance, 6),
+                              "losses": None if d.losses is None else [round(x, 6) for x in d.losses],
+                              "struck": d.struck} for d in self.disputes[-16:]]}
 
 
 class SpotChecks:
@@ -71,11 +96,20 @@ class SpotChecks:
 
     def __init__(self, rate: float, tolerance: float,
                  evaluate: Callable[[int, str, EvaluateRequest], Awaitable[EvaluateReply]],
-                 replicas: Callable[[int], list[str]], rng: Optional[random.Random] = None):
+                 replicas: Callable[[int], list[str]], rng: Optional[random.Random] = None, *,
+                 losses: Optional[Callable[[int, torch.Tensor, list[torch.Tensor]], Awaitable[list[float]]]] = None,
+                 loss_margin: float = 0.01, strikes_to_exclude: int = 3,
+                 exclude: Optional[Callable[[int, str, str], None]] = None):
         self.rate = rate
         self.tolerance = tolerance
         self._evaluate = evaluate
         self._replicas = replicas
+        self._losses = losses
+        """(stage, tokens, candidate outputs of the stage) -> each one's loss through the later stages."""
+        self.loss_margin = loss_margin
+        self.strikes_to_exclude = strikes_to_exclude
+        self._exclude = exclude
+        """(stage, worker, why): stop routing to a worker."""
         self._rng = rng or random.Random()
         self._tasks: set[asyncio.Task] = set()
         self.stats = SpotCheckStats()
@@ -86,7 +120,8 @@ class SpotChecks:
     def check_forward(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
                       output: torch.Tensor, version: Optional[int]) -> None:
         """Check a forward hop's output later, on another replica (call only for a drawn hop)."""
-        self._start(stage, worker, tokens, coords, version, lambda reply: _distance(output, reply.coords))
+        self._start(stage, worker, tokens, coords, version, lambda reply: _distance(output, reply.coords),
+                    claimed=output)
 
     def check_loss(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
                    loss: float, version: Optional[int]) -> None:
@@ -94,18 +129,18 @@ class SpotChecks:
         self._start(stage, worker, tokens, coords, version,
                     lambda reply: None if reply.loss is None else abs(reply.loss - loss) / max(abs(reply.loss), 1e-6))
 
-    def _start(self, stage, worker, tokens, coords, version, distance) -> None:
+    def _start(self, stage, worker, tokens, coords, version, distance, claimed=None) -> None:
         if version is None:
             self.stats.outcomes["unchecked"] += 1  # a worker that does not say its version
             return
         if len(self._tasks) >= CHECKS_IN_FLIGHT_MAX:
             self.stats.outcomes["busy"] += 1
             return
-        task = asyncio.ensure_future(self._check(stage, worker, tokens, coords, version, distance))
+        task = asyncio.ensure_future(self._check(stage, worker, tokens, coords, version, distance, claimed))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _check(self, stage, worker, tokens, coords, version, distance) -> None:
+    async def _check(self, stage, worker, tokens, coords, version, distance, claimed) -> None:
         others = [peer for peer in self._replicas(stage) if peer != worker]
         if not others:
             self.stats.outcomes["unchecked"] += 1
@@ -130,9 +165,44 @@ class SpotChecks:
             self.stats.largest_agreed = max(self.stats.largest_agreed, gap)
         else:
             self.stats.outcomes["disputed"] += 1
-            self.stats.disputes.append(Dispute(stage, worker, checker, version, gap))
+            dispute = Dispute(stage, worker, checker, version, gap)
+            self.stats.disputes.append(dispute)
+            del self.stats.disputes[:-64]
             logger.warning("spot check: stage %d worker %s and replica %s disagree at version %d (distance %.3g, "
                            "tolerance %.3g)", stage, worker[-8:], checker[-8:], version, gap, self.tolerance)
+            if claimed is not None and reply.coords is not None and self._losses is not None:
+                await self._resolve(dispute, tokens, claimed, reply.coords)
+            else:
+                self.stats.outcomes["unresolved"] += 1  # the tail's loss: the next layer decides
+
+    async def _resolve(self, dispute: Dispute, tokens: torch.Tensor, claimed: torch.Tensor,
+                       recomputed: torch.Tensor) -> None:
+        """Carry both outputs to the loss; strike the sender of the clearly worse one."""
+        try:
+            worker_loss, checker_loss = await self._losses(dispute.stage, tokens, [claimed, recomputed])
+        except Exception as exc:  # noqa: BLE001 - a later stage that cannot answer decides nothing
+            logger.debug("could not carry a disputed output of stage %d to the loss: %s", dispute.stage, exc)
+            self.stats.outcomes["unresolved"] += 1
+            return
+        dispute.losses = (worker_loss, checker_loss)
+        margin = self.loss_margin * max(min(worker_loss, checker_loss), 1e-6)
+        if not (abs(worker_loss - checker_loss) > margin):  # NaN too: no verdict
+            self.stats.outcomes["unresolved"] += 1
+            return
+        struck, spared = ((dispute.worker, dispute.checker) if worker_loss > checker_loss
+                          else (dispute.checker, dispute.worker))
+        dispute.struck = struck
+        self.stats.strikes[struck] += 1
+        self.stats.favoured[spared] += 1
+        strikes, favoured = self.stats.strikes[struck], self.stats.favoured[struck]
+        if (strikes >= self.strikes_to_exclude and 3 * favoured < strikes and struck not in self.stats.excluded):
+            why = (f"{strikes} spot-check disputes on stage {dispute.stage} resolved against it by the loss "
+                   f"({favoured} in its favour); last: loss {max(dispute.losses):.4g} against "
+                   f"{min(dispute.losses):.4g} at version {dispute.version}")
+            self.stats.excluded[struck] = why
+            logger.warning("excluding worker %s: %s", struck[-8:], why)
+            if self._exclude is not None:
+                self._exclude(dispute.stage, struck, why)
 
     async def close(self) -> None:
         for task in list(self._tasks):

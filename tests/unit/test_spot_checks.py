@@ -109,3 +109,60 @@ def test_checks_in_flight_are_bounded_and_the_rate_is_honoured():
     drawn = SpotChecks(0.01, 0.01, None, lambda stage: [], random.Random(1))
     assert 50 <= sum(drawn.draw() for _ in range(10_000)) <= 150
     assert not any(SpotChecks(0.0, 0.01, None, lambda stage: []).draw() for _ in range(1000))
+
+
+def _referee_checks(losses_for, **kwargs):
+    """The liar answers LIE, the honest replica HONEST; `losses_for(claimed)` gives the losses."""
+    excluded = []
+
+    async def evaluate(stage, peer, request):
+        return EvaluateReply(coords=LIE if peer == "liar" else HONEST, version=1)
+
+    async def losses(stage, tokens, outputs):
+        return losses_for(outputs[0])
+
+    checks = SpotChecks(1.0, 0.01, evaluate, lambda stage: ["liar", "honest"], random.Random(0), losses=losses,
+                        exclude=lambda stage, peer, why: excluded.append((stage, peer)), **kwargs)
+    return checks, excluded
+
+
+def test_the_loss_puts_the_liar_in_the_wrong_whichever_side_it_is_on_and_excludes_it():
+    async def main():
+        checks, excluded = _referee_checks(lambda claimed: [3.0, 2.0] if claimed is LIE else [2.0, 3.0])
+        checks.check_forward(1, "liar", TOKENS, None, LIE, 1)  # its lie checked by the honest replica
+        await _settle(checks)
+        checks.check_forward(1, "honest", TOKENS, None, HONEST, 1)  # the liar re-executes falsely
+        await _settle(checks)
+        assert excluded == []
+        checks.check_forward(1, "liar", TOKENS, None, LIE, 1)
+        await _settle(checks)
+        return checks, excluded
+    checks, excluded = asyncio.run(main())
+    assert dict(checks.stats.strikes) == {"liar": 3} and excluded == [(1, "liar")]
+    assert "3 spot-check disputes on stage 1" in checks.stats.excluded["liar"]
+    assert [d.struck for d in checks.stats.disputes] == ["liar"] * 3
+
+
+def test_a_loss_within_the_margin_or_not_a_number_decides_nothing_and_favours_protect():
+    async def main():
+        close, _ = _referee_checks(lambda claimed: [2.0, 2.01], loss_margin=0.01)
+        broken, _ = _referee_checks(lambda claimed: [float("nan"), 2.0])
+        for checks in (close, broken):
+            checks.check_forward(1, "liar", TOKENS, None, LIE, 1)
+        # a worker the losses also cleared often is not excluded for a few strikes
+        mixed, excluded = _referee_checks(lambda claimed: [3.0, 2.0])
+        mixed.stats.favoured["liar"] = 1
+        for _ in range(3):
+            mixed.check_forward(1, "liar", TOKENS, None, LIE, 1)
+            await _settle(mixed)
+        for checks in (close, broken):
+            await _settle(checks)
+        return close, broken, mixed, excluded
+    close, broken, mixed, excluded = asyncio.run(main())
+    assert close.stats.outcomes["unresolved"] == 1 and not close.stats.strikes
+    assert broken.stats.outcomes["unresolved"] == 1 and not broken.stats.strikes
+    assert mixed.stats.strikes["liar"] == 3 and excluded == []  # 3 * 1 favour is not below 3 strikes
+
+
+LIE = OUT * 3
+HONEST = OUT * 2

@@ -1,0 +1,39 @@
+"""Spot checks with real processes: a worker whose process adds noise to its outputs (the
+adversary harness, tests/support/adversary_node.py) disagrees with its stage's other replica, the
+loss puts it in the wrong, and the trainer stops routing to it; honest replicas agree exactly."""
+
+from tests.support.adversary_node import adversary_prefix
+
+THREE_STAGES = [{"first_layer": 0, "last_layer": 1}, {"first_layer": 1, "last_layer": 2},
+                {"first_layer": 2, "last_layer": 3}]
+SAMPLES = 240
+
+
+def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_path):
+    config = run_config_path(stages=THREE_STAGES, verification={"spot_check_rate": 0.3})
+    swarm = make_swarm(config)
+    first = swarm.start("worker", stage=0)
+    workers = [swarm.start("worker", stage=stage, wait_ready=False) for stage in (0, 1, 2, 2)]
+    # it also answers the checks it is asked to run falsely (held-out evaluations are altered too)
+    cheater = swarm.start("worker", stage=1, wait_ready=False, prefix=adversary_prefix("noise:1"))
+    for node in [*workers, cheater]:
+        swarm.wait_ready(node, timeout_s=180)
+    trainer = swarm.start("trainer", args=["--lanes", "4", "--max-samples", str(SAMPLES)])
+    assert trainer.proc.wait(timeout=300) == 0, trainer.log_tail()
+    summary = trainer.summary()
+    assert summary["samples_completed"] == SAMPLES, summary
+    checks = summary["spot_checks"]
+    cheater_id = cheater.maddrs[0].rsplit("/p2p/", 1)[1]
+    assert checks["disputed"] >= 3, checks
+    for dispute in checks["disputes"]:
+        assert dispute["stage"] == 1 and cheater_id in (dispute["worker"], dispute["checker"]), dispute
+    # the honest pairs (stages 0 and 2) agree to the last bit
+    assert checks["agreed"] >= 10 and checks["largest_agreed_distance"] == 0.0, checks
+    # the losses resolved disputes against the cheater only, and it was cut off
+    assert set(checks["strikes"]) == {cheater_id} and set(checks["excluded"]) == {cheater_id}, checks
+    served = summary["served"]["1"]
+    honest_id = next(peer for peer in served if peer != cheater_id)
+    in_flight = 4  # the lanes: samples already past it when it was excluded still complete
+    assert served[cheater_id] <= checks["served_before_exclusion"][cheater_id] + in_flight, (served, checks)
+    assert served[cheater_id] < served[honest_id], served
+    assert first.proc.poll() is None
