@@ -144,6 +144,14 @@ class EvaluateRequest(WireModel):
     sample_id: SampleId
     tokens: WireTensor
     coords: Optional[WireTensor] = None
+    grad_output: Optional[WireTensor] = None
+    """With it (a body stage), also the gradient at the input of the output times it, as a backward
+    would send but accumulating nothing: how a spot check re-executes a backward."""
+    input_grad: bool = False
+    """At the tail: also the gradient of the loss at the input coordinates."""
+    version: Optional[int] = Field(default=None, ge=0)
+    """Compute at this weight version if the worker still holds it (the current one, or the
+    previous one a pinned backward used); the reply says which version it used."""
 
 
 class EvaluateReply(WireModel):
@@ -153,6 +161,7 @@ class EvaluateReply(WireModel):
     coords: Optional[WireTensor] = None
     loss: Optional[float] = None
     version: int = Field(ge=0)
+    grad_input: Optional[WireTensor] = None
 
 
 class AbandonRequest(WireModel):

@@ -139,6 +139,7 @@ class PipelineDriver:
             verification.spot_check_rate, verification.tolerance,
             evaluate=lambda stage, peer, request: self._call(stage, peer, version.EVALUATE, request, EvaluateReply),
             replicas=lambda stage: self.balancers[stage].usable(), losses=self.continuation_losses,
+            slopes=self.input_slopes,
             loss_margin=verification.loss_margin, strikes_to_exclude=verification.strikes_to_exclude,
             exclude=self._excluder(exclude))
         """A fraction of the hops re-executed on another replica of the stage (roles/trainer/spot_checks.py)."""
@@ -269,6 +270,8 @@ class PipelineDriver:
             raise SampleDropped("bad_reply", f"tail worker {route[tail][-8:]} sent no loss or gradient")
         if self.spot_checks.draw():
             self.spot_checks.check_loss(tail, route[tail], tokens, coords, loss, reply.version)
+        if tail > 0 and self.spot_checks.draw():
+            self.spot_checks.check_backward(tail, route[tail], tokens, coords, None, grad, reply.version)
         fallbacks = 0
         reached = [s for s in range(self.num_stages) if s not in skipped]
 
@@ -296,6 +299,9 @@ class PipelineDriver:
                 reached.remove(stage)
                 continue
             fallbacks += used_fallback
+            if stage > 0 and reply.grad_input is not None and self.spot_checks.draw():
+                self.spot_checks.check_backward(stage, route[stage], tokens, inputs[stage], grad, reply.grad_input,
+                                                reply.version)
             grad = reply.grad_input
             versions[stage] = reply.version
             if stage > 0 and grad is None:
@@ -369,6 +375,37 @@ class PipelineDriver:
                 raise ProtocolError(f"stage {self.num_stages - 1} worker sent no loss")
             losses.append(reply.loss)
         return losses
+
+    async def input_slopes(self, stage: int, tokens: torch.Tensor, coords: torch.Tensor,
+                           directions: list[torch.Tensor]) -> list[float]:
+        """The rate of change of one sample's loss at `stage`'s input along each unit direction, by
+        central differences: the input moved by +/- a thousandth of its norm, carried through
+        `stage` and the later ones with `agora/v1/evaluate` by the same worker per stage."""
+        peers = []
+        for later in range(stage, self.num_stages):
+            usable = self.balancers[later].usable()
+            if not usable:
+                raise NoWorkersError(f"stage {later} has no usable worker")
+            peers.append((later, random.choice(usable)))
+        x = coords.float()
+        step = 1e-3 * float(torch.linalg.vector_norm(x).clamp_min(1e-6))
+
+        async def loss_at(point: torch.Tensor) -> float:
+            reply = None
+            for later, peer in peers:
+                request = EvaluateRequest(stage=later, sample_id=f"referee-{uuid.uuid4().hex[:16]}", tokens=tokens,
+                                          coords=point)
+                reply = await self._call(later, peer, version.EVALUATE, request, EvaluateReply)
+                point = reply.coords
+            if reply is None or reply.loss is None:
+                raise ProtocolError(f"stage {self.num_stages - 1} worker sent no loss")
+            return reply.loss
+
+        slopes = []
+        for direction in directions:
+            d = direction.to(x.dtype).reshape(x.shape)
+            slopes.append((await loss_at(x + step * d) - await loss_at(x - step * d)) / (2 * step))
+        return slopes
 
     async def _evaluation_hop(self, stage: int, request: EvaluateRequest) -> tuple[str, EvaluateReply]:
         """Up to `max_attempts` workers of the stage, each once. A failure is not reported to the

@@ -22,6 +22,14 @@ does not change what the model predicts is not attributed this way (it is counte
 layer, re-execution by the authorizer, decides those). A worker with
 `verification.strikes_to_exclude` strikes and fewer than a third as many disputes resolved in
 its favour is excluded: this trainer routes nothing more to it.
+
+Backward hops of the body stages and the tail are checked the same way: the replica re-executes
+the backward into the input only (`grad_output`, or `input_grad` at the tail; nothing accumulates)
+at the version the worker's gradient was taken at. A gradient dispute is resolved by finite
+differences: the sample's loss is carried from the stage's input, moved a little along each
+candidate gradient's direction, and the candidate whose slopes predict the measured ones gets it
+right; a flipped or zeroed gradient does not. (A liar that also falsifies the forwards of those
+moved inputs can tilt this.)
 """
 
 from __future__ import annotations
@@ -40,6 +48,10 @@ from protocol.messages import EvaluateReply, EvaluateRequest
 
 logger = logging.getLogger(__name__)
 
+GRADIENT_ERROR_MAX = 0.5
+"""A gradient whose predicted slopes miss the measured ones by more than half their size (and by
+four times the other candidate's miss) is in the wrong; finite differences of an honest one miss
+by a few percent."""
 CHECKS_IN_FLIGHT_MAX = 8
 """Checks waiting for their replica at once; a draw beyond that is not checked (counted `busy`)."""
 
@@ -54,8 +66,11 @@ class Dispute:
     version: int
     distance: float
     """Relative L2 distance of the outputs, or of the losses at the tail."""
+    gradient: bool = False
+    """A dispute over an input gradient (a backward) rather than an output."""
     losses: Optional[tuple[float, float]] = None
-    """The sample's loss through the later stages from the worker's output and from the replica's."""
+    """The sample's loss through the later stages from the worker's output and from the replica's;
+    for a gradient, each one's slope error (relative)."""
     struck: Optional[str] = None
     """Whom the losses put in the wrong, if anyone."""
 
@@ -83,6 +98,7 @@ class SpotCheckStats:
                 "strikes": dict(self.strikes), "excluded": dict(self.excluded),
                 "served_before_exclusion": dict(self.served_before_exclusion),
                 "disputes": [{"stage": d.stage, "worker": d.worker, "checker": d.checker, "version": d.version,
+                              "gradient": d.gradient,
                               "distance": round(d.distance, 6),
                               "losses": None if d.losses is None else [round(x, 6) for x in d.losses],
                               "struck": d.struck} for d in self.disputes[-16:]]}
@@ -98,6 +114,8 @@ class SpotChecks:
                  evaluate: Callable[[int, str, EvaluateRequest], Awaitable[EvaluateReply]],
                  replicas: Callable[[int], list[str]], rng: Optional[random.Random] = None, *,
                  losses: Optional[Callable[[int, torch.Tensor, list[torch.Tensor]], Awaitable[list[float]]]] = None,
+                 slopes: Optional[Callable[[int, torch.Tensor, torch.Tensor, list[torch.Tensor]],
+                                           Awaitable[list[float]]]] = None,
                  loss_margin: float = 0.01, strikes_to_exclude: int = 3,
                  exclude: Optional[Callable[[int, str, str], None]] = None):
         self.rate = rate
@@ -106,6 +124,8 @@ class SpotChecks:
         self._replicas = replicas
         self._losses = losses
         """(stage, tokens, candidate outputs of the stage) -> each one's loss through the later stages."""
+        self._slopes = slopes
+        """(stage, tokens, input coords, unit directions) -> the loss's slope at the input along each."""
         self.loss_margin = loss_margin
         self.strikes_to_exclude = strikes_to_exclude
         self._exclude = exclude
@@ -129,25 +149,35 @@ class SpotChecks:
         self._start(stage, worker, tokens, coords, version,
                     lambda reply: None if reply.loss is None else abs(reply.loss - loss) / max(abs(reply.loss), 1e-6))
 
-    def _start(self, stage, worker, tokens, coords, version, distance, claimed=None) -> None:
+    def check_backward(self, stage: int, worker: str, tokens: torch.Tensor, coords: torch.Tensor,
+                       grad_output: Optional[torch.Tensor], grad_input: torch.Tensor, version: Optional[int]) -> None:
+        """Check a backward hop's input gradient later, on another replica (a body stage, with the
+        output gradient it was sent; or the tail, `grad_output` None)."""
+        request = dict(grad_output=grad_output, input_grad=grad_output is None, version=version)
+        self._start(stage, worker, tokens, coords, version, lambda reply: _distance(grad_input, reply.grad_input),
+                    claimed=grad_input, request=request, gradient=True)
+
+    def _start(self, stage, worker, tokens, coords, version, distance, claimed=None, request=None,
+               gradient=False) -> None:
         if version is None:
             self.stats.outcomes["unchecked"] += 1  # a worker that does not say its version
             return
         if len(self._tasks) >= CHECKS_IN_FLIGHT_MAX:
             self.stats.outcomes["busy"] += 1
             return
-        task = asyncio.ensure_future(self._check(stage, worker, tokens, coords, version, distance, claimed))
+        task = asyncio.ensure_future(self._check(stage, worker, tokens, coords, version, distance, claimed,
+                                                 request or {}, gradient))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _check(self, stage, worker, tokens, coords, version, distance, claimed) -> None:
+    async def _check(self, stage, worker, tokens, coords, version, distance, claimed, extra, gradient) -> None:
         others = [peer for peer in self._replicas(stage) if peer != worker]
         if not others:
             self.stats.outcomes["unchecked"] += 1
             return
         checker = self._rng.choice(others)
         request = EvaluateRequest(stage=stage, sample_id=f"check-{uuid.uuid4().hex[:16]}", tokens=tokens,
-                                  coords=coords)
+                                  coords=coords, **extra)
         try:
             reply = await self._evaluate(stage, checker, request)
         except Exception as exc:  # noqa: BLE001 - a replica that cannot answer decides nothing
@@ -165,12 +195,14 @@ class SpotChecks:
             self.stats.largest_agreed = max(self.stats.largest_agreed, gap)
         else:
             self.stats.outcomes["disputed"] += 1
-            dispute = Dispute(stage, worker, checker, version, gap)
+            dispute = Dispute(stage, worker, checker, version, gap, gradient=gradient)
             self.stats.disputes.append(dispute)
             del self.stats.disputes[:-64]
             logger.warning("spot check: stage %d worker %s and replica %s disagree at version %d (distance %.3g, "
                            "tolerance %.3g)", stage, worker[-8:], checker[-8:], version, gap, self.tolerance)
-            if claimed is not None and reply.coords is not None and self._losses is not None:
+            if gradient and reply.grad_input is not None and self._slopes is not None:
+                await self._resolve_gradient(dispute, tokens, coords, claimed, reply.grad_input)
+            elif claimed is not None and reply.coords is not None and self._losses is not None:
                 await self._resolve(dispute, tokens, claimed, reply.coords)
             else:
                 self.stats.outcomes["unresolved"] += 1  # the tail's loss: the next layer decides
@@ -189,15 +221,40 @@ class SpotChecks:
         if not (abs(worker_loss - checker_loss) > margin):  # NaN too: no verdict
             self.stats.outcomes["unresolved"] += 1
             return
-        struck, spared = ((dispute.worker, dispute.checker) if worker_loss > checker_loss
-                          else (dispute.checker, dispute.worker))
+        self._strike(dispute, dispute.worker if worker_loss > checker_loss else dispute.checker)
+
+    async def _resolve_gradient(self, dispute: Dispute, tokens: torch.Tensor, coords: torch.Tensor,
+                                claimed: torch.Tensor, recomputed: torch.Tensor) -> None:
+        """Measure the loss's slopes at the stage's input along both candidates' directions; the
+        candidate whose predicted slopes are far off is struck."""
+        candidates = [claimed.float(), recomputed.float()]
+        directions = [g / torch.linalg.vector_norm(g) for g in candidates if torch.linalg.vector_norm(g) > 0]
+        try:
+            measured = await self._slopes(dispute.stage, tokens, coords, directions)
+        except Exception as exc:  # noqa: BLE001 - a stage that cannot answer decides nothing
+            logger.debug("could not measure the slopes of a disputed gradient of stage %d: %s", dispute.stage, exc)
+            self.stats.outcomes["unresolved"] += 1
+            return
+        scale = sum(abs(m) for m in measured) + 1e-12
+        errors = [sum(abs(float(torch.dot(g.flatten(), d.flatten())) - m) for d, m in zip(directions, measured)) / scale
+                  for g in candidates]
+        dispute.losses = (errors[0], errors[1])  # for a gradient: each candidate's slope error, relative
+        worse, better = max(errors), min(errors)
+        if not (worse > GRADIENT_ERROR_MAX and better < worse / 4):  # NaN too: no verdict
+            self.stats.outcomes["unresolved"] += 1
+            return
+        self._strike(dispute, dispute.worker if errors[0] > errors[1] else dispute.checker)
+
+    def _strike(self, dispute: Dispute, struck: str) -> None:
+        spared = dispute.checker if struck == dispute.worker else dispute.worker
         dispute.struck = struck
         self.stats.strikes[struck] += 1
         self.stats.favoured[spared] += 1
         strikes, favoured = self.stats.strikes[struck], self.stats.favoured[struck]
         if (strikes >= self.strikes_to_exclude and 3 * favoured < strikes and struck not in self.stats.excluded):
-            why = (f"{strikes} spot-check disputes on stage {dispute.stage} resolved against it by the loss "
-                   f"({favoured} in its favour); last: loss {max(dispute.losses):.4g} against "
+            what = "slope error" if dispute.gradient else "loss"
+            why = (f"{strikes} spot-check disputes on stage {dispute.stage} resolved against it "
+                   f"({favoured} in its favour); last: {what} {max(dispute.losses):.4g} against "
                    f"{min(dispute.losses):.4g} at version {dispute.version}")
             self.stats.excluded[struck] = why
             logger.warning("excluding worker %s: %s", struck[-8:], why)

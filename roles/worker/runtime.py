@@ -284,6 +284,14 @@ class StageRuntime:
         seq_len = self._check_common(request.stage, request.tokens, request.coords)
         if self.kind == "tail" and seq_len < 2:
             raise ProtocolError("the tail needs at least 2 tokens", ErrorCode.INVALID_TENSOR)
+        if request.grad_output is not None:
+            if self.kind != "body":
+                raise ProtocolError("grad_output is for a body stage (the tail takes input_grad, the head has no "
+                                    "input gradient)", ErrorCode.INVALID_REQUEST)
+            self._check_coords(request.grad_output, seq_len, "grad_output")
+        if request.input_grad and self.kind != "tail":
+            raise ProtocolError("input_grad is for the tail (a body stage takes grad_output)",
+                                ErrorCode.INVALID_REQUEST)
 
     def _check_common(self, stage: int, tokens: torch.Tensor, coords: Optional[torch.Tensor]) -> int:
         if stage != self.stage:
@@ -325,18 +333,37 @@ class StageRuntime:
         coords = None
         if self.kind != "head":
             coords = request.coords.unsqueeze(0).to(self.device, torch.float32)
+        wants_grad = request.grad_output is not None or request.input_grad
+        grad = None
         try:
-            with torch.no_grad(), self.optimizer.lock, self._autocast():
-                version = self.optimizer.local_step
-                out = self.model(coords, tokens)
+            with torch.enable_grad() if wants_grad else torch.no_grad(), self.optimizer.lock, self._autocast():
+                version, weights = self._evaluation_weights(request.version)
+                if wants_grad:
+                    coords.requires_grad_(True)
+                out = (self.model(coords, tokens) if weights is None
+                       else torch.func.functional_call(self.model, weights, (coords, tokens)))
+                if wants_grad:  # into the input only: nothing accumulates in the parameters' .grad
+                    target = (out.float().sum() if self.kind == "tail" else
+                              (out.float() * request.grad_output.unsqueeze(0).to(self.device, torch.float32)).sum())
+                    (grad,) = torch.autograd.grad(target, coords)
                 self.counters["eval_requests"] += 1
         except Exception as exc:
             if self.on_compute_error is not None:
                 self.on_compute_error(exc)
             raise
+        grad_input = None if grad is None else grad.to(self.wire_dtype).cpu()[0]
         if self.kind == "tail":  # the model returns each sample's mean next-token loss
-            return EvaluateReply(loss=float(out.float().cpu()[0]), version=version)
-        return EvaluateReply(coords=out.to(self.wire_dtype).cpu()[0], version=version)
+            return EvaluateReply(loss=float(out.detach().float().cpu()[0]), version=version, grad_input=grad_input)
+        return EvaluateReply(coords=out.detach().to(self.wire_dtype).cpu()[0], version=version, grad_input=grad_input)
+
+    def _evaluation_weights(self, version: Optional[int]) -> tuple[int, Optional[dict[str, torch.Tensor]]]:
+        """The weight version an evaluation runs at, and the weights if not the current ones: the
+        previous version when asked for and still kept (call under the optimizer lock)."""
+        opt = self.optimizer
+        if version is not None and version != opt.local_step and version == opt.previous_version \
+                and opt.previous is not None:
+            return version, {name: t.detach() for name, t in zip(self._param_names, opt.previous)}
+        return opt.local_step, None
 
     # ---- submission ----
 

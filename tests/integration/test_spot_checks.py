@@ -1,6 +1,9 @@
-"""Spot checks with real processes: a worker whose process adds noise to its outputs (the
-adversary harness, tests/support/adversary_node.py) disagrees with its stage's other replica, the
-loss puts it in the wrong, and the trainer stops routing to it; honest replicas agree exactly."""
+"""Spot checks with real processes: a worker whose process adds noise to its outputs, or flips
+the gradients it sends back (the adversary harness, tests/support/adversary_node.py), disagrees
+with its stage's other replica, the loss (or its slopes) puts it in the wrong, and the trainer stops
+routing to it; honest replicas agree exactly."""
+
+import pytest
 
 from tests.support.adversary_node import adversary_prefix
 
@@ -9,13 +12,14 @@ THREE_STAGES = [{"first_layer": 0, "last_layer": 1}, {"first_layer": 1, "last_la
 SAMPLES = 240
 
 
-def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_path):
+@pytest.mark.parametrize("attack", ["noise:1", "flip_grad"])
+def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_path, attack):
     config = run_config_path(stages=THREE_STAGES, verification={"spot_check_rate": 0.3})
     swarm = make_swarm(config)
     first = swarm.start("worker", stage=0)
     workers = [swarm.start("worker", stage=stage, wait_ready=False) for stage in (0, 1, 2, 2)]
     # it also answers the checks it is asked to run falsely (held-out evaluations are altered too)
-    cheater = swarm.start("worker", stage=1, wait_ready=False, prefix=adversary_prefix("noise:1"))
+    cheater = swarm.start("worker", stage=1, wait_ready=False, prefix=adversary_prefix(attack))
     for node in [*workers, cheater]:
         swarm.wait_ready(node, timeout_s=180)
     trainer = swarm.start("trainer", args=["--lanes", "4", "--max-samples", str(SAMPLES)])
@@ -27,6 +31,7 @@ def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_p
     assert checks["disputed"] >= 3, checks
     for dispute in checks["disputes"]:
         assert dispute["stage"] == 1 and cheater_id in (dispute["worker"], dispute["checker"]), dispute
+        assert dispute["gradient"] == (attack == "flip_grad"), dispute
     # the honest pairs (stages 0 and 2) agree to the last bit
     assert checks["agreed"] >= 10 and checks["largest_agreed_distance"] == 0.0, checks
     # the losses resolved disputes against the cheater only, and it was cut off

@@ -358,6 +358,14 @@ class Adversary:
                     attack.count(1)
             if loss != reply.loss:
                 reply = reply.model_copy(update={"loss": loss})
+        if reply.grad_input is not None:  # a spot check re-executing a backward
+            grad = reply.grad_input
+            for attack in self.attacks:
+                if attack.direction == GRAD and attack.evaluations and attack.chosen(1)[0]:
+                    grad = attack.alter_grad(grad)
+                    attack.count(1)
+            if grad is not reply.grad_input:
+                reply = reply.model_copy(update={"grad_input": grad})
         return reply
 
 

@@ -24,7 +24,8 @@ training state (weights, accumulated gradients, kept activations, step counts) s
                    batch's last output of the same shape (none yet: sent honestly)
     stale:N        the output on the stage's weights of N optimizer steps ago (a replay; the oldest
                    kept until N steps were taken, honest while those are the current weights)
-  input gradients: backward replies of a body or tail (the head sends none):
+  input gradients: backward replies of a body or tail (the head sends none) and, unless `eval:0`,
+  the input gradients of evaluations that ask for one (spot checks re-executing a backward):
     zero_grad      the input gradient zeroed
     flip_grad      the input gradient sign-flipped
   losses: the tail's reported loss, in backward replies and, unless `eval:0`, held-out evaluations:

@@ -166,3 +166,27 @@ def test_a_loss_within_the_margin_or_not_a_number_decides_nothing_and_favours_pr
 
 LIE = OUT * 3
 HONEST = OUT * 2
+
+
+def test_a_gradient_dispute_goes_against_the_gradient_whose_slopes_are_wrong():
+    true_grad = torch.linspace(-1, 2, 32).reshape(8, 4)
+
+    async def slopes(stage, tokens, coords, directions):  # what finite differences measure
+        return [float(torch.dot(true_grad.flatten(), d.flatten())) for d in directions]
+
+    async def main(claimed, replica_answer):
+        async def evaluate(stage, peer, request):
+            assert request.grad_output is not None and request.version == 4
+            return EvaluateReply(coords=OUT, grad_input=replica_answer, version=4)
+
+        checks = SpotChecks(1.0, 0.01, evaluate, lambda stage: ["a", "b"], random.Random(0), slopes=slopes)
+        checks.check_backward(1, "a", TOKENS, OUT, OUT, claimed, 4)
+        await _settle(checks)
+        return checks
+    for claimed, replica, struck in [(-true_grad, true_grad, "a"), (torch.zeros_like(true_grad), true_grad, "a"),
+                                     (true_grad, -true_grad, "b"), (true_grad, true_grad * 2, "b")]:
+        checks = asyncio.run(main(claimed, replica))
+        [dispute] = checks.stats.disputes
+        assert dispute.gradient and dispute.struck == struck, (struck, dispute)
+    agreed = asyncio.run(main(true_grad, true_grad.clone()))
+    assert agreed.stats.outcomes["agreed"] == 1
