@@ -139,7 +139,7 @@ class PipelineDriver:
             verification.spot_check_rate, verification.tolerance,
             evaluate=lambda stage, peer, request: self._call(stage, peer, version.EVALUATE, request, EvaluateReply),
             replicas=lambda stage: self.balancers[stage].usable(), losses=self.continuation_losses,
-            slopes=self.input_slopes,
+            slopes=self.input_slopes, consistency=self.loss_consistency,
             loss_margin=verification.loss_margin, strikes_to_exclude=verification.strikes_to_exclude,
             exclude=self._excluder(exclude))
         """A fraction of the hops re-executed on another replica of the stage (roles/trainer/spot_checks.py)."""
@@ -406,6 +406,30 @@ class PipelineDriver:
             d = direction.to(x.dtype).reshape(x.shape)
             slopes.append((await loss_at(x + step * d) - await loss_at(x - step * d)) / (2 * step))
         return slopes
+
+    async def loss_consistency(self, stage: int, peer: str, tokens: torch.Tensor, coords: torch.Tensor) -> float:
+        """How far a tail worker's losses are from what its own input gradient says they are: its
+        loss measured a thousandth of the input's norm either side along that gradient, the slope
+        against the gradient's norm (relative; 0 for an honest tail, up to finite differences)."""
+        async def ask(point: torch.Tensor, input_grad: bool = False) -> EvaluateReply:
+            request = EvaluateRequest(stage=stage, sample_id=f"referee-{uuid.uuid4().hex[:16]}", tokens=tokens,
+                                      coords=point, input_grad=input_grad)
+            return await self._call(stage, peer, version.EVALUATE, request, EvaluateReply)
+
+        x = coords.float()
+        reply = await ask(x, input_grad=True)
+        if reply.grad_input is None or reply.loss is None:
+            raise ProtocolError(f"tail worker {peer[-8:]} sent no gradient or loss")
+        grad = reply.grad_input.float()
+        size = float(torch.linalg.vector_norm(grad))
+        if size == 0.0:
+            return float("inf")  # a loss that nothing moves: measured along no direction
+        direction = grad / size
+        step = 1e-3 * float(torch.linalg.vector_norm(x).clamp_min(1e-6))
+        up, down = await ask(x + step * direction), await ask(x - step * direction)
+        if up.loss is None or down.loss is None:
+            raise ProtocolError(f"tail worker {peer[-8:]} sent no loss")
+        return abs((up.loss - down.loss) / (2 * step) - size) / size
 
     async def _evaluation_hop(self, stage: int, request: EvaluateRequest) -> tuple[str, EvaluateReply]:
         """Up to `max_attempts` workers of the stage, each once. A failure is not reported to the

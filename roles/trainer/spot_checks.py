@@ -29,7 +29,9 @@ at the version the worker's gradient was taken at. A gradient dispute is resolve
 differences: the sample's loss is carried from the stage's input, moved a little along each
 candidate gradient's direction, and the candidate whose slopes predict the measured ones gets it
 right; a flipped or zeroed gradient does not. (A liar that also falsifies the forwards of those
-moved inputs can tilt this.)
+moved inputs can tilt this.) A dispute over the tail's loss is decided by each tail's own
+consistency: its loss, measured a little way along its own input gradient, must change as that
+gradient says; a tail that scales or fixes the loss it reports does not.
 """
 
 from __future__ import annotations
@@ -66,13 +68,13 @@ class Dispute:
     version: int
     distance: float
     """Relative L2 distance of the outputs, or of the losses at the tail."""
-    gradient: bool = False
-    """A dispute over an input gradient (a backward) rather than an output."""
-    losses: Optional[tuple[float, float]] = None
-    """The sample's loss through the later stages from the worker's output and from the replica's;
-    for a gradient, each one's slope error (relative)."""
+    kind: str = "output"
+    """What the two disagree on: a forward's `output`, a backward's input `gradient`, the tail's `loss`."""
+    measures: Optional[tuple[float, float]] = None
+    """What decided it, the worker's then the replica's: for an output, the sample's loss through
+    the later stages from each; for a gradient or a loss, each side's slope error (relative)."""
     struck: Optional[str] = None
-    """Whom the losses put in the wrong, if anyone."""
+    """Whom the measures put in the wrong, if anyone."""
 
 
 @dataclass
@@ -83,9 +85,9 @@ class SpotCheckStats:
     """The largest distance among the agreed checks: how close honest replicas are."""
     disputes: list[Dispute] = field(default_factory=list)
     strikes: collections.Counter = field(default_factory=collections.Counter)
-    """Disputes the losses resolved against each worker."""
+    """Disputes resolved against each worker."""
     favoured: collections.Counter = field(default_factory=collections.Counter)
-    """Disputes the losses resolved in each worker's favour."""
+    """Disputes resolved in each worker's favour."""
     excluded: dict[str, str] = field(default_factory=dict)
     """Worker -> why it was excluded."""
     served_before_exclusion: dict[str, int] = field(default_factory=dict)
@@ -98,9 +100,9 @@ class SpotCheckStats:
                 "strikes": dict(self.strikes), "excluded": dict(self.excluded),
                 "served_before_exclusion": dict(self.served_before_exclusion),
                 "disputes": [{"stage": d.stage, "worker": d.worker, "checker": d.checker, "version": d.version,
-                              "gradient": d.gradient,
+                              "kind": d.kind,
                               "distance": round(d.distance, 6),
-                              "losses": None if d.losses is None else [round(x, 6) for x in d.losses],
+                              "measures": None if d.measures is None else [round(x, 6) for x in d.measures],
                               "struck": d.struck} for d in self.disputes[-16:]]}
 
 
@@ -116,6 +118,7 @@ class SpotChecks:
                  losses: Optional[Callable[[int, torch.Tensor, list[torch.Tensor]], Awaitable[list[float]]]] = None,
                  slopes: Optional[Callable[[int, torch.Tensor, torch.Tensor, list[torch.Tensor]],
                                            Awaitable[list[float]]]] = None,
+                 consistency: Optional[Callable[[int, str, torch.Tensor, torch.Tensor], Awaitable[float]]] = None,
                  loss_margin: float = 0.01, strikes_to_exclude: int = 3,
                  exclude: Optional[Callable[[int, str, str], None]] = None):
         self.rate = rate
@@ -125,6 +128,9 @@ class SpotChecks:
         self._losses = losses
         """(stage, tokens, candidate outputs of the stage) -> each one's loss through the later stages."""
         self._slopes = slopes
+        self._consistency = consistency
+        """(stage, tail worker, tokens, input coords) -> how far its losses are from what its own
+        input gradient predicts (relative)."""
         """(stage, tokens, input coords, unit directions) -> the loss's slope at the input along each."""
         self.loss_margin = loss_margin
         self.strikes_to_exclude = strikes_to_exclude
@@ -195,7 +201,8 @@ class SpotChecks:
             self.stats.largest_agreed = max(self.stats.largest_agreed, gap)
         else:
             self.stats.outcomes["disputed"] += 1
-            dispute = Dispute(stage, worker, checker, version, gap, gradient=gradient)
+            kind = "gradient" if gradient else "output" if claimed is not None else "loss"
+            dispute = Dispute(stage, worker, checker, version, gap, kind=kind)
             self.stats.disputes.append(dispute)
             del self.stats.disputes[:-64]
             logger.warning("spot check: stage %d worker %s and replica %s disagree at version %d (distance %.3g, "
@@ -204,8 +211,10 @@ class SpotChecks:
                 await self._resolve_gradient(dispute, tokens, coords, claimed, reply.grad_input)
             elif claimed is not None and reply.coords is not None and self._losses is not None:
                 await self._resolve(dispute, tokens, claimed, reply.coords)
+            elif reply.loss is not None and self._consistency is not None:
+                await self._resolve_loss(dispute, tokens, coords)
             else:
-                self.stats.outcomes["unresolved"] += 1  # the tail's loss: the next layer decides
+                self.stats.outcomes["unresolved"] += 1
 
     async def _resolve(self, dispute: Dispute, tokens: torch.Tensor, claimed: torch.Tensor,
                        recomputed: torch.Tensor) -> None:
@@ -216,7 +225,7 @@ class SpotChecks:
             logger.debug("could not carry a disputed output of stage %d to the loss: %s", dispute.stage, exc)
             self.stats.outcomes["unresolved"] += 1
             return
-        dispute.losses = (worker_loss, checker_loss)
+        dispute.measures = (worker_loss, checker_loss)
         margin = self.loss_margin * max(min(worker_loss, checker_loss), 1e-6)
         if not (abs(worker_loss - checker_loss) > margin):  # NaN too: no verdict
             self.stats.outcomes["unresolved"] += 1
@@ -238,7 +247,23 @@ class SpotChecks:
         scale = sum(abs(m) for m in measured) + 1e-12
         errors = [sum(abs(float(torch.dot(g.flatten(), d.flatten())) - m) for d, m in zip(directions, measured)) / scale
                   for g in candidates]
-        dispute.losses = (errors[0], errors[1])  # for a gradient: each candidate's slope error, relative
+        dispute.measures = (errors[0], errors[1])  # for a gradient: each candidate's slope error, relative
+        self._judge(dispute, errors)
+
+    async def _resolve_loss(self, dispute: Dispute, tokens: torch.Tensor, coords: torch.Tensor) -> None:
+        """Each tail's losses against its own gradient; the inconsistent one is struck."""
+        try:
+            errors = [await self._consistency(dispute.stage, peer, tokens, coords)
+                      for peer in (dispute.worker, dispute.checker)]
+        except Exception as exc:  # noqa: BLE001 - a tail that cannot answer decides nothing
+            logger.debug("could not test the tails' losses of stage %d: %s", dispute.stage, exc)
+            self.stats.outcomes["unresolved"] += 1
+            return
+        dispute.measures = (errors[0], errors[1])
+        self._judge(dispute, errors)
+
+    def _judge(self, dispute: Dispute, errors: list[float]) -> None:
+        """Strike the side whose error is large and four times the other's; else no verdict."""
         worse, better = max(errors), min(errors)
         if not (worse > GRADIENT_ERROR_MAX and better < worse / 4):  # NaN too: no verdict
             self.stats.outcomes["unresolved"] += 1
@@ -252,10 +277,10 @@ class SpotChecks:
         self.stats.favoured[spared] += 1
         strikes, favoured = self.stats.strikes[struck], self.stats.favoured[struck]
         if (strikes >= self.strikes_to_exclude and 3 * favoured < strikes and struck not in self.stats.excluded):
-            what = "slope error" if dispute.gradient else "loss"
+            what = "loss" if dispute.kind == "output" else "slope error"
             why = (f"{strikes} spot-check disputes on stage {dispute.stage} resolved against it "
-                   f"({favoured} in its favour); last: {what} {max(dispute.losses):.4g} against "
-                   f"{min(dispute.losses):.4g} at version {dispute.version}")
+                   f"({favoured} in its favour); last: {what} {max(dispute.measures):.4g} against "
+                   f"{min(dispute.measures):.4g} at version {dispute.version}")
             self.stats.excluded[struck] = why
             logger.warning("excluding worker %s: %s", struck[-8:], why)
             if self._exclude is not None:

@@ -31,7 +31,7 @@ def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_p
     assert checks["disputed"] >= 3, checks
     for dispute in checks["disputes"]:
         assert dispute["stage"] == 1 and cheater_id in (dispute["worker"], dispute["checker"]), dispute
-        assert dispute["gradient"] == (attack == "flip_grad"), dispute
+        assert dispute["kind"] == ("gradient" if attack == "flip_grad" else "output"), dispute
     # the honest pairs (stages 0 and 2) agree to the last bit
     assert checks["agreed"] >= 10 and checks["largest_agreed_distance"] == 0.0, checks
     # the losses resolved disputes against the cheater only, and it was cut off

@@ -187,6 +187,28 @@ def test_a_gradient_dispute_goes_against_the_gradient_whose_slopes_are_wrong():
                                      (true_grad, -true_grad, "b"), (true_grad, true_grad * 2, "b")]:
         checks = asyncio.run(main(claimed, replica))
         [dispute] = checks.stats.disputes
-        assert dispute.gradient and dispute.struck == struck, (struck, dispute)
+        assert dispute.kind == "gradient" and dispute.struck == struck, (struck, dispute)
     agreed = asyncio.run(main(true_grad, true_grad.clone()))
     assert agreed.stats.outcomes["agreed"] == 1
+
+
+def test_a_loss_dispute_goes_against_the_tail_whose_losses_its_own_gradient_does_not_explain():
+    async def main(errors):
+        async def evaluate(stage, peer, request):
+            return EvaluateReply(loss=2.0, version=3)
+
+        async def consistency(stage, peer, tokens, coords):
+            return errors[peer]
+
+        checks = SpotChecks(1.0, 0.01, evaluate, lambda stage: ["tail-a", "tail-b"], random.Random(0),
+                            consistency=consistency)
+        checks.check_loss(2, "tail-a", TOKENS, OUT, 6.0, 3)  # a tail that says three times the loss
+        await _settle(checks)
+        return checks
+    caught = asyncio.run(main({"tail-a": 2.0, "tail-b": 0.001}))
+    [dispute] = caught.stats.disputes
+    assert dispute.kind == "loss" and dispute.struck == "tail-a" and dispute.measures == (2.0, 0.001)
+    framed = asyncio.run(main({"tail-a": 0.002, "tail-b": float("inf")}))  # the checker is the liar
+    assert framed.stats.disputes[0].struck == "tail-b"
+    unclear = asyncio.run(main({"tail-a": 0.3, "tail-b": 0.2}))
+    assert unclear.stats.outcomes["unresolved"] == 1 and not unclear.stats.strikes
