@@ -18,9 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import random
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional, TypeVar
 
@@ -52,6 +50,7 @@ from protocol.run_config import VerificationConfig
 from protocol.transport import RpcClient
 from roles.event_log import EventAggregator
 from roles.trainer.balancer import StageBalancer
+from roles.trainer.referee import Referee
 from roles.trainer.skipping import StageSkipping, skippable
 from roles.trainer.spot_checks import SpotChecks
 
@@ -135,11 +134,12 @@ class PipelineDriver:
         self.skipping = skipping if skipping is not None else StageSkipping(len(balancers))
         self.stats = PipelineStats()
         verification = verification or VerificationConfig(spot_check_rate=0.0)
+        referee = Referee(self._call, balancers)
         self.spot_checks = SpotChecks(
             verification.spot_check_rate, verification.tolerance,
             evaluate=lambda stage, peer, request: self._call(stage, peer, version.EVALUATE, request, EvaluateReply),
-            replicas=lambda stage: self.balancers[stage].usable(), losses=self.continuation_losses,
-            slopes=self.input_slopes, consistency=self.loss_consistency,
+            replicas=lambda stage: self.balancers[stage].usable(), losses=referee.continuation_losses,
+            slopes=referee.input_slopes, consistency=referee.loss_consistency,
             loss_margin=verification.loss_margin, strikes_to_exclude=verification.strikes_to_exclude,
             exclude=self._excluder(exclude))
         """A fraction of the hops re-executed on another replica of the stage (roles/trainer/spot_checks.py)."""
@@ -352,84 +352,6 @@ class PipelineDriver:
             if exclude is not None:
                 exclude(stage, peer, why)
         return excluded
-
-    async def continuation_losses(self, stage: int, tokens: torch.Tensor, outputs: list[torch.Tensor]) -> list[float]:
-        """The loss each candidate output of `stage` for one sample leads to, carried through the
-        later stages with `agora/v1/evaluate` by the same worker per stage (chosen at random among
-        the usable ones), so that only the output differs. Raises when a stage cannot answer."""
-        peers = []
-        for later in range(stage + 1, self.num_stages):
-            usable = self.balancers[later].usable()
-            if not usable:
-                raise NoWorkersError(f"stage {later} has no usable worker")
-            peers.append((later, random.choice(usable)))
-        losses = []
-        for coords in outputs:
-            reply = None
-            for later, peer in peers:
-                request = EvaluateRequest(stage=later, sample_id=f"referee-{uuid.uuid4().hex[:16]}", tokens=tokens,
-                                          coords=coords)
-                reply = await self._call(later, peer, version.EVALUATE, request, EvaluateReply)
-                coords = reply.coords
-            if reply is None or reply.loss is None:
-                raise ProtocolError(f"stage {self.num_stages - 1} worker sent no loss")
-            losses.append(reply.loss)
-        return losses
-
-    async def input_slopes(self, stage: int, tokens: torch.Tensor, coords: torch.Tensor,
-                           directions: list[torch.Tensor]) -> list[float]:
-        """The rate of change of one sample's loss at `stage`'s input along each unit direction, by
-        central differences: the input moved by +/- a thousandth of its norm, carried through
-        `stage` and the later ones with `agora/v1/evaluate` by the same worker per stage."""
-        peers = []
-        for later in range(stage, self.num_stages):
-            usable = self.balancers[later].usable()
-            if not usable:
-                raise NoWorkersError(f"stage {later} has no usable worker")
-            peers.append((later, random.choice(usable)))
-        x = coords.float()
-        step = 1e-3 * float(torch.linalg.vector_norm(x).clamp_min(1e-6))
-
-        async def loss_at(point: torch.Tensor) -> float:
-            reply = None
-            for later, peer in peers:
-                request = EvaluateRequest(stage=later, sample_id=f"referee-{uuid.uuid4().hex[:16]}", tokens=tokens,
-                                          coords=point)
-                reply = await self._call(later, peer, version.EVALUATE, request, EvaluateReply)
-                point = reply.coords
-            if reply is None or reply.loss is None:
-                raise ProtocolError(f"stage {self.num_stages - 1} worker sent no loss")
-            return reply.loss
-
-        slopes = []
-        for direction in directions:
-            d = direction.to(x.dtype).reshape(x.shape)
-            slopes.append((await loss_at(x + step * d) - await loss_at(x - step * d)) / (2 * step))
-        return slopes
-
-    async def loss_consistency(self, stage: int, peer: str, tokens: torch.Tensor, coords: torch.Tensor) -> float:
-        """How far a tail worker's losses are from what its own input gradient says they are: its
-        loss measured a thousandth of the input's norm either side along that gradient, the slope
-        against the gradient's norm (relative; 0 for an honest tail, up to finite differences)."""
-        async def ask(point: torch.Tensor, input_grad: bool = False) -> EvaluateReply:
-            request = EvaluateRequest(stage=stage, sample_id=f"referee-{uuid.uuid4().hex[:16]}", tokens=tokens,
-                                      coords=point, input_grad=input_grad)
-            return await self._call(stage, peer, version.EVALUATE, request, EvaluateReply)
-
-        x = coords.float()
-        reply = await ask(x, input_grad=True)
-        if reply.grad_input is None or reply.loss is None:
-            raise ProtocolError(f"tail worker {peer[-8:]} sent no gradient or loss")
-        grad = reply.grad_input.float()
-        size = float(torch.linalg.vector_norm(grad))
-        if size == 0.0:
-            return float("inf")  # a loss that nothing moves: measured along no direction
-        direction = grad / size
-        step = 1e-3 * float(torch.linalg.vector_norm(x).clamp_min(1e-6))
-        up, down = await ask(x + step * direction), await ask(x - step * direction)
-        if up.loss is None or down.loss is None:
-            raise ProtocolError(f"tail worker {peer[-8:]} sent no loss")
-        return abs((up.loss - down.loss) / (2 * step) - size) / size
 
     async def _evaluation_hop(self, stage: int, request: EvaluateRequest) -> tuple[str, EvaluateReply]:
         """Up to `max_attempts` workers of the stage, each once. A failure is not reported to the

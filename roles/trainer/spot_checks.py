@@ -13,7 +13,8 @@ A check whose replica is at another version is `stale` (no verdict); one with no
 the stage is `unchecked`. An output further from the replica's than `verification.tolerance`
 (relative L2 distance) is a dispute.
 
-A dispute says that one of two replicas lied, not which: a liar answers the checks it is asked
+The measurements that decide a dispute are in roles/trainer/referee.py. A dispute says that one
+of two replicas lied, not which: a liar answers the checks it is asked
 to run falsely too, and with two replicas per stage there is no majority. The loss decides: both
 outputs are carried through the later stages by the same workers (`agora/v1/evaluate`) to the
 sample's loss, and the output whose loss is worse by more than `verification.loss_margin`
