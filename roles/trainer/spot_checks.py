@@ -1,28 +1,26 @@
-"""Spot checks: a trainer re-executes a fraction of the forward hops it routed on another replica
-of the same stage, and compares.
+"""Spot checks: a trainer re-executes a fraction of the hops it routed (forward outputs, backward
+input gradients, the tail's losses) on another replica of the same stage, and compares.
 
 A credentialed worker can return any tensor of the right shape. Replicas of a stage that exchange
 gradients every step hold the same weights at the same weight version, so another replica given
-the same input at the same version must return the same output, up to float rounding. A trainer
-draws `verification.spot_check_rate` of its forward hops (the tail's loss too), keeps the input it
-sent and the output it got, and asks another replica of the stage for the same computation through
-`agora/v1/evaluate` (no queue, nothing counted towards a step). The checked worker cannot tell
-which of its samples are checked: the check goes elsewhere, after its reply.
+the same input at the same version must return the same result, up to float rounding. A trainer
+draws `verification.spot_check_rate` of its hops, keeps what it sent and what it got, and asks
+another replica of the stage for the same computation through `agora/v1/evaluate` (no queue,
+nothing counted towards a step). The checked worker cannot tell which of its samples are
+checked: the check goes elsewhere, after its reply.
 
 A check whose replica is at another version is `stale` (no verdict); one with no other replica of
-the stage is `unchecked`. An output further from the replica's than `verification.tolerance`
+the stage is `unchecked`. A result further from the replica's than `verification.tolerance`
 (relative L2 distance) is a dispute.
 
-The measurements that decide a dispute are in roles/trainer/referee.py. A dispute says that one
-of two replicas lied, not which: a liar answers the checks it is asked
-to run falsely too, and with two replicas per stage there is no majority. The loss decides: both
-outputs are carried through the later stages by the same workers (`agora/v1/evaluate`) to the
-sample's loss, and the output whose loss is worse by more than `verification.loss_margin`
-(relative) earns its sender a strike; within the margin the dispute stays unresolved. A lie that
-does not change what the model predicts is not attributed this way (it is counted, and the next
-layer, re-execution by the authorizer, decides those). A worker with
-`verification.strikes_to_exclude` strikes and fewer than a third as many disputes resolved in
-its favour is excluded: this trainer routes nothing more to it.
+A dispute says that one of two replicas lied, not which: a liar answers the checks it is asked to
+run falsely too, and with two replicas per stage there is no majority. Measurements decide
+(roles/trainer/referee.py). For an output, the loss: both outputs are carried through the later
+stages by the same workers to the sample's loss, and the output whose loss is worse by more than
+`verification.loss_margin` (relative) earns its sender a strike; within the margin the dispute
+stays unresolved (a lie that does not change what the model predicts is counted, not
+attributed). A worker with `verification.strikes_to_exclude` strikes and fewer than a third as
+many disputes resolved in its favour is excluded: this trainer routes nothing more to it.
 
 Backward hops of the body stages and the tail are checked the same way: the replica re-executes
 the backward into the input only (`grad_output`, or `input_grad` at the tail; nothing accumulates)
