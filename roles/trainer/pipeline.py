@@ -121,7 +121,8 @@ class PipelineDriver:
                  skipping: Optional[StageSkipping] = None,
                  reconnect: Optional[Callable[[str], Awaitable[None]]] = None,
                  verification: Optional[VerificationConfig] = None,
-                 exclude: Optional[Callable[[int, str, str], None]] = None):
+                 exclude: Optional[Callable[[int, str, str], None]] = None,
+                 equal_replicas: Callable[[int], bool] = lambda stage: True):
         self.client = client
         self.balancers = balancers
         self.connect = connect
@@ -141,7 +142,7 @@ class PipelineDriver:
             replicas=lambda stage: self.balancers[stage].usable(), losses=referee.continuation_losses,
             slopes=referee.input_slopes, consistency=referee.loss_consistency,
             loss_margin=verification.loss_margin, strikes_to_exclude=verification.strikes_to_exclude,
-            exclude=self._excluder(exclude))
+            exclude=self._excluder(exclude), equal_replicas=equal_replicas)
         """A fraction of the hops re-executed on another replica of the stage (roles/trainer/spot_checks.py)."""
         self.retries = EventAggregator(logger, "retried", "request", interval_s=10.0, level=logging.INFO)
         """Calls retried on another worker, by cause; the role flushes it with its progress line."""

@@ -20,6 +20,7 @@ from protocol.dht_schema import TrainerRecord, trainers_key
 from protocol.transport import RpcClient, dial
 from roles.announcer import Announcer
 from roles.event_log import EventAggregator
+from roles.model.traffic_plan import gradient_exchange_on
 from protocol.run_config import RunConfig
 from roles.periodic import every, wait_any
 from roles.trainer.accounting import SampleAccounting
@@ -74,6 +75,7 @@ class TrainerRole:
             max_attempts=config.max_attempts, timeout_s=config.request_timeout_s,
             on_no_workers=self.discovery.request_refresh, skipping=self.skipping, reconnect=self._reconnect,
             verification=run.verification, exclude=self.discovery.exclude,
+            equal_replicas=lambda stage: gradient_exchange_on(run, stage),
         )
         self.chained = (ChainedRouting(self.driver, run.routing, describe_worker=self._worker_without_chain)
                         if run.routing.path == "workers" else None)

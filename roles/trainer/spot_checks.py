@@ -9,8 +9,10 @@ another replica of the stage for the same computation through `agora/v1/evaluate
 nothing counted towards a step). The checked worker cannot tell which of its samples are
 checked: the check goes elsewhere, after its reply.
 
-A check whose replica is at another version is `stale` (no verdict); one with no other replica of
-the stage is `unchecked`. A result further from the replica's than `verification.tolerance`
+Only stages whose replicas add up their gradients every step are checked (`equal_replicas`): with
+SparseLoCo, or without the per-step exchange, replicas step on their own samples and differ between
+averaging rounds, and a drawn hop there is `unchecked`. A check whose replica is at another version
+is `stale` (no verdict); one with no other replica of the stage is `unchecked` too. A result further from the replica's than `verification.tolerance`
 (relative L2 distance) is a dispute.
 
 A dispute says that one of two replicas lied, not which: a liar answers the checks it is asked to
@@ -119,7 +121,8 @@ class SpotChecks:
                                            Awaitable[list[float]]]] = None,
                  consistency: Optional[Callable[[int, str, torch.Tensor, torch.Tensor], Awaitable[float]]] = None,
                  loss_margin: float = 0.01, strikes_to_exclude: int = 3,
-                 exclude: Optional[Callable[[int, str, str], None]] = None):
+                 exclude: Optional[Callable[[int, str, str], None]] = None,
+                 equal_replicas: Callable[[int], bool] = lambda stage: True):
         self.rate = rate
         self.tolerance = tolerance
         self._evaluate = evaluate
@@ -134,6 +137,8 @@ class SpotChecks:
         self.loss_margin = loss_margin
         self.strikes_to_exclude = strikes_to_exclude
         self._exclude = exclude
+        self._equal_replicas = equal_replicas
+        """Whether a stage's replicas hold the same weights at the same version (per-step gradient exchange)."""
         """(stage, worker, why): stop routing to a worker."""
         self._rng = rng or random.Random()
         self._tasks: set[asyncio.Task] = set()
@@ -164,8 +169,8 @@ class SpotChecks:
 
     def _start(self, stage, worker, tokens, coords, version, distance, claimed=None, request=None,
                gradient=False) -> None:
-        if version is None:
-            self.stats.outcomes["unchecked"] += 1  # a worker that does not say its version
+        if version is None or not self._equal_replicas(stage):
+            self.stats.outcomes["unchecked"] += 1  # a worker that does not say its version, or unequal replicas
             return
         if len(self._tasks) >= CHECKS_IN_FLIGHT_MAX:
             self.stats.outcomes["busy"] += 1

@@ -212,3 +212,21 @@ def test_a_loss_dispute_goes_against_the_tail_whose_losses_its_own_gradient_does
     assert framed.stats.disputes[0].struck == "tail-b"
     unclear = asyncio.run(main({"tail-a": 0.3, "tail-b": 0.2}))
     assert unclear.stats.outcomes["unresolved"] == 1 and not unclear.stats.strikes
+
+
+def test_stages_whose_replicas_differ_between_rounds_are_not_checked():
+    async def main():
+        asked = []
+
+        async def evaluate(stage, peer, request):
+            asked.append(stage)
+            return EvaluateReply(coords=OUT * 5, version=1)
+
+        checks = SpotChecks(1.0, 0.01, evaluate, lambda stage: ["a", "b"], random.Random(0),
+                            equal_replicas=lambda stage: stage != 1)  # stage 1: SparseLoCo, say
+        checks.check_forward(1, "a", TOKENS, None, OUT, 1)
+        checks.check_forward(0, "a", TOKENS, None, OUT, 1)
+        await _settle(checks)
+        return checks, asked
+    checks, asked = asyncio.run(main())
+    assert asked == [0] and checks.stats.outcomes["unchecked"] == 1 and checks.stats.outcomes["disputed"] == 1
