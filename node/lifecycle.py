@@ -536,8 +536,12 @@ def _clean_up(node_pid: int, known: dict[int, float], sockets: set[str], paths: 
             process = psutil.Process(pid)
             if abs(process.create_time() - created) > 0.01:
                 continue  # the pid was reused by someone else
-            # stop it before listing its children, so it starts none after the list
-            process.suspend()
+            # stop it before listing its children, so it starts none after the list; but not
+            # torch's shared-memory manager, which starts none: if this watchdog dies before the
+            # kill below (a SIGKILL to the node's whole group), it would stay stopped forever,
+            # while left running it leaves by itself once its clients are gone
+            if not _is_shm_manager(process):
+                process.suspend()
             victims.append(process)
         except psutil.Error:
             continue
