@@ -130,10 +130,10 @@ class SpotChecks:
         self._losses = losses
         """(stage, tokens, candidate outputs of the stage) -> each one's loss through the later stages."""
         self._slopes = slopes
+        """(stage, tokens, input coords, unit directions) -> the loss's slope at the input along each."""
         self._consistency = consistency
         """(stage, tail worker, tokens, input coords) -> how far its losses are from what its own
         input gradient predicts (relative)."""
-        """(stage, tokens, input coords, unit directions) -> the loss's slope at the input along each."""
         self.loss_margin = loss_margin
         self.strikes_to_exclude = strikes_to_exclude
         self._exclude = exclude
