@@ -359,11 +359,9 @@ class StageRuntime:
     def _evaluation_weights(self, version: Optional[int]) -> tuple[int, Optional[dict[str, torch.Tensor]]]:
         """The weight version an evaluation runs at, and the weights if not the current ones: the
         previous version when asked for and still kept (call under the optimizer lock)."""
-        opt = self.optimizer
-        if version is not None and version != opt.local_step and version == opt.previous_version \
-                and opt.previous is not None:
-            return version, {name: t.detach() for name, t in zip(self._param_names, opt.previous)}
-        return opt.local_step, None
+        current = self.optimizer.local_step
+        previous = self._previous_weights([version]) if version is not None and version != current else None
+        return (current, None) if previous is None else (version, previous)
 
     # ---- submission ----
 
