@@ -137,7 +137,10 @@ def _worker(s: dict, uptime_s: Optional[float]) -> list[str]:
 
     lines.append(_sparseloco(s["sparseloco"]) if "sparseloco" in s else _averaging(s.get("averaging")))
     lines.append(_staleness(s.get("staleness")))
-    rejected = _counts({**(s.get("rejected") or {}), **(s.get("auth_rejected") or {})})
+    by_call = s.get("rejected_calls")
+    if isinstance(by_call, dict) and by_call:  # "1 tags not_ready": which exchange refused, not just why
+        by_call = {str(k).removeprefix("agora/v1/"): v for k, v in by_call.items()}
+    rejected = _counts({**((by_call or s.get("rejected")) or {}), **(s.get("auth_rejected") or {})})
     if rejected:
         lines.append(f"rejected requests: {rejected}")
     return lines

@@ -194,6 +194,8 @@ class RpcServer:
         self.gate = StreamGate(self.limits, now=time.monotonic())
         self.rejected: collections.Counter[str] = collections.Counter()
         """Error replies sent, by error code."""
+        self.rejected_calls: collections.Counter[str] = collections.Counter()
+        """The same, by handler and error code (`agora/v1/tags not_ready`): which exchange refused."""
         self.auth_rejected: collections.Counter[str] = collections.Counter()
         """Authentication failures, by reason (no_credential, bad_signature, replayed, ...)."""
         self.streams_refused: collections.Counter[str] = collections.Counter()
@@ -349,7 +351,7 @@ class RpcServer:
         refusal is written before the close, which sends it first; a silent stream has sent nothing
         we leave unread, so the close does not reset it."""
         self.streams_closed["evicted"] += 1
-        self._count(ErrorCode.RATE_LIMITED)
+        self._count("(evicted stream)", ErrorCode.RATE_LIMITED)
         self._strike(session.peer)
         session.deadline = None
         with contextlib.suppress(Exception):  # the stream may be gone already
@@ -365,7 +367,7 @@ class RpcServer:
         With `reader`, linger briefly first, discarding what the client already sent: a client
         pipelines its first request behind its hello, and closing a libp2p stream with unread
         data resets it, which can drop our error frame before the client reads it."""
-        self._count(code)
+        self._count("(refused stream)", code)
         try:
             await asyncio.wait_for(write_frame(writer, _error(code, message, **fields)), 5)
             if reader is not None:
@@ -486,26 +488,27 @@ class RpcServer:
             body = await handler(peer_id, request.body)
         except RequestRejected as exc:
             self.auth_rejected[exc.reason] += 1
-            self._count(exc.code)
+            self._count(name, exc.code)
             return _error(exc.code, str(exc), seq=seq), False
         except ProtocolError as exc:
-            self._count(exc.code)
+            self._count(name, exc.code)
             return _error(exc.code, str(exc), seq=seq), True
         except AgoraError as exc:
             code = getattr(exc, "code", ErrorCode.NOT_READY)
-            self._count(code)
+            self._count(name, code)
             return _error(code, str(exc), seq=seq), True
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             logger.exception("handler %s failed", name)
-            self._count(ErrorCode.INTERNAL)
+            self._count(name, ErrorCode.INTERNAL)
             return _error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", seq=seq), True
         self.served[name] += 1
         return pack({"seq": seq, "ok": True, "body": to_body(body) if isinstance(body, WireModel) else body}), True
 
-    def _count(self, code: ErrorCode) -> None:
+    def _count(self, name: str, code: ErrorCode) -> None:
         self.rejected[ErrorCode(code).name.lower()] += 1
+        self.rejected_calls[f"{name} {ErrorCode(code).name.lower()}"] += 1
 
     async def _sweep(self) -> None:
         """Close streams whose deadline passed (no hello, idle, a frame stalled) and idle streams

@@ -16,8 +16,10 @@ is `stale` (no verdict); one with no other replica of the stage is `unchecked` t
 (relative L2 distance) is a dispute.
 
 A dispute says that one of two replicas lied, not which: a liar answers the checks it is asked to
-run falsely too, and with two replicas per stage there is no majority. Measurements decide
-(roles/trainer/referee.py). For an output, the loss: both outputs are carried through the later
+run falsely too. Where the stage has a third replica, it re-executes the hop at the same version
+and the side it matches is right (honest replicas agree to the last bit); a third that matches
+both or neither decides nothing. With two replicas there is no majority, and measurements decide
+(roles/trainer/referee.py), each taken at one set of weights along its route. For an output, the loss: both outputs are carried through the later
 stages by the same workers to the sample's loss, and the output whose loss is worse by more than
 `verification.loss_margin` (relative) earns its sender a strike; within the margin the dispute
 stays unresolved (a lie that does not change what the model predicts is counted, not
@@ -76,6 +78,9 @@ class Dispute:
     the later stages from each; for a gradient or a loss, each side's slope error (relative)."""
     struck: Optional[str] = None
     """Whom the measures put in the wrong, if anyone."""
+    arbiter: Optional[str] = None
+    """A third replica whose re-execution matched one side only; `measures` are then the two
+    sides' distances from it."""
 
 
 @dataclass
@@ -104,7 +109,7 @@ class SpotCheckStats:
                               "kind": d.kind,
                               "distance": round(d.distance, 6),
                               "measures": None if d.measures is None else [round(x, 6) for x in d.measures],
-                              "struck": d.struck} for d in self.disputes[-16:]]}
+                              "struck": d.struck, "arbiter": d.arbiter} for d in self.disputes[-16:]]}
 
 
 class SpotChecks:
@@ -150,75 +155,95 @@ class SpotChecks:
     def check_forward(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
                       output: torch.Tensor, version: Optional[int]) -> None:
         """Check a forward hop's output later, on another replica (call only for a drawn hop)."""
-        self._start(stage, worker, tokens, coords, version, lambda reply: _distance(output, reply.coords),
-                    claimed=output)
+        self._start(stage, worker, tokens, coords, version, "output", output, lambda reply: reply.coords)
 
     def check_loss(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
                    loss: float, version: Optional[int]) -> None:
         """Check the tail's reported loss against another tail replica's evaluation of the same input."""
-        self._start(stage, worker, tokens, coords, version,
-                    lambda reply: None if reply.loss is None else abs(reply.loss - loss) / max(abs(reply.loss), 1e-6))
+        self._start(stage, worker, tokens, coords, version, "loss", loss, lambda reply: reply.loss)
 
     def check_backward(self, stage: int, worker: str, tokens: torch.Tensor, coords: torch.Tensor,
                        grad_output: Optional[torch.Tensor], grad_input: torch.Tensor, version: Optional[int]) -> None:
         """Check a backward hop's input gradient later, on another replica (a body stage, with the
         output gradient it was sent; or the tail, `grad_output` None)."""
         request = dict(grad_output=grad_output, input_grad=grad_output is None, version=version)
-        self._start(stage, worker, tokens, coords, version, lambda reply: _distance(grad_input, reply.grad_input),
-                    claimed=grad_input, request=request, gradient=True)
+        self._start(stage, worker, tokens, coords, version, "gradient", grad_input, lambda reply: reply.grad_input,
+                    request)
 
-    def _start(self, stage, worker, tokens, coords, version, distance, claimed=None, request=None,
-               gradient=False) -> None:
+    def _start(self, stage, worker, tokens, coords, version, kind, claimed, pick, request=None) -> None:
         if version is None or not self._equal_replicas(stage):
             self.stats.outcomes["unchecked"] += 1  # a worker that does not say its version, or unequal replicas
             return
         if len(self._tasks) >= CHECKS_IN_FLIGHT_MAX:
             self.stats.outcomes["busy"] += 1
             return
-        task = asyncio.ensure_future(self._check(stage, worker, tokens, coords, version, distance, claimed,
-                                                 request or {}, gradient))
+        task = asyncio.ensure_future(self._check(stage, worker, tokens, coords, version, kind, claimed, pick,
+                                                 request or {}))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _check(self, stage, worker, tokens, coords, version, distance, claimed, extra, gradient) -> None:
+    async def _recompute(self, stage, peer, tokens, coords, version, pick, extra):
+        """`peer`'s re-execution of the hop: the picked result, or None when it failed, answered at
+        another version (counted `stale`), or sent nothing comparable."""
+        request = EvaluateRequest(stage=stage, sample_id=f"check-{uuid.uuid4().hex[:16]}", tokens=tokens,
+                                  coords=coords, **extra)
+        try:
+            reply = await self._evaluate(stage, peer, request)
+        except Exception as exc:  # noqa: BLE001 - a replica that cannot answer decides nothing
+            logger.debug("spot check on stage %d replica %s failed: %s", stage, peer[-8:], exc)
+            return None, "failed"
+        if reply.version != version:
+            return None, "stale"
+        result = pick(reply)
+        return (result, None) if result is not None else (None, "failed")
+
+    async def _check(self, stage, worker, tokens, coords, version, kind, claimed, pick, extra) -> None:
         others = [peer for peer in self._replicas(stage) if peer != worker]
         if not others:
             self.stats.outcomes["unchecked"] += 1
             return
         checker = self._rng.choice(others)
-        request = EvaluateRequest(stage=stage, sample_id=f"check-{uuid.uuid4().hex[:16]}", tokens=tokens,
-                                  coords=coords, **extra)
-        try:
-            reply = await self._evaluate(stage, checker, request)
-        except Exception as exc:  # noqa: BLE001 - a replica that cannot answer decides nothing
-            logger.debug("spot check on stage %d replica %s failed: %s", stage, checker[-8:], exc)
-            self.stats.outcomes["failed"] += 1
-            return
-        if reply.version != version:
-            self.stats.outcomes["stale"] += 1
-            return
-        gap = distance(reply)
+        recomputed, failure = await self._recompute(stage, checker, tokens, coords, version, pick, extra)
+        gap = None if failure else _gap(claimed, recomputed)
         if gap is None:
-            self.stats.outcomes["failed"] += 1
+            self.stats.outcomes[failure or "failed"] += 1
         elif gap <= self.tolerance:
             self.stats.outcomes["agreed"] += 1
             self.stats.largest_agreed = max(self.stats.largest_agreed, gap)
         else:
             self.stats.outcomes["disputed"] += 1
-            kind = "gradient" if gradient else "output" if claimed is not None else "loss"
             dispute = Dispute(stage, worker, checker, version, gap, kind=kind)
             self.stats.disputes.append(dispute)
             del self.stats.disputes[:-64]
             logger.warning("spot check: stage %d worker %s and replica %s disagree at version %d (distance %.3g, "
                            "tolerance %.3g)", stage, worker[-8:], checker[-8:], version, gap, self.tolerance)
-            if gradient and reply.grad_input is not None and self._slopes is not None:
-                await self._resolve_gradient(dispute, tokens, coords, claimed, reply.grad_input)
-            elif claimed is not None and reply.coords is not None and self._losses is not None:
-                await self._resolve(dispute, tokens, claimed, reply.coords)
-            elif reply.loss is not None and self._consistency is not None:
+            thirds = [peer for peer in others if peer != checker]
+            if thirds and await self._arbitrate(dispute, self._rng.choice(thirds), tokens, coords, claimed,
+                                                recomputed, pick, extra):
+                return
+            if kind == "gradient" and self._slopes is not None:
+                await self._resolve_gradient(dispute, tokens, coords, claimed, recomputed)
+            elif kind == "output" and self._losses is not None:
+                await self._resolve(dispute, tokens, claimed, recomputed)
+            elif kind == "loss" and self._consistency is not None:
                 await self._resolve_loss(dispute, tokens, coords)
             else:
                 self.stats.outcomes["unresolved"] += 1
+
+    async def _arbitrate(self, dispute: Dispute, arbiter: str, tokens, coords, claimed, recomputed, pick,
+                         extra) -> bool:
+        """A third replica re-executes the hop at the same version: honest replicas agree to the
+        last bit, so the side it matches is right, whatever a measurement of the loss would say.
+        False (no verdict) when it matches both or neither, or cannot answer at that version."""
+        third, _ = await self._recompute(dispute.stage, arbiter, tokens, coords, dispute.version, pick, extra)
+        if third is None:
+            return False
+        gaps = (_gap(claimed, third), _gap(recomputed, third))
+        if None in gaps or (gaps[0] <= self.tolerance) == (gaps[1] <= self.tolerance):
+            return False
+        dispute.arbiter, dispute.measures = arbiter, gaps
+        self._strike(dispute, dispute.worker if gaps[0] > self.tolerance else dispute.checker)
+        return True
 
     async def _resolve(self, dispute: Dispute, tokens: torch.Tensor, claimed: torch.Tensor,
                        recomputed: torch.Tensor) -> None:
@@ -281,7 +306,8 @@ class SpotChecks:
         self.stats.favoured[spared] += 1
         strikes, favoured = self.stats.strikes[struck], self.stats.favoured[struck]
         if (strikes >= self.strikes_to_exclude and 3 * favoured < strikes and struck not in self.stats.excluded):
-            what = "loss" if dispute.kind == "output" else "slope error"
+            what = ("distance from a third replica" if dispute.arbiter else "loss" if dispute.kind == "output"
+                    else "slope error")
             why = (f"{strikes} spot-check disputes on stage {dispute.stage} resolved against it "
                    f"({favoured} in its favour); last: {what} {max(dispute.measures):.4g} against "
                    f"{min(dispute.measures):.4g} at version {dispute.version}")
@@ -297,9 +323,14 @@ class SpotChecks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
 
 
-def _distance(claimed: torch.Tensor, recomputed: Optional[torch.Tensor]) -> Optional[float]:
-    """Relative L2 distance; None when the replica sent no output or one of another shape."""
-    if recomputed is None or recomputed.shape != claimed.shape:
+def _gap(claimed, recomputed) -> Optional[float]:
+    """How far apart two results of a hop are: relative L2 distance of tensors, relative difference
+    of losses; None when one is missing or of another shape."""
+    if claimed is None or recomputed is None:
+        return None
+    if not isinstance(claimed, torch.Tensor):
+        return abs(recomputed - claimed) / max(abs(recomputed), 1e-6)
+    if not isinstance(recomputed, torch.Tensor) or recomputed.shape != claimed.shape:
         return None
     a, b = claimed.float(), recomputed.float()
     return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-12))

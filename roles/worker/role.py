@@ -299,6 +299,7 @@ class WorkerRole:
             "counters": {**self.runtime.counters, "requests_superseded": self.runtime.queues.superseded},
             "requests": {f"{kind}_{outcome}": n for (kind, outcome), n in sorted(self.handlers.outcomes.items())},
             "rejected": dict(self.server.rejected),
+            "rejected_calls": dict(self.server.rejected_calls),
             "auth_rejected": dict(self.server.auth_rejected),
             "streams_refused": dict(self.server.streams_refused),
             "streams_closed": dict(self.server.streams_closed),

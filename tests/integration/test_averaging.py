@@ -302,7 +302,10 @@ def test_a_joiner_passes_weight_sync_then_optimizer_sync_then_becomes_active(mak
         "no trainer request reached the worker in weight sync"
     assert optimizer_sync["backward_requests"] > 0, "in optimizer sync it serves batches"
     assert optimizer_sync["to_step"] - optimizer_sync["from_step"] >= 12
-    assert summary["rejected"].get("not_ready", 0) == 0, (summary["requests"], summary["rejected"], joiner.log_tail())
+    # no trainer request and no replica's gradients were turned away (a tag ask from a replica the
+    # joiner has not read yet is refused, and the asker reads the stage's records again: not counted)
+    refused = {call: n for call, n in summary["rejected_calls"].items() if "tags" not in call}
+    assert refused == {}, (summary["requests"], summary["rejected_calls"], joiner.log_tail())
     weights = {r["weight"] for r in summary["averaging"]["rounds"] if r["status"] != "skipped"}
     print(f"joiner phases {seen}; round weights seen {sorted(weights)}; spans {summary['sync_phases']}")
 

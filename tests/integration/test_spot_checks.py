@@ -1,7 +1,9 @@
 """Spot checks with real processes: a worker whose process adds noise to its outputs, or flips
 the gradients it sends back (the adversary harness, tests/support/adversary_node.py), disagrees
-with its stage's other replica, the loss (or its slopes) puts it in the wrong, and the trainer stops
-routing to it; honest replicas agree exactly."""
+with its stage's other replica, the loss (or its slopes, or a third replica) puts it in the wrong,
+and the trainer stops routing to it; honest replicas agree exactly."""
+
+import json
 
 import pytest
 
@@ -12,12 +14,12 @@ THREE_STAGES = [{"first_layer": 0, "last_layer": 1}, {"first_layer": 1, "last_la
 SAMPLES = 240
 
 
-@pytest.mark.parametrize("attack", ["noise:1", "flip_grad"])
-def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_path, attack):
+@pytest.mark.parametrize("attack,honest_replicas", [("noise:1", 1), ("flip_grad", 1), ("scale:3", 2)])
+def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_path, attack, honest_replicas):
     config = run_config_path(stages=THREE_STAGES, verification={"spot_check_rate": 0.3})
     swarm = make_swarm(config)
     first = swarm.start("worker", stage=0)
-    workers = [swarm.start("worker", stage=stage, wait_ready=False) for stage in (0, 1, 2, 2)]
+    workers = [swarm.start("worker", stage=stage, wait_ready=False) for stage in (0, *[1] * honest_replicas, 2, 2)]
     # it also answers the checks it is asked to run falsely (held-out evaluations are altered too)
     cheater = swarm.start("worker", stage=1, wait_ready=False, prefix=adversary_prefix(attack))
     for node in [*workers, cheater]:
@@ -27,6 +29,7 @@ def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_p
     summary = trainer.summary()
     assert summary["samples_completed"] == SAMPLES, summary
     checks = summary["spot_checks"]
+    print(json.dumps(checks, indent=1))
     cheater_id = cheater.maddrs[0].rsplit("/p2p/", 1)[1]
     assert checks["disputed"] >= 3, checks
     for dispute in checks["disputes"]:
@@ -34,11 +37,13 @@ def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_p
         assert dispute["kind"] == ("gradient" if attack == "flip_grad" else "output"), dispute
     # the honest pairs (stages 0 and 2) agree to the last bit
     assert checks["agreed"] >= 10 and checks["largest_agreed_distance"] == 0.0, checks
-    # the losses resolved disputes against the cheater only, and it was cut off
+    # the losses (or a third replica) resolved disputes against the cheater only, and it was cut off
     assert set(checks["strikes"]) == {cheater_id} and set(checks["excluded"]) == {cheater_id}, checks
+    decided = [d for d in checks["disputes"] if d["struck"]]
+    if honest_replicas > 1:  # a third replica is there to re-execute: it decides, at distance 0 from the truth
+        assert decided and all(d["arbiter"] not in (None, cheater_id) for d in decided), decided
     served = summary["served"]["1"]
-    honest_id = next(peer for peer in served if peer != cheater_id)
     in_flight = 4  # the lanes: samples already past it when it was excluded still complete
     assert served[cheater_id] <= checks["served_before_exclusion"][cheater_id] + in_flight, (served, checks)
-    assert served[cheater_id] < served[honest_id], served
+    assert all(served[cheater_id] < n for peer, n in served.items() if peer != cheater_id), served
     assert first.proc.poll() is None

@@ -230,3 +230,31 @@ def test_stages_whose_replicas_differ_between_rounds_are_not_checked():
         return checks, asked
     checks, asked = asyncio.run(main())
     assert asked == [0] and checks.stats.outcomes["unchecked"] == 1 and checks.stats.outcomes["disputed"] == 1
+
+
+def test_a_third_replica_decides_a_dispute_without_the_loss():
+    measured = []
+
+    async def main(checked, claimed, third_answer):
+        async def evaluate(stage, peer, request):
+            return EvaluateReply(coords={"liar": LIE, "honest": HONEST, "third": third_answer}[peer], version=1)
+
+        async def losses(stage, tokens, outputs):
+            measured.append(stage)
+            return [2.0, 2.0]
+
+        checks = SpotChecks(1.0, 0.01, evaluate, lambda stage: ["liar", "honest", "third"], random.Random(0),
+                            losses=losses)
+        # the checker is the other side of the dispute, the arbiter the one left
+        checks._rng.choice = lambda peers: next(p for p in ("liar", "honest", "third") if p in peers)
+        checks.check_forward(1, checked, TOKENS, None, claimed, 1)
+        await _settle(checks)
+        return checks
+    for checked, claimed in [("liar", LIE), ("honest", HONEST)]:
+        checks = asyncio.run(main(checked, claimed, HONEST.clone()))
+        [dispute] = checks.stats.disputes
+        assert dispute.struck == "liar" and dispute.arbiter == "third", dispute
+        assert dispute.measures[dispute.worker != "liar"] > 0.01 and dispute.measures[dispute.worker == "liar"] == 0.0
+    assert measured == []  # the loss was not needed
+    neither = asyncio.run(main("liar", LIE, OUT))  # a third that matches no side: the loss decides (here: nothing)
+    assert neither.stats.disputes[0].arbiter is None and neither.stats.outcomes["unresolved"] == 1 and measured == [1]

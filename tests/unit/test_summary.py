@@ -87,6 +87,9 @@ def test_worker_summary_counts_averaging_rounds_and_rejections():
     assert "  averaging: 6 rounds (3 complete, 1 failed, 2 skipped), as a reducer" in text.splitlines()
     assert "  rejected requests: 2 malformed, 1 expired" in text.splitlines()
     assert "5 discarded at shutdown" in text
+    summary["rejected_calls"] = {"agora/v1/tags not_ready": 1, "agora/v1/forward malformed": 2}
+    text = human_summary("worker", summary)
+    assert "  rejected requests: 2 forward malformed, 1 tags not_ready, 1 expired" in text.splitlines()
 
 
 @pytest.mark.parametrize("role, summary", [
