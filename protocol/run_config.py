@@ -577,6 +577,11 @@ class VerificationConfig(BaseModel):
         description="A disputed output is put in the wrong when the sample's loss through the later stages from "
                     "it is worse than from the replica's by more than this fraction.",
     )
+    suspect_check_rate: float = Field(
+        default=0.5, ge=0, le=1,
+        description="Fraction of a worker's hops checked while its replies' sizes stand out from its stage's other "
+                    "workers' (the trainer's screen); never below spot_check_rate.",
+    )
     strikes_to_exclude: int = Field(
         default=3, ge=1, le=1000,
         description="Disputes resolved against a worker (and fewer than a third as many in its favour) after "

@@ -46,6 +46,7 @@ from protocol.messages import (
     ForwardRequest,
     WireModel,
 )
+from protocol.evidence import Evidence
 from protocol.run_config import VerificationConfig
 from protocol.transport import RpcClient
 from roles.event_log import EventAggregator
@@ -122,7 +123,8 @@ class PipelineDriver:
                  reconnect: Optional[Callable[[str], Awaitable[None]]] = None,
                  verification: Optional[VerificationConfig] = None,
                  exclude: Optional[Callable[[int, str, str], None]] = None,
-                 equal_replicas: Callable[[int], bool] = lambda stage: True):
+                 equal_replicas: Callable[[int], bool] = lambda stage: True, run_id: str = "",
+                 report_evidence: Optional[Callable[[Evidence], Awaitable[str]]] = None):
         self.client = client
         self.balancers = balancers
         self.connect = connect
@@ -142,7 +144,8 @@ class PipelineDriver:
             replicas=lambda stage: self.balancers[stage].usable(), losses=referee.continuation_losses,
             slopes=referee.input_slopes, consistency=referee.loss_consistency,
             loss_margin=verification.loss_margin, strikes_to_exclude=verification.strikes_to_exclude,
-            exclude=self._excluder(exclude), equal_replicas=equal_replicas)
+            exclude=self._excluder(exclude), equal_replicas=equal_replicas,
+            suspect_rate=verification.suspect_check_rate, run_id=run_id, report_evidence=report_evidence)
         """A fraction of the hops re-executed on another replica of the stage (roles/trainer/spot_checks.py)."""
         self.retries = EventAggregator(logger, "retried", "request", interval_s=10.0, level=logging.INFO)
         """Calls retried on another worker, by cause; the role flushes it with its progress line."""
@@ -258,8 +261,8 @@ class PipelineDriver:
                 skipped.append(stage)
                 continue  # the same coordinates go on to the next stage
             self.skipping.served(stage)
-            if self.spot_checks.draw():
-                self.spot_checks.check_forward(stage, route[stage], tokens, coords, forward.coords, forward.version)
+            self.spot_checks.on_forward(stage, route[stage], tokens, coords, forward.coords, forward.version,
+                                        forward.attestation)
             coords = forward.coords
         tail = self.num_stages - 1
         request = BackwardRequest(stage=tail, sample_id=sample_id, tokens=tokens, coords=coords)
@@ -269,10 +272,8 @@ class PipelineDriver:
         versions[tail] = reply.version
         if loss is None or grad is None:
             raise SampleDropped("bad_reply", f"tail worker {route[tail][-8:]} sent no loss or gradient")
-        if self.spot_checks.draw():
-            self.spot_checks.check_loss(tail, route[tail], tokens, coords, loss, reply.version)
-        if tail > 0 and self.spot_checks.draw():
-            self.spot_checks.check_backward(tail, route[tail], tokens, coords, None, grad, reply.version)
+        self.spot_checks.on_tail(tail, route[tail], tokens, coords, loss, grad, reply.version,
+                                 reply.loss_attestation, reply.attestation)
         fallbacks = 0
         reached = [s for s in range(self.num_stages) if s not in skipped]
 
@@ -300,9 +301,9 @@ class PipelineDriver:
                 reached.remove(stage)
                 continue
             fallbacks += used_fallback
-            if stage > 0 and reply.grad_input is not None and self.spot_checks.draw():
-                self.spot_checks.check_backward(stage, route[stage], tokens, inputs[stage], grad, reply.grad_input,
-                                                reply.version)
+            if stage > 0 and reply.grad_input is not None:
+                self.spot_checks.on_backward(stage, route[stage], tokens, inputs[stage], grad, reply.grad_input,
+                                             reply.version, reply.attestation)
             grad = reply.grad_input
             versions[stage] = reply.version
             if stage > 0 and grad is None:

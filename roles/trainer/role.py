@@ -10,13 +10,14 @@ import logging
 import math
 import os
 import time
-from typing import IO, Iterator, Optional
+from typing import IO, Awaitable, Callable, Iterator, Optional
 
 from hivemind.p2p import P2P, PeerID
 
 from protocol.auth import PeerAuthenticator
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import TrainerRecord, trainers_key
+from protocol.evidence import Evidence
 from protocol.transport import RpcClient, dial
 from roles.announcer import Announcer
 from roles.event_log import EventAggregator
@@ -58,7 +59,10 @@ class TrainerState(enum.Enum):
 
 class TrainerRole:
     def __init__(self, config: TrainerConfig, run: RunConfig, swarm: SwarmDHT, p2p: P2P,
-                 authenticator: Optional[PeerAuthenticator] = None):
+                 authenticator: Optional[PeerAuthenticator] = None,
+                 report_evidence: Optional[Callable[[Evidence], Awaitable[str]]] = None):
+        """`report_evidence` sends a spot check's signed evidence to the run's authorizer and
+        returns its verdict (node/daemon.py); None in an open run."""
         self.config = config
         self.run_config = run
         self.swarm = swarm
@@ -75,7 +79,8 @@ class TrainerRole:
             max_attempts=config.max_attempts, timeout_s=config.request_timeout_s,
             on_no_workers=self.discovery.request_refresh, skipping=self.skipping, reconnect=self._reconnect,
             verification=run.verification, exclude=self.discovery.exclude,
-            equal_replicas=lambda stage: gradient_exchange_on(run, stage),
+            equal_replicas=lambda stage: gradient_exchange_on(run, stage), run_id=run.run_id,
+            report_evidence=report_evidence,
         )
         self.chained = (ChainedRouting(self.driver, run.routing, describe_worker=self._worker_without_chain)
                         if run.routing.path == "workers" else None)
@@ -346,7 +351,7 @@ class TrainerRole:
             "forward_retries": self.driver.stats.forward_retries,
             "reconnected": self.driver.stats.reconnected,
             "backward_fallbacks": self.driver.stats.backward_fallbacks,
-            "spot_checks": self.driver.spot_checks.stats.summary(),
+            "spot_checks": self.driver.spot_checks.summary(),
             "served": served,
             "eval": self.evaluator.summary() if self.evaluator is not None else [],
             **self.skipping.summary(),

@@ -45,11 +45,14 @@ import logging
 import random
 import uuid
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import torch
 
+from protocol.evidence import Evidence, loss_tensor
+from protocol.evidence import SignedResult as EvidenceResult
 from protocol.messages import EvaluateReply, EvaluateRequest
+from roles.trainer.screening import Screening, loss_size, reply_size
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +89,8 @@ class Dispute:
 @dataclass
 class SpotCheckStats:
     outcomes: collections.Counter = field(default_factory=collections.Counter)
-    """agreed, disputed (of which some unresolved), stale, unchecked, busy, failed."""
+    """agreed, disputed (of which some unresolved), stale, unchecked, busy, failed; and targeted:
+    checks drawn at the suspect rate."""
     largest_agreed: float = 0.0
     """The largest distance among the agreed checks: how close honest replicas are."""
     disputes: list[Dispute] = field(default_factory=list)
@@ -98,18 +102,60 @@ class SpotCheckStats:
     """Worker -> why it was excluded."""
     served_before_exclusion: dict[str, int] = field(default_factory=dict)
     """Worker -> samples this trainer had completed through it when it was excluded."""
+    evidence: collections.Counter = field(default_factory=collections.Counter)
+    """Evidence sent to the authorizer, by its verdict (`upheld`, `already_revoked`, `rejected`),
+    or `failed` (not delivered), `unsigned` (a party that does not sign its results)."""
 
     def summary(self) -> dict:
         return {**{k: self.outcomes.get(k, 0) for k in ("agreed", "disputed", "unresolved", "stale", "unchecked", "busy",
-                                                         "failed")},
+                                                         "failed", "targeted")},
                 "resolved": sum(self.strikes.values()), "largest_agreed_distance": self.largest_agreed,
                 "strikes": dict(self.strikes), "excluded": dict(self.excluded),
                 "served_before_exclusion": dict(self.served_before_exclusion),
+                "evidence": dict(self.evidence),
                 "disputes": [{"stage": d.stage, "worker": d.worker, "checker": d.checker, "version": d.version,
                               "kind": d.kind,
                               "distance": round(d.distance, 6),
                               "measures": None if d.measures is None else [round(x, 6) for x in d.measures],
                               "struck": d.struck, "arbiter": d.arbiter} for d in self.disputes[-16:]]}
+
+
+@dataclass
+class _Hop:
+    """One drawn hop: what the worker was given and what it answered, signed."""
+
+    stage: int
+    worker: str
+    tokens: torch.Tensor
+    coords: Optional[torch.Tensor]
+    version: Optional[int]
+    kind: str
+    """`output`, `gradient` or `loss` (protocol/evidence.py)."""
+    claimed: Any
+    """The worker's result: a tensor, or the tail's loss (a float)."""
+    attestation: Optional[bytes]
+    grad_output: Optional[torch.Tensor] = None
+
+    def request_fields(self) -> dict:
+        """What else an evaluation of this hop asks for: the backward into the input, for a gradient."""
+        if self.kind != "gradient":
+            return {}
+        return dict(grad_output=self.grad_output, input_grad=self.grad_output is None, version=self.version)
+
+    def pick(self, reply: EvaluateReply) -> Any:
+        """The part of an evaluation's reply that compares with `claimed`."""
+        return {"output": reply.coords, "gradient": reply.grad_input, "loss": reply.loss}[self.kind]
+
+
+@dataclass
+class SignedResult:
+    peer: str
+    result: Any
+    attestation: Optional[bytes]
+
+    def signed(self) -> EvidenceResult:
+        result = self.result if isinstance(self.result, torch.Tensor) else loss_tensor(self.result)
+        return EvidenceResult(peer_id=self.peer, result=result, attestation=self.attestation)
 
 
 class SpotChecks:
@@ -127,8 +173,18 @@ class SpotChecks:
                  consistency: Optional[Callable[[int, str, torch.Tensor, torch.Tensor], Awaitable[float]]] = None,
                  loss_margin: float = 0.01, strikes_to_exclude: int = 3,
                  exclude: Optional[Callable[[int, str, str], None]] = None,
-                 equal_replicas: Callable[[int], bool] = lambda stage: True):
+                 equal_replicas: Callable[[int], bool] = lambda stage: True,
+                 suspect_rate: Optional[float] = None, run_id: str = "",
+                 report_evidence: Optional[Callable[[Evidence], Awaitable[str]]] = None):
         self.rate = rate
+        self._run_id = run_id
+        self._report_evidence = report_evidence
+        """Sends evidence to the run's authorizer and returns its verdict; None in an open run."""
+        self._reported: set[str] = set()
+        """Workers evidence was sent against (or is being sent): one report each suffices."""
+        self.suspect_rate = rate if suspect_rate is None else max(rate, suspect_rate)
+        """The rate for a worker the screen flagged (roles/trainer/screening.py)."""
+        self.screening = Screening()
         self.tolerance = tolerance
         self._evaluate = evaluate
         self._replicas = replicas
@@ -149,62 +205,97 @@ class SpotChecks:
         self._tasks: set[asyncio.Task] = set()
         self.stats = SpotCheckStats()
 
-    def draw(self) -> bool:
-        return self.rate > 0 and self._rng.random() < self.rate
+    def draw(self, stage: Optional[int] = None, worker: Optional[str] = None) -> bool:
+        """Whether to check a hop: at the base rate, or the suspect rate for a flagged worker."""
+        if self.rate <= 0:
+            return False
+        suspect = worker is not None and self.screening.suspect(stage, worker)
+        drawn = self._rng.random() < (self.suspect_rate if suspect else self.rate)
+        if drawn and suspect:
+            self.stats.outcomes["targeted"] += 1  # drawn at the suspect rate
+        return drawn
+
+    # ---- what the pipeline calls for every hop: screen it, maybe check it ----
+
+    def on_forward(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
+                   output: torch.Tensor, version: Optional[int], attestation: Optional[bytes] = None) -> None:
+        if self.rate > 0:
+            self.screening.observe(stage, "output", worker, reply_size(output), version)
+            if self.draw(stage, worker):
+                self.check_forward(stage, worker, tokens, coords, output, version, attestation)
+
+    def on_tail(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
+                loss: float, grad_input: torch.Tensor, version: Optional[int],
+                loss_attestation: Optional[bytes] = None, attestation: Optional[bytes] = None) -> None:
+        if self.rate > 0:
+            self.screening.observe(stage, "loss", worker, loss_size(loss), version)
+            if self.draw(stage, worker):
+                self.check_loss(stage, worker, tokens, coords, loss, version, loss_attestation)
+            if stage > 0:
+                self.on_backward(stage, worker, tokens, coords, None, grad_input, version, attestation)
+
+    def on_backward(self, stage: int, worker: str, tokens: torch.Tensor, coords: torch.Tensor,
+                    grad_output: Optional[torch.Tensor], grad_input: torch.Tensor, version: Optional[int],
+                    attestation: Optional[bytes] = None) -> None:
+        if self.rate > 0:
+            self.screening.observe(stage, "gradient", worker, reply_size(grad_input), version)
+            if self.draw(stage, worker):
+                self.check_backward(stage, worker, tokens, coords, grad_output, grad_input, version, attestation)
 
     def check_forward(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
-                      output: torch.Tensor, version: Optional[int]) -> None:
+                      output: torch.Tensor, version: Optional[int], attestation: Optional[bytes] = None) -> None:
         """Check a forward hop's output later, on another replica (call only for a drawn hop)."""
-        self._start(stage, worker, tokens, coords, version, "output", output, lambda reply: reply.coords)
+        self._start(_Hop(stage, worker, tokens, coords, version, "output", output, attestation))
 
     def check_loss(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
-                   loss: float, version: Optional[int]) -> None:
+                   loss: float, version: Optional[int], attestation: Optional[bytes] = None) -> None:
         """Check the tail's reported loss against another tail replica's evaluation of the same input."""
-        self._start(stage, worker, tokens, coords, version, "loss", loss, lambda reply: reply.loss)
+        self._start(_Hop(stage, worker, tokens, coords, version, "loss", loss, attestation))
 
     def check_backward(self, stage: int, worker: str, tokens: torch.Tensor, coords: torch.Tensor,
-                       grad_output: Optional[torch.Tensor], grad_input: torch.Tensor, version: Optional[int]) -> None:
+                       grad_output: Optional[torch.Tensor], grad_input: torch.Tensor, version: Optional[int],
+                       attestation: Optional[bytes] = None) -> None:
         """Check a backward hop's input gradient later, on another replica (a body stage, with the
         output gradient it was sent; or the tail, `grad_output` None)."""
-        request = dict(grad_output=grad_output, input_grad=grad_output is None, version=version)
-        self._start(stage, worker, tokens, coords, version, "gradient", grad_input, lambda reply: reply.grad_input,
-                    request)
+        self._start(_Hop(stage, worker, tokens, coords, version, "gradient", grad_input, attestation,
+                         grad_output=grad_output))
 
-    def _start(self, stage, worker, tokens, coords, version, kind, claimed, pick, request=None) -> None:
-        if version is None or not self._equal_replicas(stage):
+    def _start(self, hop: _Hop) -> None:
+        if hop.version is None or not self._equal_replicas(hop.stage):
             self.stats.outcomes["unchecked"] += 1  # a worker that does not say its version, or unequal replicas
             return
         if len(self._tasks) >= CHECKS_IN_FLIGHT_MAX:
             self.stats.outcomes["busy"] += 1
             return
-        task = asyncio.ensure_future(self._check(stage, worker, tokens, coords, version, kind, claimed, pick,
-                                                 request or {}))
+        task = asyncio.ensure_future(self._check(hop))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _recompute(self, stage, peer, tokens, coords, version, pick, extra):
-        """`peer`'s re-execution of the hop: the picked result, or None when it failed, answered at
-        another version (counted `stale`), or sent nothing comparable."""
-        request = EvaluateRequest(stage=stage, sample_id=f"check-{uuid.uuid4().hex[:16]}", tokens=tokens,
-                                  coords=coords, **extra)
+    async def _recompute(self, hop: _Hop, peer: str) -> tuple[Optional[SignedResult], Optional[str]]:
+        """`peer`'s re-execution of the hop, or None and why not: it failed, answered at another
+        version (`stale`), or sent nothing comparable."""
+        request = EvaluateRequest(stage=hop.stage, sample_id=f"check-{uuid.uuid4().hex[:16]}", tokens=hop.tokens,
+                                  coords=hop.coords, **hop.request_fields())
         try:
-            reply = await self._evaluate(stage, peer, request)
+            reply = await self._evaluate(hop.stage, peer, request)
         except Exception as exc:  # noqa: BLE001 - a replica that cannot answer decides nothing
-            logger.debug("spot check on stage %d replica %s failed: %s", stage, peer[-8:], exc)
+            logger.debug("spot check on stage %d replica %s failed: %s", hop.stage, peer[-8:], exc)
             return None, "failed"
-        if reply.version != version:
+        if reply.version != hop.version:
             return None, "stale"
-        result = pick(reply)
-        return (result, None) if result is not None else (None, "failed")
+        result = hop.pick(reply)
+        if result is None:
+            return None, "failed"
+        return SignedResult(peer, result, reply.attestation), None
 
-    async def _check(self, stage, worker, tokens, coords, version, kind, claimed, pick, extra) -> None:
-        others = [peer for peer in self._replicas(stage) if peer != worker]
+    async def _check(self, hop: _Hop) -> None:
+        others = [peer for peer in self._replicas(hop.stage) if peer != hop.worker]
         if not others:
             self.stats.outcomes["unchecked"] += 1
             return
         checker = self._rng.choice(others)
-        recomputed, failure = await self._recompute(stage, checker, tokens, coords, version, pick, extra)
-        gap = None if failure else _gap(claimed, recomputed)
+        recomputed, failure = await self._recompute(hop, checker)
+        gap = None if recomputed is None else _gap(hop.claimed, recomputed.result)
         if gap is None:
             self.stats.outcomes[failure or "failed"] += 1
         elif gap <= self.tolerance:
@@ -212,38 +303,72 @@ class SpotChecks:
             self.stats.largest_agreed = max(self.stats.largest_agreed, gap)
         else:
             self.stats.outcomes["disputed"] += 1
-            dispute = Dispute(stage, worker, checker, version, gap, kind=kind)
+            dispute = Dispute(hop.stage, hop.worker, checker, hop.version, gap, kind=hop.kind)
             self.stats.disputes.append(dispute)
             del self.stats.disputes[:-64]
             logger.warning("spot check: stage %d worker %s and replica %s disagree at version %d (distance %.3g, "
-                           "tolerance %.3g)", stage, worker[-8:], checker[-8:], version, gap, self.tolerance)
+                           "tolerance %.3g)", hop.stage, hop.worker[-8:], checker[-8:], hop.version, gap,
+                           self.tolerance)
             thirds = [peer for peer in others if peer != checker]
-            if thirds and await self._arbitrate(dispute, self._rng.choice(thirds), tokens, coords, claimed,
-                                                recomputed, pick, extra):
+            if thirds and await self._arbitrate(dispute, hop, recomputed, self._rng.choice(thirds)):
                 return
-            if kind == "gradient" and self._slopes is not None:
-                await self._resolve_gradient(dispute, tokens, coords, claimed, recomputed)
-            elif kind == "output" and self._losses is not None:
-                await self._resolve(dispute, tokens, claimed, recomputed)
-            elif kind == "loss" and self._consistency is not None:
-                await self._resolve_loss(dispute, tokens, coords)
+            if hop.kind == "gradient" and self._slopes is not None:
+                await self._resolve_gradient(dispute, hop.tokens, hop.coords, hop.claimed, recomputed.result)
+            elif hop.kind == "output" and self._losses is not None:
+                await self._resolve(dispute, hop.tokens, hop.claimed, recomputed.result)
+            elif hop.kind == "loss" and self._consistency is not None:
+                await self._resolve_loss(dispute, hop.tokens, hop.coords)
             else:
                 self.stats.outcomes["unresolved"] += 1
 
-    async def _arbitrate(self, dispute: Dispute, arbiter: str, tokens, coords, claimed, recomputed, pick,
-                         extra) -> bool:
+    async def _arbitrate(self, dispute: Dispute, hop: _Hop, recomputed: SignedResult, arbiter: str) -> bool:
         """A third replica re-executes the hop at the same version: honest replicas agree to the
         last bit, so the side it matches is right, whatever a measurement of the loss would say.
-        False (no verdict) when it matches both or neither, or cannot answer at that version."""
-        third, _ = await self._recompute(dispute.stage, arbiter, tokens, coords, dispute.version, pick, extra)
+        False (no verdict) when it matches both or neither, or cannot answer at that version.
+        A verdict with all three results signed is evidence the authorizer can check itself."""
+        third, _ = await self._recompute(hop, arbiter)
         if third is None:
             return False
-        gaps = (_gap(claimed, third), _gap(recomputed, third))
+        gaps = (_gap(hop.claimed, third.result), _gap(recomputed.result, third.result))
         if None in gaps or (gaps[0] <= self.tolerance) == (gaps[1] <= self.tolerance):
             return False
         dispute.arbiter, dispute.measures = arbiter, gaps
-        self._strike(dispute, dispute.worker if gaps[0] > self.tolerance else dispute.checker)
+        claim = SignedResult(hop.worker, hop.claimed, hop.attestation)
+        accused, witness = (claim, recomputed) if gaps[0] > self.tolerance else (recomputed, claim)
+        self._strike(dispute, accused.peer)
+        self._report(hop, accused, [witness, third])
         return True
+
+    def _report(self, hop: _Hop, accused: SignedResult, witnesses: list[SignedResult]) -> None:
+        """Send the evidence to the run's authorizer (once per accused, in the background)."""
+        if self._report_evidence is None or accused.peer in self._reported:
+            return
+        if any(party.attestation is None for party in (accused, *witnesses)):
+            self.stats.evidence["unsigned"] += 1  # a worker that predates signed results
+            return
+        evidence = Evidence(
+            run_id=self._run_id, stage=hop.stage, version=hop.version, kind=hop.kind, tokens=hop.tokens,
+            coords=hop.coords, grad_output=hop.grad_output,
+            accused=accused.signed(), witnesses=[w.signed() for w in witnesses])
+        self._reported.add(accused.peer)
+
+        async def send() -> None:
+            try:
+                verdict = await self._report_evidence(evidence)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the authorizer unreachable: the next verdict tries again
+                self._reported.discard(accused.peer)
+                self.stats.evidence["failed"] += 1
+                logger.warning("could not report evidence against worker %s to the authorizer: %s",
+                               accused.peer[-8:], exc)
+                return
+            self.stats.evidence[verdict] += 1
+            logger.warning("evidence against worker %s reported to the authorizer: %s", accused.peer[-8:], verdict)
+
+        task = asyncio.ensure_future(send())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _resolve(self, dispute: Dispute, tokens: torch.Tensor, claimed: torch.Tensor,
                        recomputed: torch.Tensor) -> None:
@@ -312,9 +437,14 @@ class SpotChecks:
                    f"({favoured} in its favour); last: {what} {max(dispute.measures):.4g} against "
                    f"{min(dispute.measures):.4g} at version {dispute.version}")
             self.stats.excluded[struck] = why
+            self.screening.forget(dispute.stage, struck)
             logger.warning("excluding worker %s: %s", struck[-8:], why)
             if self._exclude is not None:
                 self._exclude(dispute.stage, struck, why)
+
+    def summary(self) -> dict:
+        """The trainer summary's `spot_checks`: the checks' counts and verdicts, and the screen's."""
+        return {**self.stats.summary(), "screening": self.screening.summary()}
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -12,9 +12,11 @@ import asyncio
 import collections
 from typing import Awaitable, Callable, Optional, TypeVar
 
+import torch
 from hivemind.p2p import PeerID
 
 from protocol.errors import AgoraError, ErrorCode, ProtocolError
+from protocol.evidence import loss_tensor, result_signing_bytes
 from protocol.messages import (
     AbandonReply,
     AbandonRequest,
@@ -46,8 +48,11 @@ class WorkerHandlers:
     """Binds a StageRuntime to the RPC server. `serving()` gates requests while starting or leaving."""
 
     def __init__(self, runtime: StageRuntime, info: Callable[[], InfoReply], serving: Callable[[], bool],
-                 fail_forwards: int = 0):
+                 fail_forwards: int = 0, *, run_id: str = "", sign: Optional[Callable[[bytes], bytes]] = None):
         self.runtime = runtime
+        self._run_id = run_id
+        self._sign = sign
+        """This node's identity key, signing every result it sends (protocol/evidence.py); None: unsigned."""
         self._fail_forwards = fail_forwards
         """Test fault (AGORA_TEST_FAIL_FORWARDS): forwards still to answer with an internal error."""
         self.info_fn = info
@@ -119,7 +124,9 @@ class WorkerHandlers:
             self._fail_forwards -= 1
             raise ProtocolError("test fault: this forward fails on purpose", ErrorCode.INTERNAL)
         coords = await self._run(TaskKind.FORWARD, request, peer_id)
-        return ForwardReply(coords=coords, version=self.runtime.forwarded.peek(request.sample_id))
+        version = self.runtime.forwarded.peek(request.sample_id)
+        return ForwardReply(coords=coords, version=version,
+                            attestation=self._attest(version, "output", request.tokens, request.coords, None, coords))
 
     async def backward(self, peer_id: PeerID, body: dict) -> BackwardReply:
         return await self._counted(TaskKind.BACKWARD.value, self._backward(peer_id, body))
@@ -128,12 +135,25 @@ class WorkerHandlers:
         request = parse_model(BackwardRequest, body)
         self.runtime.check_backward(request)
         result: BackwardResult = await self._run(TaskKind.BACKWARD, request, peer_id)
+        version = None if result.version is None else int(result.version)
+        loss = None if result.loss is None else float(result.loss)
         return BackwardReply(
-            grad_input=result.grad_input,
-            loss=None if result.loss is None else float(result.loss),
-            step=None if result.step is None else int(result.step),
-            version=None if result.version is None else int(result.version),
+            grad_input=result.grad_input, loss=loss,
+            step=None if result.step is None else int(result.step), version=version,
+            attestation=self._attest(version, "gradient", request.tokens, request.coords, request.grad_output,
+                                     result.grad_input),
+            loss_attestation=self._attest(version, "loss", request.tokens, request.coords, None,
+                                          None if loss is None else loss_tensor(loss)),
         )
+
+    def _attest(self, version: Optional[int], kind: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
+                grad_output: Optional[torch.Tensor], result: Optional[torch.Tensor]) -> Optional[bytes]:
+        """This worker's signature over one result, so that a replica's contradiction of it is
+        evidence anyone can check (protocol/evidence.py); None when unsigned or nothing to sign."""
+        if self._sign is None or version is None or result is None:
+            return None
+        return self._sign(result_signing_bytes(self._run_id, self.runtime.stage, version, kind, tokens, coords,
+                                               grad_output, result))
 
     async def evaluate(self, peer_id: PeerID, body: dict) -> EvaluateReply:
         return await self._counted("evaluate", self._evaluate(body))
@@ -157,11 +177,18 @@ class WorkerHandlers:
         work = asyncio.ensure_future(asyncio.to_thread(self.runtime.evaluate, request))
         work.add_done_callback(self._evaluation_done)
         try:
-            return await asyncio.shield(work)
+            reply: EvaluateReply = await asyncio.shield(work)
         except AgoraError:
             raise
         except Exception as exc:
             raise ProtocolError(f"evaluation failed: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL) from exc
+        wants_grad = request.grad_output is not None or request.input_grad
+        kind, result = (("gradient", reply.grad_input) if wants_grad else
+                        ("loss", None if reply.loss is None else loss_tensor(reply.loss)) if reply.coords is None else
+                        ("output", reply.coords))
+        attestation = self._attest(reply.version, kind, request.tokens, request.coords,
+                                   request.grad_output if wants_grad else None, result)
+        return reply if attestation is None else reply.model_copy(update={"attestation": attestation})
 
     def _evaluation_done(self, work: asyncio.Future) -> None:
         self._evaluation_slots.release()

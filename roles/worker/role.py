@@ -132,7 +132,8 @@ class WorkerRole:
         self.runtime.test_device_fault_after_batches = config.test_device_fault_after_batches
         self.runtime.test_nan_gradients_after_steps = config.test_nan_gradients_after_steps
         self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches,
-                                       fail_forwards=config.test_fail_forwards)
+                                       fail_forwards=config.test_fail_forwards, run_id=run.run_id,
+                                       sign=None if identity is None else identity.sign)
         self.chain_client = RpcClient(p2p, timeout_s=run.staleness.forward_gate_timeout_s, authenticator=authenticator)
         """Calls to the next stage's workers for chained samples (routing.path `workers`)."""
         self.chain = ChainHandler(self.handlers, self.chain_client, p2p, StageDirectory(swarm.get, run.run_id),

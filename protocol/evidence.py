@@ -1,0 +1,130 @@
+"""Signed results and the evidence built from them: how a lie about a stage's compute becomes
+something the authorizer can check by itself, without weights and without trusting the reporter.
+
+Every worker signs what it computes: an attestation is its libp2p key's Ed25519 signature over
+`result_signing_bytes` (the run, the stage, the weight version, what was computed, a SHA-256 of
+each input and of the result). A worker cannot tell which of its replies will be checked, so a
+liar signs its lies.
+
+`Evidence` is a trainer's spot check that a third replica settled (roles/trainer/spot_checks.py):
+the input, and three signed results of the same computation at the same version, the accused's
+and two other replicas' (the checker and the arbiter). `check_evidence` verifies it with nothing
+but the peer ids (a libp2p Ed25519 peer id holds its public key): every signature over its own
+result, the two witnesses within `tolerance` of each other, the accused further than `tolerance`
+from both. It then proves that the accused signed a result that two other replicas, given the
+same input at the same weights, contradict. It does not prove that the two agree with the truth:
+two colluding replicas of a stage can frame a third; the authorizer admits witnesses only from
+other accounts (authorizer/evidence.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Literal, Optional
+
+import torch
+from pydantic import Field
+
+from protocol.errors import AgoraError, ErrorCode
+from protocol.identity import verify_peer_signature
+from protocol.messages import Attestation, PeerIdText, WireModel, WireTensor
+
+RESULT_KINDS = ("output", "gradient", "loss")
+EVIDENCE_MAX_BYTES = 64 << 20
+"""The largest evidence body accepted (the input and three results, at the largest stage widths)."""
+
+
+def tensor_digest(tensor: Optional[torch.Tensor]) -> bytes:
+    """SHA-256 of a tensor as it travels (dtype, shape, little-endian C-order bytes, no copy made
+    of a contiguous CPU tensor); 32 zero bytes for none."""
+    if tensor is None:
+        return bytes(32)
+    tensor = tensor.detach().cpu().contiguous()
+    digest = hashlib.sha256(str(tensor.dtype).encode())
+    digest.update(struct.pack(f"<{tensor.dim()}q", *tensor.shape))
+    raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+    digest.update(memoryview(raw.numpy()).cast("B") if raw.numel() else b"")
+    return digest.digest()
+
+
+def loss_tensor(loss: float) -> torch.Tensor:
+    """A reported loss as the result a signature covers (float32: a dtype that travels)."""
+    return torch.tensor(float(loss), dtype=torch.float32)
+
+
+def result_signing_bytes(run_id: str, stage: int, version: int, kind: str, tokens: torch.Tensor,
+                         coords: Optional[torch.Tensor], grad_output: Optional[torch.Tensor],
+                         result: torch.Tensor) -> bytes:
+    """What a worker signs for one result: `kind` is `output` (a forward's coordinates),
+    `gradient` (a backward's input gradient, given `grad_output`, or at the tail none) or `loss`
+    (the tail's loss, `loss_tensor`)."""
+    if kind not in RESULT_KINDS:
+        raise ValueError(f"unknown result kind {kind!r}")
+    return b"".join([b"agora-result-v1\0", run_id.encode(), b"\0", struct.pack("<qq", stage, version),
+                     kind.encode(), b"\0", tensor_digest(tokens), tensor_digest(coords), tensor_digest(grad_output),
+                     tensor_digest(result)])
+
+
+class SignedResult(WireModel):
+    """One replica's result of the evidence's computation, and its signature over it."""
+
+    peer_id: PeerIdText
+    result: WireTensor
+    attestation: Attestation
+
+
+class Evidence(WireModel):
+    """A spot check settled by a third replica: the accused's signed result against two others'."""
+
+    run_id: str = Field(min_length=1, max_length=128)
+    stage: int = Field(ge=0, le=4096)
+    version: int = Field(ge=0)
+    kind: Literal["output", "gradient", "loss"]
+    tokens: WireTensor
+    coords: Optional[WireTensor] = None
+    grad_output: Optional[WireTensor] = None
+    accused: SignedResult
+    witnesses: list[SignedResult] = Field(min_length=2, max_length=2)
+
+
+class EvidenceRejected(AgoraError):
+    """Evidence that does not prove what it claims (`reason`: bad_signature, witnesses_disagree,
+    accused_agrees, wrong_run, duplicate_party, mismatched_result)."""
+
+    code = ErrorCode.INVALID_REQUEST
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 distance of `a` from `b` (inf for different shapes or non-finite values)."""
+    if a.shape != b.shape:
+        return float("inf")
+    a, b = a.double(), b.double()
+    gap = float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-12))
+    return gap if gap == gap else float("inf")
+
+
+def check_evidence(evidence: Evidence, *, run_id: str, tolerance: float) -> tuple[float, float]:
+    """Verify `evidence` by itself; the accused's distances from the two witnesses if it holds,
+    else EvidenceRejected."""
+    if evidence.run_id != run_id:
+        raise EvidenceRejected("wrong_run", f"the evidence is for run {evidence.run_id!r}, not {run_id!r}")
+    parties = [evidence.accused, *evidence.witnesses]
+    if len({p.peer_id for p in parties}) != len(parties):
+        raise EvidenceRejected("duplicate_party", "the accused and the witnesses must be three different peers")
+    for party in parties:
+        signed = result_signing_bytes(evidence.run_id, evidence.stage, evidence.version, evidence.kind,
+                                      evidence.tokens, evidence.coords, evidence.grad_output, party.result)
+        if not verify_peer_signature(party.peer_id, signed, party.attestation):
+            raise EvidenceRejected("bad_signature", f"{party.peer_id} did not sign this result for this input")
+    first, second = evidence.witnesses
+    if distance(first.result, second.result) > tolerance:
+        raise EvidenceRejected("witnesses_disagree", "the two witnesses' results differ: nothing is proven")
+    gaps = (distance(evidence.accused.result, first.result), distance(evidence.accused.result, second.result))
+    if min(gaps) <= tolerance:
+        raise EvidenceRejected("accused_agrees", "the accused's result is within tolerance of a witness's")
+    return gaps

@@ -1,0 +1,172 @@
+"""Screening: every reply a trainer gets is held against the recent replies of the same stage's
+other workers, at the cost of one norm per reply, so that a worker whose outputs, input gradients
+or losses have moved away from its replicas' is spot-checked far more often.
+
+Screening accuses nobody. Honest workers of a stage see different samples, and a worker's numbers
+drift as the run trains, so a difference in size is a reason to look, not a verdict: a suspect's
+hops are drawn for spot checks at `verification.suspect_check_rate` instead of
+`spot_check_rate` (roles/trainer/spot_checks.py), and only a re-execution that disagrees, decided
+by a third replica or the loss, strikes anyone. With two replicas in a stage each is the other's
+only reference, and both become suspects; that costs checks, not strikes.
+
+What is compared, per stage and kind (`output`, `gradient`, `loss`): the log of each reply's RMS
+(of the loss itself at the tail), against the other workers' replies at the same weight version:
+sizes move fast while a run trains (by half within seconds early on), but replicas at one version
+hold the same weights and differ only by their samples. A worker is a suspect when the median of
+its last `RECENT` differences from its replicas (at the versions it answered at) is more than
+`THRESHOLD` robust deviations of one reply from the median of its sender's replies at that version
+(1.4826 x the median absolute deviation, at least `SCALE_FLOOR`). A liar that keeps its sizes (a
+flipped gradient, another sample's output, a replay) passes the screen and is left to the base
+rate of spot checks. An excluded worker's replies are forgotten, so its replicas are no longer
+held against them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import statistics
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+RECENT = 8
+"""A worker's own values the screen looks at: one odd sample is no verdict."""
+RESCORE_EVERY = 4
+"""A worker is rescored every this many of its replies of a kind (at once for a non-finite one)."""
+RESCALE_EVERY = 32
+"""A stage's yardstick (`Screening._scale`) is recomputed every this many of its replies of a kind."""
+HISTORY = 256
+"""Values kept per stage and kind, all workers together: the replicas' answers at recent versions."""
+THRESHOLD = 6.0
+"""Robust deviations a worker's median difference from its replicas may reach before it is a suspect."""
+SCALE_FLOOR = {"output": 0.03, "loss": 0.03, "gradient": 0.25}
+"""The smallest deviation assumed, by kind (of a log: 3%, 25%). A worker's input gradients depend
+on the later stages' versions too, not only its own, and honest replicas' differ by 10-20% at one
+version of theirs; an output or a loss depends on its own version alone (and the input's)."""
+TINY = 1e-30
+
+
+def reply_size(tensor: torch.Tensor) -> float:
+    """The log of a reply's RMS: scale-free, and a zeroed tensor is far from everything."""
+    rms = float(torch.linalg.vector_norm(tensor.float())) / math.sqrt(max(tensor.numel(), 1))
+    return math.log(max(rms, TINY)) if math.isfinite(rms) else math.inf
+
+
+def loss_size(loss: float) -> float:
+    """The log of a loss, as `reply_size` is of a tensor."""
+    return math.log(max(loss, TINY)) if math.isfinite(loss) else math.inf
+
+
+class Screening:
+    """Recent values per (stage, kind); `suspect(stage, worker)` says whether to look closer."""
+
+    def __init__(self, threshold: float = THRESHOLD):
+        self.threshold = threshold
+        self._stream: dict[tuple[int, str], collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=HISTORY))
+        """(stage, kind) -> the latest (version, worker, value) of all its workers, oldest first."""
+        self._scores: dict[tuple[int, str], dict[str, float]] = collections.defaultdict(dict)
+        """(stage, worker) -> kind -> its latest score, for every kind it was scored on."""
+        self._since_scored: collections.Counter = collections.Counter()
+        self._appended: collections.Counter = collections.Counter()
+        self._forgotten: set[tuple[int, str]] = set()
+        self._scales: dict[tuple[int, str], tuple[float, int]] = {}
+        """(stage, kind) -> (scale, replies appended when it was computed)."""
+        self.flagged: collections.Counter = collections.Counter()
+        """Worker -> times it turned suspect."""
+        self.observed = 0
+
+    def observe(self, stage: int, kind: str, worker: str, value: float, version: Optional[int]) -> None:
+        """Note one reply's size (`reply_size`, `loss_size`) at the weight version it was computed
+        at, and rescore its sender every `RESCORE_EVERY` of its replies (a score reads the history:
+        a few hundred microseconds)."""
+        if (stage, worker) in self._forgotten:
+            return  # replies of an excluded worker still in flight
+        self.observed += 1
+        stream = self._stream[(stage, kind)]
+        stream.append((version, worker, value))
+        self._appended[(stage, kind)] += 1
+        self._since_scored[(stage, kind, worker)] += 1
+        if self._since_scored[(stage, kind, worker)] < RESCORE_EVERY and math.isfinite(value):
+            return
+        self._since_scored[(stage, kind, worker)] = 0
+        own = [(v, x) for v, peer, x in stream if peer == worker][-RECENT:]
+        if len(own) < RECENT:
+            return
+        versions = {v for v, _ in own}
+        others: dict[Optional[int], list[float]] = collections.defaultdict(list)
+        for v, peer, x in stream:
+            if v in versions and peer != worker and math.isfinite(x):
+                others[v].append(x)
+        score = _score(own, others, self._scale(stage, kind))
+        if score is None:
+            return
+        was = self.suspect(stage, worker)
+        self._scores[(stage, worker)][kind] = score
+        if not was and self.suspect(stage, worker):
+            self.flagged[worker] += 1
+            logger.info("screen: stage %d worker %s's %s sizes stand out from its replicas' at the same versions "
+                        "(score %.1f): checking it more often", stage, worker[-8:], kind, score)
+
+    def _scale(self, stage: int, kind: str) -> float:
+        """Robust deviation of one reply from the median of its sender's replies at its version (a
+        liar's offset does not widen it), at least the kind's floor; recomputed every
+        `RESCALE_EVERY` replies of the stage and kind."""
+        key = (stage, kind)
+        seen = self._appended[key]
+        if key not in self._scales or seen - self._scales[key][1] >= RESCALE_EVERY:
+            groups: dict[tuple[Optional[int], str], list[float]] = collections.defaultdict(list)
+            for v, peer, x in self._stream[key]:
+                if math.isfinite(x):
+                    groups[(v, peer)].append(x)
+            deviations = [abs(x - statistics.median(xs)) for xs in groups.values() if len(xs) > 1 for x in xs]
+            spread = 1.4826 * statistics.median(deviations) if deviations else 0.0
+            # too few repeated versions yet: measured again at the next score, not kept
+            self._scales[key] = (max(spread, SCALE_FLOOR.get(kind, max(SCALE_FLOOR.values()))),
+                                 seen if len(deviations) >= RECENT * 2 else seen - RESCALE_EVERY)
+        return self._scales[key][0]
+
+    def forget(self, stage: int, worker: str) -> None:
+        """Drop an excluded worker's values: its replicas are no longer held against them. The
+        stage's scores are recomputed from what is left as replies come."""
+        self._forgotten.add((stage, worker))
+        for (s, kind), stream in self._stream.items():
+            if s == stage:
+                kept = [entry for entry in stream if entry[1] != worker]
+                stream.clear()
+                stream.extend(kept)
+        for key in [key for key in self._scores if key[0] == stage]:
+            del self._scores[key]
+
+    def score(self, stage: int, worker: str) -> float:
+        """The worker's largest score on this stage (0.0 before it has one)."""
+        scores = self._scores.get((stage, worker))
+        return max(scores.values()) if scores else 0.0
+
+    def suspect(self, stage: int, worker: str) -> bool:
+        return self.score(stage, worker) > self.threshold
+
+    def summary(self) -> dict:
+        suspects = {}
+        for (stage, worker), scores in self._scores.items():
+            if self.suspect(stage, worker):
+                kind = max(scores, key=scores.get)
+                suspects[worker] = {"stage": stage, "kind": kind, "score": round(scores[kind], 2)}
+        return {"observed": self.observed, "flagged": dict(self.flagged), "suspects": suspects}
+
+
+def _score(own: list[tuple[Optional[int], float]], others: dict[Optional[int], list[float]],
+           scale: float) -> Optional[float]:
+    """How many `scale`s the worker's median difference from the others at the same versions is;
+    None when too few of its values have others' at their version."""
+    centers = {v: statistics.median(xs) for v, xs in others.items() if xs}
+    differences = [x - centers[v] for v, x in own if v in centers]
+    if len(differences) < RECENT // 2:
+        return None
+    if not all(math.isfinite(d) for d in differences):
+        return math.inf
+    return abs(statistics.median(differences)) / scale

@@ -1,0 +1,111 @@
+"""Workers sign every result; a spot check a third replica settles becomes evidence that anyone can
+verify from the peer ids alone, and that no tampering survives."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from protocol.evidence import Evidence, EvidenceRejected, SignedResult, check_evidence, result_signing_bytes
+from protocol.identity import Identity, verify_peer_signature
+from protocol.messages import EvaluateReply, EvaluateRequest
+from roles.trainer.spot_checks import SpotChecks
+from roles.worker.handlers import WorkerHandlers
+from tests.unit.test_adversary import TAIL, coords, make_runtime, tokens
+
+RUN = "run-e"
+TOKENS = torch.arange(8)
+INPUT = torch.linspace(-1, 1, 32).reshape(8, 4)
+TRUE = torch.linspace(0, 1, 32).reshape(8, 4)
+
+
+def _identity() -> Identity:
+    return Identity(ed25519.Ed25519PrivateKey.generate(), "")
+
+
+def _signed(identity, result, stage=1, version=3, kind="output", tokens=TOKENS, coords=INPUT):
+    signature = identity.sign(result_signing_bytes(RUN, stage, version, kind, tokens, coords, None, result))
+    return SignedResult(peer_id=identity.peer_id.to_base58(), result=result, attestation=signature)
+
+
+def _evidence(liar, honest, lie=TRUE * 3, **changes):
+    fields = dict(run_id=RUN, stage=1, version=3, kind="output", tokens=TOKENS, coords=INPUT,
+                  accused=_signed(liar, lie), witnesses=[_signed(h, TRUE.clone()) for h in honest])
+    fields.update(changes)
+    return Evidence(**fields)
+
+
+def test_evidence_of_a_lie_holds_and_every_tampering_is_refused():
+    liar, a, b = _identity(), _identity(), _identity()
+    evidence = _evidence(liar, [a, b])
+    assert check_evidence(evidence, run_id=RUN, tolerance=0.02) == (pytest.approx(2.0), pytest.approx(2.0))
+    # it survives the wire: what the authorizer parses is what the trainer built
+    assert check_evidence(Evidence.model_validate(evidence.model_dump()), run_id=RUN, tolerance=0.02)
+
+    def refused(reason, bad):
+        with pytest.raises(EvidenceRejected) as caught:
+            check_evidence(bad, run_id=RUN, tolerance=0.02)
+        assert caught.value.reason == reason
+
+    forged = evidence.accused.model_copy(update={"result": TRUE * 4})  # not what the liar signed
+    refused("bad_signature", evidence.model_copy(update={"accused": forged}))
+    framed = _signed(a, TRUE * 3).model_copy(update={"peer_id": liar.peer_id.to_base58()})  # signed by another
+    refused("bad_signature", evidence.model_copy(update={"accused": framed}))
+    refused("bad_signature", evidence.model_copy(update={"version": 4}))  # signed for another version
+    refused("bad_signature", evidence.model_copy(update={"coords": INPUT * 2}))  # or another input
+    refused("witnesses_disagree", _evidence(liar, [a, b]).model_copy(
+        update={"witnesses": [_signed(a, TRUE.clone()), _signed(b, TRUE * 2)]}))
+    refused("accused_agrees", _evidence(liar, [a, b], lie=TRUE * 1.001))
+    refused("duplicate_party", _evidence(liar, [a, a]))
+    with pytest.raises(EvidenceRejected, match="run"):
+        check_evidence(evidence, run_id="another-run", tolerance=0.02)
+
+
+def test_a_worker_signs_what_it_evaluates_and_the_signature_covers_the_result():
+    identity = _identity()
+    runtime = make_runtime(TAIL)
+    handlers = WorkerHandlers(runtime, info=None, serving=lambda: True, run_id=RUN, sign=identity.sign)
+    request = EvaluateRequest(stage=TAIL, sample_id="e1", tokens=tokens(0), coords=coords(0), input_grad=True)
+    reply = asyncio.run(handlers.evaluate(identity.peer_id, request.model_dump()))
+    signed = result_signing_bytes(RUN, TAIL, reply.version, "gradient", request.tokens, request.coords, None,
+                                  reply.grad_input)
+    assert verify_peer_signature(identity.peer_id, signed, reply.attestation)
+    assert not verify_peer_signature(identity.peer_id, result_signing_bytes(
+        RUN, TAIL, reply.version, "gradient", request.tokens, request.coords, None, reply.grad_input * 2),
+        reply.attestation)
+    unsigned = WorkerHandlers(runtime, info=None, serving=lambda: True)
+    assert asyncio.run(unsigned.evaluate(identity.peer_id, request.model_dump())).attestation is None
+
+
+def test_a_verdict_of_a_third_replica_is_reported_once_with_evidence_that_holds():
+    liar, honest, third = _identity(), _identity(), _identity()
+    ids = {identity.peer_id.to_base58(): identity for identity in (liar, honest, third)}
+    liar_id, honest_id = liar.peer_id.to_base58(), honest.peer_id.to_base58()
+    reported = []
+
+    async def evaluate(stage, peer, request):
+        result = TRUE * 3 if peer == liar_id else TRUE.clone()
+        signature = ids[peer].sign(result_signing_bytes(RUN, stage, 3, "output", request.tokens, request.coords,
+                                                        None, result))
+        return EvaluateReply(coords=result, version=3, attestation=signature)
+
+    async def report(evidence):
+        reported.append(evidence)
+        return "upheld"
+
+    async def main():
+        checks = SpotChecks(1.0, 0.02, evaluate, lambda stage: list(ids), random.Random(0), run_id=RUN,
+                            report_evidence=report)
+        claim = _signed(liar, TRUE * 3)
+        for _ in range(3):
+            checks.check_forward(1, liar_id, TOKENS, INPUT, TRUE * 3, 3, claim.attestation)
+            while checks._tasks:
+                await asyncio.sleep(0)
+        return checks
+    checks = asyncio.run(main())
+    assert [d.struck for d in checks.stats.disputes] == [liar_id] * 3 and checks.stats.evidence == {"upheld": 1}
+    [evidence] = reported
+    assert evidence.accused.peer_id == liar_id and honest_id in {w.peer_id for w in evidence.witnesses}
+    assert check_evidence(evidence, run_id=RUN, tolerance=0.02) == (pytest.approx(2.0), pytest.approx(2.0))

@@ -1,0 +1,59 @@
+"""The screen flags a worker whose reply sizes stand out from its stage's other workers', after a
+few samples, and leaves honest workers with ordinary sample-to-sample spread alone."""
+
+import math
+import random
+
+import torch
+
+from roles.trainer.screening import RECENT, Screening, loss_size, reply_size
+from roles.trainer.spot_checks import SpotChecks
+
+
+def _feed(screen, rng, liar_factor, samples, workers=("a", "b", "c")):
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    for i in range(samples):
+        worker = workers[i % len(workers)]
+        tensor = torch.randn(16, 8, generator=gen)
+        if worker == "liar":
+            tensor = liar_factor(tensor, gen)
+        screen.observe(1, "output", worker, reply_size(tensor), i // 8)
+
+
+def test_noise_as_large_as_the_output_or_a_scaled_output_is_flagged_within_a_few_of_its_samples():
+    for attack in (lambda t, g: t + torch.randn(t.shape, generator=g), lambda t, g: 3 * t, lambda t, g: 0 * t):
+        screen = Screening()
+        _feed(screen, random.Random(1), attack, 4 * 2 * RECENT, workers=("a", "b", "c", "liar"))
+        assert screen.suspect(1, "liar"), screen.summary()
+        assert not any(screen.suspect(1, w) for w in "abc"), screen.summary()
+        assert screen.flagged == {"liar": 1}
+    screen.forget(1, "liar")  # excluded: the others are held against each other again
+    _feed(screen, random.Random(2), lambda t, g: 0 * t, 4 * 3 * RECENT, workers=("a", "b", "c", "liar"))
+    # (its replies still in flight are ignored)
+    assert screen.summary()["suspects"] == {} and not screen.suspect(1, "liar")
+
+
+def test_honest_workers_are_not_flagged_however_fast_the_run_moves_their_sizes():
+    screen = Screening()
+    gen, rng = torch.Generator().manual_seed(0), random.Random(0)
+    for i in range(6000):
+        version = i // 8
+        drift = math.exp(-version / 20)  # the run trains: sizes fall by a third every 20 versions
+        worker = "a" if rng.random() < 0.1 else rng.choice("bcd")  # a slow worker among fast ones
+        screen.observe(0, "output", worker, reply_size(torch.randn(64, generator=gen) * drift), version)
+        screen.observe(0, "loss", worker, loss_size(5.0 * drift * (1 + 0.2 * float(torch.rand(1, generator=gen)))),
+                       version)
+    assert screen.flagged == {} and screen.summary()["suspects"] == {}
+
+
+def test_a_suspect_is_checked_at_the_suspect_rate_and_the_others_at_the_base_rate():
+    checks = SpotChecks(0.01, 0.01, None, lambda stage: [], random.Random(0), suspect_rate=0.5)
+    for i in range(4 * RECENT):
+        for worker in ("a", "b", "c"):
+            checks.screening.observe(2, "loss", worker, loss_size(3.0 + 0.01 * (i % 5)), i // 4)
+        checks.screening.observe(2, "loss", "liar", loss_size(9.0), i // 4)
+    suspect = sum(checks.draw(2, "liar") for _ in range(2000))
+    honest = sum(checks.draw(2, "a") for _ in range(2000))
+    assert 850 <= suspect <= 1150 and honest <= 50, (suspect, honest)
+    assert checks.stats.outcomes["targeted"] == suspect
+    assert SpotChecks(0.0, 0.01, None, lambda stage: [], suspect_rate=0.5).draw(2, "liar") is False
