@@ -6,10 +6,11 @@ A single HTTP service (FastAPI on uvicorn) per run [report 3.6.1]. Modules, one 
     main         run_authorizer(config) and a small CLI; the readiness line
     accounts     the accounts command line: add, list, revoke account tokens
     app          the FastAPI app, body limit, rate-limit middleware, typed JSON errors
-    routes       public /v1 endpoints (join, poll, renew, leave, run, revocations)
-    admin        /v1/admin endpoints behind the admin bearer token (accounts, bans, live policy)
+    routes       public /v1 endpoints (join, poll, renew, leave, run, revocations, evidence)
+    admin        /v1/admin endpoints behind the admin bearer token (accounts, bans, live policy, evidence)
     models       server-side checks on the wire models (protocol.authorizer_api) and admin bodies
     service      Authorizer: the behaviour behind the routes
+    evidence     reports of a worker's contradicted results: checked, recorded, the account banned
     policy       the live admission policy and its defaults
     admission    capability, integrity and account checks; RejectReason
     reachability dialing a joining node back over libp2p

@@ -4,7 +4,8 @@ The operator issues and revokes account tokens (`/v1/admin/accounts`; the same o
 `agora-node --role authorizer accounts add|list|revoke`), bans peers or whole accounts
 (identities), changes the live policy (capacities,
 join rate, hardware floors, accepted builds and which checks run [report 3.6.1.1]) and reads the
-rejected joins that were counted rather than stored (`/v1/admin/rejections`), and signs operator
+rejected joins that were counted rather than stored (`/v1/admin/rejections`), reads the evidence
+reports trainers sent and their verdicts (`/v1/admin/evidence`), and signs operator
 preempt orders with the run's root key (`/v1/admin/preempt`, protocol/control_orders.py; the
 `agora-node preempt` CLI writes them into the DHT). A policy change is
 stored before it is answered and applies to the next request; lowering a capacity never evicts a
@@ -17,17 +18,18 @@ import collections
 import hmac
 import logging
 import time
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from authorizer import admission
 from authorizer.errors import AdminAuthRequired, InvalidRequest, NotFound
+from authorizer.evidence import finite_or_none
 from authorizer.models import (
-    ACCOUNT_ID_PATTERN, AccountCreate, AccountCreated, AccountOut, AccountRevokeOut, AccountsOut, BanOut, BanRequest,
-    ErrorBody, ParticipantOut, ParticipantsOut, PolicyUpdate, RejectionCountOut, RejectionCountsOut, TicketStatus,
-    UnbanOut,
+    ACCOUNT_ID_PATTERN, PEER_ID_PATTERN, AccountCreate, AccountCreated, AccountOut, AccountRevokeOut, AccountsOut,
+    BanOut, BanRequest, ErrorBody, EvidenceRecordOut, EvidenceRecordsOut, ParticipantOut, ParticipantsOut,
+    PolicyUpdate, RejectionCountOut, RejectionCountsOut, TicketStatus, UnbanOut,
 )
 from authorizer.policy import Policy, merge_policy
 from authorizer.service import Authorizer
@@ -145,6 +147,27 @@ async def rejections(
     rows = await authorizer.read(authorizer.store.list_rejection_counts, since, limit)
     return RejectionCountsOut(rejections=[
         RejectionCountOut(source=r.source, reason=r.reason, minute=r.minute, refused=r.refused) for r in rows])
+
+
+@admin_router.get("/evidence", response_model=EvidenceRecordsOut)
+async def evidence_reports(
+    request: Request,
+    verdict: Annotated[Optional[Literal["upheld", "already_revoked", "rejected"]], Query()] = None,
+    reporter: Annotated[Optional[str], Query(pattern=PEER_ID_PATTERN, description="one reporter's peer id")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> EvidenceRecordsOut:
+    """Evidence reports trainers sent (POST /v1/evidence), newest first: upheld ones with the ban
+    they caused, rejected ones with their reason and the reporter they flag."""
+    authorizer = _authorizer(request)
+    rows = await authorizer.read(authorizer.store.list_evidence, limit, verdict, reporter)
+    return EvidenceRecordsOut(reports=[EvidenceRecordOut(
+        id=r.id, received_at=r.received_at, reporter_peer_id=r.reporter_peer_id,
+        reporter_account_id=r.reporter_account_id, accused_peer_id=r.accused_peer_id,
+        accused_account_id=r.accused_account_id, witness_peer_ids=list(r.witness_peer_ids or []),
+        stage=r.stage, version=r.version, kind=r.kind, verdict=r.verdict, reason=r.reason,
+        distances=None if r.distance_1 is None else [finite_or_none(r.distance_1), finite_or_none(r.distance_2)],
+        message=r.message, body_sha256=r.body_sha256,
+    ) for r in rows])
 
 
 def account_out(row) -> AccountOut:

@@ -1,14 +1,16 @@
 """The FastAPI application: routes, the admission queue's lifetime, and typed JSON errors.
 
-Every input is hostile, so nothing a client sends can produce a 500: bodies over 64 KiB are
-refused before they are read, validation failures become 400 `invalid_request` naming the field,
-unknown routes 404 and wrong methods 405, all in the one shape
-`{"error": {"code": "...", "message": "<what to do>"}}`. A 500 `internal` means a bug of ours.
+Every input is hostile, so nothing a client sends can produce a 500: bodies over 64 KiB (evidence
+reports: over protocol.evidence.EVIDENCE_MAX_BYTES) are refused before they are read, validation
+failures become 400 `invalid_request` naming the field, unknown routes 404 and wrong methods 405,
+all in the one shape `{"error": {"code": "...", "message": "<what to do>"}}`. A 500 `internal`
+means a bug of ours.
 
-Joins, polls, renewals and leaves pass the rate limits first (RateLimit, below; the decisions are
-authorizer.ratelimit's): a request over its limit is answered 429 `rate_limited` with `Retry-After`
-before its body is validated and before any database work, so a flood costs a dictionary lookup
-a request. The body limit wraps the rate limit, so the renewal bodies it reads are bounded.
+Joins, polls, renewals, leaves and evidence reports pass the rate limits first (RateLimit, below;
+the decisions are authorizer.ratelimit's): a request over its limit is answered 429 `rate_limited`
+with `Retry-After` before its body is validated and before any database work, so a flood costs a
+dictionary lookup a request. The body limit wraps the rate limit, so the renewal bodies it reads
+are bounded.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from authorizer.metrics_push import MAX_PUSH_BODY_BYTES, PUSH_PATH_PREFIX, close
 from authorizer.queue import AdmissionQueue
 from authorizer.ratelimit import Limiter, source_of
 from authorizer.service import Authorizer
+from protocol.evidence_report import EVIDENCE_MAX_BYTES, EVIDENCE_PATH
 from protocol.version import client_version
 
 logger = logging.getLogger("agora.authorizer.app")
@@ -60,6 +63,8 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         limit = MAX_PUSH_BODY_BYTES if scope["path"].startswith(PUSH_PATH_PREFIX) else self.limit  # metrics pushes
+        if scope["path"] == EVIDENCE_PATH:  # an input and three results
+            limit = EVIDENCE_MAX_BYTES
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None:
             if not length.isdigit():
@@ -98,9 +103,10 @@ _JOIN, _POLL_PREFIX, _PROOF_PATHS = "/v1/join", "/v1/join/", {"/v1/renew": "rene
 
 
 class RateLimit:
-    """Pure ASGI middleware spending a token of the limiter for each join, poll, renewal and
-    leave, and answering 429 itself when there is none. Renewals and leaves are read here (their
-    proof says whose bucket pays) and handed on as read; nothing else is read."""
+    """Pure ASGI middleware spending a token of the limiter for each join, poll, renewal, leave and
+    evidence report, and answering 429 itself when there is none. Renewals and leaves are read here
+    (their proof says whose bucket pays) and handed on as read; nothing else is read (an evidence
+    report's source pays here, its reporter once authorizer.evidence has checked its signature)."""
 
     def __init__(self, app, limiter: Limiter):
         self.app, self.limiter = app, limiter
@@ -114,6 +120,8 @@ class RateLimit:
             refusal = self.limiter.check_join(source_of(client[0] if client else None))
         elif method == "GET" and path.startswith(_POLL_PREFIX):
             refusal = self.limiter.check_poll(source_of(client[0] if client else None), path[len(_POLL_PREFIX):])
+        elif method == "POST" and path == EVIDENCE_PATH:
+            refusal = self.limiter.check_evidence_source(source_of(client[0] if client else None))
         elif method == "POST" and path in _PROOF_PATHS:
             body = await _read_body(receive)
             if body is None:  # the client went away

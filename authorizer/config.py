@@ -138,6 +138,12 @@ class AuthorizerConfig(BaseModel):
                     "whatever its address")
     node_request_burst: int = Field(default=50, ge=1, le=1_000_000,
                                     description="such requests one node may send at once")
+    evidence_rate_per_min: float = Field(
+        default=6.0, gt=0, le=1e6, json_schema_extra={"flag": "evidence-rate", "metavar": "RATE"},
+        description="evidence reports a minute one live node may send (POST /v1/evidence) once its burst is "
+                    "spent; more are answered 429 with Retry-After")
+    evidence_burst: int = Field(default=6, ge=1, le=1_000_000,
+                                description="evidence reports one live node may send at once")
     rejection_detail_rate_per_s: float = Field(
         default=0.2, gt=0, le=1e6, json_schema_extra={"flag": "rejection-detail-rate", "metavar": "RATE"},
         description="rejected joins a second one source address may leave as tickets once its burst is "

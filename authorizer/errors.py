@@ -5,10 +5,12 @@
     └── AuthorizerError          an HTTP request that cannot be served; body {"error": {code, message}}
         ├── InvalidRequest       400 invalid_request     body or path failed validation
         ├── IdentityMismatch     400 identity_mismatch   peer id is not the hash of the public key
+        ├── RejectedEvidence     400 evidence_rejected   reported evidence proves nothing (recorded)
         ├── AdminAuthRequired    401 admin_unauthorized  missing or wrong admin bearer token
-        ├── ProofRejected        401 bad_proof           join/renew/leave signature or timestamp is wrong
+        ├── ProofRejected        401 bad_proof           join/renew/leave/evidence signature or timestamp is wrong
         ├── ProofRequired        401 proof_required      a join that would replace a live ticket is unsigned
         ├── RenewalRefused       403 renewal_refused     peer is banned, has left or is not admitted
+        ├── ReporterNotAdmitted  403 reporter_not_admitted  an evidence reporter holds no live credential
         ├── NotFound             404 not_found           no such route, ticket or peer
         ├── MethodNotAllowed     405 method_not_allowed
         ├── PayloadTooLarge      413 payload_too_large
@@ -30,8 +32,8 @@ from protocol.errors import AgoraError, ConfigError
 
 __all__ = [
     "AuthorizerError", "ConfigError", "InvalidRequest", "IdentityMismatch", "AdminAuthRequired",
-    "ProofRejected", "ProofRequired", "RenewalRefused", "NotFound", "MethodNotAllowed", "PayloadTooLarge",
-    "RateLimited", "StoreUnavailable", "DialerUnavailable", "InternalError",
+    "ProofRejected", "ProofRequired", "RenewalRefused", "ReporterNotAdmitted", "RejectedEvidence", "NotFound",
+    "MethodNotAllowed", "PayloadTooLarge", "RateLimited", "StoreUnavailable", "DialerUnavailable", "InternalError",
 ]
 
 
@@ -75,6 +77,25 @@ class ProofRequired(AuthorizerError):
 
 class RenewalRefused(AuthorizerError):
     status, code = 403, "renewal_refused"
+
+
+class ReporterNotAdmitted(AuthorizerError):
+    status, code = 403, "reporter_not_admitted"
+
+
+class RejectedEvidence(AuthorizerError):
+    """Evidence that does not prove its case (`reason`, a protocol.authorizer_api.EvidenceReason
+    value). It was recorded as report `evidence_id`, and its reporter is flagged there."""
+
+    status, code = 400, "evidence_rejected"  # protocol.authorizer_api.EVIDENCE_REJECTED
+
+    def __init__(self, message: str, *, reason: str, evidence_id: int, accused: str):
+        super().__init__(message)
+        self.reason, self.evidence_id, self.accused = reason, evidence_id, accused
+
+    def body(self) -> dict:
+        error = super().body()["error"]
+        return {"error": {**error, "reason": self.reason, "evidence_id": self.evidence_id, "accused": self.accused}}
 
 
 class NotFound(AuthorizerError):

@@ -85,6 +85,7 @@ def rate_limits(config: AuthorizerConfig):
         request_rate_per_s=config.source_request_rate_per_s, request_burst=config.source_request_burst,
         node_rate_per_s=config.node_request_rate_per_s, node_burst=config.node_request_burst,
         max_sources=config.rate_limit_sources,
+        evidence_rate_per_s=config.evidence_rate_per_min / 60, evidence_burst=config.evidence_burst,
     )
 
 

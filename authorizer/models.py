@@ -144,6 +144,32 @@ class RejectionCountsOut(BaseModel):
 
 
 
+class EvidenceRecordOut(BaseModel):
+    """One evidence report as stored (authorizer.evidence): the tensors are not kept."""
+
+    id: int = Field(description="the evidence id the reporter was answered with")
+    received_at: float
+    reporter_peer_id: str
+    reporter_account_id: str = Field(description="a rejected report flags its reporter and this account")
+    accused_peer_id: str
+    accused_account_id: Optional[str] = Field(description="null when the accused is no worker admitted to the stage")
+    witness_peer_ids: list[str]
+    stage: int
+    version: int
+    kind: str = Field(description="output, gradient or loss")
+    verdict: Literal["upheld", "already_revoked", "rejected"]
+    reason: Optional[str] = Field(description="an EvidenceReason value, for rejected evidence")
+    distances: Optional[list[Optional[float]]] = Field(
+        description="the accused's relative L2 distance from each witness, for evidence that holds (null: "
+                    "infinite, different shapes or non-finite values)")
+    message: str = Field(description="what was decided and done")
+    body_sha256: str
+
+
+class EvidenceRecordsOut(BaseModel):
+    reports: list[EvidenceRecordOut]
+
+
 class AccountCreate(BaseModel):
     """A new account; the answer carries its token, once."""
 

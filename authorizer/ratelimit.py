@@ -19,6 +19,11 @@ Who pays, in order:
   ticket, a node this process has not seen, a bad signature) from a second one, so that a join
   flood does not starve the polls and renewals a restarted authorizer does not recognise yet.
 
+Evidence reports (`POST /v1/evidence`, authorizer.evidence) pay twice: their source address before
+the body is read, like a request that proves nothing, and once the report's signature shows which
+live node sent it, that **reporter's** own bucket (a few reports a minute), before the evidence
+itself is checked.
+
 A node becomes known when the store shows it live: its join was queued, it was admitted, a poll
 found its ticket live, or a proof checked against the database passed; it is forgotten when it
 leaves or a renewal is refused. Behind a reverse proxy every request comes from the proxy's address
@@ -64,6 +69,8 @@ class RateLimits:
     node_rate_per_s: float
     node_burst: int
     max_sources: int
+    evidence_rate_per_s: float = 0.1
+    evidence_burst: int = 6
 
 
 def source_of(host: Optional[str]) -> str:
@@ -110,6 +117,8 @@ class Limiter:
                                  max_entries=limits.max_sources)
         self.requests = BucketTable(rate_per_s=limits.request_rate_per_s, burst=limits.request_burst,
                                     max_entries=limits.max_sources)
+        self.reporters = BucketTable(rate_per_s=limits.evidence_rate_per_s, burst=limits.evidence_burst,
+                                     max_entries=limits.max_sources)
         self.nodes: LruTable[str, KnownNode] = LruTable(limits.max_sources)
         self.tickets: LruTable[str, str] = LruTable(limits.max_sources)
         self.refused = EventAggregator(logger, "refused", "request", interval_s=10.0)
@@ -161,6 +170,22 @@ class Limiter:
         if proven is not None:
             return self._charge_node(action, *proven)
         return self._charge_source(action, source)
+
+    def check_evidence_source(self, source: str) -> Optional[RateLimited]:
+        """An evidence report before its body is read: nothing is proven yet, so its source pays."""
+        return self._charge_source("evidence", source)
+
+    def check_reporter(self, peer_id: str) -> Optional[RateLimited]:
+        """An evidence report whose signature proved it comes from live node `peer_id`, before the
+        evidence is checked: from that reporter's own bucket (a forged report cannot spend it)."""
+        wait = self.reporters.take(peer_id, self.clock())
+        if not wait:
+            return None
+        limits = self.limits
+        return self._refuse("evidence", f"reporter {peer_id[-12:]}", wait, (
+            f"too many evidence reports from {peer_id} (at most {limits.evidence_burst} at once, then "
+            f"{limits.evidence_rate_per_s * 60:g} a minute); retry after the Retry-After seconds, and report "
+            f"a worker once: later evidence against a banned account changes nothing"))
 
     def _proven_node(self, action: str, body: bytes) -> Optional[tuple[str, KnownNode]]:
         """The known node whose fresh proof `body` carries, or None. Only the node's bucket is at

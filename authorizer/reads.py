@@ -16,7 +16,7 @@ from sqlalchemy.engine import Row
 from authorizer.admission import Rejection, banned_account_rejection, banned_peer_rejection
 from authorizer.placement import PoolCount
 from authorizer.schema import (
-    ADMITTED, QUEUED, accounts, banned_peers, credentials, meta, participants, rejection_counts,
+    ADMITTED, QUEUED, accounts, banned_peers, credentials, evidence_reports, meta, participants, rejection_counts,
 )
 
 
@@ -120,3 +120,23 @@ class StoreReads:
     def account(self, account_id: str) -> Optional[Row]:
         with self.read_engine.connect() as conn:
             return conn.execute(select(accounts).where(accounts.c.id == account_id)).first()
+
+    def stage_workers(self, peer_ids: list[str], stage: int) -> dict[str, Row]:
+        """Of `peer_ids`, those once admitted as workers of `stage` (issued a credential for it),
+        each with its latest such ticket: whom evidence about the stage may name."""
+        with self.read_engine.connect() as conn:
+            rows = conn.execute(select(participants.c.peer_id, participants.c.account_id, participants.c.status)
+                                .where(participants.c.peer_id.in_(peer_ids), participants.c.role == "worker",
+                                       participants.c.pool == stage, participants.c.admitted_at.is_not(None))
+                                .order_by(participants.c.id)).all()
+        return {row.peer_id: row for row in rows}  # the latest ticket of each peer wins
+
+    def list_evidence(self, limit: int, verdict: Optional[str] = None, reporter: Optional[str] = None) -> list[Row]:
+        """Evidence reports, newest first, optionally of one verdict or one reporter."""
+        query = select(evidence_reports)
+        if verdict is not None:
+            query = query.where(evidence_reports.c.verdict == verdict)
+        if reporter is not None:
+            query = query.where(evidence_reports.c.reporter_peer_id == reporter)
+        with self.read_engine.connect() as conn:
+            return conn.execute(query.order_by(evidence_reports.c.id.desc()).limit(limit)).all()

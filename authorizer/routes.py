@@ -1,9 +1,11 @@
-"""The public `/v1` endpoints nodes call: join, poll, renew, leave, run info, revocations.
+"""The public `/v1` endpoints nodes call: join, poll, renew, leave, run info, revocations, evidence.
 
 Nodes talk to the authorizer only to join, to poll the queue, and to renew their credential
-[report 3.6.1.1]; nothing on the training path comes here. Each route only parses and delegates to
+[report 3.6.1.1], and trainers to report evidence against a worker (authorizer.evidence); nothing
+on the training path comes here. Each route only parses and delegates to
 `authorizer.service.Authorizer`. Join, poll, renew and leave are rate limited before they get here
-(authorizer.app RateLimit): 429 `rate_limited` with `Retry-After`.
+(authorizer.app RateLimit): 429 `rate_limited` with `Retry-After`; so is evidence, by its source
+and then by its reporter.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from fastapi import APIRouter, Path, Request
 from authorizer.models import TICKET_PATTERN, ErrorBody, JoinRequest, LeaveOut, Proof, RenewOut, RunInfo, TicketOut
 from authorizer.ratelimit import source_of
 from authorizer.service import Authorizer
+from protocol.authorizer_api import EvidenceOut, EvidenceRejectedBody
 from protocol.credentials import RevocationList
+from protocol.evidence_report import EVIDENCE_CONTENT_TYPE, EVIDENCE_PATH
 
 router = APIRouter(prefix="/v1", tags=["nodes"])
 
@@ -82,3 +86,20 @@ async def run_info(request: Request) -> RunInfo:
 async def revocations(request: Request) -> RevocationList:
     """Serials and peer ids revoked and not yet expired, signed by the run's root key."""
     return await _authorizer(request).revocations()
+
+
+@router.post(EVIDENCE_PATH.removeprefix("/v1"), response_model=EvidenceOut, responses={
+    **_LIMITED,
+    400: {"model": EvidenceRejectedBody, "description": "evidence_rejected: the evidence proves nothing (reason in "
+                                                        "the error; recorded, the reporter flagged); or "
+                                                        "invalid_request: the body is malformed"},
+    401: {"model": ErrorBody, "description": "the report's signature or signed_at is wrong"},
+    403: {"model": ErrorBody, "description": "reporter_not_admitted: the reporter holds no live credential"},
+}, openapi_extra={"requestBody": {"required": True, "content": {EVIDENCE_CONTENT_TYPE: {"schema": {
+    "type": "string", "format": "binary",
+    "description": "msgpack {evidence, reporter, signed_at, signature}: protocol.evidence_report"}}}}})
+async def evidence(request: Request) -> EvidenceOut:
+    """Report evidence that a worker lied (protocol/evidence.py), signed by an admitted node. Upheld,
+    the accused's account is banned and its credentials revoked; against an account banned or revoked
+    already, `already_revoked`. Evidence that proves nothing is answered 400 `evidence_rejected`."""
+    return await _authorizer(request).evidence.report(await request.body())

@@ -131,4 +131,28 @@ rejection_counts = Table(
 )
 """Rejected joins beyond what a source may leave as tickets (authorizer.rejections), counted."""
 
+evidence_reports = Table(
+    "evidence_reports", metadata,
+    Column("id", ID, primary_key=True, autoincrement=True, comment="the evidence id; also the order received"),
+    Column("received_at", Float, nullable=False),
+    Column("reporter_peer_id", String(128), nullable=False),
+    Column("reporter_account_id", String(64), nullable=False),
+    Column("accused_peer_id", String(128), nullable=False),
+    Column("accused_account_id", String(64), comment="null when the accused is no worker admitted to the stage"),
+    Column("witness_peer_ids", JSON, nullable=False),
+    Column("stage", Integer, nullable=False),
+    Column("version", BigInteger, nullable=False),
+    Column("kind", String(16), nullable=False, comment="output, gradient or loss"),
+    Column("verdict", String(16), nullable=False, comment="upheld, already_revoked or rejected"),
+    Column("reason", String(32), comment="EvidenceReason of rejected evidence"),
+    Column("distance_1", Float, comment="the accused's relative L2 distance from the first witness (held evidence)"),
+    Column("distance_2", Float, comment="and from the second"),
+    Column("message", String(512), nullable=False, comment="what was decided and done, in a sentence"),
+    Column("body_sha256", String(64), nullable=False, comment="of the report's body; the tensors are not kept"),
+    Index("evidence_reports_verdict_id", "verdict", "id"),
+    Index("evidence_reports_reporter_id", "reporter_peer_id", "id"),
+)
+"""Every evidence report that reached a verdict (authorizer.evidence): upheld, already_revoked, or
+rejected with its reporter, whom the run owner sees flagged here."""
+
 LIVE_PEER_INDEX_WHERE = text(LIVE_SQL)

@@ -30,6 +30,7 @@ from authorizer.errors import (
     DialerUnavailable, IdentityMismatch, NotFound, ProofRejected, ProofRequired, RateLimited, RenewalRefused,
     StoreUnavailable,
 )
+from authorizer.evidence import EvidenceDesk
 from authorizer.issuer import CredentialIssuer
 from authorizer.models import (
     AdmissionOut, JoinRequest, LeaveOut, PoolInfo, Proof, RejectionOut, RenewOut, RunInfo, StageInfo,
@@ -80,6 +81,8 @@ class Authorizer:
         self.limiter = limiter
         self.rejections = rejections
         limiter.on_join_refused = lambda source: rejections.count(source, RATE_LIMITED_REASON, time.time())
+        self.evidence = EvidenceDesk(self, proof_window_s=PROOF_WINDOW_S)
+        """Evidence reports against workers (POST /v1/evidence) and their verdicts' counts."""
 
     async def stored(self, coro):
         try:

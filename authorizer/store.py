@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
-from sqlalchemy import Connection, Engine, create_engine, event, func, inspect, select, update
+from sqlalchemy import Connection, Engine, create_engine, event, exists, func, inspect, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Row
 from sqlalchemy.exc import SQLAlchemyError
@@ -38,7 +38,7 @@ from authorizer.policy import TRAINER_POOL
 from authorizer.reads import StoreReads
 from authorizer.schema import (
     ADDED_COLUMNS, ADMITTED, BANNED, LIVE_STATUSES, QUEUED, REJECTED, REPLACED, accounts, banned_peers, credentials,
-    meta, metadata, participants, pools,
+    evidence_reports, meta, metadata, participants, pools,
 )
 from authorizer.writer import GroupCommitWriter, LoopWriter
 from protocol.errors import ConfigError
@@ -85,6 +85,17 @@ class UnrecordedRejection:
     def of(cls, new: NewParticipant, rejection: Rejection) -> UnrecordedRejection:
         return cls(ticket=new.ticket, peer_id=new.peer_id, role=new.role, reason=rejection.reason.value,
                    message=rejection.message)
+
+
+@dataclass(frozen=True)
+class EvidenceBan:
+    """Whom upheld evidence bans (an account, or a peer without one) and the words of the ban;
+    `reason` and `message` take the report's id, known only once it is stored."""
+
+    peer_id: Optional[str]
+    account_id: Optional[str]
+    reason: Callable[[int], str]
+    message: Callable[[int], str]
 
 
 KeepRejection = Callable[[], bool]
@@ -414,22 +425,51 @@ class Store(StoreReads):
                   reason: str, now: float, message: str) -> int:
         """Ban a peer or an account: future joins refused, live tickets ended, credentials revoked.
         Returns how many live tickets were ended."""
-        def op(conn: Connection) -> int:
-            if peer_id is not None:
-                stmt = self._insert(banned_peers).values(peer_id=peer_id, banned_at=now, reason=reason)
-                conn.execute(stmt.on_conflict_do_update(index_elements=[banned_peers.c.peer_id],
-                                                        set_={"reason": stmt.excluded.reason}))
-                where = participants.c.peer_id == peer_id
-            else:
-                stmt = self._insert(accounts).values(id=account_id, banned=True, created_at=now, reason=reason)
-                conn.execute(stmt.on_conflict_do_update(index_elements=[accounts.c.id],
-                                                        set_={"banned": True, "reason": stmt.excluded.reason}))
-                where = participants.c.account_id == account_id
-            code = (RejectReason.BANNED_PEER if peer_id is not None else RejectReason.BANNED_ACCOUNT).value
-            rows = conn.execute(select(participants).where(where, participants.c.status.in_(LIVE_STATUSES))).all()
-            return sum(self._retire(conn, row, "banned", now, revoke=True, reason=code, message=message)
-                       for row in rows)
+        return await self.writer.run(lambda conn: self.ban_now(conn, peer_id=peer_id, account_id=account_id,
+                                                               reason=reason, now=now, message=message))
+
+    def ban_now(self, conn: Connection, *, peer_id: Optional[str] = None, account_id: Optional[str] = None,
+                reason: str, now: float, message: str) -> int:
+        """`ban` inside the caller's transaction (the admin API's bans and upheld evidence share it)."""
+        if peer_id is not None:
+            stmt = self._insert(banned_peers).values(peer_id=peer_id, banned_at=now, reason=reason)
+            conn.execute(stmt.on_conflict_do_update(index_elements=[banned_peers.c.peer_id],
+                                                    set_={"reason": stmt.excluded.reason}))
+            where = participants.c.peer_id == peer_id
+        else:
+            stmt = self._insert(accounts).values(id=account_id, banned=True, created_at=now, reason=reason)
+            conn.execute(stmt.on_conflict_do_update(index_elements=[accounts.c.id],
+                                                    set_={"banned": True, "reason": stmt.excluded.reason}))
+            where = participants.c.account_id == account_id
+        code = (RejectReason.BANNED_PEER if peer_id is not None else RejectReason.BANNED_ACCOUNT).value
+        rows = conn.execute(select(participants).where(where, participants.c.status.in_(LIVE_STATUSES))).all()
+        return sum(self._retire(conn, row, "banned", now, revoke=True, reason=code, message=message)
+                   for row in rows)
+
+    async def record_evidence(self, record: dict, ban: Optional[EvidenceBan] = None) -> tuple[int, str, int]:
+        """Store an evidence report (`record`: the evidence_reports columns but id and verdict) and,
+        for evidence that holds (`ban`), ban its target unless it is banned or revoked already, in
+        one transaction: two reports against one account ban it once. Returns (id, verdict, tickets
+        ended), the verdict `upheld` or `already_revoked` with `ban`, else `rejected`."""
+        def op(conn: Connection) -> tuple[int, str, int]:
+            verdict, ended = "rejected", 0
+            if ban is not None:
+                verdict = "already_revoked" if self._already_banned(conn, ban) else "upheld"
+            row = conn.execute(evidence_reports.insert().values(**record, verdict=verdict)
+                               .returning(evidence_reports.c.id)).one()
+            if verdict == "upheld":
+                ended = self.ban_now(conn, peer_id=ban.peer_id, account_id=ban.account_id,
+                                     reason=ban.reason(row.id), now=record["received_at"], message=ban.message(row.id))
+            return row.id, verdict, ended
         return await self.writer.run(op)
+
+    def _already_banned(self, conn: Connection, ban: EvidenceBan) -> bool:
+        if ban.peer_id is not None:
+            return bool(conn.execute(select(exists().where(banned_peers.c.peer_id == ban.peer_id))).scalar())
+        query = select(accounts.c.banned, accounts.c.revoked_at).where(accounts.c.id == ban.account_id)
+        # another authorizer on the database judging evidence against the account waits for this one
+        state = conn.execute(query if self.is_sqlite else query.with_for_update()).first()
+        return state is not None and (bool(state.banned) or state.revoked_at is not None)
 
     async def unban(self, *, peer_id: Optional[str] = None, account_id: Optional[str] = None) -> bool:
         def op(conn: Connection) -> bool:

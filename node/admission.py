@@ -9,7 +9,8 @@ renewal is refused or the credential lapses.
 
 A node may be given several authorizer URLs (authorizers sharing one PostgreSQL database). The
 client sticks to the one that answered last and moves on to the next on a connection error or a
-5xx answer, for every request: join, poll, renew, leave and revocations.
+5xx answer, for every request: join, poll, renew, leave, revocations, and a trainer's evidence
+reports against a worker (authorizer.evidence).
 
 An authorizer that is rate limiting (429 `rate_limited`, e.g. a fleet behind one NAT address
 joining at once, or a neighbour flooding it) names a wait in `Retry-After`; the client waits that
@@ -39,11 +40,13 @@ from node.settings import parse_authorizer_url as settings_parse_authorizer_url
 from protocol import version
 from roles.periodic import wait_any
 from protocol.authorizer_api import (
-    LIVE_TICKET_STATUSES, RATE_LIMITED, ErrorBody, Hardware, JoinRequest, LeaveOut, Proof, RenewOut, RunInfo,
-    TicketOut, TicketStatus, retry_after_s,
+    LIVE_TICKET_STATUSES, RATE_LIMITED, ErrorBody, EvidenceOut, EvidenceRejectedBody, Hardware, JoinRequest, LeaveOut,
+    Proof, RenewOut, RunInfo, TicketOut, TicketStatus, retry_after_s,
 )
 from protocol.credentials import RevocationList, SignedCredential, proof_bytes, renew_at
 from protocol.errors import AgoraError, ConfigError
+from protocol.evidence import Evidence
+from protocol.evidence_report import EVIDENCE_CONTENT_TYPE, EVIDENCE_PATH, evidence_report_body
 from protocol.exit_codes import ExitCode
 from protocol.identity import Identity
 
@@ -69,6 +72,27 @@ class AdmissionRejected(AgoraError):
     def __init__(self, reason: str, message: str):
         super().__init__(f"the authorizer rejected this node ({reason}): {message}")
         self.reason = reason
+
+
+class EvidenceRefused(AgoraError):
+    """The authorizer refused an evidence report (a 4xx answer other than 429): `code` is its error
+    code; for `evidence_rejected` (protocol.authorizer_api.EVIDENCE_REJECTED), `reason` (an
+    EvidenceReason value) and `evidence_id` say why and under which id it was recorded."""
+
+    def __init__(self, status: int, code: str, message: str, *, reason: Optional[str] = None,
+                 evidence_id: Optional[int] = None):
+        super().__init__(f"the authorizer refused the evidence ({reason or code}): {message}")
+        self.status, self.code, self.reason, self.evidence_id = status, code, reason, evidence_id
+
+    @classmethod
+    def of(cls, response: httpx.Response) -> EvidenceRefused:
+        if response.status_code == 400:
+            try:
+                error = EvidenceRejectedBody.model_validate_json(response.content).error
+                return cls(400, error.code, error.message, reason=error.reason, evidence_id=error.evidence_id)
+            except ValidationError:
+                pass  # another 400: a malformed body
+        return cls(response.status_code, *_error_of(response))
 
 
 class CredentialLost(AgoraError):
@@ -181,11 +205,18 @@ class AuthorizerClient:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, reply: type[M], body: Optional[BaseModel] = None) -> M:
+    async def _request(self, method: str, path: str, reply: type[M], body: Optional[BaseModel] = None, *,
+                       raw: Optional[tuple[bytes, str]] = None,
+                       refused: Callable[[httpx.Response], Exception] = lambda r: AdmissionRejected(*_error_of(r)),
+                       ) -> M:
         """Send to the current authorizer, failing over to the next ones on connection errors
-        and 5xx answers; 4xx answers are the authorizer's word and raise AdmissionRejected."""
-        content = body.model_dump_json(exclude_none=True) if body is not None else None
-        headers = {"content-type": "application/json"} if content is not None else None
+        and 5xx answers; 4xx answers are the authorizer's word and raise `refused(answer)`
+        (AdmissionRejected by default). `raw` is a body other than JSON: (bytes, content type)."""
+        if raw is not None:
+            content, headers = raw[0], {"content-type": raw[1]}
+        else:
+            content = body.model_dump_json(exclude_none=True) if body is not None else None
+            headers = {"content-type": "application/json"} if content is not None else None
         problems = []
         for step in range(len(self.urls)):
             index = (self._current + step) % len(self.urls)
@@ -204,8 +235,7 @@ class AuthorizerClient:
             if response.status_code == 429:  # the authorizer's (or its proxy's) word: wait, then ask it again
                 raise RateLimited(url, _error_message(response), retry_after_s(response.headers.get("retry-after")))
             if response.status_code >= 400:
-                code, message = _error_of(response)
-                raise AdmissionRejected(code, message)
+                raise refused(response)
             try:
                 return reply.model_validate_json(response.content)
             except ValidationError as exc:
@@ -252,6 +282,15 @@ class AuthorizerClient:
     async def revocations(self) -> RevocationList:
         """The signed revocation list (verified by the caller against the root key)."""
         return await self._request("GET", "/v1/revocations", RevocationList)
+
+    async def report_evidence(self, evidence: Evidence, identity: Identity) -> EvidenceOut:
+        """Report `evidence` against a worker, signed with this node's key. EvidenceOut when it
+        holds (`upheld`, or `already_revoked`); EvidenceRefused when the authorizer refuses it
+        (`reason` says why rejected evidence proves nothing), RateLimited (wait `wait_s()`) or
+        AuthorizerUnavailable as for a renewal."""
+        body = evidence_report_body(evidence, identity)
+        return await self._request("POST", EVIDENCE_PATH, EvidenceOut, raw=(body, EVIDENCE_CONTENT_TYPE),
+                                   refused=EvidenceRefused.of)
 
 
 def _error_of(response: httpx.Response) -> tuple[str, str]:

@@ -343,7 +343,8 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
         if preload is not None:  # before the role forks hivemind's averager, no thread of ours may import
             await until_stopped(preload.finish(), stop, "while importing the role")
         role = _build_role(settings, run, stage, device, swarm, p2p, membership.maddrs, trust.authenticator,
-                           trust.auth_state, designated_reducer=trust.reducer, identity=identity)
+                           trust.auth_state, designated_reducer=trust.reducer, identity=identity,
+                           report_evidence=_evidence_reporter(trust.client, identity))
         if metrics is not None:
             metrics.attach(role)
         trust.start_background(stop, swarm)
@@ -404,8 +405,24 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
     return trust.failure_exit_code() or code
 
 
+def _evidence_reporter(client, identity):
+    """How a trainer hands a spot check's signed evidence to the run's authorizer: the verdict,
+    or `rejected` with its reason logged (None in an open run: there is nobody to tell)."""
+    if client is None:
+        return None
+    from node.admission import EvidenceRefused
+
+    async def report(evidence) -> str:
+        try:
+            return (await client.report_evidence(evidence, identity)).verdict
+        except EvidenceRefused as exc:
+            logger.warning("%s", exc)
+            return "rejected" if exc.reason else f"refused_{exc.code}"
+    return report
+
+
 def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator, auth_state=None,
-                designated_reducer: bool = False, identity=None):
+                designated_reducer: bool = False, identity=None, report_evidence=None):
     """The role, given its own settings section with what the node resolved (stage, device, and
     whether the authorizer designated it a reducer)."""
     if settings.role == "worker":
@@ -418,7 +435,7 @@ def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator,
         return WorkerRole(config, run, swarm, p2p, maddrs, authenticator, auth_state, identity=identity)
     from roles.trainer.role import TrainerRole
 
-    return TrainerRole(settings.trainer, run, swarm, p2p, authenticator)
+    return TrainerRole(settings.trainer, run, swarm, p2p, authenticator, report_evidence=report_evidence)
 
 
 def configure_logging(level: str, fmt: str = "human", role: str = "node") -> None:

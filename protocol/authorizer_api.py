@@ -254,6 +254,54 @@ class LeaveOut(BaseModel):
     status: TicketStatus
 
 
+# -- evidence ---------------------------------------------------------------------------------
+
+EVIDENCE_REJECTED = "evidence_rejected"
+"""The error code of a 400 answer to POST /v1/evidence whose evidence proves nothing: the body's
+error also carries `reason` (an EvidenceReason value), `evidence_id` and `accused`."""
+
+
+class EvidenceReason(str, enum.Enum):
+    """Why reported evidence was rejected. Never rename a value; add new ones."""
+
+    WRONG_RUN = "wrong_run"  # the evidence is for another run
+    DUPLICATE_PARTY = "duplicate_party"  # the accused and the witnesses are not three different peers
+    BAD_SIGNATURE = "bad_signature"  # a party did not sign its result for this input (or it was changed)
+    WITNESSES_DISAGREE = "witnesses_disagree"  # the two witnesses' results differ: nothing is proven
+    ACCUSED_AGREES = "accused_agrees"  # the accused's result is within tolerance of a witness's
+    NOT_A_WORKER_OF_THE_STAGE = "not_a_worker_of_the_stage"  # a party was never admitted as a worker of the stage
+    SAME_ACCOUNT = "same_account"  # a witness is on the accused's account
+    WITNESSES_SAME_ACCOUNT = "witnesses_same_account"  # both witnesses are on one account: one party's word
+
+
+class EvidenceOut(BaseModel):
+    """The answer to POST /v1/evidence that was acted on (rejected evidence is the 400
+    `evidence_rejected`, whose error body says why)."""
+
+    model_config = _WIRE
+
+    verdict: Literal["upheld", "already_revoked", "rejected"] = Field(
+        description="upheld: the accused's account is banned now; already_revoked: it was banned or revoked "
+                    "before, nothing new is banned")
+    reason: Optional[str] = Field(default=None, description="an EvidenceReason value, for rejected evidence")
+    accused: str = Field(description="the accused worker's peer id")
+    evidence_id: int = Field(description="the report's id in GET /v1/admin/evidence")
+
+
+class EvidenceRejectedDetail(ErrorDetail):
+    reason: str = Field(description="an EvidenceReason value")
+    evidence_id: int = Field(description="the report's id in GET /v1/admin/evidence, where the reporter is flagged")
+    accused: str
+
+
+class EvidenceRejectedBody(BaseModel):
+    """The body of the 400 `evidence_rejected` answer."""
+
+    model_config = _WIRE
+
+    error: EvidenceRejectedDetail
+
+
 class StageInfo(BaseModel):
     model_config = _WIRE
 

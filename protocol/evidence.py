@@ -7,8 +7,10 @@ each input and of the result). A worker cannot tell which of its replies will be
 liar signs its lies.
 
 `Evidence` is a trainer's spot check that a third replica settled (roles/trainer/spot_checks.py):
-the input, and three signed results of the same computation at the same version, the accused's
-and two other replicas' (the checker and the arbiter). `check_evidence` verifies it with nothing
+the input, and three signed results of the same computation at the same version with the same
+weights (their fingerprint is signed too: a replica that parted from the others after a step
+without some replica's gradients is not a witness against them, nor they against it), the
+accused's and two other replicas' (the checker and the arbiter). `check_evidence` verifies it with nothing
 but the peer ids (a libp2p Ed25519 peer id holds its public key): every signature over its own
 result, the two witnesses within `tolerance` of each other, the accused further than `tolerance`
 from both. It then proves that the accused signed a result that two other replicas, given the
@@ -28,7 +30,7 @@ from pydantic import Field
 
 from protocol.errors import AgoraError, ErrorCode
 from protocol.identity import verify_peer_signature
-from protocol.messages import Attestation, PeerIdText, WireModel, WireTensor
+from protocol.messages import Attestation, Fingerprint, PeerIdText, WireModel, WireTensor
 
 RESULT_KINDS = ("output", "gradient", "loss")
 EVIDENCE_MAX_BYTES = 64 << 20
@@ -55,15 +57,15 @@ def loss_tensor(loss: float) -> torch.Tensor:
 
 def result_signing_bytes(run_id: str, stage: int, version: int, kind: str, tokens: torch.Tensor,
                          coords: Optional[torch.Tensor], grad_output: Optional[torch.Tensor],
-                         result: torch.Tensor) -> bytes:
+                         result: torch.Tensor, weights: Optional[bytes] = None) -> bytes:
     """What a worker signs for one result: `kind` is `output` (a forward's coordinates),
     `gradient` (a backward's input gradient, given `grad_output`, or at the tail none) or `loss`
-    (the tail's loss, `loss_tensor`)."""
+    (the tail's loss, `loss_tensor`); `weights`, the fingerprint of the weights it used."""
     if kind not in RESULT_KINDS:
         raise ValueError(f"unknown result kind {kind!r}")
     return b"".join([b"agora-result-v1\0", run_id.encode(), b"\0", struct.pack("<qq", stage, version),
-                     kind.encode(), b"\0", tensor_digest(tokens), tensor_digest(coords), tensor_digest(grad_output),
-                     tensor_digest(result)])
+                     kind.encode(), b"\0", (weights or bytes(8)).ljust(8, b"\0")[:8], tensor_digest(tokens),
+                     tensor_digest(coords), tensor_digest(grad_output), tensor_digest(result)])
 
 
 class SignedResult(WireModel):
@@ -80,6 +82,8 @@ class Evidence(WireModel):
     run_id: str = Field(min_length=1, max_length=128)
     stage: int = Field(ge=0, le=4096)
     version: int = Field(ge=0)
+    weights: Optional[Fingerprint] = None
+    """The fingerprint of the weights all three signed they computed with."""
     kind: Literal["output", "gradient", "loss"]
     tokens: WireTensor
     coords: Optional[WireTensor] = None
@@ -118,7 +122,8 @@ def check_evidence(evidence: Evidence, *, run_id: str, tolerance: float) -> tupl
         raise EvidenceRejected("duplicate_party", "the accused and the witnesses must be three different peers")
     for party in parties:
         signed = result_signing_bytes(evidence.run_id, evidence.stage, evidence.version, evidence.kind,
-                                      evidence.tokens, evidence.coords, evidence.grad_output, party.result)
+                                      evidence.tokens, evidence.coords, evidence.grad_output, party.result,
+                                      evidence.weights)
         if not verify_peer_signature(party.peer_id, signed, party.attestation):
             raise EvidenceRejected("bad_signature", f"{party.peer_id} did not sign this result for this input")
     first, second = evidence.witnesses

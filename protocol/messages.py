@@ -90,6 +90,8 @@ class ReplyFrame(WireModel):
 SampleId = Annotated[str, Field(min_length=1, max_length=128)]
 Attestation = Annotated[bytes, Field(min_length=64, max_length=64)]
 """An Ed25519 signature over a result (protocol/evidence.py result_signing_bytes)."""
+Fingerprint = Annotated[bytes, Field(min_length=8, max_length=8)]
+"""Names the weights a result was computed with (roles/worker/runtime.py weights_fingerprint)."""
 
 
 class ForwardRequest(WireModel):
@@ -109,6 +111,8 @@ class ForwardReply(WireModel):
     version: Optional[int] = Field(default=None, ge=0)
     """The weight version (steps applied) the output was computed at, for spot checks
     (roles/trainer/spot_checks.py); None from a worker that predates it."""
+    weights: Optional[Fingerprint] = None
+    """The fingerprint of the weights it was computed with: equal replicas share it."""
     attestation: Optional[Attestation] = None
     """The worker's signature over the output for this input at `version` (protocol/evidence.py)."""
 
@@ -137,6 +141,8 @@ class BackwardReply(WireModel):
     """The step the sample was accumulated into: the tail's tag, to be carried to the other stages."""
     version: Optional[int] = None
     """The weight version (optimizer steps applied) this stage's gradient was taken at."""
+    weights: Optional[Fingerprint] = None
+    """The fingerprint of the weights the gradient was taken with."""
     attestation: Optional[Attestation] = None
     """The worker's signature over `grad_input` (protocol/evidence.py)."""
     loss_attestation: Optional[Attestation] = None
@@ -170,6 +176,8 @@ class EvaluateReply(WireModel):
     loss: Optional[float] = None
     version: int = Field(ge=0)
     grad_input: Optional[WireTensor] = None
+    weights: Optional[Fingerprint] = None
+    """The fingerprint of the weights it computed with."""
     attestation: Optional[Attestation] = None
     """The worker's signature over what was asked (protocol/evidence.py): the input gradient if
     one was, else the loss at the tail, else the output."""

@@ -13,7 +13,8 @@ answers 503 `monitor_off` saying how to start one. The shapes are a contract (th
     GET /v1/monitor/nodes/{peer_id}          one node, its history and its last averaging rounds
     GET /v1/monitor/alerts?active=           alerts: active=true the active ones, active=false the
                                              resolved ones, no parameter all (newest first)
-    GET /metrics                             Prometheus text: stage replicas, alerts, nodes, admissions
+    GET /metrics                             Prometheus text: stage replicas, alerts, nodes, admissions,
+                                             evidence verdicts
 """
 
 from __future__ import annotations
@@ -181,6 +182,13 @@ class _Collector:
             queued.add_metric([run, name], count.queued)
         yield admitted
         yield queued
+        evidence = CounterMetricFamily("agora_authorizer_evidence", "evidence reports judged since this authorizer "
+                                       "started, per verdict (upheld, already_revoked, rejected) and reason of a "
+                                       "rejection", labels=["run", "verdict", "reason"])
+        counts = {("upheld", ""): 0, ("already_revoked", ""): 0, **self.authorizer.evidence.counts}
+        for (verdict, reason), count in sorted(counts.items()):
+            evidence.add_metric([run, verdict, reason], count)
+        yield evidence
         monitor = self.authorizer.monitor
         snapshot = monitor.latest if monitor is not None else None
         if snapshot is None:

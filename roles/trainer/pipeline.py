@@ -261,8 +261,7 @@ class PipelineDriver:
                 skipped.append(stage)
                 continue  # the same coordinates go on to the next stage
             self.skipping.served(stage)
-            self.spot_checks.on_forward(stage, route[stage], tokens, coords, forward.coords, forward.version,
-                                        forward.attestation)
+            self.spot_checks.on_forward(stage, route[stage], tokens, coords, forward)
             coords = forward.coords
         tail = self.num_stages - 1
         request = BackwardRequest(stage=tail, sample_id=sample_id, tokens=tokens, coords=coords)
@@ -272,8 +271,7 @@ class PipelineDriver:
         versions[tail] = reply.version
         if loss is None or grad is None:
             raise SampleDropped("bad_reply", f"tail worker {route[tail][-8:]} sent no loss or gradient")
-        self.spot_checks.on_tail(tail, route[tail], tokens, coords, loss, grad, reply.version,
-                                 reply.loss_attestation, reply.attestation)
+        self.spot_checks.on_tail(tail, route[tail], tokens, coords, reply)
         fallbacks = 0
         reached = [s for s in range(self.num_stages) if s not in skipped]
 
@@ -302,8 +300,7 @@ class PipelineDriver:
                 continue
             fallbacks += used_fallback
             if stage > 0 and reply.grad_input is not None:
-                self.spot_checks.on_backward(stage, route[stage], tokens, inputs[stage], grad, reply.grad_input,
-                                             reply.version, reply.attestation)
+                self.spot_checks.on_backward(stage, route[stage], tokens, inputs[stage], grad, reply)
             grad = reply.grad_input
             versions[stage] = reply.version
             if stage > 0 and grad is None:

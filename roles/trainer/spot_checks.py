@@ -12,8 +12,10 @@ checked: the check goes elsewhere, after its reply.
 Only stages whose replicas add up their gradients every step are checked (`equal_replicas`): with
 SparseLoCo, or without the per-step exchange, replicas step on their own samples and differ between
 averaging rounds, and a drawn hop there is `unchecked`. A check whose replica is at another version
-is `stale` (no verdict); one with no other replica of the stage is `unchecked` too. A result further from the replica's than `verification.tolerance`
-(relative L2 distance) is a dispute.
+is `stale` (no verdict), and one whose replica names other weights at that version (a weights
+fingerprint: replicas part when one steps without some replica's gradients) is `diverged` (no
+verdict either); one with no other replica of the stage is `unchecked`. A result further from the
+replica's than `verification.tolerance` (relative L2 distance) is a dispute.
 
 A dispute says that one of two replicas lied, not which: a liar answers the checks it is asked to
 run falsely too. Where the stage has a third replica, it re-executes the hop at the same version
@@ -51,7 +53,7 @@ import torch
 
 from protocol.evidence import Evidence, loss_tensor
 from protocol.evidence import SignedResult as EvidenceResult
-from protocol.messages import EvaluateReply, EvaluateRequest
+from protocol.messages import BackwardReply, EvaluateReply, EvaluateRequest, ForwardReply
 from roles.trainer.screening import Screening, loss_size, reply_size
 
 logger = logging.getLogger(__name__)
@@ -89,8 +91,9 @@ class Dispute:
 @dataclass
 class SpotCheckStats:
     outcomes: collections.Counter = field(default_factory=collections.Counter)
-    """agreed, disputed (of which some unresolved), stale, unchecked, busy, failed; and targeted:
-    checks drawn at the suspect rate."""
+    """agreed, disputed (of which some unresolved), stale, unchecked, busy, failed; targeted:
+    checks drawn at the suspect rate; diverged: the replica answered at the same version with other
+    weights (replicas that parted after a step one of them took without some gradients)."""
     largest_agreed: float = 0.0
     """The largest distance among the agreed checks: how close honest replicas are."""
     disputes: list[Dispute] = field(default_factory=list)
@@ -108,7 +111,7 @@ class SpotCheckStats:
 
     def summary(self) -> dict:
         return {**{k: self.outcomes.get(k, 0) for k in ("agreed", "disputed", "unresolved", "stale", "unchecked", "busy",
-                                                         "failed", "targeted")},
+                                                         "failed", "targeted", "diverged")},
                 "resolved": sum(self.strikes.values()), "largest_agreed_distance": self.largest_agreed,
                 "strikes": dict(self.strikes), "excluded": dict(self.excluded),
                 "served_before_exclusion": dict(self.served_before_exclusion),
@@ -134,6 +137,8 @@ class _Hop:
     claimed: Any
     """The worker's result: a tensor, or the tail's loss (a float)."""
     attestation: Optional[bytes]
+    weights: Optional[bytes] = None
+    """The fingerprint of the weights the worker said it used (None: a worker that does not say)."""
     grad_output: Optional[torch.Tensor] = None
 
     def request_fields(self) -> dict:
@@ -218,46 +223,49 @@ class SpotChecks:
     # ---- what the pipeline calls for every hop: screen it, maybe check it ----
 
     def on_forward(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
-                   output: torch.Tensor, version: Optional[int], attestation: Optional[bytes] = None) -> None:
+                   reply: ForwardReply) -> None:
         if self.rate > 0:
-            self.screening.observe(stage, "output", worker, reply_size(output), version)
+            self.screening.observe(stage, "output", worker, reply_size(reply.coords), reply.version)
             if self.draw(stage, worker):
-                self.check_forward(stage, worker, tokens, coords, output, version, attestation)
+                self.check_forward(stage, worker, tokens, coords, reply.coords, reply.version, reply.attestation,
+                                   reply.weights)
 
     def on_tail(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
-                loss: float, grad_input: torch.Tensor, version: Optional[int],
-                loss_attestation: Optional[bytes] = None, attestation: Optional[bytes] = None) -> None:
+                reply: BackwardReply) -> None:
         if self.rate > 0:
-            self.screening.observe(stage, "loss", worker, loss_size(loss), version)
+            self.screening.observe(stage, "loss", worker, loss_size(reply.loss), reply.version)
             if self.draw(stage, worker):
-                self.check_loss(stage, worker, tokens, coords, loss, version, loss_attestation)
+                self.check_loss(stage, worker, tokens, coords, reply.loss, reply.version, reply.loss_attestation,
+                                reply.weights)
             if stage > 0:
-                self.on_backward(stage, worker, tokens, coords, None, grad_input, version, attestation)
+                self.on_backward(stage, worker, tokens, coords, None, reply)
 
     def on_backward(self, stage: int, worker: str, tokens: torch.Tensor, coords: torch.Tensor,
-                    grad_output: Optional[torch.Tensor], grad_input: torch.Tensor, version: Optional[int],
-                    attestation: Optional[bytes] = None) -> None:
+                    grad_output: Optional[torch.Tensor], reply: BackwardReply) -> None:
         if self.rate > 0:
-            self.screening.observe(stage, "gradient", worker, reply_size(grad_input), version)
+            self.screening.observe(stage, "gradient", worker, reply_size(reply.grad_input), reply.version)
             if self.draw(stage, worker):
-                self.check_backward(stage, worker, tokens, coords, grad_output, grad_input, version, attestation)
+                self.check_backward(stage, worker, tokens, coords, grad_output, reply.grad_input, reply.version,
+                                    reply.attestation, reply.weights)
 
     def check_forward(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
-                      output: torch.Tensor, version: Optional[int], attestation: Optional[bytes] = None) -> None:
+                      output: torch.Tensor, version: Optional[int], attestation: Optional[bytes] = None,
+                      weights: Optional[bytes] = None) -> None:
         """Check a forward hop's output later, on another replica (call only for a drawn hop)."""
-        self._start(_Hop(stage, worker, tokens, coords, version, "output", output, attestation))
+        self._start(_Hop(stage, worker, tokens, coords, version, "output", output, attestation, weights))
 
     def check_loss(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
-                   loss: float, version: Optional[int], attestation: Optional[bytes] = None) -> None:
+                   loss: float, version: Optional[int], attestation: Optional[bytes] = None,
+                   weights: Optional[bytes] = None) -> None:
         """Check the tail's reported loss against another tail replica's evaluation of the same input."""
-        self._start(_Hop(stage, worker, tokens, coords, version, "loss", loss, attestation))
+        self._start(_Hop(stage, worker, tokens, coords, version, "loss", loss, attestation, weights))
 
     def check_backward(self, stage: int, worker: str, tokens: torch.Tensor, coords: torch.Tensor,
                        grad_output: Optional[torch.Tensor], grad_input: torch.Tensor, version: Optional[int],
-                       attestation: Optional[bytes] = None) -> None:
+                       attestation: Optional[bytes] = None, weights: Optional[bytes] = None) -> None:
         """Check a backward hop's input gradient later, on another replica (a body stage, with the
         output gradient it was sent; or the tail, `grad_output` None)."""
-        self._start(_Hop(stage, worker, tokens, coords, version, "gradient", grad_input, attestation,
+        self._start(_Hop(stage, worker, tokens, coords, version, "gradient", grad_input, attestation, weights,
                          grad_output=grad_output))
 
     def _start(self, hop: _Hop) -> None:
@@ -283,6 +291,8 @@ class SpotChecks:
             return None, "failed"
         if reply.version != hop.version:
             return None, "stale"
+        if hop.weights is not None and reply.weights is not None and reply.weights != hop.weights:
+            return None, "diverged"  # the same version, other weights: the replicas parted, nobody lied here
         result = hop.pick(reply)
         if result is None:
             return None, "failed"
@@ -347,7 +357,8 @@ class SpotChecks:
             self.stats.evidence["unsigned"] += 1  # a worker that predates signed results
             return
         evidence = Evidence(
-            run_id=self._run_id, stage=hop.stage, version=hop.version, kind=hop.kind, tokens=hop.tokens,
+            run_id=self._run_id, stage=hop.stage, version=hop.version, weights=hop.weights, kind=hop.kind,
+            tokens=hop.tokens,
             coords=hop.coords, grad_output=hop.grad_output,
             accused=accused.signed(), witnesses=[w.signed() for w in witnesses])
         self._reported.add(accused.peer)

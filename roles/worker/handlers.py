@@ -125,8 +125,10 @@ class WorkerHandlers:
             raise ProtocolError("test fault: this forward fails on purpose", ErrorCode.INTERNAL)
         coords = await self._run(TaskKind.FORWARD, request, peer_id)
         version = self.runtime.forwarded.peek(request.sample_id)
-        return ForwardReply(coords=coords, version=version,
-                            attestation=self._attest(version, "output", request.tokens, request.coords, None, coords))
+        weights = self.runtime.fingerprints.get(version)
+        return ForwardReply(coords=coords, version=version, weights=weights,
+                            attestation=self._attest(version, weights, "output", request.tokens, request.coords, None,
+                                                     coords))
 
     async def backward(self, peer_id: PeerID, body: dict) -> BackwardReply:
         return await self._counted(TaskKind.BACKWARD.value, self._backward(peer_id, body))
@@ -136,24 +138,26 @@ class WorkerHandlers:
         self.runtime.check_backward(request)
         result: BackwardResult = await self._run(TaskKind.BACKWARD, request, peer_id)
         version = None if result.version is None else int(result.version)
+        weights = None if version is None else self.runtime.fingerprints.get(version)
         loss = None if result.loss is None else float(result.loss)
         return BackwardReply(
             grad_input=result.grad_input, loss=loss,
-            step=None if result.step is None else int(result.step), version=version,
-            attestation=self._attest(version, "gradient", request.tokens, request.coords, request.grad_output,
-                                     result.grad_input),
-            loss_attestation=self._attest(version, "loss", request.tokens, request.coords, None,
+            step=None if result.step is None else int(result.step), version=version, weights=weights,
+            attestation=self._attest(version, weights, "gradient", request.tokens, request.coords,
+                                     request.grad_output, result.grad_input),
+            loss_attestation=self._attest(version, weights, "loss", request.tokens, request.coords, None,
                                           None if loss is None else loss_tensor(loss)),
         )
 
-    def _attest(self, version: Optional[int], kind: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
-                grad_output: Optional[torch.Tensor], result: Optional[torch.Tensor]) -> Optional[bytes]:
+    def _attest(self, version: Optional[int], weights: Optional[bytes], kind: str, tokens: torch.Tensor,
+                coords: Optional[torch.Tensor], grad_output: Optional[torch.Tensor],
+                result: Optional[torch.Tensor]) -> Optional[bytes]:
         """This worker's signature over one result, so that a replica's contradiction of it is
         evidence anyone can check (protocol/evidence.py); None when unsigned or nothing to sign."""
         if self._sign is None or version is None or result is None:
             return None
         return self._sign(result_signing_bytes(self._run_id, self.runtime.stage, version, kind, tokens, coords,
-                                               grad_output, result))
+                                               grad_output, result, weights))
 
     async def evaluate(self, peer_id: PeerID, body: dict) -> EvaluateReply:
         return await self._counted("evaluate", self._evaluate(body))
@@ -186,7 +190,7 @@ class WorkerHandlers:
         kind, result = (("gradient", reply.grad_input) if wants_grad else
                         ("loss", None if reply.loss is None else loss_tensor(reply.loss)) if reply.coords is None else
                         ("output", reply.coords))
-        attestation = self._attest(reply.version, kind, request.tokens, request.coords,
+        attestation = self._attest(reply.version, reply.weights, kind, request.tokens, request.coords,
                                    request.grad_output if wants_grad else None, result)
         return reply if attestation is None else reply.model_copy(update={"attestation": attestation})
 

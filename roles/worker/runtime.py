@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -160,6 +161,24 @@ class BatchStats:
         self.busy.record(taken_at, taken_at + (ended - started))
 
 
+FINGERPRINT_SAMPLES = 64
+"""Elements of each parameter a weights fingerprint reads (evenly strided): replicas that parted
+differ nearly everywhere, so a few of each catch it."""
+
+
+def weights_fingerprint(tensors) -> bytes:
+    """8 bytes that name a set of weights: equal replicas have the same, replicas that stepped
+    differently (a step without some replica's gradients) do not. Spot checks compare two
+    replicas' results only under the same fingerprint (roles/trainer/spot_checks.py)."""
+    picks = []
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        picks.append(flat[::max(1, flat.numel() // FINGERPRINT_SAMPLES)][:FINGERPRINT_SAMPLES].float())
+    if not picks:
+        return bytes(8)
+    return hashlib.sha256(torch.cat(picks).cpu().numpy().tobytes()).digest()[:8]
+
+
 class StageRuntime:
     """Owns the stage model, its optimizer, the task queues and the step ledger; runs the compute
     thread, which is also where the stage's optimizer steps happen, so a step always falls between
@@ -209,6 +228,9 @@ class StageRuntime:
         self.throughput = 0.0  # samples per second of compute, smoothed
         self.batch_stats = BatchStats(queues.max_batch)
         self.forwarded = RecentSamples()
+        self.fingerprints: dict[int, bytes] = {}
+        """Weight version -> the fingerprint of the weights the latest batch at that version ran on
+        (`weights_fingerprint`), for the replies' `weights` (the last few versions)."""
         self.staleness = StalenessStats()
         self.discarded_at_shutdown: dict[int, int] = {}
         self.last_step: Optional[StepReport] = None
@@ -338,6 +360,7 @@ class StageRuntime:
         try:
             with torch.enable_grad() if wants_grad else torch.no_grad(), self.optimizer.lock, self._autocast():
                 version, weights = self._evaluation_weights(request.version)
+                fingerprint = weights_fingerprint(self.optimizer.params if weights is None else weights.values())
                 if wants_grad:
                     coords.requires_grad_(True)
                 out = (self.model(coords, tokens) if weights is None
@@ -353,8 +376,10 @@ class StageRuntime:
             raise
         grad_input = None if grad is None else grad.to(self.wire_dtype).cpu()[0]
         if self.kind == "tail":  # the model returns each sample's mean next-token loss
-            return EvaluateReply(loss=float(out.detach().float().cpu()[0]), version=version, grad_input=grad_input)
-        return EvaluateReply(coords=out.detach().to(self.wire_dtype).cpu()[0], version=version, grad_input=grad_input)
+            return EvaluateReply(loss=float(out.detach().float().cpu()[0]), version=version, grad_input=grad_input,
+                                 weights=fingerprint)
+        return EvaluateReply(coords=out.detach().to(self.wire_dtype).cpu()[0], version=version, grad_input=grad_input,
+                             weights=fingerprint)
 
     def _evaluation_weights(self, version: Optional[int]) -> tuple[int, Optional[dict[str, torch.Tensor]]]:
         """The weight version an evaluation runs at, and the weights if not the current ones: the
@@ -682,6 +707,7 @@ class StageRuntime:
             with torch.no_grad(), self.optimizer.lock, self._autocast():
                 version = self.optimizer.local_step
                 out = self.model(coords, tokens)
+                self._note_fingerprint(version)
         if self.mid_compute is not None:
             self.mid_compute("forward")
         out = out.detach().to(self.wire_dtype).cpu()
@@ -701,6 +727,7 @@ class StageRuntime:
                 self.optimizer.lock, self._autocast():
             version = self.optimizer.local_step
             out = self.model(coords, tokens)
+            self._note_fingerprint(version)
         self._kept_bytes_per_sample = saved.nbytes // len(requests)
         if self.kept.keep(out, coords, version, [r.sample_id for r in requests], saved.nbytes):
             self.counters["forward_kept"] += len(requests)
@@ -744,6 +771,15 @@ class StageRuntime:
         self.changed.fire()
         return [BackwardResult(grad_input=None if grads is None else grads[i], loss=None, step=tag, version=used)
                 for i in range(n)]
+
+    def _note_fingerprint(self, version: Optional[int], weights: Optional[list[torch.Tensor]] = None) -> None:
+        """Remember the fingerprint of the weights a batch at `version` ran on (the current
+        parameters, or `weights`); call under the optimizer lock."""
+        if version is None:
+            return
+        self.fingerprints[version] = weights_fingerprint(self.optimizer.params if weights is None else weights)
+        for old in [v for v in self.fingerprints if v < version - 2]:
+            del self.fingerprints[old]
 
     def _previous_weights(self, versions: list[Optional[int]]) -> Optional[dict[str, torch.Tensor]]:
         """The weights the batch's forward ran on, if they are the previous version and kept."""
@@ -804,6 +840,7 @@ class StageRuntime:
             if offset >= 0:
                 opt.add_samples(n, offset=min(offset, 1))
             used = opt.previous_version if pinned is not None else opt.local_step  # the gradient's weights
+            self._note_fingerprint(used, None if pinned is None else list(pinned.values()))
         grads = coords.grad.to(self.wire_dtype).cpu() if coords is not None else None
         loss_values = losses.detach().cpu().tolist() if losses is not None else [None] * n
         if self.kind != "tail":

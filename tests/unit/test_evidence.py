@@ -70,42 +70,65 @@ def test_a_worker_signs_what_it_evaluates_and_the_signature_covers_the_result():
     request = EvaluateRequest(stage=TAIL, sample_id="e1", tokens=tokens(0), coords=coords(0), input_grad=True)
     reply = asyncio.run(handlers.evaluate(identity.peer_id, request.model_dump()))
     signed = result_signing_bytes(RUN, TAIL, reply.version, "gradient", request.tokens, request.coords, None,
-                                  reply.grad_input)
-    assert verify_peer_signature(identity.peer_id, signed, reply.attestation)
-    assert not verify_peer_signature(identity.peer_id, result_signing_bytes(
-        RUN, TAIL, reply.version, "gradient", request.tokens, request.coords, None, reply.grad_input * 2),
-        reply.attestation)
+                                  reply.grad_input, reply.weights)
+    assert len(reply.weights) == 8 and verify_peer_signature(identity.peer_id, signed, reply.attestation)
+    for forged in (dict(result=reply.grad_input * 2), dict(weights=bytes(8))):  # another result, other weights
+        fields = {"result": reply.grad_input, "weights": reply.weights, **forged}
+        assert not verify_peer_signature(identity.peer_id, result_signing_bytes(
+            RUN, TAIL, reply.version, "gradient", request.tokens, request.coords, None, **fields), reply.attestation)
     unsigned = WorkerHandlers(runtime, info=None, serving=lambda: True)
     assert asyncio.run(unsigned.evaluate(identity.peer_id, request.model_dump())).attestation is None
 
 
-def test_a_verdict_of_a_third_replica_is_reported_once_with_evidence_that_holds():
+def _signing_replicas(weights_of):
+    """Three replicas, the liar answering x3; `weights_of(peer)` is the fingerprint each names."""
     liar, honest, third = _identity(), _identity(), _identity()
     ids = {identity.peer_id.to_base58(): identity for identity in (liar, honest, third)}
-    liar_id, honest_id = liar.peer_id.to_base58(), honest.peer_id.to_base58()
-    reported = []
+    liar_id = liar.peer_id.to_base58()
 
     async def evaluate(stage, peer, request):
         result = TRUE * 3 if peer == liar_id else TRUE.clone()
         signature = ids[peer].sign(result_signing_bytes(RUN, stage, 3, "output", request.tokens, request.coords,
-                                                        None, result))
-        return EvaluateReply(coords=result, version=3, attestation=signature)
+                                                        None, result, weights_of(peer)))
+        return EvaluateReply(coords=result, version=3, weights=weights_of(peer), attestation=signature)
+    return liar, ids, evaluate
+
+
+def _run_checks(evaluate, ids, liar, weights, checks=3):
+    reported = []
 
     async def report(evidence):
         reported.append(evidence)
         return "upheld"
 
     async def main():
-        checks = SpotChecks(1.0, 0.02, evaluate, lambda stage: list(ids), random.Random(0), run_id=RUN,
-                            report_evidence=report)
-        claim = _signed(liar, TRUE * 3)
-        for _ in range(3):
-            checks.check_forward(1, liar_id, TOKENS, INPUT, TRUE * 3, 3, claim.attestation)
-            while checks._tasks:
+        spot = SpotChecks(1.0, 0.02, evaluate, lambda stage: list(ids), random.Random(0), run_id=RUN,
+                          report_evidence=report)
+        claim = liar.sign(result_signing_bytes(RUN, 1, 3, "output", TOKENS, INPUT, None, TRUE * 3, weights))
+        for _ in range(checks):
+            spot.check_forward(1, liar.peer_id.to_base58(), TOKENS, INPUT, TRUE * 3, 3, claim, weights)
+            while spot._tasks:
                 await asyncio.sleep(0)
-        return checks
-    checks = asyncio.run(main())
+        return spot
+    return asyncio.run(main()), reported
+
+
+def test_a_verdict_of_a_third_replica_is_reported_once_with_evidence_that_holds():
+    same = b"weights1"
+    liar, ids, evaluate = _signing_replicas(lambda peer: same)
+    liar_id = liar.peer_id.to_base58()
+    checks, reported = _run_checks(evaluate, ids, liar, same)
     assert [d.struck for d in checks.stats.disputes] == [liar_id] * 3 and checks.stats.evidence == {"upheld": 1}
     [evidence] = reported
-    assert evidence.accused.peer_id == liar_id and honest_id in {w.peer_id for w in evidence.witnesses}
+    assert evidence.accused.peer_id == liar_id and evidence.weights == same
+    assert {w.peer_id for w in evidence.witnesses} == set(ids) - {liar_id}
     assert check_evidence(evidence, run_id=RUN, tolerance=0.02) == (pytest.approx(2.0), pytest.approx(2.0))
+    forged = evidence.model_copy(update={"weights": b"weights2"})  # the fingerprint is signed too
+    with pytest.raises(EvidenceRejected, match="did not sign"):
+        check_evidence(forged, run_id=RUN, tolerance=0.02)
+
+
+def test_replicas_that_name_other_weights_at_the_same_version_are_not_compared():
+    liar, ids, evaluate = _signing_replicas(lambda peer: b"parted!!")  # every replica but the checked one
+    checks, reported = _run_checks(evaluate, ids, liar, b"weights1")
+    assert checks.stats.outcomes["diverged"] == 3 and not checks.stats.disputes and reported == []

@@ -1,0 +1,74 @@
+"""How a trainer reports evidence to the authorizer (`POST /v1/evidence`): the signed body both
+sides build from this module.
+
+The body is msgpack, not JSON: evidence carries tensors (the input and three results), which travel
+as the one tensor encoding (protocol.codec), and base64 would add a third to bodies of up to
+`EVIDENCE_MAX_BYTES`. It is a map `{evidence, reporter, signed_at, signature}`: the evidence as
+its wire map (`protocol.messages.to_body`), the reporter's peer id, and the reporter's Ed25519
+signature over `report_signing_bytes`. The signature binds the report to the run and to a moment,
+so a report captured in transit cannot be replayed at another run's authorizer, nor here once the
+freshness window has passed; the evidence itself proves its case without trusting the reporter
+(protocol/evidence.py), and the signature only says who to flag when it does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from typing import Any, Optional
+
+from pydantic import Field
+
+from protocol.codec import pack, unpack
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.evidence import EVIDENCE_MAX_BYTES, Evidence
+from protocol.identity import Identity
+from protocol.messages import PeerIdText, WireModel, parse_model, to_body
+
+EVIDENCE_PATH = "/v1/evidence"
+EVIDENCE_CONTENT_TYPE = "application/msgpack"
+
+__all__ = ["EVIDENCE_CONTENT_TYPE", "EVIDENCE_MAX_BYTES", "EVIDENCE_PATH", "EvidenceReport", "evidence_report_body",
+           "parse_evidence_report", "report_signing_bytes"]
+
+
+class EvidenceReport(WireModel):
+    """The envelope of a report; `evidence` stays the wire map it arrived as, since the signature
+    covers its bytes (parse it with `parse_model(Evidence, ...)`)."""
+
+    evidence: dict
+    reporter: PeerIdText
+    signed_at: float = Field(ge=0, le=1e11)
+    signature: bytes = Field(min_length=64, max_length=64)
+
+
+def evidence_digest(evidence_wire: dict) -> bytes:
+    """SHA-256 of the evidence's wire map as msgpack (protocol.codec.pack)."""
+    return hashlib.sha256(pack(evidence_wire)).digest()
+
+
+def report_signing_bytes(run_id: str, evidence_wire: dict, signed_at: float) -> bytes:
+    """What the reporter signs: the run, a digest of the evidence's wire map, and when."""
+    return b"".join([b"agora-evidence-v1\0", run_id.encode(), b"\0", evidence_digest(evidence_wire),
+                     struct.pack("<d", signed_at)])
+
+
+def evidence_report_body(evidence: Evidence, identity: Identity, *, signed_at: Optional[float] = None) -> bytes:
+    """The body of `POST /v1/evidence` reporting `evidence`, signed by `identity` (the reporter's
+    libp2p key) for the evidence's run, at `signed_at` (now by default)."""
+    wire = to_body(evidence)
+    signed_at = time.time() if signed_at is None else float(signed_at)
+    signature = identity.sign(report_signing_bytes(evidence.run_id, wire, signed_at))
+    return pack({"evidence": wire, "reporter": identity.peer_id.to_base58(), "signed_at": signed_at,
+                 "signature": signature})
+
+
+def parse_evidence_report(body: bytes) -> tuple[EvidenceReport, Evidence]:
+    """The envelope and the evidence of a report's body, from untrusted bytes; ProtocolError
+    (naming the field) if either is malformed."""
+    raw: Any = unpack(body, max_len=EVIDENCE_MAX_BYTES)
+    if not isinstance(raw, dict):
+        raise ProtocolError("the evidence report must be a msgpack map", ErrorCode.INVALID_REQUEST)
+    report = parse_model(EvidenceReport, raw)
+    return report, parse_model(Evidence, report.evidence)
