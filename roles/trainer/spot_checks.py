@@ -4,7 +4,8 @@ input gradients, the tail's losses) on another replica of the same stage, and co
 A credentialed worker can return any tensor of the right shape. Replicas of a stage that exchange
 gradients every step hold the same weights at the same weight version, so another replica given
 the same input at the same version must return the same result, up to float rounding. A trainer
-draws `verification.spot_check_rate` of its hops, keeps what it sent and what it got, and asks
+draws `verification.spot_check_rate` of its hops (`suspect_check_rate` of those of a worker its
+screen flagged, roles/trainer/screening.py), keeps what it sent and what it got, and asks
 another replica of the stage for the same computation through `agora/v1/evaluate` (no queue,
 nothing counted towards a step). The checked worker cannot tell which of its samples are
 checked: the check goes elsewhere, after its reply.
@@ -20,9 +21,13 @@ replica's than `verification.tolerance` (relative L2 distance) is a dispute.
 A dispute says that one of two replicas lied, not which: a liar answers the checks it is asked to
 run falsely too. Where the stage has a third replica, it re-executes the hop at the same version
 and the side it matches is right (honest replicas agree to the last bit); a third that matches
-both or neither decides nothing. With two replicas there is no majority, and measurements decide
-(roles/trainer/referee.py), each taken at one set of weights along its route. For an output, the loss: both outputs are carried through the later
-stages by the same workers to the sample's loss, and the output whose loss is worse by more than
+both or neither decides nothing. Its verdict, with the three results signed by their workers, is
+evidence the run's authorizer can check by itself (protocol/evidence.py): the trainer reports it
+once per accused (`report_evidence`), and the authorizer bans the liar's account. With two
+replicas there is no majority, and measurements decide (roles/trainer/referee.py), each taken at
+one set of weights along its route; their verdicts stay this trainer's. For an output, the loss:
+both outputs are carried through the later stages by the same workers to the sample's loss, and
+the output whose loss is worse by more than
 `verification.loss_margin` (relative) earns its sender a strike; within the margin the dispute
 stays unresolved (a lie that does not change what the model predicts is counted, not
 attributed). A worker with `verification.strikes_to_exclude` strikes and fewer than a third as
@@ -107,7 +112,8 @@ class SpotCheckStats:
     """Worker -> samples this trainer had completed through it when it was excluded."""
     evidence: collections.Counter = field(default_factory=collections.Counter)
     """Evidence sent to the authorizer, by its verdict (`upheld`, `already_revoked`, `rejected`),
-    or `failed` (not delivered), `unsigned` (a party that does not sign its results)."""
+    or `failed` (not delivered), `unsigned` (a party that does not sign its results), `invalid`
+    (a reply that does not fit the evidence's schema)."""
 
     def summary(self) -> dict:
         return {**{k: self.outcomes.get(k, 0) for k in ("agreed", "disputed", "unresolved", "stale", "unchecked", "busy",
@@ -281,7 +287,7 @@ class SpotChecks:
 
     async def _recompute(self, hop: _Hop, peer: str) -> tuple[Optional[SignedResult], Optional[str]]:
         """`peer`'s re-execution of the hop, or None and why not: it failed, answered at another
-        version (`stale`), or sent nothing comparable."""
+        version (`stale`) or with other weights (`diverged`), or sent nothing comparable."""
         request = EvaluateRequest(stage=hop.stage, sample_id=f"check-{uuid.uuid4().hex[:16]}", tokens=hop.tokens,
                                   coords=hop.coords, **hop.request_fields())
         try:
@@ -356,11 +362,15 @@ class SpotChecks:
         if any(party.attestation is None for party in (accused, *witnesses)):
             self.stats.evidence["unsigned"] += 1  # a worker that predates signed results
             return
-        evidence = Evidence(
-            run_id=self._run_id, stage=hop.stage, version=hop.version, weights=hop.weights, kind=hop.kind,
-            tokens=hop.tokens,
-            coords=hop.coords, grad_output=hop.grad_output,
-            accused=accused.signed(), witnesses=[w.signed() for w in witnesses])
+        try:
+            evidence = Evidence(
+                run_id=self._run_id, stage=hop.stage, version=hop.version, weights=hop.weights, kind=hop.kind,
+                tokens=hop.tokens, coords=hop.coords, grad_output=hop.grad_output,
+                accused=accused.signed(), witnesses=[w.signed() for w in witnesses])
+        except ValueError as exc:  # pydantic's ValidationError: a reply that cannot be put in evidence
+            self.stats.evidence["invalid"] += 1
+            logger.warning("the evidence against worker %s cannot be built: %s", accused.peer[-8:], exc)
+            return
         self._reported.add(accused.peer)
 
         async def send() -> None:
