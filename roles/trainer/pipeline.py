@@ -145,7 +145,8 @@ class PipelineDriver:
             slopes=referee.input_slopes, consistency=referee.loss_consistency,
             loss_margin=verification.loss_margin, strikes_to_exclude=verification.strikes_to_exclude,
             exclude=self._excluder(exclude), equal_replicas=equal_replicas,
-            suspect_rate=verification.suspect_check_rate, run_id=run_id, report_evidence=report_evidence)
+            suspect_rate=verification.suspect_check_rate, run_id=run_id, report_evidence=report_evidence,
+            route_around=lambda stage, peer: self.balancers[stage].report_failure(peer))
         """A fraction of the hops re-executed on another replica of the stage (roles/trainer/spot_checks.py)."""
         self.retries = EventAggregator(logger, "retried", "request", interval_s=10.0, level=logging.INFO)
         """Calls retried on another worker, by cause; the role flushes it with its progress line."""

@@ -110,6 +110,8 @@ class SpotCheckStats:
     """Worker -> why it was excluded."""
     served_before_exclusion: dict[str, int] = field(default_factory=dict)
     """Worker -> samples this trainer had completed through it when it was excluded."""
+    parted: collections.Counter = field(default_factory=collections.Counter)
+    """Worker -> checks where a third replica showed it held other weights than its stage."""
     evidence: collections.Counter = field(default_factory=collections.Counter)
     """Evidence sent to the authorizer, by its verdict (`upheld`, `already_revoked`, `rejected`),
     or `failed` (not delivered), `unsigned` (a party that does not sign its results), `invalid`
@@ -121,7 +123,7 @@ class SpotCheckStats:
                 "resolved": sum(self.strikes.values()), "largest_agreed_distance": self.largest_agreed,
                 "strikes": dict(self.strikes), "excluded": dict(self.excluded),
                 "served_before_exclusion": dict(self.served_before_exclusion),
-                "evidence": dict(self.evidence),
+                "evidence": dict(self.evidence), "parted": dict(self.parted),
                 "disputes": [{"stage": d.stage, "worker": d.worker, "checker": d.checker, "version": d.version,
                               "kind": d.kind,
                               "distance": round(d.distance, 6),
@@ -163,6 +165,7 @@ class SignedResult:
     peer: str
     result: Any
     attestation: Optional[bytes]
+    weights: Optional[bytes] = None
 
     def signed(self) -> EvidenceResult:
         result = self.result if isinstance(self.result, torch.Tensor) else loss_tensor(self.result)
@@ -186,8 +189,11 @@ class SpotChecks:
                  exclude: Optional[Callable[[int, str, str], None]] = None,
                  equal_replicas: Callable[[int], bool] = lambda stage: True,
                  suspect_rate: Optional[float] = None, run_id: str = "",
-                 report_evidence: Optional[Callable[[Evidence], Awaitable[str]]] = None):
+                 report_evidence: Optional[Callable[[Evidence], Awaitable[str]]] = None,
+                 route_around: Optional[Callable[[int, str], None]] = None):
         self.rate = rate
+        self._route_around = route_around
+        """(stage, worker): stop routing to a replica that parted from its stage, for a while."""
         self._run_id = run_id
         self._report_evidence = report_evidence
         """Sends evidence to the run's authorizer and returns its verdict; None in an open run."""
@@ -297,12 +303,13 @@ class SpotChecks:
             return None, "failed"
         if reply.version != hop.version:
             return None, "stale"
-        if hop.weights is not None and reply.weights is not None and reply.weights != hop.weights:
-            return None, "diverged"  # the same version, other weights: the replicas parted, nobody lied here
         result = hop.pick(reply)
         if result is None:
             return None, "failed"
-        return SignedResult(peer, result, reply.attestation), None
+        signed = SignedResult(peer, result, reply.attestation, reply.weights)
+        if hop.weights is not None and reply.weights is not None and reply.weights != hop.weights:
+            return signed, "diverged"  # the same version, other weights: the replicas parted, nobody lied here
+        return signed, None
 
     async def _check(self, hop: _Hop) -> None:
         others = [peer for peer in self._replicas(hop.stage) if peer != hop.worker]
@@ -311,8 +318,11 @@ class SpotChecks:
             return
         checker = self._rng.choice(others)
         recomputed, failure = await self._recompute(hop, checker)
-        gap = None if recomputed is None else _gap(hop.claimed, recomputed.result)
-        if gap is None:
+        gap = None if failure else _gap(hop.claimed, recomputed.result)
+        if failure == "diverged":
+            self.stats.outcomes["diverged"] += 1
+            await self._find_parted(hop, recomputed, [peer for peer in others if peer != checker])
+        elif gap is None:
             self.stats.outcomes[failure or "failed"] += 1
         elif gap <= self.tolerance:
             self.stats.outcomes["agreed"] += 1
@@ -342,8 +352,8 @@ class SpotChecks:
         last bit, so the side it matches is right, whatever a measurement of the loss would say.
         False (no verdict) when it matches both or neither, or cannot answer at that version.
         A verdict with all three results signed is evidence the authorizer can check itself."""
-        third, _ = await self._recompute(hop, arbiter)
-        if third is None:
+        third, failure = await self._recompute(hop, arbiter)
+        if failure:
             return False
         gaps = (_gap(hop.claimed, third.result), _gap(recomputed.result, third.result))
         if None in gaps or (gaps[0] <= self.tolerance) == (gaps[1] <= self.tolerance):
@@ -354,6 +364,28 @@ class SpotChecks:
         self._strike(dispute, accused.peer)
         self._report(hop, accused, [witness, third])
         return True
+
+    async def _find_parted(self, hop: _Hop, checker: SignedResult, thirds: list[str]) -> None:
+        """The worker and its checker name other weights at one version: a third replica's says
+        which of the two parted from the stage. The one that did is routed around for a while (a
+        replica's next averaging round brings it back; a liar that names false weights to dodge its
+        checks is routed around for good). No strike: parting is no lie."""
+        if not thirds:
+            return
+        third, failure = await self._recompute(hop, self._rng.choice(thirds))
+        if third is None or failure not in (None, "diverged") or third.weights is None:
+            return
+        if third.weights == checker.weights:
+            parted = hop.worker
+        elif third.weights == hop.weights:
+            parted = checker.peer
+        else:
+            return
+        self.stats.parted[parted] += 1
+        logger.warning("spot check: stage %d worker %s holds other weights than its replicas at version %d; "
+                       "routing around it", hop.stage, parted[-8:], hop.version)
+        if self._route_around is not None:
+            self._route_around(hop.stage, parted)
 
     def _report(self, hop: _Hop, accused: SignedResult, witnesses: list[SignedResult]) -> None:
         """Send the evidence to the run's authorizer (once per accused, in the background)."""

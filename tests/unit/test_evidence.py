@@ -132,3 +132,27 @@ def test_replicas_that_name_other_weights_at_the_same_version_are_not_compared()
     liar, ids, evaluate = _signing_replicas(lambda peer: b"parted!!")  # every replica but the checked one
     checks, reported = _run_checks(evaluate, ids, liar, b"weights1")
     assert checks.stats.outcomes["diverged"] == 3 and not checks.stats.disputes and reported == []
+
+
+def test_a_third_replica_says_which_of_two_parted_and_that_one_is_routed_around():
+    routed_around = []
+
+    def run(weights_of, claimed_weights):
+        liar, ids, evaluate = _signing_replicas(weights_of)
+
+        async def main():
+            spot = SpotChecks(1.0, 0.02, evaluate, lambda stage: list(ids), random.Random(0), run_id=RUN,
+                              route_around=lambda stage, peer: routed_around.append(peer))
+            spot.check_forward(1, liar.peer_id.to_base58(), TOKENS, INPUT, TRUE * 3, 3, None, claimed_weights)
+            while spot._tasks:
+                await asyncio.sleep(0)
+            return spot
+        return liar.peer_id.to_base58(), asyncio.run(main())
+    # the checked worker names weights its two replicas do not hold: it is the one that parted
+    worker, spot = run(lambda peer: b"stage's!", b"its own!")
+    assert dict(spot.stats.parted) == {worker: 1} and routed_around == [worker] and not spot.stats.strikes
+    # the two others disagree with each other too: nobody is singled out
+    routed_around.clear()
+    fresh, named = iter([b"first!!!", b"second!!", b"third!!!"]), {}
+    worker, spot = run(lambda peer: named.setdefault(peer, next(fresh)), b"its own!")
+    assert not spot.stats.parted and routed_around == []
