@@ -91,7 +91,7 @@ import time
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a file: find the helpers
 from _bench_common import emit_report, log, machine_info, rounded  # noqa: E402
@@ -173,12 +173,18 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
 # ---------------------------------------------------------------------------------------------
 
 def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_samples: int, replicas: int,
-              churn: bool = False, lanes: int = LANES) -> dict:
+              churn: bool = False, lanes: int = LANES, prefixes: Optional[dict[str, list[str]]] = None,
+              node_args: Optional[Callable[[str], list[str]]] = None,
+              on_tick: Optional[Callable[[Any, float], None]] = None) -> dict:
     """Train `total_samples` with a local swarm of `replicas` workers per stage; return its sample
     logs, summaries and one checkpoint directory per replica index (checkpoint files are named by
     run and stage only, so replicas of a stage cannot share one), and its failure in "errors".
     With `churn`, one replica is killed mid-run and restarted (`Churn`); "churn" says how it went.
-    Every process is stopped before this returns (or an interrupt propagates)."""
+    For other benchmarks (scripts/bench_trust.py): `prefixes` runs the named nodes through another
+    command (an altered worker), `node_args(name)` adds arguments to a node's command line (its
+    authorizer and account), and `on_tick(swarm, seconds since the trainers started)` is called
+    twice a second while they run. Every process is stopped before this returns (or an interrupt
+    propagates)."""
     from node.launcher import LocalSwarm
 
     checkpoint_dirs = [os.path.join(workdir, "checkpoints", f"r{r}") for r in range(replicas)]
@@ -199,10 +205,11 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
                 # Its own identity file (the node creates it): a restart with it keeps the peer id.
                 worker_args[name] = ["--max-batch", str(setting.worker_max_batch), "--checkpoint-dir", directory,
                                      "--checkpoint-period-s", "100000",
-                                     "--identity", os.path.join(workdir, f"identity-s{s}-r{r}.key")]
+                                     "--identity", os.path.join(workdir, f"identity-s{s}-r{r}.key"),
+                                     *(node_args(name) if node_args else [])]
                 # The first worker is the bootstrap peer: the others need its address to start.
                 workers.append(swarm.start("worker", stage=s, name=name, wait_ready=not workers, timeout_s=120,
-                                           args=worker_args[name]))
+                                           args=worker_args[name], prefix=(prefixes or {}).get(name, ())))
         for node in workers:
             swarm.wait_ready(node, timeout_s=120)
         out["startup_s"] = round(time.monotonic() - started, 1)
@@ -217,7 +224,8 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
                 trainers.append(swarm.start(
                     "trainer", wait_ready=False, name=f"trainer-{k}",
                     args=["--lanes", str(lanes), "--max-samples", str(per_trainer), "--shard-index", str(k),
-                          "--num-shards", str(TRAINERS), "--discovery-period-s", "2"]))
+                          "--num-shards", str(TRAINERS), "--discovery-period-s", "2",
+                          *(node_args(f"trainer-{k}") if node_args else [])]))
             finally:
                 swarm.env = base_env
         # 3 processes per worker share the machine's cores; with 4 replicas per stage on 2 cores a
@@ -236,6 +244,8 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
             if time.monotonic() > deadline:
                 raise TimeoutError(f"trainers still running after {time.monotonic() - train_started:.0f}s")
             time.sleep(0.5)
+            if on_tick is not None:
+                on_tick(swarm, time.monotonic() - train_started)
             if churner is not None and churner.pending:
                 restarted = churner.tick(logs)
                 if restarted is not None:
@@ -266,6 +276,7 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
             out["errors"].append(f"processes {out['survivors']} survived shutdown")
         out["summaries"] = {node.name: _summary(node) for node in swarm.nodes}
         out["stages"] = {node.name: node.stage for node in swarm.nodes}
+        out["peer_ids"] = {node.name: node.peer_id for node in swarm.nodes}
         out["exit_codes"] = {node.name: node.proc.returncode for node in swarm.nodes}
         out["log_dir"] = swarm.workdir
     return out

@@ -1,0 +1,421 @@
+"""Trust benchmark: how fast the swarm stops routing to a worker that lies about its compute, what
+the lie costs the model with the checks on and off, and what the checks cost honest runs. Prints
+ONE JSON object on stdout (progress on stderr); `--out PATH` also writes it to a file.
+
+Every run is bench_fidelity's demo swarm (the tiny preset, 3 stages x R workers, 2 trainers x 4
+lanes, target batch 16, real agora-node processes on 127.0.0.1), with one worker's process
+altered by the adversary harness (tests/support/adversary_node.py: its replies are altered, its
+own training state stays honest). The attacker is replica 1 of the stage its lie comes out of:
+stage 1 for outputs and input gradients, the tail (stage 2) for losses. `collude` is two liars in
+adjacent stages (replica 1 of stages 0 and 1, both adding noise as large as their output).
+
+For each attack, with the checks on (the run config's `verification`, spot checks at
+`--spot-check-rate`, default 1%) and, with `--off`, with spot checks and the screen's checks at 0:
+
+- samples until exclusion: the samples the attacker served, over both trainers, until the last
+  trainer stopped routing to it (each trainer's `served_before_exclusion`); null where a trainer
+  never excluded it, with what it served in `served`;
+- false accusations: any worker but the attacker that a trainer excluded or struck;
+- held-out loss (256 samples, the elementwise mean of the replicas' final weights, as
+  bench_fidelity takes it) and its gap to the honest run of the same invocation;
+- tokens/s from the trainers' start to their end.
+
+`--authorizer` admits every node through a real authorizer (honouring --stage, one account per
+node); a trainer whose check is settled by a third replica (`--workers-per-stage 3`) sends the
+signed results to it, and `revoked_after_s` is when the authorizer first upheld evidence against
+the attacker, in seconds since the trainers started (polled every 0.5 s), and `left_after_s` when
+the revoked attacker's process exited. With two replicas a stage nobody a stranger could ask
+settles a dispute, so nothing is sent: the trainers route around the attacker and nothing more.
+
+`--honest N` adds N honest runs with the checks on (the baseline is the first), cycling through
+plain, `churn` (replica 1 of stage 1 killed at 40% of the samples and restarted) and `workers`
+(routing.path workers: samples hop worker to worker); each counts accusations. `--off` adds an
+honest run with the checks off: the overhead is its tokens/s against the honest runs' with them on,
+in the same invocation. Bytes added per sample are computed from the reply fields that carry
+signatures and weight fingerprints (protocol/evidence.py), spot-check traffic aside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a file: find the helpers
+from _bench_common import emit_report, log, machine_info, rounded  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ADMIN_TOKEN = "bench-trust-admin-token-0123456789"
+
+ATTACKS: dict[str, dict[str, list[str]]] = {
+    # attack name -> {worker name: adversary specs}
+    "noise:1": {"worker-s1-r1": ["noise:1"]},
+    "noise:10": {"worker-s1-r1": ["noise:10"]},
+    "scale:3": {"worker-s1-r1": ["scale:3"]},
+    "bias:0.1": {"worker-s1-r1": ["bias:0.1"]},
+    "swap": {"worker-s1-r1": ["swap"]},
+    "stale:4": {"worker-s1-r1": ["stale:4"]},
+    "zero_grad": {"worker-s1-r1": ["zero_grad"]},
+    "flip_grad": {"worker-s1-r1": ["flip_grad"]},
+    "noise:1,every:10": {"worker-s1-r1": ["noise:1,every:10"]},
+    "loss:3": {"worker-s2-r1": ["loss:3"]},
+    "collude": {"worker-s0-r1": ["noise:1"], "worker-s1-r1": ["noise:1"]},
+}
+DEFAULT_ATTACKS = tuple(ATTACKS)
+HONEST_VARIANTS = ("plain", "churn", "workers")
+SIGNATURE_BYTES, FINGERPRINT_BYTES = 64, 8
+
+
+def trust_run_config(args: argparse.Namespace, steps: int, *, checks: bool, routing: str = "trainer"):
+    """bench_fidelity's demo run config at R replicas, with verification on or off."""
+    import bench_fidelity
+
+    fargs = bench_fidelity.parse_args(["--workers-per-stage", str(args.workers_per_stage), "--routing", routing])
+    run = bench_fidelity.fidelity_run_config("trust", bench_fidelity.SETTINGS["demo"], steps, fargs)
+    verification = run.verification.model_copy(update={
+        "spot_check_rate": args.spot_check_rate if checks else 0.0,
+        "suspect_check_rate": run.verification.suspect_check_rate if checks else 0.0})
+    return run.model_copy(update={"verification": verification, "seed": args.seed})
+
+
+class Revocation:
+    """Watches the authorizer's evidence record and the attackers' processes during a run."""
+
+    def __init__(self, url: str, attackers: set[str]):
+        self.url = url
+        self.attackers = attackers
+        self.peer_ids: dict[str, str] = {}
+        self.upheld_at: dict[str, float] = {}
+        self.left_at: dict[str, float] = {}
+        self.rejected = 0
+        self._next_poll = 0.0
+
+    def tick(self, swarm, elapsed: float) -> None:
+        import httpx
+
+        for node in swarm.nodes:
+            if node.name in self.attackers:
+                self.peer_ids.setdefault(node.name, node.peer_id)
+                if node.proc.poll() is not None and node.name not in self.left_at:
+                    self.left_at[node.name] = round(elapsed, 1)
+        if elapsed < self._next_poll or len(self.upheld_at) == len(self.attackers):
+            return
+        self._next_poll = elapsed + 0.5
+        try:
+            reply = httpx.get(f"{self.url}/v1/admin/evidence", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                              timeout=5)
+            body = reply.json()
+        except Exception:  # noqa: BLE001 - a busy authorizer: ask again at the next tick
+            return
+        reports = body.get("reports", body) if isinstance(body, dict) else body
+        by_peer = {peer: name for name, peer in self.peer_ids.items()}
+        self.rejected = sum(1 for r in reports if r.get("verdict") != "upheld")
+        for report in reports:
+            name = by_peer.get(report.get("accused_peer_id"))
+            if name is not None and report.get("verdict") == "upheld":
+                self.upheld_at.setdefault(name, round(elapsed, 1))
+
+
+def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], checks: bool,
+            variant: str = "plain") -> dict:
+    """One swarm run; its figures, and its errors in "errors"."""
+    import bench_fidelity
+    from protocol.run_config import dump_run_config
+    from tests.support.adversary_node import adversary_prefix
+
+    steps = args.steps
+    total = steps * bench_fidelity.SETTINGS["demo"].target_batch_size
+    workdir = tempfile.mkdtemp(prefix=f"agora-trust-{label.replace(':', '').replace(',', '-')}-")
+    run = trust_run_config(args, steps, checks=checks, routing="workers" if variant == "workers" else "trainer")
+    run = run.model_copy(update={"run_id": f"trust-{os.getpid()}-{label.replace(':', '').replace(',', '-')}"})
+    config_path = os.path.join(workdir, "run.yaml")
+    dump_run_config(run, config_path)
+    liars = ATTACKS[attack] if attack else {}
+    prefixes = {name: adversary_prefix(*specs) for name, specs in liars.items()}
+    log(f"[{label}] {'checks on' if checks else 'checks off'}, {variant}, attackers {sorted(liars) or 'none'}, "
+        f"{steps} steps of {run.target_batch_size}")
+    authorizer = revocation = None
+    node_args = on_tick = None
+    out: dict[str, Any] = {"attack": attack, "checks": checks, "variant": variant, "attackers": sorted(liars)}
+    started = time.monotonic()
+    try:
+        if args.authorizer:
+            authorizer, node_args = _start_authorizer(config_path, workdir, args.workers_per_stage)
+            revocation = Revocation(authorizer.url, set(liars))
+            on_tick = revocation.tick
+        swarm = bench_fidelity.run_swarm(run, config_path, workdir, bench_fidelity.SETTINGS["demo"], total,
+                                         args.workers_per_stage, churn=variant == "churn", prefixes=prefixes,
+                                         node_args=node_args, on_tick=on_tick)
+        out.update(_figures(run, swarm, liars, total))
+        if revocation is not None:
+            out["revoked_after_s"] = {n: revocation.upheld_at.get(n) for n in sorted(liars)}
+            out["left_after_s"] = {n: revocation.left_at.get(n) for n in sorted(liars)}
+            out["evidence_rejected"] = revocation.rejected
+        if out["errors"]:
+            log(f"[{label}] errors: {out['errors']}; logs kept in {workdir}")
+    except Exception as exc:  # noqa: BLE001 - one run's failure is reported, the others still run
+        out["errors"] = [f"{type(exc).__name__}: {exc}"]
+        log(traceback.format_exc())
+    finally:
+        if authorizer is not None:
+            authorizer.stop()
+    out["wall_s"] = round(time.monotonic() - started, 1)
+    if not out.get("errors") and not args.keep_logs:
+        shutil.rmtree(workdir, ignore_errors=True)
+    log(f"[{label}] held-out {out.get('held_out_loss')}, samples to exclusion {out.get('samples_to_exclusion')}, "
+        f"false accusations {out.get('false_accusations')}, {out.get('tokens_per_s')} tokens/s, {out['wall_s']:.0f}s")
+    return out
+
+
+def _start_authorizer(config_path: str, workdir: str, replicas: int):
+    from authorizer.testing import AuthorizerProcess
+
+    policy = os.path.join(workdir, "policy.yaml")
+    with open(policy, "w") as f:
+        f.write("honor_stage_preference: true\n")
+    authorizer = AuthorizerProcess(
+        ["--run-config", config_path, "--data-dir", os.path.join(workdir, "authorizer"), "--port", "0",
+         "--credential-ttl-s", "1800", "--admin-token", ADMIN_TOKEN, "--policy-file", policy,
+         "--stage-capacity", str(replicas), "--no-monitor"],
+        log_path=os.path.join(workdir, "authorizer.log")).start()
+
+    def node_args(name: str) -> list[str]:
+        # one account per node: evidence needs the accused and its witnesses on three accounts
+        return ["--authorizer", authorizer.url, "--account-token", f"account-{name}", "--revocation-refresh-s", "2"]
+
+    return authorizer, node_args
+
+
+def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
+    """Exclusions, accusations, held-out loss and throughput of one finished swarm run."""
+    import bench_fidelity
+    from _fidelity_reference import held_out_tokens
+
+    errors = list(swarm.get("errors", []))
+    summaries = swarm.get("summaries", {})
+    peer_of = swarm.get("peer_ids", {})
+    attackers = {peer_of.get(name) for name in liars} - {None}
+    trainers = {name: s or {} for name, s in summaries.items() if name.startswith("trainer-")}
+    per_trainer, accused = {}, set()
+    for name, summary in trainers.items():
+        checks = summary.get("spot_checks") or {}
+        excluded = checks.get("excluded") or {}
+        accused |= set(excluded) | {d.get("struck") for d in checks.get("disputes", []) if d.get("struck")}
+        accused |= set((checks.get("strikes") or {}))
+        served = {peer: n for stage in (summary.get("served") or {}).values() for peer, n in stage.items()}
+        per_trainer[name] = {
+            "excluded": {p[-8:]: why for p, why in excluded.items()},
+            "served_before_exclusion": {p[-8:]: n for p, n in (checks.get("served_before_exclusion") or {}).items()},
+            "served_by_attackers": {p[-8:]: served.get(p, 0) for p in attackers},
+            "checks": {k: checks.get(k) for k in ("agreed", "disputed", "unresolved", "diverged", "targeted",
+                                                  "resolved", "evidence", "parted")},
+            "samples_completed": summary.get("samples_completed"),
+        }
+    samples_to_exclusion: dict[str, Optional[int]] = {}
+    for name, peer in ((n, peer_of.get(n)) for n in sorted(liars)):
+        counts = [((t.get("spot_checks") or {}).get("served_before_exclusion") or {}).get(peer) for t in trainers.values()]
+        samples_to_exclusion[name] = None if not counts or any(c is None for c in counts) else sum(counts)
+    false = sorted(p[-8:] for p in accused - attackers if p)
+    completed = sum((t.get("samples_completed") or 0) for t in trainers.values())
+    wall = swarm.get("train_wall_s")
+    held_out = None
+    try:
+        replicas = [bench_fidelity.read_checkpoints(run, d)[0] for d in swarm["checkpoint_dirs"]]
+        held_out = bench_fidelity.held_out_of(bench_fidelity.mean_of_replicas(run, replicas),
+                                             held_out_tokens(run, bench_fidelity.HELD_OUT_SAMPLES))
+    except Exception as exc:  # noqa: BLE001 - a missing or garbled checkpoint: no held-out figure
+        errors.append(f"held-out loss: {type(exc).__name__}: {exc}")
+    if held_out is None:
+        errors.append("no held-out loss: a stage has no final checkpoint")
+    if completed < total:
+        errors.append(f"{completed} of {total} samples completed")
+    return {
+        "attacker_peer_ids": {n: (peer_of.get(n) or "")[-8:] for n in sorted(liars)},
+        "samples_to_exclusion": samples_to_exclusion,
+        "excluded_by_every_trainer": bool(liars) and all(v is not None for v in samples_to_exclusion.values()),
+        "false_accusations": false,
+        "held_out_loss": held_out,
+        "samples_completed": completed,
+        "tokens_per_s": rounded(completed * run.seq_len / wall, 1) if wall else None,
+        "train_wall_s": wall,
+        "trainers": per_trainer,
+        "churn": swarm.get("churn"),
+        "errors": errors,
+    }
+
+
+def bytes_per_sample(run) -> dict:
+    """What signing adds to one sample's replies on the trainer's path, measured on the wire
+    encoding of real replies with and without their signature and weights-fingerprint fields: a
+    forward reply per stage but the tail's (the tail's backward recomputes its forward), a backward
+    reply per stage (the head's has no input gradient to sign; the tail's signs its loss too)."""
+    import torch
+
+    from protocol.codec import pack
+    from protocol.messages import BackwardReply, ForwardReply, to_body
+
+    coords = torch.zeros(run.seq_len, 8)
+    signed = {"weights": b"\x01" * FINGERPRINT_BYTES, "attestation": b"\x02" * SIGNATURE_BYTES}
+
+    def added(plain, **fields) -> int:
+        return len(pack(to_body(plain.model_copy(update=fields)))) - len(pack(to_body(plain)))
+
+    forward = added(ForwardReply(coords=coords, version=3), **signed)
+    head = added(BackwardReply(version=3, step=3), weights=signed["weights"])
+    body = added(BackwardReply(grad_input=coords, version=3, step=3), **signed)
+    tail = added(BackwardReply(grad_input=coords, loss=2.0, version=3, step=3), **signed,
+                 loss_attestation=b"\x03" * SIGNATURE_BYTES)
+    stages = run.num_stages
+    total = (stages - 1) * forward + head + (stages - 2) * body + tail
+    return {"forward_reply": forward, "head_backward_reply": head, "body_backward_reply": body,
+            "tail_backward_reply": tail, "per_sample": total}
+
+
+def summarize(runs: list[dict], baseline: Optional[dict]) -> dict:
+    """Per attack and checks on/off: samples to exclusion (median, max over runs), held-out gap to
+    the honest baseline, revocation seconds."""
+    base = (baseline or {}).get("held_out_loss")
+    table: dict[str, dict] = {}
+    for r in runs:
+        if r.get("attack") is None:
+            continue
+        row = table.setdefault(r["attack"], {}).setdefault("on" if r["checks"] else "off", {
+            "runs": 0, "samples_to_exclusion": [], "never_excluded": 0, "held_out_gaps": [],
+            "revoked_after_s": [], "false_accusations": 0})
+        row["runs"] += 1
+        for n in (r.get("samples_to_exclusion") or {}).values():
+            if n is None:
+                row["never_excluded"] += 1
+            else:
+                row["samples_to_exclusion"].append(n)
+        if base and r.get("held_out_loss") is not None:
+            row["held_out_gaps"].append(round((r["held_out_loss"] - base) / base, 4))
+        row["revoked_after_s"] += [s for s in (r.get("revoked_after_s") or {}).values() if s is not None]
+        row["false_accusations"] += len(r.get("false_accusations") or [])
+    for by_checks in table.values():
+        for row in by_checks.values():
+            found = row["samples_to_exclusion"]
+            row["samples_to_exclusion_median"] = statistics.median(found) if found else None
+            row["samples_to_exclusion_max"] = max(found) if found else None
+    return table
+
+
+def _write(out: dict, path: str) -> None:
+    import json
+
+    with open(path + ".tmp", "w") as f:
+        f.write(json.dumps(out, indent=2, default=str) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--attacks", default=";".join(DEFAULT_ATTACKS),
+                   help=f"attacks to run, separated by ';' (default all: {'; '.join(DEFAULT_ATTACKS)}); '' for none")
+    p.add_argument("--runs", type=int, default=1, metavar="N", help="runs per attack and setting (default 1)")
+    p.add_argument("--off", action="store_true", help="also run every attack, and one honest run, with the checks off")
+    p.add_argument("--honest", type=int, default=1, metavar="N",
+                   help="honest runs with the checks on, cycling plain, churn, workers (default 1: the baseline)")
+    p.add_argument("--steps", type=int, default=150, metavar="N",
+                   help="optimizer steps of 16 samples per run (default 150: 2,400 samples, the demo setting)")
+    p.add_argument("--workers-per-stage", type=int, default=2, metavar="R", help="replicas of every stage (default 2)")
+    p.add_argument("--spot-check-rate", type=float, default=0.01, help="verification.spot_check_rate (default 0.01)")
+    p.add_argument("--authorizer", action="store_true",
+                   help="admit every node through a real authorizer and time the revocation (needs 3 replicas a "
+                        "stage for evidence)")
+    p.add_argument("--seed", type=int, default=0, help="the run config's seed, the same for every run")
+    p.add_argument("--out", metavar="PATH", help="also write the JSON result to PATH")
+    p.add_argument("--keep-logs", action="store_true", help="keep every run's node logs and print where they are")
+    args = p.parse_args(argv)
+    args.attacks = [a.strip() for a in args.attacks.split(";") if a.strip()]
+    unknown = [a for a in args.attacks if a not in ATTACKS]
+    if unknown:
+        p.error(f"unknown attack(s) {unknown}; known: {'; '.join(ATTACKS)}")
+    if args.workers_per_stage < 2:
+        p.error("--workers-per-stage must be at least 2: a check re-executes on another replica")
+    if args.runs < 1 or args.honest < 1 or args.steps < 1:
+        p.error("--runs, --honest and --steps must be at least 1")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    sys.path.insert(0, REPO_ROOT)  # tests.support.adversary_node: the harness lives with the tests
+    import torch
+
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    out: dict[str, Any] = {"benchmark": "trust", "machine": machine_info(),
+                           "config": {"preset": "tiny", "stages": 3, "workers_per_stage": args.workers_per_stage,
+                                      "trainers": 2, "lanes": 4, "steps": args.steps, "samples": args.steps * 16,
+                                      "spot_check_rate": args.spot_check_rate, "authorizer": args.authorizer,
+                                      "seed": args.seed}}
+    runs: list[dict] = []
+    honest: list[dict] = []
+    errors: list[str] = []
+
+    def report() -> dict:
+        baseline = honest[0] if honest else None
+        on = [r["tokens_per_s"] for r in honest if r["checks"] and r.get("tokens_per_s") and r["variant"] == "plain"]
+        off = [r["tokens_per_s"] for r in honest if not r["checks"] and r.get("tokens_per_s")]
+        out["honest"] = {
+            "runs": honest,
+            "false_accusations": sum(len(r.get("false_accusations") or []) for r in honest if r["checks"]),
+            "baseline_held_out_loss": (baseline or {}).get("held_out_loss"),
+        }
+        out["overhead"] = {
+            "tokens_per_s_checks_on": on, "tokens_per_s_checks_off": off,
+            "ratio": round(statistics.fmean(on) / statistics.fmean(off), 3) if on and off else None,
+            "bytes_added_per_sample": bytes_per_sample(trust_run_config(args, args.steps, checks=True)),
+            "how_to_read": "ratio: mean tokens/s of the plain honest runs with the checks on over the honest runs "
+                           "with them off, same invocation; bytes: what the signature and weights-fingerprint "
+                           "fields add to one sample's replies on the wire",
+        }
+        out["attacks"] = summarize(runs, baseline)
+        out["runs"] = runs
+        out["errors"] = errors + [f"{r.get('attack') or r['variant']} ({'on' if r['checks'] else 'off'}): {e}"
+                                  for r in [*honest, *runs] for e in r.get("errors", [])]
+        out["elapsed_s"] = round(time.monotonic() - started, 1)
+        return out
+
+    def done(run: dict, into: list[dict]) -> None:
+        into.append(run)
+        if args.out:  # a long invocation keeps what it measured so far
+            _write(report(), args.out)
+
+    try:
+        # the baseline, the attacks, then the other honest variants: a cut-short run keeps the most
+        done(one_run("honest-0-plain", args, attack=None, checks=True), honest)
+        if args.off:
+            done(one_run("honest-off", args, attack=None, checks=False), honest)
+        for attack in args.attacks:
+            for k in range(args.runs):
+                done(one_run(f"{attack}-on-{k}", args, attack=attack, checks=True), runs)
+                if args.off:
+                    done(one_run(f"{attack}-off-{k}", args, attack=attack, checks=False), runs)
+        for k in range(1, args.honest):
+            variant = HONEST_VARIANTS[k % len(HONEST_VARIANTS)]
+            done(one_run(f"honest-{k}-{variant}", args, attack=None, checks=True, variant=variant), honest)
+    except KeyboardInterrupt:
+        errors.append("interrupted")
+    report()
+    emit_report(out, args.out)
+    return 1 if out["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

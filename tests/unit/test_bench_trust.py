@@ -1,0 +1,88 @@
+"""scripts/bench_trust.py's reading of a finished run: who excluded the attacker after how many
+samples, who else was accused, and the table over runs (the swarm itself is stood in for)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+
+import bench_trust  # noqa: E402
+
+ATTACKER, HONEST = "12D3KooWattacker00000000", "12D3KooWhonest000000000"
+
+
+def _trainer(excluded: dict, served_before: dict, served: dict, struck=()) -> dict:
+    return {"samples_completed": 80, "served": {"1": served},
+            "spot_checks": {"excluded": excluded, "served_before_exclusion": served_before,
+                            "strikes": {p: 3 for p in struck}, "disputes": [{"struck": p} for p in struck]}}
+
+
+def _swarm(tmp_path, trainers: dict) -> dict:
+    return {"summaries": trainers, "peer_ids": {"worker-s1-r1": ATTACKER, "worker-s1-r0": HONEST},
+            "checkpoint_dirs": [str(tmp_path / "r0"), str(tmp_path / "r1")], "train_wall_s": 10.0, "errors": []}
+
+
+@pytest.fixture
+def run():
+    return bench_trust.trust_run_config(bench_trust.parse_args(["--steps", "10"]), 10, checks=True)
+
+
+def test_samples_to_exclusion_add_up_over_trainers_only_once_every_trainer_excluded(tmp_path, run):
+    both = _swarm(tmp_path, {
+        "trainer-0": _trainer({ATTACKER: "3 disputes"}, {ATTACKER: 8}, {ATTACKER: 11, HONEST: 69}, [ATTACKER]),
+        "trainer-1": _trainer({ATTACKER: "3 disputes"}, {ATTACKER: 16}, {ATTACKER: 18, HONEST: 62}, [ATTACKER]),
+    })
+    figures = bench_trust._figures(run, both, {"worker-s1-r1": ["noise:1"]}, 160)
+    assert figures["samples_to_exclusion"] == {"worker-s1-r1": 24}
+    assert figures["excluded_by_every_trainer"] and figures["false_accusations"] == []
+    # no final checkpoints were written: said, not hidden
+    assert figures["held_out_loss"] is None and any("held-out" in e for e in figures["errors"])
+
+    one = _swarm(tmp_path, {
+        "trainer-0": _trainer({ATTACKER: "3 disputes"}, {ATTACKER: 8}, {ATTACKER: 11}, [ATTACKER]),
+        "trainer-1": _trainer({}, {}, {ATTACKER: 40}),
+    })
+    figures = bench_trust._figures(run, one, {"worker-s1-r1": ["noise:1"]}, 160)
+    assert figures["samples_to_exclusion"] == {"worker-s1-r1": None}
+    assert not figures["excluded_by_every_trainer"]
+    assert figures["trainers"]["trainer-1"]["served_by_attackers"] == {ATTACKER[-8:]: 40}
+
+
+def test_a_strike_on_an_honest_worker_is_a_false_accusation(tmp_path, run):
+    swarm = _swarm(tmp_path, {
+        "trainer-0": _trainer({}, {}, {HONEST: 80}, [HONEST]),
+        "trainer-1": _trainer({}, {}, {HONEST: 80}),
+    })
+    figures = bench_trust._figures(run, swarm, {}, 160)
+    assert figures["false_accusations"] == [HONEST[-8:]]
+
+
+def test_the_table_takes_medians_over_runs_and_gaps_to_the_honest_baseline():
+    runs = [{"attack": "scale:3", "checks": True, "samples_to_exclusion": {"w": n}, "held_out_loss": 2.2,
+             "revoked_after_s": {"w": 30.0}} for n in (10, 30, 20)]
+    runs.append({"attack": "scale:3", "checks": False, "samples_to_exclusion": {"w": None}, "held_out_loss": 2.4})
+    table = bench_trust.summarize(runs, {"held_out_loss": 2.0})
+    on, off = table["scale:3"]["on"], table["scale:3"]["off"]
+    assert (on["samples_to_exclusion_median"], on["samples_to_exclusion_max"]) == (20, 30)
+    assert on["held_out_gaps"] == [0.1, 0.1, 0.1] and on["revoked_after_s"] == [30.0] * 3
+    assert off["never_excluded"] == 1 and off["samples_to_exclusion_median"] is None
+    assert off["held_out_gaps"] == [0.2]
+
+
+def test_signing_adds_a_few_hundred_bytes_a_sample(run):
+    added = bench_trust.bytes_per_sample(run)
+    # 64-byte signatures and an 8-byte fingerprint, with their msgpack keys and headers
+    assert added["forward_reply"] > 72 and added["tail_backward_reply"] > 2 * 64 + 8
+    assert 300 < added["per_sample"] < 800
+
+
+def test_unknown_attacks_and_a_single_replica_are_refused():
+    with pytest.raises(SystemExit):
+        bench_trust.parse_args(["--attacks", "scale:3;teleport"])
+    with pytest.raises(SystemExit):
+        bench_trust.parse_args(["--workers-per-stage", "1"])
+    assert bench_trust.parse_args(["--attacks", "noise:1,every:10;swap"]).attacks == ["noise:1,every:10", "swap"]
