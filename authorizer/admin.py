@@ -152,7 +152,7 @@ async def rejections(
 @admin_router.get("/evidence", response_model=EvidenceRecordsOut)
 async def evidence_reports(
     request: Request,
-    verdict: Annotated[Optional[Literal["upheld", "already_revoked", "rejected"]], Query()] = None,
+    verdict: Annotated[Optional[Literal["upheld", "already_revoked", "rejected", "pending"]], Query()] = None,
     reporter: Annotated[Optional[str], Query(pattern=PEER_ID_PATTERN, description="one reporter's peer id")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> EvidenceRecordsOut:
@@ -165,7 +165,9 @@ async def evidence_reports(
         reporter_account_id=r.reporter_account_id, accused_peer_id=r.accused_peer_id,
         accused_account_id=r.accused_account_id, witness_peer_ids=list(r.witness_peer_ids or []),
         stage=r.stage, version=r.version, kind=r.kind, verdict=r.verdict, reason=r.reason,
-        distances=None if r.distance_1 is None else [finite_or_none(r.distance_1), finite_or_none(r.distance_2)],
+        distances=None if r.distance_1 is None else [
+            finite_or_none(d) for d in ((r.distance_1,) if r.witness_peer_ids and len(r.witness_peer_ids) == 1
+                                        else (r.distance_1, r.distance_2))],
         message=r.message, body_sha256=r.body_sha256,
     ) for r in rows])
 

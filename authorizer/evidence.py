@@ -11,6 +11,13 @@ ban); against an account banned or revoked already it answers `already_revoked` 
 new. A worker that joined without an account token is on the shared `anonymous` account: its peer
 is banned instead, and two anonymous parties count as one account.
 
+Evidence with one witness comes from a stage of two replicas: it proves that the two contradict
+each other, and the reporter's loss measurement says which lied. A trainer can be wrong or lie
+about that, so such a report bans at once only from an account in the policy's
+`evidence_trusted_accounts` (the run owner's own trainers); from others it is `pending` until
+reporters of `evidence_quorum` accounts (2 by default), none of them the accused's or the
+witness's, have reported the same worker.
+
 A report passes the cheap gates first, each with its typed error and nothing stored: the body's
 size (413, authorizer.app, before anything is read) and its source's rate (429), its shape (400),
 the reporter's signature time (401), a live credential of the reporter (403), its signature (401)
@@ -81,6 +88,17 @@ class EvidenceDesk:
                 await self._reject(evidence, exc, reporter, workers, received_at, body_sha256)
             return await self._uphold(evidence, gaps, reporter, workers, received_at, body_sha256)
 
+    def _quorum(self, evidence: Evidence, reporter: tuple[str, str], workers: dict) -> tuple[Optional[int], str]:
+        """How many reporters' accounts a ban on this evidence waits for (None: none), and how the
+        ban's words name who proved it."""
+        if len(evidence.witnesses) == 2:
+            return None, "two replicas of other accounts"
+        policy = self.authorizer.policy
+        if reporter[1] in policy.evidence_trusted_accounts:
+            return None, "its stage's other replica, of another account, as a trusted account's trainer found"
+        return policy.evidence_quorum, (f"its stage's other replica, of another account, as trainers of "
+                                        f"{policy.evidence_quorum} accounts found")
+
     async def _reporter_account(self, report: EvidenceReport, signed: bytes, now: float) -> str:
         """The reporter's account, once its signature time, live credential and signature pass."""
         authorizer = self.authorizer
@@ -112,27 +130,37 @@ class EvidenceDesk:
                        reporter[1][:12], exc.reason, exc)
         raise RejectedEvidence(message, reason=exc.reason, evidence_id=evidence_id, accused=accused)
 
-    async def _uphold(self, evidence: Evidence, gaps: tuple[float, float], reporter: tuple[str, str], workers: dict,
+    async def _uphold(self, evidence: Evidence, gaps: tuple[float, ...], reporter: tuple[str, str], workers: dict,
                       received_at: float, body_sha256: str) -> EvidenceOut:
-        """Ban the accused's account (its peer, if anonymous) unless done already, and record it."""
+        """Ban the accused's account (its peer, if anonymous) unless done already or, for a
+        two-replica contradiction, until its quorum of reporters is reached; record it."""
         authorizer = self.authorizer
         accused = evidence.accused.peer_id
         account = workers[accused].account_id
-        what = (f"stage {evidence.stage} {evidence.kind} at version {evidence.version} contradicted by two replicas "
-                f"of other accounts (distances {gaps[0]:.4g}, {gaps[1]:.4g})")
+        quorum, by_whom = self._quorum(evidence, reporter, workers)
+        what = (f"stage {evidence.stage} {evidence.kind} at version {evidence.version} contradicted by {by_whom} "
+                f"(distance{'s' if len(gaps) > 1 else ''} {', '.join(f'{g:.4g}' for g in gaps)})")
         anonymous = account == ANONYMOUS_ACCOUNT
         ban = EvidenceBan(
             peer_id=accused if anonymous else None, account_id=None if anonymous else account,
             reason=lambda evidence_id: f"evidence #{evidence_id}: {what}"[:256],
             message=lambda evidence_id: (f"the authorizer banned this {'peer' if anonymous else 'account'}: "
                                          f"evidence #{evidence_id} shows its worker {accused} signed a {what}; "
-                                         f"contact the operator if you think this is a mistake"))
+                                         f"contact the operator if you think this is a mistake"),
+            quorum=quorum, parties=frozenset(workers[w.peer_id].account_id for w in [evidence.accused, *evidence.witnesses]))
         record = _record(evidence, reporter, workers, received_at, body_sha256)
-        record.update(distance_1=gaps[0], distance_2=gaps[1],
-                      message=f"{'peer' if anonymous else 'account'} of {accused} banned: {what}"[:512])
+        target = "peer" if anonymous else "account"
+        record.update(distance_1=gaps[0], distance_2=gaps[1] if len(gaps) > 1 else None,
+                      message=lambda verdict: (f"{what}; {target} of {accused} banned once trainers of {quorum} "
+                                               f"accounts report it" if verdict == "pending"
+                                               else f"{target} of {accused} banned: {what}")[:512])
         evidence_id, verdict, ended = await authorizer.stored(authorizer.store.record_evidence(record, ban))
         self.counts[verdict, ""] += 1
-        if verdict == "upheld":
+        if verdict == "pending":
+            logger.warning("evidence #%d against worker %s held (stage %d %s at version %d contradicted by its other "
+                           "replica); banned once trainers of %d accounts report it", evidence_id, accused,
+                           evidence.stage, evidence.kind, evidence.version, quorum)
+        elif verdict == "upheld":
             authorizer.queue_wakeup.set()
             logger.warning("evidence #%d upheld: banned %s %s of worker %s (%s): %d live ticket(s) ended",
                            evidence_id, "peer" if anonymous else "account", accused if anonymous else account[:12],
@@ -156,19 +184,19 @@ def _parse(body: bytes, run_id: str) -> tuple[EvidenceReport, Evidence, bytes, s
 
 
 def _check_parties(evidence: Evidence, workers: dict) -> None:
-    """What only the authorizer knows: the three are workers it admitted to the stage, on three
-    accounts (EvidenceRejected if not)."""
+    """What only the authorizer knows: the parties are workers it admitted to the stage, each on
+    an account of its own (EvidenceRejected if not)."""
     parties = [evidence.accused.peer_id, *(w.peer_id for w in evidence.witnesses)]
     missing = [peer for peer in parties if peer not in workers]
     if missing:
         raise EvidenceRejected(EvidenceReason.NOT_A_WORKER_OF_THE_STAGE.value,
                                f"{', '.join(missing)} was never admitted as a worker of stage {evidence.stage}")
-    accused, first, second = (workers[peer].account_id for peer in parties)
-    if accused in (first, second):
+    accused, *witnesses = (workers[peer].account_id for peer in parties)
+    if accused in witnesses:
         raise EvidenceRejected(EvidenceReason.SAME_ACCOUNT.value,
                                "a witness is on the accused's account: its word against its own account proves "
                                "nothing about the account")
-    if first == second:
+    if len(witnesses) == 2 and witnesses[0] == witnesses[1]:
         raise EvidenceRejected(EvidenceReason.WITNESSES_SAME_ACCOUNT.value,
                                "both witnesses are on one account: one account's word twice")
 

@@ -104,6 +104,9 @@ class PolicyUpdate(BaseModel):
     dial_private_addresses: Optional[bool] = None
     honor_stage_preference: Optional[bool] = None
     reducer_accounts: Optional[list[Annotated[str, Field(min_length=1, max_length=128)]]] = Field(default=None, max_length=256)
+    evidence_quorum: Optional[int] = Field(default=None, ge=1, le=1000)
+    evidence_trusted_accounts: Optional[list[Annotated[str, Field(min_length=1, max_length=128)]]] = Field(
+        default=None, max_length=256)
     bandwidth_floor_from_plan: Optional[Literal["off", "bf16", "fp32"]] = None
 
     def changes(self) -> dict:
@@ -157,7 +160,7 @@ class EvidenceRecordOut(BaseModel):
     stage: int
     version: int
     kind: str = Field(description="output, gradient or loss")
-    verdict: Literal["upheld", "already_revoked", "rejected"]
+    verdict: Literal["upheld", "already_revoked", "rejected", "pending"]
     reason: Optional[str] = Field(description="an EvidenceReason value, for rejected evidence")
     distances: Optional[list[Optional[float]]] = Field(
         description="the accused's relative L2 distance from each witness, for evidence that holds (null: "

@@ -109,6 +109,17 @@ class Policy(BaseModel):
         description="accounts whose workers are designated reducers at placement (the run owner's own stable, "
                     "well-connected machines); other workers only send, unless their stage elects them",
     )
+    evidence_quorum: int = Field(
+        default=2, ge=1, le=1000,
+        description="reporters of this many different accounts must report a worker's two-replica contradiction "
+                    "(the only other replica of its stage contradicts it; the reporter's loss measurement says "
+                    "which lied) before its account is banned; with a third replica one report is proof enough",
+    )
+    evidence_trusted_accounts: list[str] = Field(
+        default_factory=list, max_length=256,
+        description="accounts whose reporters' two-replica contradictions ban at once (the run owner's own "
+                    "trainers)",
+    )
     honor_stage_preference: bool = Field(
         default=False, description="place a worker on the stage it asks for (--stage) when it may serve it and "
                                    "the stage has room, instead of the stage furthest below its target (the run "
@@ -124,7 +135,8 @@ class Policy(BaseModel):
                 raise ValueError("stage_target needs one value per stage, like stage_capacity")
             if any(not 0 <= t <= _MAX_NODES for t in self.stage_target):
                 raise ValueError(f"stage_target values must lie in 0..{_MAX_NODES}")
-        for field in ("accelerators", "client_versions", "package_digests", "reducer_accounts"):
+        for field in ("accelerators", "client_versions", "package_digests", "reducer_accounts",
+                      "evidence_trusted_accounts"):
             if any(not 0 < len(v) <= 128 for v in getattr(self, field)):
                 raise ValueError(f"{field} entries must be 1-128 characters")
         return self

@@ -143,7 +143,7 @@ evidence_reports = Table(
     Column("stage", Integer, nullable=False),
     Column("version", BigInteger, nullable=False),
     Column("kind", String(16), nullable=False, comment="output, gradient or loss"),
-    Column("verdict", String(16), nullable=False, comment="upheld, already_revoked or rejected"),
+    Column("verdict", String(16), nullable=False, comment="upheld, already_revoked, rejected or pending"),
     Column("reason", String(32), comment="EvidenceReason of rejected evidence"),
     Column("distance_1", Float, comment="the accused's relative L2 distance from the first witness (held evidence)"),
     Column("distance_2", Float, comment="and from the second"),
@@ -152,7 +152,8 @@ evidence_reports = Table(
     Index("evidence_reports_verdict_id", "verdict", "id"),
     Index("evidence_reports_reporter_id", "reporter_peer_id", "id"),
 )
-"""Every evidence report that reached a verdict (authorizer.evidence): upheld, already_revoked, or
-rejected with its reporter, whom the run owner sees flagged here."""
+"""Every evidence report that reached a verdict (authorizer.evidence): upheld, already_revoked,
+rejected with its reporter, whom the run owner sees flagged here, or pending (a two-replica
+contradiction waiting for reporters of more accounts)."""
 
 LIVE_PEER_INDEX_WHERE = text(LIVE_SQL)

@@ -96,6 +96,11 @@ class EvidenceBan:
     account_id: Optional[str]
     reason: Callable[[int], str]
     message: Callable[[int], str]
+    quorum: Optional[int] = None
+    """For a two-replica contradiction from a reporter the owner does not trust: the ban waits until
+    reporters of this many accounts, this one included, have reported the target (`pending`)."""
+    parties: frozenset[str] = frozenset()
+    """The accounts of the accused and its witness: their reporters do not count toward the quorum."""
 
 
 KeepRejection = Callable[[], bool]
@@ -447,21 +452,38 @@ class Store(StoreReads):
                    for row in rows)
 
     async def record_evidence(self, record: dict, ban: Optional[EvidenceBan] = None) -> tuple[int, str, int]:
-        """Store an evidence report (`record`: the evidence_reports columns but id and verdict) and,
+        """Store an evidence report (`record`: the evidence_reports columns but id and verdict, its
+        message as text or as a function of the verdict) and,
         for evidence that holds (`ban`), ban its target unless it is banned or revoked already, in
         one transaction: two reports against one account ban it once. Returns (id, verdict, tickets
-        ended), the verdict `upheld` or `already_revoked` with `ban`, else `rejected`."""
+        ended), the verdict `upheld` or `already_revoked` with `ban` (`pending` while its quorum is
+        not reached), else `rejected`."""
         def op(conn: Connection) -> tuple[int, str, int]:
             verdict, ended = "rejected", 0
             if ban is not None:
-                verdict = "already_revoked" if self._already_banned(conn, ban) else "upheld"
-            row = conn.execute(evidence_reports.insert().values(**record, verdict=verdict)
+                if self._already_banned(conn, ban):
+                    verdict = "already_revoked"
+                elif ban.quorum is not None and len(self._reporters(conn, record, ban)) < ban.quorum:
+                    verdict = "pending"
+                else:
+                    verdict = "upheld"
+            message = record["message"](verdict) if callable(record["message"]) else record["message"]
+            row = conn.execute(evidence_reports.insert().values(**{**record, "message": message}, verdict=verdict)
                                .returning(evidence_reports.c.id)).one()
             if verdict == "upheld":
                 ended = self.ban_now(conn, peer_id=ban.peer_id, account_id=ban.account_id,
                                      reason=ban.reason(row.id), now=record["received_at"], message=ban.message(row.id))
             return row.id, verdict, ended
         return await self.writer.run(op)
+
+    def _reporters(self, conn: Connection, record: dict, ban: EvidenceBan) -> set[str]:
+        """The accounts that reported `ban`'s target with evidence pending (this report included),
+        but the parties' own."""
+        target = (evidence_reports.c.accused_peer_id == ban.peer_id if ban.peer_id is not None
+                  else evidence_reports.c.accused_account_id == ban.account_id)
+        rows = conn.execute(select(evidence_reports.c.reporter_account_id).distinct()
+                            .where(target, evidence_reports.c.verdict == "pending")).all()
+        return ({row.reporter_account_id for row in rows} | {record["reporter_account_id"]}) - ban.parties
 
     def _already_banned(self, conn: Connection, ban: EvidenceBan) -> bool:
         if ban.peer_id is not None:

@@ -285,7 +285,8 @@ class AuthorizerClient:
 
     async def report_evidence(self, evidence: Evidence, identity: Identity) -> EvidenceOut:
         """Report `evidence` against a worker, signed with this node's key. EvidenceOut when it
-        holds (`upheld`, or `already_revoked`); EvidenceRefused when the authorizer refuses it
+        holds (`upheld`, `already_revoked`, or `pending` for a two-replica contradiction
+        waiting for reporters of more accounts); EvidenceRefused when the authorizer refuses it
         (`reason` says why rejected evidence proves nothing), RateLimited (wait `wait_s()`) or
         AuthorizerUnavailable as for a renewal."""
         body = evidence_report_body(evidence, identity)

@@ -280,9 +280,10 @@ class EvidenceOut(BaseModel):
 
     model_config = _WIRE
 
-    verdict: Literal["upheld", "already_revoked", "rejected"] = Field(
+    verdict: Literal["upheld", "already_revoked", "rejected", "pending"] = Field(
         description="upheld: the accused's account is banned now; already_revoked: it was banned or revoked "
-                    "before, nothing new is banned")
+                    "before, nothing new is banned; pending: a two-replica contradiction that holds, recorded "
+                    "until reporters of enough accounts (the policy's evidence_quorum) agree")
     reason: Optional[str] = Field(default=None, description="an EvidenceReason value, for rejected evidence")
     accused: str = Field(description="the accused worker's peer id")
     evidence_id: int = Field(description="the report's id in GET /v1/admin/evidence")

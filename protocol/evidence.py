@@ -17,6 +17,12 @@ from both. It then proves that the accused signed a result that two other replic
 same input at the same weights, contradict. It does not prove that the two agree with the truth:
 two colluding replicas of a stage can frame a third; the authorizer admits witnesses only from
 other accounts (authorizer/evidence.py).
+
+With two replicas in a stage there is no third: the evidence has one witness, and proves only that
+the two signed contradicting results for one input at one version with the same weights, so one
+of them lied. Which one is the reporter's verdict (a loss measurement the trainer made); the
+authorizer acts on it only from an account the run owner trusts or once several reporters of
+different accounts agree (authorizer/evidence.py).
 """
 
 from __future__ import annotations
@@ -77,7 +83,8 @@ class SignedResult(WireModel):
 
 
 class Evidence(WireModel):
-    """A spot check settled by a third replica: the accused's signed result against two others'."""
+    """A spot check's dispute: the accused's signed result against two other replicas' (a third
+    replica settled it) or against one (two replicas; the reporter's measurement settled it)."""
 
     run_id: str = Field(min_length=1, max_length=128)
     stage: int = Field(ge=0, le=4096)
@@ -89,7 +96,7 @@ class Evidence(WireModel):
     coords: Optional[WireTensor] = None
     grad_output: Optional[WireTensor] = None
     accused: SignedResult
-    witnesses: list[SignedResult] = Field(min_length=2, max_length=2)
+    witnesses: list[SignedResult] = Field(min_length=1, max_length=2)
 
 
 class EvidenceRejected(AgoraError):
@@ -112,24 +119,25 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return gap if gap == gap else float("inf")
 
 
-def check_evidence(evidence: Evidence, *, run_id: str, tolerance: float) -> tuple[float, float]:
-    """Verify `evidence` by itself; the accused's distances from the two witnesses if it holds,
-    else EvidenceRejected."""
+def check_evidence(evidence: Evidence, *, run_id: str, tolerance: float) -> tuple[float, ...]:
+    """Verify `evidence` by itself; the accused's distances from its witnesses (one or two) if it
+    holds, else EvidenceRejected. With one witness it holds when the two contradict each other."""
     if evidence.run_id != run_id:
         raise EvidenceRejected("wrong_run", f"the evidence is for run {evidence.run_id!r}, not {run_id!r}")
     parties = [evidence.accused, *evidence.witnesses]
     if len({p.peer_id for p in parties}) != len(parties):
-        raise EvidenceRejected("duplicate_party", "the accused and the witnesses must be three different peers")
+        raise EvidenceRejected("duplicate_party", "the accused and the witnesses must be different peers")
     for party in parties:
         signed = result_signing_bytes(evidence.run_id, evidence.stage, evidence.version, evidence.kind,
                                       evidence.tokens, evidence.coords, evidence.grad_output, party.result,
                                       evidence.weights)
         if not verify_peer_signature(party.peer_id, signed, party.attestation):
             raise EvidenceRejected("bad_signature", f"{party.peer_id} did not sign this result for this input")
-    first, second = evidence.witnesses
-    if distance(first.result, second.result) > tolerance:
-        raise EvidenceRejected("witnesses_disagree", "the two witnesses' results differ: nothing is proven")
-    gaps = (distance(evidence.accused.result, first.result), distance(evidence.accused.result, second.result))
+    if len(evidence.witnesses) == 2:
+        first, second = evidence.witnesses
+        if distance(first.result, second.result) > tolerance:
+            raise EvidenceRejected("witnesses_disagree", "the two witnesses' results differ: nothing is proven")
+    gaps = tuple(distance(evidence.accused.result, w.result) for w in evidence.witnesses)
     if min(gaps) <= tolerance:
         raise EvidenceRejected("accused_agrees", "the accused's result is within tolerance of a witness's")
     return gaps

@@ -91,6 +91,8 @@ class Dispute:
     arbiter: Optional[str] = None
     """A third replica whose re-execution matched one side only; `measures` are then the two
     sides' distances from it."""
+    signed: Optional[tuple["_Hop", "SignedResult"]] = field(default=None, repr=False, compare=False)
+    """The hop and the checker's signed result: two-replica evidence, should the verdict exclude."""
 
 
 @dataclass
@@ -338,6 +340,7 @@ class SpotChecks:
             thirds = [peer for peer in others if peer != checker]
             if thirds and await self._arbitrate(dispute, hop, recomputed, self._rng.choice(thirds)):
                 return
+            dispute.signed = (hop, recomputed)
             if hop.kind == "gradient" and self._slopes is not None:
                 await self._resolve_gradient(dispute, hop.tokens, hop.coords, hop.claimed, recomputed.result)
             elif hop.kind == "output" and self._losses is not None:
@@ -492,6 +495,10 @@ class SpotChecks:
             self.stats.excluded[struck] = why
             self.screening.forget(dispute.stage, struck)
             logger.warning("excluding worker %s: %s", struck[-8:], why)
+            if dispute.signed is not None:  # two replicas: the pair's contradiction, and this trainer's verdict
+                hop, recomputed = dispute.signed
+                claim = SignedResult(hop.worker, hop.claimed, hop.attestation)
+                self._report(hop, *((claim, [recomputed]) if struck == hop.worker else (recomputed, [claim])))
             if self._exclude is not None:
                 self._exclude(dispute.stage, struck, why)
 

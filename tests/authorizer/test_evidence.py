@@ -341,3 +341,48 @@ def test_the_node_client_reports_evidence(run):
     assert [r["id"] for r in run.reports(reporter=reporter.key.peer_id)] == [
         again.evidence_id, upheld.evidence_id, rejected_id]
     assert run.status(accused) == "banned"
+
+
+def test_a_two_replica_contradiction_bans_once_reporters_of_two_accounts_agree(run):
+    """One witness proves only that the pair contradict each other; which lied is the reporter's
+    word. It is held `pending` until trainers of `evidence_quorum` (2) accounts, none of them a
+    party's, have reported the worker; a trusted account's report bans at once."""
+    accused, witness, _, reporter = run.cast()
+    proof = evidence(signed(accused.key, LIE), signed(witness.key, HONEST))
+    first = report(run.http, proof, reporter.key)
+    assert first.status_code == 200 and first.json()["verdict"] == "pending", first.text
+    same_account = run.admit(run.name_of(reporter.account), role="trainer")
+    assert report(run.http, proof, same_account.key).json()["verdict"] == "pending"  # one account's word twice
+    witness_trainer = run.admit(run.name_of(witness.account), role="trainer")
+    assert report(run.http, proof, witness_trainer.key).json()["verdict"] == "pending"  # a party's word
+    assert run.status(accused) == "admitted" and run.status(witness) == "admitted"
+    pending = run.reports(verdict="pending", limit=1000)
+    assert {r["reporter_peer_id"] for r in pending} >= {reporter.key.peer_id, witness_trainer.key.peer_id}
+    held = next(r for r in pending if r["id"] == first.json()["evidence_id"])
+    assert held["distances"] == [pytest.approx(2.0)] and held["witness_peer_ids"] == [witness.key.peer_id]
+    assert "banned once trainers of 2 accounts report it" in held["message"]
+
+    second = run.admit(f"second-reporter-{uuid.uuid4().hex[:8]}", role="trainer")
+    upheld = report(run.http, proof, second.key)
+    assert upheld.json()["verdict"] == "upheld", upheld.text
+    assert run.status(accused) == "banned" and run.status(witness) == "admitted"
+    ended = run.http.get(f"/v1/join/{accused.ticket}").json()
+    assert "as trainers of 2 accounts found" in ended["rejection"]["message"]
+
+    # the reverse accusation from the pair's other side proves as much, and is held the same way
+    accused, witness, _, reporter = run.cast()
+    swapped = evidence(signed(witness.key, HONEST), signed(accused.key, LIE))
+    assert report(run.http, swapped, reporter.key).json()["verdict"] == "pending"
+    agreeing = evidence(signed(accused.key, HONEST), signed(witness.key, HONEST))
+    assert report(run.http, agreeing, reporter.key).json()["error"]["reason"] == "accused_agrees"
+
+    # the run owner's own trainers: one report bans
+    owner = run.admit(f"owner-{uuid.uuid4().hex[:8]}", role="trainer")
+    trusted = run.http.patch("/v1/admin/policy", json={"evidence_trusted_accounts": [owner.account]}, headers=ADMIN)
+    assert trusted.status_code == 200, trusted.text
+    try:
+        proof = evidence(signed(accused.key, LIE), signed(witness.key, HONEST))
+        assert report(run.http, proof, owner.key).json()["verdict"] == "upheld"
+        assert run.status(accused) == "banned"
+    finally:
+        run.http.patch("/v1/admin/policy", json={"evidence_trusted_accounts": []}, headers=ADMIN)

@@ -1,7 +1,8 @@
 """From a lie to a revocation with real processes: a worker admitted by a real authorizer cheats
 (tests/support/adversary_node.py), a trainer's spot check disagrees, a third replica settles it,
 the trainer sends the three signed results to the authorizer, which checks them by itself, bans
-the cheater's account, and the revocation reaches the cheater, which leaves."""
+the cheater's account, and the revocation reaches the cheater, which leaves. With two replicas a
+stage, the trainers' own verdicts carry it there once trainers of two accounts report it."""
 
 from __future__ import annotations
 
@@ -68,5 +69,46 @@ def test_a_cheater_a_third_replica_convicts_is_revoked_by_the_authorizer_and_lea
         again = swarm.start("trainer", args=[*_node_args(authorizer, "dave"), "--max-samples", "40"])
         assert swarm.wait(again, 120) == 0 and again.summary()["samples_completed"] == 40
         assert again.summary()["spot_checks"]["disputed"] == 0
+    finally:
+        authorizer.stop()
+
+
+@pytest.mark.timeout(480)
+def test_with_two_replicas_a_stage_trainers_of_two_accounts_get_the_cheater_revoked(make_swarm, run_config_path,
+                                                                                     tmp_path):
+    """No third replica: each trainer's loss measurements convict the liar, each trainer reports the
+    pair's contradiction when it excludes it, and the second report (another account) reaches the
+    authorizer's quorum of two: the account is banned and the liar leaves."""
+    config = run_config_path(stages=TWO_STAGES, run_id=f"evidence2-{uuid.uuid4().hex[:6]}",
+                             verification={"spot_check_rate": 0.3})
+    authorizer = AuthorizerProcess(
+        ["--run-config", config, "--data-dir", str(tmp_path / "authorizer"), "--port", "0",
+         "--credential-ttl-s", "600", "--admin-token", ADMIN, "--stage-capacity", "2"],
+        log_path=str(tmp_path / "authorizer.log"))
+    authorizer.start()
+    try:
+        swarm = make_swarm(None, common_args=["--revocation-refresh-s", "2"])
+        honest = [swarm.start("worker", args=_node_args(authorizer, f"honest{i}")) for i in range(3)]
+        cheater = swarm.start("worker", args=_node_args(authorizer, "mallory"),
+                              prefix=adversary_prefix("scale:3", "loss:3"))
+        assert sorted(w.stage for w in [*honest, cheater]) == [0, 0, 1, 1], "two replicas a stage"
+        trainers = [swarm.start("trainer", args=[*_node_args(authorizer, name), "--max-samples", "200",
+                                                 "--lanes", "4"]) for name in ("carol", "dave")]
+        for trainer in trainers:
+            assert swarm.wait(trainer, 360) == 0, trainer.log_tail()
+        verdicts = []
+        for trainer in trainers:
+            checks = trainer.summary()["spot_checks"]
+            assert set(checks["excluded"]) == {cheater.peer_id}, checks
+            verdicts += list(checks["evidence"])
+        assert sorted(verdicts) in (["pending", "upheld"], ["already_revoked", "upheld"]), verdicts
+
+        listed = httpx.get(f"{authorizer.url}/v1/admin/evidence", headers={"Authorization": f"Bearer {ADMIN}"},
+                           timeout=10).json()["reports"]
+        assert {r["accused_peer_id"] for r in listed} == {cheater.peer_id}, listed
+        assert "upheld" in [r["verdict"] for r in listed] and all(len(r["witness_peer_ids"]) == 1 for r in listed)
+        poll_until(lambda: cheater.proc.poll() is not None, 60, "the revoked cheater to leave")
+        assert cheater.proc.returncode == ExitCode.REVOKED, cheater.log_tail()
+        assert all(w.proc.poll() is None for w in honest), [w.log_tail() for w in honest if w.proc.poll()]
     finally:
         authorizer.stop()

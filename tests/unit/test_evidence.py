@@ -156,3 +156,39 @@ def test_a_third_replica_says_which_of_two_parted_and_that_one_is_routed_around(
     fresh, named = iter([b"first!!!", b"second!!", b"third!!!"]), {}
     worker, spot = run(lambda peer: named.setdefault(peer, next(fresh)), b"its own!")
     assert not spot.stats.parted and routed_around == []
+
+
+def test_with_two_replicas_the_exclusion_is_reported_with_the_pair_s_contradiction():
+    """No third replica: the loss decides, and when the strikes exclude the liar the trainer sends
+    the two signed results (one witness); the authorizer holds such evidence to its quorum."""
+    same = b"weights1"
+    liar, ids, evaluate = _signing_replicas(lambda peer: same)
+    liar_id = liar.peer_id.to_base58()
+    pair = [liar_id, next(p for p in ids if p != liar_id)]
+    reported = []
+
+    async def report(evidence):
+        reported.append(evidence)
+        return "pending"
+
+    async def losses(stage, tokens, outputs):
+        return [3.0 if torch.equal(out, TRUE * 3) else 2.0 for out in outputs]
+
+    async def main():
+        spot = SpotChecks(1.0, 0.02, evaluate, lambda stage: list(pair), random.Random(0), run_id=RUN,
+                          report_evidence=report, losses=losses)
+        claim = liar.sign(result_signing_bytes(RUN, 1, 3, "output", TOKENS, INPUT, None, TRUE * 3, same))
+        for _ in range(4):
+            spot.check_forward(1, liar_id, TOKENS, INPUT, TRUE * 3, 3, claim, same)
+            while spot._tasks:
+                await asyncio.sleep(0)
+        return spot
+
+    checks = asyncio.run(main())
+    assert [d.struck for d in checks.stats.disputes] == [liar_id] * 4 and not any(d.arbiter for d in checks.stats.disputes)
+    assert list(checks.stats.excluded) == [liar_id] and checks.stats.evidence == {"pending": 1}
+    [evidence] = reported  # once, at the exclusion
+    assert evidence.accused.peer_id == liar_id and [w.peer_id for w in evidence.witnesses] == [pair[1]]
+    assert check_evidence(evidence, run_id=RUN, tolerance=0.02) == (pytest.approx(2.0),)
+    refused = evidence.model_copy(update={"accused": evidence.witnesses[0], "witnesses": [evidence.accused]})
+    assert check_evidence(refused, run_id=RUN, tolerance=0.02)  # the pair alone cannot say who lied: the verdict can
