@@ -21,11 +21,12 @@ For each attack, with the checks on (the run config's `verification`, spot check
 - tokens/s from the trainers' start to their end.
 
 `--authorizer` admits every node through a real authorizer (honouring --stage, one account per
-node); a trainer whose check is settled by a third replica (`--workers-per-stage 3`) sends the
-signed results to it, and `revoked_after_s` is when the authorizer first upheld evidence against
-the attacker, in seconds since the trainers started (polled every 0.5 s), and `left_after_s` when
-the revoked attacker's process exited. With two replicas a stage nobody a stranger could ask
-settles a dispute, so nothing is sent: the trainers route around the attacker and nothing more.
+node, so the two trainers are on two accounts). A trainer whose check a third replica settles
+(`--workers-per-stage 3`) sends the three signed results; with two replicas, each trainer sends the
+pair's contradiction when it excludes the attacker, and the second such report reaches the
+authorizer's default quorum of two accounts. `revoked_after_s` is when the authorizer first upheld
+evidence against the attacker, in seconds since the trainers started (polled every 0.5 s);
+`left_after_s` when the revoked attacker's process exited; `evidence` counts the verdicts.
 
 `--honest N` adds N honest runs with the checks on (the baseline is the first), cycling through
 plain, `churn` (replica 1 of stage 1 killed at 40% of the samples and restarted) and `workers`
@@ -96,6 +97,7 @@ class Revocation:
         self.upheld_at: dict[str, float] = {}
         self.left_at: dict[str, float] = {}
         self.rejected = 0
+        self.pending = 0
         self._next_poll = 0.0
 
     def tick(self, swarm, elapsed: float) -> None:
@@ -117,7 +119,8 @@ class Revocation:
             return
         reports = body.get("reports", body) if isinstance(body, dict) else body
         by_peer = {peer: name for name, peer in self.peer_ids.items()}
-        self.rejected = sum(1 for r in reports if r.get("verdict") != "upheld")
+        self.rejected = sum(1 for r in reports if r.get("verdict") == "rejected")
+        self.pending = sum(1 for r in reports if r.get("verdict") == "pending")
         for report in reports:
             name = by_peer.get(report.get("accused_peer_id"))
             if name is not None and report.get("verdict") == "upheld":
@@ -158,7 +161,8 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
         if revocation is not None:
             out["revoked_after_s"] = {n: revocation.upheld_at.get(n) for n in sorted(liars)}
             out["left_after_s"] = {n: revocation.left_at.get(n) for n in sorted(liars)}
-            out["evidence_rejected"] = revocation.rejected
+            out["evidence"] = {"rejected": revocation.rejected, "pending": revocation.pending,
+                               "upheld": len(revocation.upheld_at)}
         if out["errors"]:
             log(f"[{label}] errors: {out['errors']}; logs kept in {workdir}")
     except Exception as exc:  # noqa: BLE001 - one run's failure is reported, the others still run
