@@ -15,7 +15,10 @@ For each attack, with the checks on (the run config's `verification`, spot check
 - samples until exclusion: the samples the attacker served, over both trainers, until the last
   trainer stopped routing to it (each trainer's `served_before_exclusion`); null where a trainer
   never excluded it, with what it served in `served`;
-- false accusations: any worker but the attacker that a trainer excluded or struck;
+- false accusations: any worker but the attacker that a trainer excluded (and so reported, with
+  an authorizer); `honest_strikes` counts the disputes resolved against honest workers, which
+  exclude nobody below `strikes_to_exclude` (a dispute decided by the loss can go either way when
+  the lie hardly moves it);
 - held-out loss (256 samples, the elementwise mean of the replicas' final weights, as
   bench_fidelity takes it) and its gap to the honest run of the same invocation;
 - tokens/s from the trainers' start to their end.
@@ -208,12 +211,12 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
     peer_of = swarm.get("peer_ids", {})
     attackers = {peer_of.get(name) for name in liars} - {None}
     trainers = {name: s or {} for name, s in summaries.items() if name.startswith("trainer-")}
-    per_trainer, accused = {}, set()
+    per_trainer, accused, honest_strikes = {}, set(), 0
     for name, summary in trainers.items():
         checks = summary.get("spot_checks") or {}
         excluded = checks.get("excluded") or {}
-        accused |= set(excluded) | {d.get("struck") for d in checks.get("disputes", []) if d.get("struck")}
-        accused |= set((checks.get("strikes") or {}))
+        accused |= set(excluded)
+        honest_strikes += sum(n for peer, n in (checks.get("strikes") or {}).items() if peer not in attackers)
         served = {peer: n for stage in (summary.get("served") or {}).values() for peer, n in stage.items()}
         per_trainer[name] = {
             "excluded": {p[-8:]: why for p, why in excluded.items()},
@@ -246,6 +249,7 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
         "samples_to_exclusion": samples_to_exclusion,
         "excluded_by_every_trainer": bool(liars) and all(v is not None for v in samples_to_exclusion.values()),
         "false_accusations": false,
+        "honest_strikes": honest_strikes,
         "held_out_loss": held_out,
         "samples_completed": completed,
         "tokens_per_s": rounded(completed * run.seq_len / wall, 1) if wall else None,
@@ -293,7 +297,7 @@ def summarize(runs: list[dict], baseline: Optional[dict]) -> dict:
             continue
         row = table.setdefault(r["attack"], {}).setdefault("on" if r["checks"] else "off", {
             "runs": 0, "samples_to_exclusion": [], "never_excluded": 0, "held_out_gaps": [],
-            "revoked_after_s": [], "false_accusations": 0})
+            "revoked_after_s": [], "false_accusations": 0, "honest_strikes": 0})
         row["runs"] += 1
         for n in (r.get("samples_to_exclusion") or {}).values():
             if n is None:
@@ -304,6 +308,7 @@ def summarize(runs: list[dict], baseline: Optional[dict]) -> dict:
             row["held_out_gaps"].append(round((r["held_out_loss"] - base) / base, 4))
         row["revoked_after_s"] += [s for s in (r.get("revoked_after_s") or {}).values() if s is not None]
         row["false_accusations"] += len(r.get("false_accusations") or [])
+        row["honest_strikes"] += r.get("honest_strikes") or 0
     for by_checks in table.values():
         for row in by_checks.values():
             found = row["samples_to_exclusion"]

@@ -52,13 +52,13 @@ def test_samples_to_exclusion_add_up_over_trainers_only_once_every_trainer_exclu
     assert figures["trainers"]["trainer-1"]["served_by_attackers"] == {ATTACKER[-8:]: 40}
 
 
-def test_a_strike_on_an_honest_worker_is_a_false_accusation(tmp_path, run):
+def test_an_honest_worker_excluded_is_a_false_accusation_and_a_strike_is_counted(tmp_path, run):
     swarm = _swarm(tmp_path, {
-        "trainer-0": _trainer({}, {}, {HONEST: 80}, [HONEST]),
-        "trainer-1": _trainer({}, {}, {HONEST: 80}),
+        "trainer-0": _trainer({HONEST: "3 disputes"}, {HONEST: 30}, {HONEST: 80}, [HONEST]),
+        "trainer-1": _trainer({}, {}, {HONEST: 80}, [HONEST]),
     })
-    figures = bench_trust._figures(run, swarm, {}, 160)
-    assert figures["false_accusations"] == [HONEST[-8:]]
+    figures = bench_trust._figures(run, swarm, {"worker-s1-r1": ["noise:10"]}, 160)
+    assert figures["false_accusations"] == [HONEST[-8:]] and figures["honest_strikes"] == 6
 
 
 def test_the_table_takes_medians_over_runs_and_gaps_to_the_honest_baseline():
