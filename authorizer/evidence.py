@@ -16,7 +16,9 @@ each other, and the reporter's loss measurement says which lied. A trainer can b
 about that, so such a report bans at once only from an account in the policy's
 `evidence_trusted_accounts` (the run owner's own trainers); from others it is `pending` until
 reporters of `evidence_quorum` accounts (2 by default), none of them the accused's or the
-witness's, have reported the same worker.
+witness's, have reported the same worker. A worker whose two signed answers to the same
+computation contradict each other (the accused its own witness) has proven its lie by itself and
+is banned at once.
 
 A report passes the cheap gates first, each with its typed error and nothing stored: the body's
 size (413, authorizer.app, before anything is read) and its source's rate (429), its shape (400),
@@ -93,6 +95,8 @@ class EvidenceDesk:
         ban's words name who proved it."""
         if len(evidence.witnesses) == 2:
             return None, "two replicas of other accounts"
+        if evidence.self_contradiction:
+            return None, "its own second answer to the same input"
         policy = self.authorizer.policy
         if reporter[1] in policy.evidence_trusted_accounts:
             return None, "its stage's other replica, of another account, as a trusted account's trainer found"
@@ -147,7 +151,8 @@ class EvidenceDesk:
             message=lambda evidence_id: (f"the authorizer banned this {'peer' if anonymous else 'account'}: "
                                          f"evidence #{evidence_id} shows its worker {accused} signed a {what}; "
                                          f"contact the operator if you think this is a mistake"),
-            quorum=quorum, parties=frozenset(workers[w.peer_id].account_id for w in [evidence.accused, *evidence.witnesses]))
+            quorum=quorum,
+            parties=frozenset(workers[w.peer_id].account_id for w in [evidence.accused, *evidence.witnesses]))
         record = _record(evidence, reporter, workers, received_at, body_sha256)
         target = "peer" if anonymous else "account"
         record.update(distance_1=gaps[0], distance_2=gaps[1] if len(gaps) > 1 else None,
@@ -191,6 +196,8 @@ def _check_parties(evidence: Evidence, workers: dict) -> None:
     if missing:
         raise EvidenceRejected(EvidenceReason.NOT_A_WORKER_OF_THE_STAGE.value,
                                f"{', '.join(missing)} was never admitted as a worker of stage {evidence.stage}")
+    if evidence.self_contradiction:
+        return  # its own word against itself
     accused, *witnesses = (workers[peer].account_id for peer in parties)
     if accused in witnesses:
         raise EvidenceRejected(EvidenceReason.SAME_ACCOUNT.value,

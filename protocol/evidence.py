@@ -23,6 +23,11 @@ the two signed contradicting results for one input at one version with the same 
 of them lied. Which one is the reporter's verdict (a loss measurement the trainer made); the
 authorizer acts on it only from an account the run owner trusts or once several reporters of
 different accounts agree (authorizer/evidence.py).
+
+The one witness may be the accused itself (`self_contradiction`): asked the same computation
+twice, it signed two results further apart than `tolerance`. Honest compute at one version with
+the same weights is deterministic to far within the tolerance (replicas agree to the last bit on
+the same hardware), so that proves the lie by itself.
 """
 
 from __future__ import annotations
@@ -98,6 +103,11 @@ class Evidence(WireModel):
     accused: SignedResult
     witnesses: list[SignedResult] = Field(min_length=1, max_length=2)
 
+    @property
+    def self_contradiction(self) -> bool:
+        """The accused's own second answer is the witness."""
+        return len(self.witnesses) == 1 and self.witnesses[0].peer_id == self.accused.peer_id
+
 
 class EvidenceRejected(AgoraError):
     """Evidence that does not prove what it claims (`reason`: bad_signature, witnesses_disagree,
@@ -125,7 +135,7 @@ def check_evidence(evidence: Evidence, *, run_id: str, tolerance: float) -> tupl
     if evidence.run_id != run_id:
         raise EvidenceRejected("wrong_run", f"the evidence is for run {evidence.run_id!r}, not {run_id!r}")
     parties = [evidence.accused, *evidence.witnesses]
-    if len({p.peer_id for p in parties}) != len(parties):
+    if len({p.peer_id for p in parties}) != len(parties) and not evidence.self_contradiction:
         raise EvidenceRejected("duplicate_party", "the accused and the witnesses must be different peers")
     for party in parties:
         signed = result_signing_bytes(evidence.run_id, evidence.stage, evidence.version, evidence.kind,

@@ -91,6 +91,9 @@ class Dispute:
     arbiter: Optional[str] = None
     """A third replica whose re-execution matched one side only; `measures` are then the two
     sides' distances from it."""
+    self_contradiction: bool = False
+    """Decided by asking both sides again: the struck one's second answer contradicted its first;
+    `measures` are each side's distance between its two answers."""
     signed: Optional[tuple["_Hop", "SignedResult"]] = field(default=None, repr=False, compare=False)
     """The hop and the checker's signed result: two-replica evidence, should the verdict exclude."""
 
@@ -130,7 +133,8 @@ class SpotCheckStats:
                               "kind": d.kind,
                               "distance": round(d.distance, 6),
                               "measures": None if d.measures is None else [round(x, 6) for x in d.measures],
-                              "struck": d.struck, "arbiter": d.arbiter} for d in self.disputes[-16:]]}
+                              "struck": d.struck, "arbiter": d.arbiter,
+                              "self_contradiction": d.self_contradiction} for d in self.disputes[-16:]]}
 
 
 @dataclass
@@ -340,6 +344,8 @@ class SpotChecks:
             thirds = [peer for peer in others if peer != checker]
             if thirds and await self._arbitrate(dispute, hop, recomputed, self._rng.choice(thirds)):
                 return
+            if await self._ask_again(dispute, hop, recomputed):
+                return
             dispute.signed = (hop, recomputed)
             if hop.kind == "gradient" and self._slopes is not None:
                 await self._resolve_gradient(dispute, hop.tokens, hop.coords, hop.claimed, recomputed.result)
@@ -366,6 +372,25 @@ class SpotChecks:
         accused, witness = (claim, recomputed) if gaps[0] > self.tolerance else (recomputed, claim)
         self._strike(dispute, accused.peer)
         self._report(hop, accused, [witness, third])
+        return True
+
+    async def _ask_again(self, dispute: Dispute, hop: _Hop, recomputed: SignedResult) -> bool:
+        """Both sides re-execute the hop once more: honest compute is deterministic at one version
+        (replicas agree to the last bit), so a side whose second answer contradicts its first lies,
+        whichever way its lie goes (random noise, say) and without a third replica. Its two signed
+        results are evidence by themselves. False (no verdict) when both or neither contradict
+        themselves, or a side cannot answer at that version."""
+        first = [SignedResult(hop.worker, hop.claimed, hop.attestation, hop.weights), recomputed]
+        again = [await self._recompute(hop, side.peer) for side in first]
+        if any(failure for _, failure in again):
+            return False
+        gaps = [_gap(side.result, second.result) for side, (second, _) in zip(first, again)]
+        if None in gaps or (gaps[0] > self.tolerance) == (gaps[1] > self.tolerance):
+            return False
+        liar = 0 if gaps[0] > self.tolerance else 1
+        dispute.measures, dispute.self_contradiction = (gaps[0], gaps[1]), True
+        self._strike(dispute, first[liar].peer)
+        self._report(hop, first[liar], [again[liar][0]])
         return True
 
     async def _find_parted(self, hop: _Hop, checker: SignedResult, thirds: list[str]) -> None:
@@ -487,8 +512,9 @@ class SpotChecks:
         self.stats.favoured[spared] += 1
         strikes, favoured = self.stats.strikes[struck], self.stats.favoured[struck]
         if (strikes >= self.strikes_to_exclude and 3 * favoured < strikes and struck not in self.stats.excluded):
-            what = ("distance from a third replica" if dispute.arbiter else "loss" if dispute.kind == "output"
-                    else "slope error")
+            what = ("distance from a third replica" if dispute.arbiter
+                    else "distance between its own two answers" if dispute.self_contradiction
+                    else "loss" if dispute.kind == "output" else "slope error")
             why = (f"{strikes} spot-check disputes on stage {dispute.stage} resolved against it "
                    f"({favoured} in its favour); last: {what} {max(dispute.measures):.4g} against "
                    f"{min(dispute.measures):.4g} at version {dispute.version}")

@@ -386,3 +386,17 @@ def test_a_two_replica_contradiction_bans_once_reporters_of_two_accounts_agree(r
         assert run.status(accused) == "banned"
     finally:
         run.http.patch("/v1/admin/policy", json={"evidence_trusted_accounts": []}, headers=ADMIN)
+
+
+def test_a_worker_contradicting_itself_is_banned_on_one_report(run):
+    """Its own two signed answers to one computation, further apart than the tolerance: no other
+    replica's word is needed, so no quorum either."""
+    accused, _, _, reporter = run.cast()
+    answer = report(run.http, evidence(signed(accused.key, LIE), signed(accused.key, HONEST)), reporter.key)
+    assert answer.status_code == 200 and answer.json()["verdict"] == "upheld", answer.text
+    ended = run.http.get(f"/v1/join/{accused.ticket}").json()
+    assert ended["status"] == "banned" and "its own second answer" in ended["rejection"]["message"]
+    innocent, _, _, _ = run.cast()
+    agrees = report(run.http, evidence(signed(innocent.key, HONEST), signed(innocent.key, HONEST.clone())),
+                    reporter.key)
+    assert agrees.json()["error"]["reason"] == "accused_agrees" and run.status(innocent) == "admitted"

@@ -192,3 +192,46 @@ def test_with_two_replicas_the_exclusion_is_reported_with_the_pair_s_contradicti
     assert check_evidence(evidence, run_id=RUN, tolerance=0.02) == (pytest.approx(2.0),)
     refused = evidence.model_copy(update={"accused": evidence.witnesses[0], "witnesses": [evidence.accused]})
     assert check_evidence(refused, run_id=RUN, tolerance=0.02)  # the pair alone cannot say who lied: the verdict can
+
+
+def test_a_side_whose_second_answer_contradicts_its_first_is_struck_and_proves_it_itself():
+    """A liar adding fresh noise to every answer: asked the same hop again, it contradicts itself,
+    which an honest (deterministic) worker never does; no third replica, no loss measurement."""
+    liar, honest = _identity(), _identity()
+    ids = {i.peer_id.to_base58(): i for i in (liar, honest)}
+    liar_id = liar.peer_id.to_base58()
+    noise = torch.Generator().manual_seed(0)
+
+    def answer(peer):
+        return TRUE + torch.randn(TRUE.shape, generator=noise) * 0.1 if peer == liar_id else TRUE.clone()
+
+    async def evaluate(stage, peer, request):
+        result = answer(peer)
+        signature = ids[peer].sign(result_signing_bytes(RUN, stage, 3, "output", request.tokens, request.coords,
+                                                        None, result, b"weights1"))
+        return EvaluateReply(coords=result, version=3, weights=b"weights1", attestation=signature)
+
+    reported = []
+
+    async def report(evidence):
+        reported.append(evidence)
+        return "upheld"
+
+    async def main():
+        spot = SpotChecks(1.0, 0.02, evaluate, lambda stage: list(ids), random.Random(0), run_id=RUN,
+                          report_evidence=report)
+        claimed = answer(liar_id)
+        claim = liar.sign(result_signing_bytes(RUN, 1, 3, "output", TOKENS, INPUT, None, claimed, b"weights1"))
+        spot.check_forward(1, liar_id, TOKENS, INPUT, claimed, 3, claim, b"weights1")
+        while spot._tasks:
+            await asyncio.sleep(0)
+        return spot
+
+    checks = asyncio.run(main())
+    [dispute] = checks.stats.disputes
+    assert dispute.struck == liar_id and dispute.self_contradiction and dispute.measures[1] == 0.0
+    [evidence] = reported
+    assert evidence.self_contradiction and evidence.accused.peer_id == liar_id
+    assert check_evidence(evidence, run_id=RUN, tolerance=0.02)[0] > 0.02
+    with pytest.raises(EvidenceRejected, match="within tolerance"):  # an honest worker's two answers agree
+        check_evidence(_evidence(honest, [honest], lie=TRUE.clone()), run_id=RUN, tolerance=0.02)

@@ -175,9 +175,9 @@ def test_a_gradient_dispute_goes_against_the_gradient_whose_slopes_are_wrong():
         return [float(torch.dot(true_grad.flatten(), d.flatten())) for d in directions]
 
     async def main(claimed, replica_answer):
-        async def evaluate(stage, peer, request):
+        async def evaluate(stage, peer, request):  # each side answers as it did (asked again, too)
             assert request.grad_output is not None and request.version == 4
-            return EvaluateReply(coords=OUT, grad_input=replica_answer, version=4)
+            return EvaluateReply(coords=OUT, grad_input=claimed if peer == "a" else replica_answer, version=4)
 
         checks = SpotChecks(1.0, 0.01, evaluate, lambda stage: ["a", "b"], random.Random(0), slopes=slopes)
         checks.check_backward(1, "a", TOKENS, OUT, OUT, claimed, 4)
@@ -195,7 +195,7 @@ def test_a_gradient_dispute_goes_against_the_gradient_whose_slopes_are_wrong():
 def test_a_loss_dispute_goes_against_the_tail_whose_losses_its_own_gradient_does_not_explain():
     async def main(errors):
         async def evaluate(stage, peer, request):
-            return EvaluateReply(loss=2.0, version=3)
+            return EvaluateReply(loss=6.0 if peer == "tail-a" else 2.0, version=3)
 
         async def consistency(stage, peer, tokens, coords):
             return errors[peer]
@@ -219,8 +219,8 @@ def test_stages_whose_replicas_differ_between_rounds_are_not_checked():
         asked = []
 
         async def evaluate(stage, peer, request):
-            asked.append(stage)
-            return EvaluateReply(coords=OUT * 5, version=1)
+            asked.append((stage, peer))
+            return EvaluateReply(coords=OUT if peer == "a" else OUT * 5, version=1)
 
         checks = SpotChecks(1.0, 0.01, evaluate, lambda stage: ["a", "b"], random.Random(0),
                             equal_replicas=lambda stage: stage != 1)  # stage 1: SparseLoCo, say
@@ -229,7 +229,9 @@ def test_stages_whose_replicas_differ_between_rounds_are_not_checked():
         await _settle(checks)
         return checks, asked
     checks, asked = asyncio.run(main())
-    assert asked == [0] and checks.stats.outcomes["unchecked"] == 1 and checks.stats.outcomes["disputed"] == 1
+    # stage 0 only: the check, then each side asked again (both answer as before: no verdict from that)
+    assert asked == [(0, "b"), (0, "a"), (0, "b")]
+    assert checks.stats.outcomes["unchecked"] == 1 and checks.stats.outcomes["disputed"] == 1
 
 
 def test_a_third_replica_decides_a_dispute_without_the_loss():
