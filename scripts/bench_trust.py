@@ -225,6 +225,8 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
             "checks": {k: checks.get(k) for k in ("agreed", "disputed", "unresolved", "diverged", "targeted",
                                                   "resolved", "evidence", "parted")},
             "samples_completed": summary.get("samples_completed"),
+            "dropped": summary.get("dropped"),
+            "discovery_empty_reads": summary.get("discovery_empty_reads", 0),
         }
     samples_to_exclusion: dict[str, Optional[int]] = {}
     for name, peer in ((n, peer_of.get(n)) for n in sorted(liars)):

@@ -1,7 +1,10 @@
 """Periodic worker discovery [report 3.3.2.2]: read every stage's worker records from the DHT,
 hand the routable ones to that stage's balancer, and remember their addresses.
 
-Workers in weight sync or leaving are not routable; a worker whose record lapsed is dropped. So
+Workers in weight sync or leaving are not routable; a worker whose record lapsed is dropped. A read
+that finds no record at all under a stage is taken for a failed read (a DHT lookup on a loaded
+host comes back empty, with no timeout) while the stage's workers were found less than a record's
+lifetime ago: they stay routable, as their records would have. So
 is a worker whose record names another model digest than this trainer's run config: it trains a
 different model (another construction, subspace seed or stage cut), and its coordinates would
 mean something else to its neighbours. It is named once in the log. And so is a worker this
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import Phase, WorkerRecord, workers_key
@@ -21,6 +25,9 @@ from roles.trainer.balancer import StageBalancer, WorkerView
 logger = logging.getLogger(__name__)
 
 ROUTABLE_PHASES = (Phase.ACTIVE, Phase.OPTIMIZER_SYNC)
+EMPTY_READ_GRACE_S = 30.0
+"""How long a stage's workers stay routable through reads that find no record under the stage:
+the lifetime of a worker record (roles/worker/progress.py), so none outlives what the DHT keeps."""
 
 
 class WorkerDiscovery:
@@ -39,12 +46,24 @@ class WorkerDiscovery:
         self.records: list[dict[str, WorkerRecord]] = [{} for _ in balancers]
         self._refreshed = asyncio.Event()
         self._wake = asyncio.Event()
+        self._found_at = [float("-inf") for _ in balancers]
+        """When each stage's read last found any record (monotonic)."""
+        self.empty_reads = 0
+        """Reads that found nothing under a stage whose workers were kept (see EMPTY_READ_GRACE_S)."""
 
     async def refresh(self) -> None:
         results = await asyncio.gather(
             *(self.swarm.get(workers_key(self.run_id, s), WorkerRecord) for s in range(len(self.balancers)))
         )
+        now = time.monotonic()
         for stage, records in enumerate(results):
+            if records:
+                self._found_at[stage] = now
+            elif self.records[stage] and now - self._found_at[stage] < EMPTY_READ_GRACE_S:
+                self.empty_reads += 1
+                logger.debug("the read of stage %d's workers found no record; keeping the %d found %.0f s ago",
+                             stage, len(self.records[stage]), now - self._found_at[stage])
+                continue
             routable = {
                 peer: r for peer, r in records.items() if r.phase in ROUTABLE_PHASES and r.stage == stage
                 and not self._other_model(peer, r) and peer not in self.excluded

@@ -348,6 +348,7 @@ class TrainerRole:
             "routing": self.run_config.routing.path,
             **({"routing_fallbacks": self.chained.fallbacks} if self.chained is not None else {}),
             **({"workers_other_model": len(self.discovery.other_model)} if self.discovery.other_model else {}),
+            **({"discovery_empty_reads": self.discovery.empty_reads} if self.discovery.empty_reads else {}),
             "forward_retries": self.driver.stats.forward_retries,
             "reconnected": self.driver.stats.reconnected,
             "backward_fallbacks": self.driver.stats.backward_fallbacks,
