@@ -19,6 +19,16 @@ its last `RECENT` differences from its replicas (at the versions it answered at)
 flipped gradient, another sample's output, a replay) passes the screen and is left to the base
 rate of spot checks. An excluded worker's replies are forgotten, so its replicas are no longer
 held against them.
+
+A second pair of kinds catches what keeps its size: `output_coherence` and `gradient_coherence`,
+the cosine between what a body stage was given and what it answered (its input coordinates and
+its output; the gradient it was sent and the input gradient it returned), each flattened. A stage
+adds to a residual stream, so an honest reply points where its input does: on the tiny preset
+0.84 +- 0.02 for outputs and 0.81 +- 0.05 for gradients after training (0.98 and 0.99 at the
+start). Another sample's output sits near 0 (-0.02 +- 0.07), a flipped gradient near -0.8, a
+zeroed one at 0; a replay on old weights or a scaled output keeps it. It is compared with the
+replicas' at the same versions like the sizes, so a construction whose boundaries share no basis
+(near 0 for everyone) flags nobody.
 """
 
 from __future__ import annotations
@@ -43,10 +53,12 @@ HISTORY = 256
 """Values kept per stage and kind, all workers together: the replicas' answers at recent versions."""
 THRESHOLD = 6.0
 """Robust deviations a worker's median difference from its replicas may reach before it is a suspect."""
-SCALE_FLOOR = {"output": 0.03, "loss": 0.03, "gradient": 0.25}
-"""The smallest deviation assumed, by kind (of a log: 3%, 25%). A worker's input gradients depend
-on the later stages' versions too, not only its own, and honest replicas' differ by 10-20% at one
-version of theirs; an output or a loss depends on its own version alone (and the input's)."""
+SCALE_FLOOR = {"output": 0.03, "loss": 0.03, "gradient": 0.25, "output_coherence": 0.05,
+               "gradient_coherence": 0.1}
+"""The smallest deviation assumed, by kind (of a log: 3%, 25%; of a cosine: 0.05, 0.1). A worker's
+input gradients depend on the later stages' versions too, not only its own, and honest replicas'
+differ by 10-20% at one version of theirs; an output or a loss depends on its own version alone
+(and the input's)."""
 TINY = 1e-30
 
 
@@ -54,6 +66,18 @@ def reply_size(tensor: torch.Tensor) -> float:
     """The log of a reply's RMS: scale-free, and a zeroed tensor is far from everything."""
     rms = float(torch.linalg.vector_norm(tensor.float())) / math.sqrt(max(tensor.numel(), 1))
     return math.log(max(rms, TINY)) if math.isfinite(rms) else math.inf
+
+
+def coherence(given: Optional[torch.Tensor], answer: Optional[torch.Tensor]) -> Optional[float]:
+    """The cosine between what a stage was given and what it answered, flattened; None when there
+    is nothing to compare (a head's input, a tail's gradient, boundaries of other widths)."""
+    if given is None or answer is None or given.shape != answer.shape:
+        return None
+    a, b = given.float().flatten(), answer.float().flatten()
+    norms = float(torch.linalg.vector_norm(a)) * float(torch.linalg.vector_norm(b))
+    if not math.isfinite(norms):
+        return math.inf
+    return float(torch.dot(a, b)) / norms if norms > 0 else 0.0
 
 
 def loss_size(loss: float) -> float:

@@ -59,7 +59,7 @@ import torch
 from protocol.evidence import Evidence, loss_tensor
 from protocol.evidence import SignedResult as EvidenceResult
 from protocol.messages import BackwardReply, EvaluateReply, EvaluateRequest, ForwardReply
-from roles.trainer.screening import Screening, loss_size, reply_size
+from roles.trainer.screening import Screening, coherence, loss_size, reply_size
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +244,7 @@ class SpotChecks:
                    reply: ForwardReply) -> None:
         if self.rate > 0:
             self.screening.observe(stage, "output", worker, reply_size(reply.coords), reply.version)
+            self._observe_coherence(stage, "output_coherence", worker, coords, reply.coords, reply.version)
             if self.draw(stage, worker):
                 self.check_forward(stage, worker, tokens, coords, reply.coords, reply.version, reply.attestation,
                                    reply.weights)
@@ -262,9 +263,17 @@ class SpotChecks:
                     grad_output: Optional[torch.Tensor], reply: BackwardReply) -> None:
         if self.rate > 0:
             self.screening.observe(stage, "gradient", worker, reply_size(reply.grad_input), reply.version)
+            self._observe_coherence(stage, "gradient_coherence", worker, grad_output, reply.grad_input,
+                                    reply.version)
             if self.draw(stage, worker):
                 self.check_backward(stage, worker, tokens, coords, grad_output, reply.grad_input, reply.version,
                                     reply.attestation, reply.weights)
+
+    def _observe_coherence(self, stage: int, kind: str, worker: str, given: Optional[torch.Tensor],
+                           answer: Optional[torch.Tensor], version: Optional[int]) -> None:
+        value = coherence(given, answer)
+        if value is not None:
+            self.screening.observe(stage, kind, worker, value, version)
 
     def check_forward(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
                       output: torch.Tensor, version: Optional[int], attestation: Optional[bytes] = None,

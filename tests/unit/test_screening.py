@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from roles.trainer.screening import RECENT, Screening, loss_size, reply_size
+from roles.trainer.screening import RECENT, Screening, coherence, loss_size, reply_size
 from roles.trainer.spot_checks import SpotChecks
 
 
@@ -57,3 +57,41 @@ def test_a_suspect_is_checked_at_the_suspect_rate_and_the_others_at_the_base_rat
     assert 850 <= suspect <= 1150 and honest <= 50, (suspect, honest)
     assert checks.stats.outcomes["targeted"] == suspect
     assert SpotChecks(0.0, 0.01, None, lambda stage: [], suspect_rate=0.5).draw(2, "liar") is False
+
+
+def _residual_replies(gen, samples=64, width=8, positions=16):
+    """Inputs and answers of a stage that adds to a residual stream: the answer is mostly its
+    input (cosine about 0.85), as a trained body stage's is."""
+    inputs = torch.randn(samples, positions, width, generator=gen)
+    return inputs, inputs + 0.6 * torch.randn(samples, positions, width, generator=gen)
+
+
+def test_another_sample_s_output_or_a_flipped_gradient_keeps_its_size_but_not_its_direction():
+    gen = torch.Generator().manual_seed(0)
+    inputs, answers = _residual_replies(gen)
+    assert 0.8 < coherence(inputs[0], answers[0]) < 0.9
+    assert coherence(inputs[0], None) is None and coherence(inputs[0], answers[0][:4]) is None
+    assert coherence(inputs[0], torch.zeros_like(answers[0])) == 0.0
+    assert coherence(inputs[0], answers[0] * float("nan")) != coherence(inputs[0], answers[0])
+    lies = {"swap": lambda i: answers[(i + 1) % len(answers)], "flip": lambda i: -answers[i],
+            "zero": lambda i: torch.zeros_like(answers[i])}
+    for name, lie in lies.items():
+        screen = Screening()
+        for i in range(4 * 2 * RECENT):
+            worker = ("a", "b", "c", "liar")[i % 4]
+            answer = lie(i % len(answers)) if worker == "liar" else answers[i % len(answers)]
+            screen.observe(1, "output_coherence", worker, coherence(inputs[i % len(inputs)], answer), i // 8)
+        assert screen.suspect(1, "liar") and not any(screen.suspect(1, w) for w in "abc"), (name, screen.summary())
+        assert screen.summary()["suspects"]["liar"]["kind"] == "output_coherence"
+
+
+def test_honest_replicas_coherence_never_flags_them():
+    gen = torch.Generator().manual_seed(1)
+    inputs, answers = _residual_replies(gen, samples=2000)
+    screen = Screening()
+    rng = random.Random(0)
+    for i in range(2000):
+        worker = "a" if rng.random() < 0.1 else rng.choice("bcd")
+        screen.observe(1, "gradient_coherence", worker, coherence(inputs[i], answers[i]), i // 8)
+        screen.observe(1, "output_coherence", worker, coherence(inputs[i], answers[i]), i // 8)
+    assert screen.flagged == {}
