@@ -90,7 +90,7 @@ class EvidenceDesk:
                 await self._reject(evidence, exc, reporter, workers, received_at, body_sha256)
             return await self._uphold(evidence, gaps, reporter, workers, received_at, body_sha256)
 
-    def _quorum(self, evidence: Evidence, reporter: tuple[str, str], workers: dict) -> tuple[Optional[int], str]:
+    def _quorum(self, evidence: Evidence, reporter: tuple[str, str]) -> tuple[Optional[int], str]:
         """How many reporters' accounts a ban on this evidence waits for (None: none), and how the
         ban's words name who proved it."""
         if len(evidence.witnesses) == 2:
@@ -141,7 +141,7 @@ class EvidenceDesk:
         authorizer = self.authorizer
         accused = evidence.accused.peer_id
         account = workers[accused].account_id
-        quorum, by_whom = self._quorum(evidence, reporter, workers)
+        quorum, by_whom = self._quorum(evidence, reporter)
         what = (f"stage {evidence.stage} {evidence.kind} at version {evidence.version} contradicted by {by_whom} "
                 f"(distance{'s' if len(gaps) > 1 else ''} {', '.join(f'{g:.4g}' for g in gaps)})")
         anonymous = account == ANONYMOUS_ACCOUNT
