@@ -19,8 +19,10 @@ For each attack, with the checks on (the run config's `verification`, spot check
   an authorizer); `honest_strikes` counts the disputes resolved against honest workers, which
   exclude nobody below `strikes_to_exclude` (a dispute decided by the loss can go either way when
   the lie hardly moves it);
-- held-out loss (256 samples, the elementwise mean of the replicas' final weights, as
-  bench_fidelity takes it) and its gap to the honest run of the same invocation;
+- held-out loss (256 samples) of the elementwise mean of the final weights of the replicas still
+  there at the end (a revoked attacker's last checkpoint is from when it left), and its gap to the
+  honest run of the same invocation; also the mean of all replicas, as bench_fidelity takes it,
+  and each replica's own model;
 - tokens/s from the trainers' start to their end.
 
 `--authorizer` admits every node through a real authorizer (honouring --stage, one account per
@@ -235,11 +237,16 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
     false = sorted(p[-8:] for p in accused - attackers if p)
     completed = sum((t.get("samples_completed") or 0) for t in trainers.values())
     wall = swarm.get("train_wall_s")
-    held_out = None
+    held_out, held_out_all, per_replica, written = None, None, [], []
     try:
-        replicas = [bench_fidelity.read_checkpoints(run, d)[0] for d in swarm["checkpoint_dirs"]]
-        held_out = bench_fidelity.held_out_of(bench_fidelity.mean_of_replicas(run, replicas),
-                                             held_out_tokens(run, bench_fidelity.HELD_OUT_SAMPLES))
+        found = [bench_fidelity.read_checkpoints(run, d) for d in swarm["checkpoint_dirs"]]
+        tokens = held_out_tokens(run, bench_fidelity.HELD_OUT_SAMPLES)
+        replicas = [stages for stages, _ in found]
+        written = [steps for _, steps in found]
+        held_out = bench_fidelity.held_out_of(bench_fidelity.mean_of_replicas(run, _survivors(replicas, written)),
+                                             tokens)
+        per_replica = [bench_fidelity.held_out_of(stages, tokens) for stages in replicas]
+        held_out_all = bench_fidelity.held_out_of(bench_fidelity.mean_of_replicas(run, replicas), tokens)
     except Exception as exc:  # noqa: BLE001 - a missing or garbled checkpoint: no held-out figure
         errors.append(f"held-out loss: {type(exc).__name__}: {exc}")
     if held_out is None:
@@ -253,6 +260,9 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
         "false_accusations": false,
         "honest_strikes": honest_strikes,
         "held_out_loss": held_out,
+        "held_out_loss_mean_of_all_replicas": held_out_all,
+        "held_out_loss_per_replica": per_replica,
+        "checkpoint_steps_per_replica": written,
         "samples_completed": completed,
         "tokens_per_s": rounded(completed * run.seq_len / wall, 1) if wall else None,
         "train_wall_s": wall,
@@ -260,6 +270,18 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
         "churn": swarm.get("churn"),
         "errors": errors,
     }
+
+
+def _survivors(replicas: list[dict], written: list[dict]) -> list[dict]:
+    """Per replica, the stages whose final checkpoint is at the stage's last step: a worker that
+    left early (revoked, killed) wrote its weights of then, which are no part of the run's model."""
+    last = {}
+    for steps in written:
+        for stage, step in steps.items():
+            if step is not None:
+                last[stage] = max(last.get(stage, step), step)
+    return [{stage: model for stage, model in stages.items() if steps.get(stage) == last.get(stage)}
+            for stages, steps in zip(replicas, written)]
 
 
 def bytes_per_sample(run) -> dict:

@@ -86,3 +86,10 @@ def test_unknown_attacks_and_a_single_replica_are_refused():
     with pytest.raises(SystemExit):
         bench_trust.parse_args(["--workers-per-stage", "1"])
     assert bench_trust.parse_args(["--attacks", "noise:1,every:10;swap"]).attacks == ["noise:1,every:10", "swap"]
+
+
+def test_the_model_is_the_mean_of_the_replicas_there_at_the_end():
+    early, late = object(), object()
+    replicas = [{0: "r0s0", 1: "r0s1"}, {0: "r1s0", 1: early}, {0: "r2s0", 1: late}]
+    written = [{0: 150, 1: 150}, {0: 150, 1: 12}, {0: 150, 1: 150}]
+    assert bench_trust._survivors(replicas, written) == [{0: "r0s0", 1: "r0s1"}, {0: "r1s0"}, {0: "r2s0", 1: late}]
