@@ -13,8 +13,9 @@ For each attack, with the checks on (the run config's `verification`, spot check
 `--spot-check-rate`, default 1%) and, with `--off`, with spot checks and the screen's checks at 0:
 
 - samples until exclusion: the samples the attacker served, over both trainers, until the last
-  trainer stopped routing to it (each trainer's `served_before_exclusion`); null where a trainer
-  never excluded it, with what it served in `served`;
+  trainer stopped routing to it (each trainer's `served_before_exclusion`, or with `--authorizer`
+  all it served where the attacker was revoked and left first); null where a trainer never
+  stopped routing to it, with what it served in `served_by_attackers`;
 - false accusations: any worker but the attacker that a trainer excluded (and so reported, with
   an authorizer); `honest_strikes` counts the disputes resolved against honest workers, which
   exclude nobody below `strikes_to_exclude` (a dispute decided by the loss can go either way when
@@ -164,6 +165,7 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
                                          node_args=node_args, on_tick=on_tick)
         out.update(_figures(run, swarm, liars, total))
         if revocation is not None:
+            _count_to_departure(out, revocation)
             out["revoked_after_s"] = {n: revocation.upheld_at.get(n) for n in sorted(liars)}
             out["left_after_s"] = {n: revocation.left_at.get(n) for n in sorted(liars)}
             out["evidence"] = {"rejected": revocation.rejected, "pending": revocation.pending,
@@ -182,6 +184,19 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
     log(f"[{label}] held-out {out.get('held_out_loss')}, samples to exclusion {out.get('samples_to_exclusion')}, "
         f"false accusations {out.get('false_accusations')}, {out.get('tokens_per_s')} tokens/s, {out['wall_s']:.0f}s")
     return out
+
+
+def _count_to_departure(out: dict, revocation: Revocation) -> None:
+    """A revoked attacker that left is routed to by nobody from then on: a trainer that had not
+    excluded it stopped with its departure, after all it served it."""
+    for name, peer in out.get("attacker_peer_ids", {}).items():
+        if out["samples_to_exclusion"].get(name) is not None or name not in revocation.left_at:
+            continue
+        out["samples_to_exclusion"][name] = sum(
+            t["served_before_exclusion"].get(peer, t["served_by_attackers"].get(peer, 0))
+            for t in out["trainers"].values())
+    out["excluded_by_every_trainer"] = bool(out["samples_to_exclusion"]) and all(
+        v is not None for v in out["samples_to_exclusion"].values())
 
 
 def _start_authorizer(config_path: str, workdir: str, replicas: int):

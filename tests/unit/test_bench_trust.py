@@ -93,3 +93,13 @@ def test_the_model_is_the_mean_of_the_replicas_there_at_the_end():
     replicas = [{0: "r0s0", 1: "r0s1"}, {0: "r1s0", 1: early}, {0: "r2s0", 1: late}]
     written = [{0: 150, 1: 150}, {0: 150, 1: 12}, {0: 150, 1: 150}]
     assert bench_trust._survivors(replicas, written) == [{0: "r0s0", 1: "r0s1"}, {0: "r1s0"}, {0: "r2s0", 1: late}]
+
+
+def test_a_revoked_attacker_that_left_counts_everything_it_served():
+    revocation = bench_trust.Revocation("http://127.0.0.1:1", {"worker-s1-r1"})
+    revocation.left_at["worker-s1-r1"] = 40.0
+    out = {"attacker_peer_ids": {"worker-s1-r1": "attacker"}, "samples_to_exclusion": {"worker-s1-r1": None},
+           "trainers": {"trainer-0": {"served_before_exclusion": {"attacker": 9}, "served_by_attackers": {"attacker": 12}},
+                        "trainer-1": {"served_before_exclusion": {}, "served_by_attackers": {"attacker": 15}}}}
+    bench_trust._count_to_departure(out, revocation)
+    assert out["samples_to_exclusion"] == {"worker-s1-r1": 24} and out["excluded_by_every_trainer"]
