@@ -22,6 +22,13 @@ TWO_STAGES = [{"first_layer": 0, "last_layer": 2}, {"first_layer": 2, "last_laye
 ADMIN = "test-admin-token-0123456789"
 
 
+def _start_authorizer(config: str, tmp_path, *, stage_capacity: int) -> AuthorizerProcess:
+    return AuthorizerProcess(
+        ["--run-config", config, "--data-dir", str(tmp_path / "authorizer"), "--port", "0",
+         "--credential-ttl-s", "600", "--admin-token", ADMIN, "--stage-capacity", str(stage_capacity)],
+        log_path=str(tmp_path / "authorizer.log")).start()
+
+
 def _node_args(authorizer: AuthorizerProcess, account: str) -> list[str]:
     return ["--authorizer", authorizer.url, "--account-token", account]
 
@@ -31,11 +38,7 @@ def test_a_cheater_a_third_replica_convicts_is_revoked_by_the_authorizer_and_lea
                                                                                    tmp_path):
     config = run_config_path(stages=TWO_STAGES, run_id=f"evidence-{uuid.uuid4().hex[:6]}",
                              verification={"spot_check_rate": 0.3})
-    authorizer = AuthorizerProcess(
-        ["--run-config", config, "--data-dir", str(tmp_path / "authorizer"), "--port", "0",
-         "--credential-ttl-s", "600", "--admin-token", ADMIN, "--stage-capacity", "3"],
-        log_path=str(tmp_path / "authorizer.log"))
-    authorizer.start()
+    authorizer = _start_authorizer(config, tmp_path, stage_capacity=3)
     try:
         swarm = make_swarm(None, common_args=["--revocation-refresh-s", "2"])
         honest = [swarm.start("worker", args=_node_args(authorizer, f"honest{i}")) for i in range(5)]
@@ -81,11 +84,7 @@ def test_with_two_replicas_a_stage_trainers_of_two_accounts_get_the_cheater_revo
     authorizer's quorum of two: the account is banned and the liar leaves."""
     config = run_config_path(stages=TWO_STAGES, run_id=f"evidence2-{uuid.uuid4().hex[:6]}",
                              verification={"spot_check_rate": 0.3})
-    authorizer = AuthorizerProcess(
-        ["--run-config", config, "--data-dir", str(tmp_path / "authorizer"), "--port", "0",
-         "--credential-ttl-s", "600", "--admin-token", ADMIN, "--stage-capacity", "2"],
-        log_path=str(tmp_path / "authorizer.log"))
-    authorizer.start()
+    authorizer = _start_authorizer(config, tmp_path, stage_capacity=2)
     try:
         swarm = make_swarm(None, common_args=["--revocation-refresh-s", "2"])
         honest = [swarm.start("worker", args=_node_args(authorizer, f"honest{i}")) for i in range(3)]

@@ -80,14 +80,15 @@ def test_a_worker_signs_what_it_evaluates_and_the_signature_covers_the_result():
     assert asyncio.run(unsigned.evaluate(identity.peer_id, request.model_dump())).attestation is None
 
 
-def _signing_replicas(weights_of):
-    """Three replicas, the liar answering x3; `weights_of(peer)` is the fingerprint each names."""
-    liar, honest, third = _identity(), _identity(), _identity()
-    ids = {identity.peer_id.to_base58(): identity for identity in (liar, honest, third)}
+def _signing_replicas(weights_of, replicas=3, lie=lambda: TRUE * 3):
+    """`replicas` replicas, the first a liar answering `lie()` (x3 by default), the others the
+    truth; `weights_of(peer)` is the fingerprint each names."""
+    liar, *others = [_identity() for _ in range(replicas)]
+    ids = {identity.peer_id.to_base58(): identity for identity in (liar, *others)}
     liar_id = liar.peer_id.to_base58()
 
     async def evaluate(stage, peer, request):
-        result = TRUE * 3 if peer == liar_id else TRUE.clone()
+        result = lie() if peer == liar_id else TRUE.clone()
         signature = ids[peer].sign(result_signing_bytes(RUN, stage, 3, "output", request.tokens, request.coords,
                                                         None, result, weights_of(peer)))
         return EvaluateReply(coords=result, version=3, weights=weights_of(peer), attestation=signature)
@@ -197,19 +198,14 @@ def test_with_two_replicas_the_exclusion_is_reported_with_the_pair_s_contradicti
 def test_a_side_whose_second_answer_contradicts_its_first_is_struck_and_proves_it_itself():
     """A liar adding fresh noise to every answer: asked the same hop again, it contradicts itself,
     which an honest (deterministic) worker never does; no third replica, no loss measurement."""
-    liar, honest = _identity(), _identity()
-    ids = {i.peer_id.to_base58(): i for i in (liar, honest)}
-    liar_id = liar.peer_id.to_base58()
     noise = torch.Generator().manual_seed(0)
 
-    def answer(peer):
-        return TRUE + torch.randn(TRUE.shape, generator=noise) * 0.1 if peer == liar_id else TRUE.clone()
+    def lie():
+        return TRUE + torch.randn(TRUE.shape, generator=noise) * 0.1
 
-    async def evaluate(stage, peer, request):
-        result = answer(peer)
-        signature = ids[peer].sign(result_signing_bytes(RUN, stage, 3, "output", request.tokens, request.coords,
-                                                        None, result, b"weights1"))
-        return EvaluateReply(coords=result, version=3, weights=b"weights1", attestation=signature)
+    liar, ids, evaluate = _signing_replicas(lambda peer: b"weights1", replicas=2, lie=lie)
+    liar_id = liar.peer_id.to_base58()
+    honest = ids[next(p for p in ids if p != liar_id)]
 
     reported = []
 
@@ -220,7 +216,7 @@ def test_a_side_whose_second_answer_contradicts_its_first_is_struck_and_proves_i
     async def main():
         spot = SpotChecks(1.0, 0.02, evaluate, lambda stage: list(ids), random.Random(0), run_id=RUN,
                           report_evidence=report)
-        claimed = answer(liar_id)
+        claimed = lie()
         claim = liar.sign(result_signing_bytes(RUN, 1, 3, "output", TOKENS, INPUT, None, claimed, b"weights1"))
         spot.check_forward(1, liar_id, TOKENS, INPUT, claimed, 3, claim, b"weights1")
         while spot._tasks:
