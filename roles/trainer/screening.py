@@ -29,6 +29,13 @@ start). Another sample's output sits near 0 (-0.02 +- 0.07), a flipped gradient 
 zeroed one at 0; a replay on old weights or a scaled output keeps it. It is compared with the
 replicas' at the same versions like the sizes, so a construction whose boundaries share no basis
 (near 0 for everyone) flags nobody.
+
+The median hides a worker that lies on one sample in ten. So each reply is also held, by itself,
+against the replicas' replies at its version (at the version before, while its own has fewer than
+two): one further than `REPLY_THRESHOLD` robust deviations from their median, its size and its
+direction taken together, stands out (`stands_out`), and the trainer checks that very hop
+(roles/trainer/spot_checks.py). Standing out is a reason to check one sample, never a suspicion:
+honest replies do it now and then, and their checks agree.
 """
 
 from __future__ import annotations
@@ -59,6 +66,11 @@ SCALE_FLOOR = {"output": 0.03, "loss": 0.03, "gradient": 0.25, "output_coherence
 input gradients depend on the later stages' versions too, not only its own, and honest replicas'
 differ by 10-20% at one version of theirs; an output or a loss depends on its own version alone
 (and the input's)."""
+REPLY_THRESHOLD = 5.0
+"""Robust deviations one reply may stand from its replicas' median at its version, its kinds taken
+together (`Screening.stands_out`), before that hop is checked."""
+VERSIONS_KEPT = 8
+"""Versions whose replies are kept by version, per stage and kind, for the per-reply test."""
 TINY = 1e-30
 
 
@@ -88,7 +100,7 @@ def loss_size(loss: float) -> float:
 class Screening:
     """Recent values per (stage, kind); `suspect(stage, worker)` says whether to look closer."""
 
-    def __init__(self, threshold: float = THRESHOLD):
+    def __init__(self, threshold: float = THRESHOLD, reply_threshold: float = REPLY_THRESHOLD):
         self.threshold = threshold
         self._stream: dict[tuple[int, str], collections.deque] = collections.defaultdict(
             lambda: collections.deque(maxlen=HISTORY))
@@ -100,17 +112,74 @@ class Screening:
         self._forgotten: set[tuple[int, str]] = set()
         self._scales: dict[tuple[int, str], tuple[float, int]] = {}
         """(stage, kind) -> (scale, replies appended when it was computed)."""
+        self._by_version: dict[tuple[int, str], dict[Optional[int], list[tuple[str, float]]]] = (
+            collections.defaultdict(dict))
+        """(stage, kind) -> version -> (worker, value) of the last `VERSIONS_KEPT` versions."""
+        self._reply_distances: dict[tuple[int, str], collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=HISTORY))
+        """(stage, kind) -> recent replies' distances from their replicas' median (`_reply_score`)."""
+        self._reply_scales: dict[tuple[int, str], tuple[float, int]] = {}
+        self._reply_seen: collections.Counter = collections.Counter()
+        self.reply_threshold = reply_threshold
+        self.outliers: collections.Counter = collections.Counter()
+        """Worker -> replies that stood out by themselves (`stands_out`)."""
         self.flagged: collections.Counter = collections.Counter()
         """Worker -> times it turned suspect."""
         self.observed = 0
 
-    def observe(self, stage: int, kind: str, worker: str, value: float, version: Optional[int]) -> None:
+    def observe(self, stage: int, kind: str, worker: str, value: float, version: Optional[int]) -> float:
         """Note one reply's size (`reply_size`, `loss_size`) at the weight version it was computed
         at, and rescore its sender every `RESCORE_EVERY` of its replies (a score reads the history:
-        about 50 microseconds; 14 per reply on average)."""
+        about 50 microseconds; 14 per reply on average). Returns how far this reply by itself stands
+        from its replicas' at its version, in robust deviations (`reply_score`; 0.0 when there is
+        nothing to hold it against yet, inf when it is not finite)."""
         if (stage, worker) in self._forgotten:
-            return  # replies of an excluded worker still in flight
+            return 0.0  # replies of an excluded worker still in flight
         self.observed += 1
+        score = self._reply_score(stage, kind, worker, value, version)
+        self._rescore(stage, kind, worker, value, version)
+        return score
+
+    def _reply_score(self, stage: int, kind: str, worker: str, value: float, version: Optional[int]) -> float:
+        """One reply's distance from the median of the other workers' replies at its version (at
+        least two of them), over the robust spread of such distances on this stage and kind; the
+        reply is kept for later replies' tests as well."""
+        key = (stage, kind)
+        by_version = self._by_version[key]
+        replies = by_version.setdefault(version, [])
+        if len(by_version) > VERSIONS_KEPT:
+            del by_version[next(iter(by_version))]
+        others = _others(replies, worker)
+        if len(others) < 2 and version is not None:  # the version is new: its predecessor's replies
+            earlier = [v for v in by_version if v is not None and v < version]
+            others += _others(by_version[max(earlier)], worker) if earlier else []
+        replies.append((worker, value))
+        if not math.isfinite(value):
+            return math.inf
+        if len(others) < 2:
+            return 0.0
+        distance = abs(value - statistics.median(others))
+        distances = self._reply_distances[key]
+        distances.append(distance)
+        self._reply_seen[key] += 1
+        if len(distances) < 2 * RECENT:
+            return 0.0
+        scale, measured_at = self._reply_scales.get(key, (0.0, 0))
+        if self._reply_seen[key] - measured_at >= RESCALE_EVERY or not scale:
+            scale = max(1.4826 * statistics.median(distances), SCALE_FLOOR.get(kind, max(SCALE_FLOOR.values())))
+            self._reply_scales[key] = (scale, self._reply_seen[key])
+        return distance / scale
+
+    def stands_out(self, worker: str, *scores: float) -> bool:
+        """Whether one reply's scores on its kinds (`observe`'s), taken together (root sum of
+        squares), pass `REPLY_THRESHOLD`: noise as large as the output moves its size and its
+        direction by about five deviations each."""
+        if math.hypot(*scores) <= self.reply_threshold:
+            return False
+        self.outliers[worker] += 1
+        return True
+
+    def _rescore(self, stage: int, kind: str, worker: str, value: float, version: Optional[int]) -> None:
         stream = self._stream[(stage, kind)]
         stream.append((version, worker, value))
         self._appended[(stage, kind)] += 1
@@ -158,13 +227,26 @@ class Screening:
         """Drop an excluded worker's values: its replicas are no longer held against them. The
         stage's scores are recomputed from what is left as replies come."""
         self._forgotten.add((stage, worker))
+        self.drop(stage, worker)
+
+    def drop(self, stage: int, worker: str) -> None:
+        """Drop a worker's values and the stage's scores, which were held against them; its later
+        replies count again (a worker that left the stage's listing, then came back)."""
         for (s, kind), stream in self._stream.items():
             if s == stage:
                 kept = [entry for entry in stream if entry[1] != worker]
                 stream.clear()
                 stream.extend(kept)
+        for (s, kind), by_version in self._by_version.items():
+            if s == stage:
+                for replies in by_version.values():
+                    replies[:] = [entry for entry in replies if entry[0] != worker]
         for key in [key for key in self._scores if key[0] == stage]:
             del self._scores[key]
+
+    def workers(self, stage: int) -> set[str]:
+        """The workers with values kept on this stage."""
+        return {peer for (s, _), stream in self._stream.items() if s == stage for _, peer, _ in stream}
 
     def score(self, stage: int, worker: str) -> float:
         """The worker's largest score on this stage (0.0 before it has one)."""
@@ -180,7 +262,12 @@ class Screening:
             if self.suspect(stage, worker):
                 kind = max(scores, key=scores.get)
                 suspects[worker] = {"stage": stage, "kind": kind, "score": round(scores[kind], 2)}
-        return {"observed": self.observed, "flagged": dict(self.flagged), "suspects": suspects}
+        return {"observed": self.observed, "flagged": dict(self.flagged), "suspects": suspects,
+                "outliers": dict(self.outliers)}
+
+
+def _others(replies: list[tuple[str, float]], worker: str) -> list[float]:
+    return [x for peer, x in replies if peer != worker and math.isfinite(x)]
 
 
 def _score(own: list[tuple[Optional[int], float]], others: dict[Optional[int], list[float]],

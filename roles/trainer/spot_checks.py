@@ -59,7 +59,7 @@ import torch
 from protocol.evidence import Evidence, loss_tensor
 from protocol.evidence import SignedResult as EvidenceResult
 from protocol.messages import BackwardReply, EvaluateReply, EvaluateRequest, ForwardReply
-from roles.trainer.screening import Screening, coherence, loss_size, reply_size
+from roles.trainer.screening import RECENT, Screening, coherence, loss_size, reply_size
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,13 @@ GRADIENT_ERROR_MAX = 0.5
 four times the other candidate's miss) is in the wrong; finite differences of an honest one miss
 by a few percent."""
 CHECKS_IN_FLIGHT_MAX = 8
+"""Checks waiting for their replica at once; a draw beyond that is not checked (counted `busy`)."""
+OUTLIER_SHARE_MAX = 0.2
+"""At most this share of a worker's hops (and `RECENT` more) is checked for standing out by itself:
+a bound on what a stage whose replies spread widely costs; a liar that lies on one sample in ten
+stays well inside it."""
+LISTING_EVERY = 64
+"""Replies between two looks at which workers discovery still lists; the screen drops the others."""
 """Checks waiting for their replica at once; a draw beyond that is not checked (counted `busy`)."""
 
 
@@ -102,7 +109,7 @@ class Dispute:
 class SpotCheckStats:
     outcomes: collections.Counter = field(default_factory=collections.Counter)
     """agreed, disputed (of which some unresolved), stale, unchecked, busy, failed; targeted:
-    checks drawn at the suspect rate; diverged: the replica answered at the same version with other
+    checks drawn at the suspect rate; outlier: hops checked because the reply stood out by itself; diverged: the replica answered at the same version with other
     weights (replicas that parted after a step one of them took without some gradients)."""
     largest_agreed: float = 0.0
     """The largest distance among the agreed checks: how close honest replicas are."""
@@ -124,7 +131,7 @@ class SpotCheckStats:
 
     def summary(self) -> dict:
         return {**{k: self.outcomes.get(k, 0) for k in ("agreed", "disputed", "unresolved", "stale", "unchecked", "busy",
-                                                         "failed", "targeted", "diverged")},
+                                                         "failed", "targeted", "diverged", "outlier")},
                 "resolved": sum(self.strikes.values()), "largest_agreed_distance": self.largest_agreed,
                 "strikes": dict(self.strikes), "excluded": dict(self.excluded),
                 "served_before_exclusion": dict(self.served_before_exclusion),
@@ -227,11 +234,22 @@ class SpotChecks:
         self._rng = rng or random.Random()
         self._tasks: set[asyncio.Task] = set()
         self.stats = SpotCheckStats()
+        self._hops: collections.Counter = collections.Counter()
+        self._outlier_checks: collections.Counter = collections.Counter()
+        self._since_listing: collections.Counter = collections.Counter()
 
-    def draw(self, stage: Optional[int] = None, worker: Optional[str] = None) -> bool:
-        """Whether to check a hop: at the base rate, or the suspect rate for a flagged worker."""
+    def draw(self, stage: Optional[int] = None, worker: Optional[str] = None, outlier: bool = False) -> bool:
+        """Whether to check a hop: always for a reply the screen found an outlier by itself (up to
+        `OUTLIER_SHARE_MAX` of the worker's hops), else at the base rate, or the suspect rate for
+        a flagged worker."""
         if self.rate <= 0:
             return False
+        if worker is not None:
+            self._hops[worker] += 1
+            if outlier and self._outlier_checks[worker] < OUTLIER_SHARE_MAX * self._hops[worker] + RECENT:
+                self._outlier_checks[worker] += 1
+                self.stats.outcomes["outlier"] += 1
+                return True
         suspect = worker is not None and self.screening.suspect(stage, worker)
         drawn = self._rng.random() < (self.suspect_rate if suspect else self.rate)
         if drawn and suspect:
@@ -243,17 +261,21 @@ class SpotChecks:
     def on_forward(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
                    reply: ForwardReply) -> None:
         if self.rate > 0:
-            self.screening.observe(stage, "output", worker, reply_size(reply.coords), reply.version)
-            self._observe_coherence(stage, "output_coherence", worker, coords, reply.coords, reply.version)
-            if self.draw(stage, worker):
+            self._drop_unlisted(stage)
+            outlier = self.screening.stands_out(
+                worker, self.screening.observe(stage, "output", worker, reply_size(reply.coords), reply.version),
+                self._observe_coherence(stage, "output_coherence", worker, coords, reply.coords, reply.version))
+            if self.draw(stage, worker, outlier):
                 self.check_forward(stage, worker, tokens, coords, reply.coords, reply.version, reply.attestation,
                                    reply.weights)
 
     def on_tail(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
                 reply: BackwardReply) -> None:
         if self.rate > 0:
-            self.screening.observe(stage, "loss", worker, loss_size(reply.loss), reply.version)
-            if self.draw(stage, worker):
+            self._drop_unlisted(stage)
+            outlier = self.screening.stands_out(
+                worker, self.screening.observe(stage, "loss", worker, loss_size(reply.loss), reply.version))
+            if self.draw(stage, worker, outlier):
                 self.check_loss(stage, worker, tokens, coords, reply.loss, reply.version, reply.loss_attestation,
                                 reply.weights)
             if stage > 0:
@@ -262,18 +284,34 @@ class SpotChecks:
     def on_backward(self, stage: int, worker: str, tokens: torch.Tensor, coords: torch.Tensor,
                     grad_output: Optional[torch.Tensor], reply: BackwardReply) -> None:
         if self.rate > 0:
-            self.screening.observe(stage, "gradient", worker, reply_size(reply.grad_input), reply.version)
-            self._observe_coherence(stage, "gradient_coherence", worker, grad_output, reply.grad_input,
-                                    reply.version)
-            if self.draw(stage, worker):
+            outlier = self.screening.stands_out(
+                worker,
+                self.screening.observe(stage, "gradient", worker, reply_size(reply.grad_input), reply.version),
+                self._observe_coherence(stage, "gradient_coherence", worker, grad_output, reply.grad_input,
+                                        reply.version))
+            if self.draw(stage, worker, outlier):
                 self.check_backward(stage, worker, tokens, coords, grad_output, reply.grad_input, reply.version,
                                     reply.attestation, reply.weights)
 
     def _observe_coherence(self, stage: int, kind: str, worker: str, given: Optional[torch.Tensor],
-                           answer: Optional[torch.Tensor], version: Optional[int]) -> None:
+                           answer: Optional[torch.Tensor], version: Optional[int]) -> float:
+        """The reply's coherence score (`Screening.observe`), 0.0 where there is none to take."""
         value = coherence(given, answer)
-        if value is not None:
-            self.screening.observe(stage, kind, worker, value, version)
+        return 0.0 if value is None else self.screening.observe(stage, kind, worker, value, version)
+
+    def _drop_unlisted(self, stage: int) -> None:
+        """Every `LISTING_EVERY` replies, drop from the screen the workers of this stage that
+        discovery no longer lists (one revoked on another trainer's evidence, one that left): its
+        replicas are no longer held against its old replies, and stay no suspects because of them."""
+        self._since_listing[stage] += 1
+        if self._since_listing[stage] < LISTING_EVERY:
+            return
+        self._since_listing[stage] = 0
+        listed = set(self._replicas(stage))
+        if not listed:
+            return  # discovery knows nobody for now: no reason to forget anyone
+        for worker in self.screening.workers(stage) - listed:
+            self.screening.drop(stage, worker)
 
     def check_forward(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
                       output: torch.Tensor, version: Optional[int], attestation: Optional[bytes] = None,

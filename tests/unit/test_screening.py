@@ -7,7 +7,8 @@ import random
 import torch
 
 from roles.trainer.screening import RECENT, Screening, coherence, loss_size, reply_size
-from roles.trainer.spot_checks import SpotChecks
+from protocol.messages import BackwardReply
+from roles.trainer.spot_checks import LISTING_EVERY, SpotChecks
 
 
 def _feed(screen, rng, liar_factor, samples, workers=("a", "b", "c")):
@@ -95,3 +96,48 @@ def test_honest_replicas_coherence_never_flags_them():
         screen.observe(1, "gradient_coherence", worker, coherence(inputs[i], answers[i]), i // 8)
         screen.observe(1, "output_coherence", worker, coherence(inputs[i], answers[i]), i // 8)
     assert screen.flagged == {}
+
+
+def test_a_liar_on_one_sample_in_ten_has_each_lie_checked_and_honest_replies_seldom_are():
+    """The median of a worker's replies hides a rare lie; each lie stands out by itself."""
+    gen = torch.Generator().manual_seed(2)
+    inputs, answers = _residual_replies(gen, samples=4000)
+    checks = SpotChecks(0.01, 0.01, None, lambda stage: ["honest", "liar"], random.Random(0))
+    lies = drawn_lies = honest_outliers = 0
+    for i in range(4000):
+        worker = ("honest", "liar")[i % 2]
+        answer = answers[i]
+        lying = worker == "liar" and i % 20 == 1
+        if lying:  # noise as large as the output
+            answer = answer + torch.randn(answer.shape, generator=gen) * answer.std()
+        outlier = checks.screening.stands_out(
+            worker, checks.screening.observe(1, "output", worker, reply_size(answer), i // 8),
+            checks.screening.observe(1, "output_coherence", worker, coherence(inputs[i], answer), i // 8))
+        drawn = checks.draw(1, worker, outlier)
+        lies += lying
+        drawn_lies += lying and drawn
+        honest_outliers += outlier and not lying
+    assert drawn_lies >= 0.9 * lies, (drawn_lies, lies)
+    assert honest_outliers <= 0.01 * (4000 - lies), honest_outliers
+    assert not checks.screening.suspect(1, "honest")
+
+
+def test_outlier_checks_are_bounded_per_worker():
+    checks = SpotChecks(0.01, 0.01, None, lambda stage: [], random.Random(0))
+    drawn = sum(checks.draw(1, "w", outlier=True) for _ in range(1000))
+    assert drawn <= 0.2 * 1000 + RECENT + 15, drawn  # the share, its head start, and the base rate
+    assert checks.stats.outcomes["outlier"] >= 0.2 * 1000
+
+
+def test_a_worker_discovery_no_longer_lists_is_dropped_and_its_replica_no_longer_suspect():
+    listed = {1: ["honest", "liar"]}
+    checks = SpotChecks(0.01, 0.01, None, lambda stage: listed[stage], random.Random(0))
+    reply = BackwardReply(loss=3.0, grad_input=torch.ones(4, 8))  # no version: a drawn hop is not checked
+    for i in range(4 * RECENT):
+        for worker, loss in (("honest", 3.0 + 0.01 * (i % 5)), ("liar", 9.0)):
+            checks.screening.observe(1, "loss", worker, loss_size(loss), i // 4)
+    assert checks.screening.suspect(1, "honest") and checks.screening.suspect(1, "liar")  # each other's yardstick
+    listed[1] = ["honest"]  # the liar was revoked on another trainer's evidence
+    for i in range(LISTING_EVERY):
+        checks.on_tail(1, "honest", torch.zeros(1, 4, dtype=torch.long), None, reply)
+    assert not checks.screening.suspect(1, "honest") and "liar" not in checks.screening.workers(1)
