@@ -35,8 +35,10 @@ evidence against the attacker, in seconds since the trainers started (polled eve
 `left_after_s` when the revoked attacker's process exited; `evidence` counts the verdicts.
 
 `--honest N` adds N honest runs with the checks on (the baseline is the first), cycling through
-plain, `churn` (replica 1 of stage 1 killed at 40% of the samples and restarted) and `workers`
-(routing.path workers: samples hop worker to worker); each counts accusations. `--off` adds an
+plain, `churn` (replica 1 of stage 1 killed at 40% of the samples and restarted), `workers`
+(routing.path workers: samples hop worker to worker) and `mixed` (replica 1 of every stage runs its
+blocks under bfloat16 autocast, `--compute-dtype bfloat16`, beside float32 replicas 0); each counts
+accusations. `--off` adds an
 honest run with the checks off: the overhead is its tokens/s against the honest runs' with them on,
 in the same invocation. Bytes added per sample are computed from the reply fields that carry
 signatures and weight fingerprints (protocol/evidence.py), spot-check traffic aside.
@@ -54,7 +56,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a file: find the helpers
 from _bench_common import emit_report, log, machine_info, rounded  # noqa: E402
@@ -77,7 +79,9 @@ ATTACKS: dict[str, dict[str, list[str]]] = {
     "collude": {"worker-s0-r1": ["noise:1"], "worker-s1-r1": ["noise:1"]},
 }
 DEFAULT_ATTACKS = tuple(ATTACKS)
-HONEST_VARIANTS = ("plain", "churn", "workers")
+HONEST_VARIANTS = ("plain", "churn", "workers", "mixed")
+MIXED_ARGS = ["--compute-dtype", "bfloat16"]
+"""The `mixed` variant: replica 1 of every stage computes in bfloat16 beside replica 0's float32."""
 SIGNATURE_BYTES, FINGERPRINT_BYTES = 64, 8
 
 
@@ -162,7 +166,7 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
             on_tick = revocation.tick
         swarm = bench_fidelity.run_swarm(run, config_path, workdir, bench_fidelity.SETTINGS["demo"], total,
                                          args.workers_per_stage, churn=variant == "churn", prefixes=prefixes,
-                                         node_args=node_args, on_tick=on_tick)
+                                         node_args=_with_variant(node_args, variant), on_tick=on_tick)
         out.update(_figures(run, swarm, liars, total))
         if revocation is not None:
             _count_to_departure(out, revocation)
@@ -184,6 +188,14 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
     log(f"[{label}] held-out {out.get('held_out_loss')}, samples to exclusion {out.get('samples_to_exclusion')}, "
         f"false accusations {out.get('false_accusations')}, {out.get('tokens_per_s')} tokens/s, {out['wall_s']:.0f}s")
     return out
+
+
+def _with_variant(node_args: Optional[Callable[[str], list[str]]], variant: str
+                  ) -> Optional[Callable[[str], list[str]]]:
+    """The nodes' extra arguments, with the `mixed` variant's on replica 1 of every stage."""
+    if variant != "mixed":
+        return node_args
+    return lambda name: [*(node_args(name) if node_args else []), *(MIXED_ARGS if name.endswith("-r1") else [])]
 
 
 def _count_to_departure(out: dict, revocation: Revocation) -> None:
@@ -240,7 +252,7 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
             "served_before_exclusion": {p[-8:]: n for p, n in (checks.get("served_before_exclusion") or {}).items()},
             "served_by_attackers": {p[-8:]: served.get(p, 0) for p in attackers},
             "checks": {k: checks.get(k) for k in ("agreed", "disputed", "unresolved", "diverged", "targeted",
-                                                  "outlier", "resolved", "evidence", "parted")},
+                                                  "outlier", "resolved", "evidence", "parted", "largest_agreed_distance")},
             "replies_standing_out": {p[-8:] + (" (attacker)" if p in attackers else ""): n
                                      for p, n in ((checks.get("screening") or {}).get("outliers") or {}).items()},
             "samples_completed": summary.get("samples_completed"),
@@ -374,7 +386,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=1, metavar="N", help="runs per attack and setting (default 1)")
     p.add_argument("--off", action="store_true", help="also run every attack, and one honest run, with the checks off")
     p.add_argument("--honest", type=int, default=1, metavar="N",
-                   help="honest runs with the checks on, cycling plain, churn, workers (default 1: the baseline)")
+                   help="honest runs with the checks on, cycling plain, churn, workers, mixed (default 1: the baseline)")
     p.add_argument("--steps", type=int, default=150, metavar="N",
                    help="optimizer steps of 16 samples per run (default 150: 2,400 samples, the demo setting)")
     p.add_argument("--workers-per-stage", type=int, default=2, metavar="R", help="replicas of every stage (default 2)")

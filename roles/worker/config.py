@@ -37,6 +37,9 @@ class WorkerConfig(BaseModel):
                                  "preference; the authorizer places the worker)")
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="compute device: auto, cpu, cuda or cuda:N")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="run the stage's blocks under autocast in this dtype (auto: the run config's "
+        "dtype on a GPU, float32 on the CPU); parameters, optimizer state and the wire stay as the run sets them")
     max_batch: Optional[int] = Field(
         default=None, ge=1, le=4096, json_schema_extra={"default_text": "8 on the CPU; on a GPU, the largest batch "
                                                         "the memory plan fits in half the free memory, at most "

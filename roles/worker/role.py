@@ -57,7 +57,7 @@ from roles.worker.progress import StageProgress
 from roles.worker.queues import TaskQueues
 from roles.worker.replicas import StageReplicas
 from roles.worker.run_checkpoints import RunCheckpointWriter, apply_state, load_latest
-from roles.worker.runtime import StageRuntime
+from roles.worker.runtime import StageRuntime, autocast_dtype
 from roles.worker.state_donor import StateDonor
 from roles.worker.state_loader import StateLoader
 from roles.worker.state_server import StateServer
@@ -104,9 +104,7 @@ class WorkerRole:
         # weight or optimizer sync (which only AsyncSPARTA's weight-0 rounds would end).
         self.sync = SyncPhases(run.sync.model_copy(update={"weight_sync_steps": 0, "optimizer_sync_steps": 0})
                                if sparseloco else run.sync, run.averaging.segments)
-        autocast = None
-        if self.device.type == "cuda" and run.dtype != "float32":
-            autocast = getattr(torch, run.dtype)
+        autocast = autocast_dtype(config.compute_dtype, run.dtype, self.device)
         self.ledger = StepLedger(run.target_batch_size, assigns=self.model.kind == "tail",
                                  close_timeout_s=run.staleness.step_close_timeout_s)
         self.runtime = StageRuntime(

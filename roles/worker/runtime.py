@@ -40,6 +40,17 @@ logger = logging.getLogger(__name__)
 _COORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def autocast_dtype(requested: str, run_dtype: str, device: torch.device) -> Optional[torch.dtype]:
+    """The dtype a worker runs its blocks under autocast in, None for none. `auto` follows the run
+    config's dtype on a GPU and stays float32 on the CPU (bfloat16 there is slower on most CPUs);
+    `bfloat16` autocasts on either, so a CPU worker can match a GPU replica's numerics or stand
+    beside one. Replicas of mixed precision hold the same weights; their outputs differ by what
+    bfloat16 rounds, which the run's spot-check tolerance must cover (docs/operations.md)."""
+    if requested == "auto":
+        return getattr(torch, run_dtype) if torch.device(device).type == "cuda" and run_dtype != "float32" else None
+    return None if requested == "float32" else getattr(torch, requested)
+
+
 @dataclass
 class BackwardResult:
     grad_input: Optional[torch.Tensor]

@@ -103,3 +103,12 @@ def test_a_revoked_attacker_that_left_counts_everything_it_served():
                         "trainer-1": {"served_before_exclusion": {}, "served_by_attackers": {"attacker": 15}}}}
     bench_trust._count_to_departure(out, revocation)
     assert out["samples_to_exclusion"] == {"worker-s1-r1": 24} and out["excluded_by_every_trainer"]
+
+
+def test_the_mixed_variant_puts_replica_1_of_every_stage_in_bfloat16_and_keeps_the_other_arguments():
+    admitted = lambda name: ["--account-token", f"account-{name}"]  # noqa: E731
+    mixed = bench_trust._with_variant(admitted, "mixed")
+    assert mixed("worker-s2-r1") == ["--account-token", "account-worker-s2-r1", "--compute-dtype", "bfloat16"]
+    assert mixed("worker-s2-r0") == ["--account-token", "account-worker-s2-r0"]
+    assert bench_trust._with_variant(None, "mixed")("worker-s0-r1") == ["--compute-dtype", "bfloat16"]
+    assert bench_trust._with_variant(admitted, "plain") is admitted
