@@ -174,12 +174,15 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
 
 def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_samples: int, replicas: int,
               churn: bool = False, lanes: int = LANES, prefixes: Optional[dict[str, list[str]]] = None,
+              skip_stage: bool = False,
               node_args: Optional[Callable[[str], list[str]]] = None,
               on_tick: Optional[Callable[[Any, float], None]] = None) -> dict:
     """Train `total_samples` with a local swarm of `replicas` workers per stage; return its sample
     logs, summaries and one checkpoint directory per replica index (checkpoint files are named by
     run and stage only, so replicas of a stage cannot share one), and its failure in "errors".
     With `churn`, one replica is killed mid-run and restarted (`Churn`); "churn" says how it went.
+    With `skip_stage`, every replica of the churned stage is killed together and restarted: the
+    trainers skip the stage meanwhile (run.skipping); "churn" is then a list, one entry a replica.
     For other benchmarks (scripts/bench_trust.py): `prefixes` runs the named nodes through another
     command (an altered worker), `node_args(name)` adds arguments to a node's command line (its
     authorizer and account), and `on_tick(swarm, seconds since the trainers started)` is called
@@ -194,7 +197,7 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
     out: dict[str, Any] = {"sample_logs": logs, "checkpoint_dirs": checkpoint_dirs, "replica_of": {}, "errors": [],
                            "churned": {}}
     started = time.monotonic()
-    churner: Optional[Churn] = None
+    churners: list[Churn] = []
     try:
         workers = []
         worker_args: dict[str, list[str]] = {}
@@ -234,10 +237,10 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
         for node in trainers:
             swarm.wait_ready(node, timeout_s=ready_timeout_s)
         train_started = time.monotonic()
-        if churn:
-            victim = next(n for n in workers if n.name == f"worker-s{CHURN_STAGE}-r1")
-            churner = Churn(swarm, victim, worker_args[victim.name], math.ceil(CHURN_AT_SHARE * total_samples),
-                            train_started)
+        victims = ([n for n in workers if n.stage == CHURN_STAGE] if skip_stage
+                   else [n for n in workers if n.name == f"worker-s{CHURN_STAGE}-r1"] if churn else [])
+        churners = [Churn(swarm, victim, worker_args[victim.name], math.ceil(CHURN_AT_SHARE * total_samples),
+                          train_started) for victim in victims]
         deadline = train_started + 300 + total_samples / 4
         last_report = train_started
         while any(t.proc.poll() is None for t in trainers):
@@ -246,7 +249,7 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
             time.sleep(0.5)
             if on_tick is not None:
                 on_tick(swarm, time.monotonic() - train_started)
-            if churner is not None and churner.pending:
+            for churner in (c for c in churners if c.pending):
                 restarted = churner.tick(logs)
                 if restarted is not None:
                     out["replica_of"][restarted.name] = out["replica_of"][churner.victim.name]
@@ -264,11 +267,12 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
         out["errors"].append(f"swarm: {type(exc).__name__}: {exc}")
         log(traceback.format_exc())
     finally:
-        if churner is not None:
-            out["churn"] = churner.report()
+        for churner in churners:
             if churner.victim.name not in out["churned"] and churner.killed_at is not None:
                 out["churned"][churner.victim.name] = "killed"
             out["errors"] += churner.errors()
+        if churners:
+            out["churn"] = [c.report() for c in churners] if skip_stage else churners[0].report()
         swarm.stop_all(timeout_s=60)  # SIGTERM: workers write their final checkpoints
         out["wall_s"] = round(time.monotonic() - started, 1)
         out["survivors"] = swarm.survivors()

@@ -37,8 +37,9 @@ evidence against the attacker, in seconds since the trainers started (polled eve
 `--honest N` adds N honest runs with the checks on (the baseline is the first), cycling through
 plain, `churn` (replica 1 of stage 1 killed at 40% of the samples and restarted), `workers`
 (routing.path workers: samples hop worker to worker) and `mixed` (replica 1 of every stage runs its
-blocks under bfloat16 autocast, `--compute-dtype bfloat16`, beside float32 replicas 0); each counts
-accusations. `--off` adds an
+blocks under bfloat16 autocast, `--compute-dtype bfloat16`, beside float32 replicas 0) and
+`skipping` (both replicas of stage 1 killed at 40% and restarted: the trainers skip the stage
+meanwhile); each counts accusations. `--off` adds an
 honest run with the checks off: the overhead is its tokens/s against the honest runs' with them on,
 in the same invocation. Bytes added per sample are computed from the reply fields that carry
 signatures and weight fingerprints (protocol/evidence.py), spot-check traffic aside.
@@ -79,7 +80,7 @@ ATTACKS: dict[str, dict[str, list[str]]] = {
     "collude": {"worker-s0-r1": ["noise:1"], "worker-s1-r1": ["noise:1"]},
 }
 DEFAULT_ATTACKS = tuple(ATTACKS)
-HONEST_VARIANTS = ("plain", "churn", "workers", "mixed")
+HONEST_VARIANTS = ("plain", "churn", "workers", "mixed", "skipping")
 MIXED_ARGS = ["--compute-dtype", "bfloat16"]
 """The `mixed` variant: replica 1 of every stage computes in bfloat16 beside replica 0's float32."""
 SIGNATURE_BYTES, FINGERPRINT_BYTES = 64, 8
@@ -166,6 +167,7 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
             on_tick = revocation.tick
         swarm = bench_fidelity.run_swarm(run, config_path, workdir, bench_fidelity.SETTINGS["demo"], total,
                                          args.workers_per_stage, churn=variant == "churn", prefixes=prefixes,
+                                         skip_stage=variant == "skipping",
                                          node_args=_with_variant(node_args, variant), on_tick=on_tick)
         out.update(_figures(run, swarm, liars, total))
         if revocation is not None:
@@ -258,6 +260,7 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
             "samples_completed": summary.get("samples_completed"),
             "dropped": summary.get("dropped"),
             "discovery_empty_reads": summary.get("discovery_empty_reads", 0),
+            "samples_skipping_a_stage": summary.get("samples_skipping_a_stage", 0),
         }
     samples_to_exclusion: dict[str, Optional[int]] = {}
     for name, peer in ((n, peer_of.get(n)) for n in sorted(liars)):
@@ -386,7 +389,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=1, metavar="N", help="runs per attack and setting (default 1)")
     p.add_argument("--off", action="store_true", help="also run every attack, and one honest run, with the checks off")
     p.add_argument("--honest", type=int, default=1, metavar="N",
-                   help="honest runs with the checks on, cycling plain, churn, workers, mixed (default 1: the baseline)")
+                   help="honest runs with the checks on, cycling plain, churn, workers, mixed, skipping (default 1: the baseline)")
     p.add_argument("--steps", type=int, default=150, metavar="N",
                    help="optimizer steps of 16 samples per run (default 150: 2,400 samples, the demo setting)")
     p.add_argument("--workers-per-stage", type=int, default=2, metavar="R", help="replicas of every stage (default 2)")
