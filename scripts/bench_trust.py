@@ -3,7 +3,8 @@ the lie costs the model with the checks on and off, and what the checks cost hon
 ONE JSON object on stdout (progress on stderr); `--out PATH` also writes it to a file.
 
 Every run is bench_fidelity's demo swarm (the tiny preset, 3 stages x R workers, 2 trainers x 4
-lanes, target batch 16, real agora-node processes on 127.0.0.1), with one worker's process
+lanes, target batch 16; `--setting batch64`: target batch 64, 60 steps; real agora-node processes
+on 127.0.0.1), with one worker's process
 altered by the adversary harness (tests/support/adversary_node.py: its replies are altered, its
 own training state stays honest). The attacker is replica 1 of the stage its lie comes out of:
 stage 1 for outputs and input gradients, the tail (stage 2) for losses. `collude` is two liars in
@@ -91,7 +92,7 @@ def trust_run_config(args: argparse.Namespace, steps: int, *, checks: bool, rout
     import bench_fidelity
 
     fargs = bench_fidelity.parse_args(["--workers-per-stage", str(args.workers_per_stage), "--routing", routing])
-    run = bench_fidelity.fidelity_run_config("trust", bench_fidelity.SETTINGS["demo"], steps, fargs)
+    run = bench_fidelity.fidelity_run_config("trust", bench_fidelity.SETTINGS[args.setting], steps, fargs)
     verification = run.verification.model_copy(update={
         "spot_check_rate": args.spot_check_rate if checks else 0.0,
         "suspect_check_rate": run.verification.suspect_check_rate if checks else 0.0})
@@ -146,7 +147,7 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
     from tests.support.adversary_node import adversary_prefix
 
     steps = args.steps
-    total = steps * bench_fidelity.SETTINGS["demo"].target_batch_size
+    total = steps * bench_fidelity.SETTINGS[args.setting].target_batch_size
     workdir = tempfile.mkdtemp(prefix=f"agora-trust-{label.replace(':', '').replace(',', '-')}-")
     run = trust_run_config(args, steps, checks=checks, routing="workers" if variant == "workers" else "trainer")
     run = run.model_copy(update={"run_id": f"trust-{os.getpid()}-{label.replace(':', '').replace(',', '-')}"})
@@ -165,7 +166,7 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
             authorizer, node_args = _start_authorizer(config_path, workdir, args.workers_per_stage)
             revocation = Revocation(authorizer.url, set(liars))
             on_tick = revocation.tick
-        swarm = bench_fidelity.run_swarm(run, config_path, workdir, bench_fidelity.SETTINGS["demo"], total,
+        swarm = bench_fidelity.run_swarm(run, config_path, workdir, bench_fidelity.SETTINGS[args.setting], total,
                                          args.workers_per_stage, churn=variant == "churn", prefixes=prefixes,
                                          skip_stage=variant == "skipping",
                                          node_args=_with_variant(node_args, variant), on_tick=on_tick)
@@ -390,8 +391,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--off", action="store_true", help="also run every attack, and one honest run, with the checks off")
     p.add_argument("--honest", type=int, default=1, metavar="N",
                    help="honest runs with the checks on, cycling plain, churn, workers, mixed, skipping (default 1: the baseline)")
-    p.add_argument("--steps", type=int, default=150, metavar="N",
-                   help="optimizer steps of 16 samples per run (default 150: 2,400 samples, the demo setting)")
+    p.add_argument("--setting", choices=("demo", "batch64"), default="demo",
+                   help="bench_fidelity's setting: demo (batch 16, 150 steps) or batch64 (batch 64, 60 steps)")
+    p.add_argument("--steps", type=int, metavar="N",
+                   help="optimizer steps per run (default: the setting's, 150 of 16 or 60 of 64 samples)")
     p.add_argument("--workers-per-stage", type=int, default=2, metavar="R", help="replicas of every stage (default 2)")
     p.add_argument("--spot-check-rate", type=float, default=0.01, help="verification.spot_check_rate (default 0.01)")
     p.add_argument("--authorizer", action="store_true",
@@ -407,6 +410,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"unknown attack(s) {unknown}; known: {'; '.join(ATTACKS)}")
     if args.workers_per_stage < 2:
         p.error("--workers-per-stage must be at least 2: a check re-executes on another replica")
+    if args.steps is None:
+        import bench_fidelity
+
+        args.steps = bench_fidelity.SETTINGS[args.setting].steps
     if args.runs < 1 or args.honest < 1 or args.steps < 1:
         p.error("--runs, --honest and --steps must be at least 1")
     return args
@@ -420,13 +427,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     sys.path.insert(0, REPO_ROOT)  # tests.support.adversary_node: the harness lives with the tests
+    import bench_fidelity
     import torch
 
     torch.set_num_threads(1)
     started = time.monotonic()
     out: dict[str, Any] = {"benchmark": "trust", "machine": machine_info(),
                            "config": {"preset": "tiny", "stages": 3, "workers_per_stage": args.workers_per_stage,
-                                      "trainers": 2, "lanes": 4, "steps": args.steps, "samples": args.steps * 16,
+                                      "trainers": 2, "lanes": 4, "setting": args.setting, "steps": args.steps,
+                                      "samples": args.steps * bench_fidelity.SETTINGS[args.setting].target_batch_size,
                                       "spot_check_rate": args.spot_check_rate, "authorizer": args.authorizer,
                                       "seed": args.seed}}
     runs: list[dict] = []

@@ -112,3 +112,10 @@ def test_the_mixed_variant_puts_replica_1_of_every_stage_in_bfloat16_and_keeps_t
     assert mixed("worker-s2-r0") == ["--account-token", "account-worker-s2-r0"]
     assert bench_trust._with_variant(None, "mixed")("worker-s0-r1") == ["--compute-dtype", "bfloat16"]
     assert bench_trust._with_variant(admitted, "plain") is admitted
+
+
+def test_the_batch64_setting_runs_its_own_batch_and_steps():
+    args = bench_trust.parse_args(["--setting", "batch64"])
+    assert args.steps == 60
+    assert bench_trust.trust_run_config(args, args.steps, checks=True).target_batch_size == 64
+    assert bench_trust.parse_args([]).steps == 150
