@@ -42,7 +42,8 @@ blocks under bfloat16 autocast, `--compute-dtype bfloat16`, beside float32 repli
 `skipping` (both replicas of stage 1 killed at 40% and restarted: the trainers skip the stage
 meanwhile); each counts accusations. `--off` adds an
 honest run with the checks off: the overhead is its tokens/s against the honest runs' with them on,
-in the same invocation. Bytes added per sample are computed from the reply fields that carry
+in the same invocation. `--overhead-pairs N` adds N honest runs with the checks off, each followed
+by one with them on (`pair_ratios`: the machine's drift cancels within a pair). Bytes added per sample are computed from the reply fields that carry
 signatures and weight fingerprints (protocol/evidence.py), spot-check traffic aside.
 """
 
@@ -374,6 +375,12 @@ def summarize(runs: list[dict], baseline: Optional[dict]) -> dict:
     return table
 
 
+def _pair_ratios(honest: list[dict]) -> list[float]:
+    """tokens/s of each checks-on run over the checks-off run just before it (--overhead-pairs)."""
+    return [round(on["tokens_per_s"] / off["tokens_per_s"], 3) for off, on in zip(honest, honest[1:])
+            if not off["checks"] and on["checks"] and off.get("tokens_per_s") and on.get("tokens_per_s")]
+
+
 def _write(out: dict, path: str) -> None:
     import json
 
@@ -391,6 +398,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--off", action="store_true", help="also run every attack, and one honest run, with the checks off")
     p.add_argument("--honest", type=int, default=1, metavar="N",
                    help="honest runs with the checks on, cycling plain, churn, workers, mixed, skipping (default 1: the baseline)")
+    p.add_argument("--overhead-pairs", type=int, default=0, metavar="N",
+                   help="after the baseline, N honest runs with the checks off, each followed by one with them on, "
+                        "for the overhead figure (default 0)")
     p.add_argument("--setting", choices=("demo", "batch64"), default="demo",
                    help="bench_fidelity's setting: demo (batch 16, 150 steps) or batch64 (batch 64, 60 steps)")
     p.add_argument("--steps", type=int, metavar="N",
@@ -414,6 +424,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         import bench_fidelity
 
         args.steps = bench_fidelity.SETTINGS[args.setting].steps
+    if args.overhead_pairs < 0:
+        p.error("--overhead-pairs must be 0 or more")
     if args.runs < 1 or args.honest < 1 or args.steps < 1:
         p.error("--runs, --honest and --steps must be at least 1")
     return args
@@ -454,9 +466,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         out["overhead"] = {
             "tokens_per_s_checks_on": on, "tokens_per_s_checks_off": off,
             "ratio": round(statistics.fmean(on) / statistics.fmean(off), 3) if on and off else None,
+            "pair_ratios": _pair_ratios(honest),
             "bytes_added_per_sample": bytes_per_sample(trust_run_config(args, args.steps, checks=True)),
             "how_to_read": "ratio: mean tokens/s of the plain honest runs with the checks on over the honest runs "
-                           "with them off, same invocation; bytes: what the signature and weights-fingerprint "
+                           "with them off, same invocation; pair_ratios: each --overhead-pairs off run's next "
+                           "(checks on) run over it; bytes: what the signature and weights-fingerprint "
                            "fields add to one sample's replies on the wire",
         }
         out["attacks"] = summarize(runs, baseline)
@@ -474,6 +488,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         # the baseline, the attacks, then the other honest variants: a cut-short run keeps the most
         done(one_run("honest-0-plain", args, attack=None, checks=True), honest)
+        for k in range(args.overhead_pairs):  # off then on, alternating: drift of the machine cancels
+            done(one_run(f"overhead-{k}-off", args, attack=None, checks=False), honest)
+            done(one_run(f"overhead-{k}-on", args, attack=None, checks=True), honest)
         if args.off:
             done(one_run("honest-off", args, attack=None, checks=False), honest)
         for attack in args.attacks:

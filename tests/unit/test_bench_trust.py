@@ -119,3 +119,12 @@ def test_the_batch64_setting_runs_its_own_batch_and_steps():
     assert args.steps == 60
     assert bench_trust.trust_run_config(args, args.steps, checks=True).target_batch_size == 64
     assert bench_trust.parse_args([]).steps == 150
+
+
+def test_overhead_pairs_divide_each_checks_on_run_by_the_checks_off_run_before_it():
+    runs = [{"checks": True, "tokens_per_s": 1300.0}, {"checks": False, "tokens_per_s": 1000.0},
+            {"checks": True, "tokens_per_s": 950.0}, {"checks": False, "tokens_per_s": 1200.0},
+            {"checks": True, "tokens_per_s": None}, {"checks": False, "tokens_per_s": 800.0},
+            {"checks": True, "tokens_per_s": 820.0}]
+    assert bench_trust._pair_ratios(runs) == [0.95, 1.025]
+    assert bench_trust.parse_args(["--overhead-pairs", "2"]).overhead_pairs == 2
