@@ -29,8 +29,10 @@ one set of weights along its route; their verdicts stay this trainer's. For an o
 both outputs are carried through the later stages by the same workers to the sample's loss, and
 the output whose loss is worse by more than
 `verification.loss_margin` (relative) earns its sender a strike; within the margin the dispute
-stays unresolved (a lie that does not change what the model predicts is counted, not
-attributed). A worker with `verification.strikes_to_exclude` strikes and fewer than a third as
+stays unresolved, but which side's loss was worse is counted per pair: honest replicas never
+dispute, so a pair that keeps disputing holds a liar, and a side worse far more often than a coin
+would be (10 of 10) is struck. A lie that does not change what the model predicts is counted,
+not attributed. A worker with `verification.strikes_to_exclude` strikes and fewer than a third as
 many disputes resolved in its favour is excluded: this trainer routes nothing more to it.
 
 Backward hops of the body stages and the tail are checked the same way: the replica re-executes
@@ -49,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import random
 import uuid
 from dataclasses import dataclass, field
@@ -73,6 +76,9 @@ OUTLIER_SHARE_MAX = 0.2
 """At most this share of a worker's hops (and `RECENT` more) is checked for standing out by itself:
 a bound on what a stage whose replies spread widely costs; a liar that lies on one sample in ten
 stays well inside it."""
+SIGN_TEST_P = 0.002
+"""How unlikely (two-sided) a side's count of worse losses among a pair's close disputes must be
+under a coin before it is struck: 10 of 10, 13 of 14, 16 of 17."""
 LISTING_EVERY = 64
 """Replies between two looks at which workers discovery still lists; the screen drops the others."""
 """Checks waiting for their replica at once; a draw beyond that is not checked (counted `busy`)."""
@@ -98,6 +104,9 @@ class Dispute:
     arbiter: Optional[str] = None
     """A third replica whose re-execution matched one side only; `measures` are then the two
     sides' distances from it."""
+    sign_test: Optional[tuple[int, int]] = None
+    """Decided by the tally of disputes within the loss margin (`SpotChecks._tally`): the struck
+    side's output carried the worse loss in the first of these many of the second."""
     self_contradiction: bool = False
     """Decided by asking both sides again: the struck one's second answer contradicted its first;
     `measures` are each side's distance between its two answers."""
@@ -141,7 +150,9 @@ class SpotCheckStats:
                               "distance": round(d.distance, 6),
                               "measures": None if d.measures is None else [round(x, 6) for x in d.measures],
                               "struck": d.struck, "arbiter": d.arbiter,
-                              "self_contradiction": d.self_contradiction} for d in self.disputes[-16:]]}
+                              "self_contradiction": d.self_contradiction,
+                              "sign_test": None if d.sign_test is None else list(d.sign_test)}
+                             for d in self.disputes[-16:]]}
 
 
 @dataclass
@@ -232,6 +243,8 @@ class SpotChecks:
         """Whether a stage's replicas hold the same weights at the same version (per-step gradient exchange)."""
         """(stage, worker, why): stop routing to a worker."""
         self._rng = rng or random.Random()
+        self._signs: dict[tuple[int, frozenset], collections.Counter] = collections.defaultdict(collections.Counter)
+        """(stage, the disputing pair) -> each side's count of worse losses within the margin."""
         self._tasks: set[asyncio.Task] = set()
         self.stats = SpotCheckStats()
         self._hops: collections.Counter = collections.Counter()
@@ -511,8 +524,28 @@ class SpotChecks:
         margin = self.loss_margin * max(min(worker_loss, checker_loss), 1e-6)
         if not (abs(worker_loss - checker_loss) > margin):  # NaN too: no verdict
             self.stats.outcomes["unresolved"] += 1
+            self._tally(dispute, worker_loss, checker_loss)
             return
         self._strike(dispute, dispute.worker if worker_loss > checker_loss else dispute.checker)
+
+    def _tally(self, dispute: Dispute, worker_loss: float, checker_loss: float) -> None:
+        """Count which side's output carried the worse loss in a dispute within the margin. Honest
+        replicas never dispute (they agree to the last bit), so a pair that keeps disputing holds a
+        liar; a liar whose lie costs less than the margin per sample but costs it every time is
+        worse far more often than a coin would be (`SIGN_TEST_P`, two-sided), and is struck once
+        its side's count says so. The tally then starts again."""
+        if not (worker_loss != checker_loss and max(worker_loss, checker_loss) < float("inf")):
+            return  # NaN or a tie: no sign
+        worse = dispute.worker if worker_loss > checker_loss else dispute.checker
+        tally = self._signs[(dispute.stage, frozenset((dispute.worker, dispute.checker)))]
+        tally[worse] += 1
+        n, k = sum(tally.values()), tally[worse]
+        if 2 * _binomial_tail(k, n) >= SIGN_TEST_P:
+            return
+        tally.clear()
+        dispute.sign_test = (k, n)
+        self.stats.outcomes["unresolved"] -= 1  # resolved after all, by the tally
+        self._strike(dispute, worse)
 
     async def _resolve_gradient(self, dispute: Dispute, tokens: torch.Tensor, coords: torch.Tensor,
                                 claimed: torch.Tensor, recomputed: torch.Tensor) -> None:
@@ -561,7 +594,8 @@ class SpotChecks:
         if (strikes >= self.strikes_to_exclude and 3 * favoured < strikes and struck not in self.stats.excluded):
             what = ("distance from a third replica" if dispute.arbiter
                     else "distance between its own two answers" if dispute.self_contradiction
-                    else "loss" if dispute.kind == "output" else "slope error")
+                    else f"worse loss in {dispute.sign_test[0]} of {dispute.sign_test[1]} close disputes, last"
+                    if dispute.sign_test else "loss" if dispute.kind == "output" else "slope error")
             why = (f"{strikes} spot-check disputes on stage {dispute.stage} resolved against it "
                    f"({favoured} in its favour); last: {what} {max(dispute.measures):.4g} against "
                    f"{min(dispute.measures):.4g} at version {dispute.version}")
@@ -584,6 +618,11 @@ class SpotChecks:
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
+
+
+def _binomial_tail(k: int, n: int) -> float:
+    """P(at least k heads in n fair coin tosses)."""
+    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n
 
 
 def _gap(claimed, recomputed) -> Optional[float]:

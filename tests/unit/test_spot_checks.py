@@ -260,3 +260,26 @@ def test_a_third_replica_decides_a_dispute_without_the_loss():
     assert measured == []  # the loss was not needed
     neither = asyncio.run(main("liar", LIE, OUT))  # a third that matches no side: the loss decides (here: nothing)
     assert neither.stats.disputes[0].arbiter is None and neither.stats.outcomes["unresolved"] == 1 and measured == [1]
+
+
+def test_a_lie_worse_by_less_than_the_margin_every_time_is_struck_by_the_tally_and_a_coin_is_not():
+    async def disputes(losses_for, count):
+        checks, excluded = _referee_checks(losses_for, loss_margin=0.01)
+        for i in range(count):
+            worker, claim = ("liar", LIE) if i % 2 else ("honest", HONEST)  # either side under check
+            checks.check_forward(1, worker, TOKENS, None, claim, 1)
+            await _settle(checks)
+        return checks, excluded
+
+    # the liar's output costs 0.5% every time: within the margin, never decided one by one
+    slightly = lambda claimed: [2.01, 2.0] if claimed is LIE else [2.0, 2.01]  # noqa: E731
+    checks, excluded = asyncio.run(disputes(slightly, 30))
+    assert dict(checks.stats.strikes) == {"liar": 3} and excluded == [(1, "liar")]
+    assert [d.sign_test for d in checks.stats.disputes if d.struck] == [(10, 10)] * 3
+    assert "worse loss in 10 of 10 close disputes" in checks.stats.excluded["liar"]
+    assert checks.stats.outcomes["unresolved"] == 27 and checks.stats.favoured["honest"] == 3
+    # a lie that costs nothing: which side is worse is a coin, and nobody is struck in 40 disputes
+    coin = random.Random(3)
+    fair = lambda claimed: [2.0, 2.0 + coin.choice((-0.005, 0.005))]  # noqa: E731
+    checks, excluded = asyncio.run(disputes(fair, 40))
+    assert not checks.stats.strikes and excluded == [] and checks.stats.outcomes["unresolved"] == 40
