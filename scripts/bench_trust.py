@@ -486,21 +486,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             _write(report(), args.out)
 
     try:
-        # the baseline, the attacks, then the other honest variants: a cut-short run keeps the most
+        # the baseline first: a cut-short invocation keeps the most
         done(one_run("honest-0-plain", args, attack=None, checks=True), honest)
         for k in range(args.overhead_pairs):  # off then on, alternating: drift of the machine cancels
             done(one_run(f"overhead-{k}-off", args, attack=None, checks=False), honest)
             done(one_run(f"overhead-{k}-on", args, attack=None, checks=True), honest)
         if args.off:
             done(one_run("honest-off", args, attack=None, checks=False), honest)
-        for attack in args.attacks:
-            for k in range(args.runs):
+        for k in range(args.runs):  # every attack once, the honest variants, then the attacks again
+            for attack in args.attacks:
                 done(one_run(f"{attack}-on-{k}", args, attack=attack, checks=True), runs)
                 if args.off:
                     done(one_run(f"{attack}-off-{k}", args, attack=attack, checks=False), runs)
-        for k in range(1, args.honest):
-            variant = HONEST_VARIANTS[k % len(HONEST_VARIANTS)]
-            done(one_run(f"honest-{k}-{variant}", args, attack=None, checks=True, variant=variant), honest)
+            for h in range(1, args.honest) if k == 0 else ():
+                variant = HONEST_VARIANTS[h % len(HONEST_VARIANTS)]
+                done(one_run(f"honest-{h}-{variant}", args, attack=None, checks=True, variant=variant), honest)
     except KeyboardInterrupt:
         errors.append("interrupted")
     report()
