@@ -3,8 +3,13 @@
 The set is fixed: the same samples at every evaluation, so successive held-out losses compare the
 same text under weights that moved, and no sample of it is ever trained on.
 
-- A prepared corpus: the first samples of `seq_len` tokens cut back to back from its held-out
-  split, the shards in manifest order (training reads only the `train` split, shards.py).
+- A prepared corpus: samples of `seq_len` tokens spread evenly over its held-out split (the
+  shards in manifest order; training reads only the `train` split, shards.py). The first samples
+  cut back to back would hold a few documents of whatever text the split starts with: on a corpus
+  that mixes kinds of text, a curve of one kind. Sample i starts at token i x (split tokens //
+  count), so every part of the split is in the estimate in proportion to its size. A split of
+  more than `HELDOUT_SHARDS_MAX` shards is sampled on that many shards evenly spaced among them,
+  which bounds what a remote corpus fetches.
 - Generated text (the synthetic corpus under a seed of its own): the first samples of the
   documents packed the way a training stream packs them (each document followed by the
   tokenizer's separator).
@@ -14,11 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 
 from corpus.sample import Sample
+from corpus.manifest import ShardEntry
 from corpus.shards import PreparedCorpus, ShardFiles
 from corpus.tokenizers import Tokenizer
 from protocol.errors import ConfigError
@@ -26,6 +33,8 @@ from protocol.errors import ConfigError
 __all__ = ["HELDOUT_SPLIT", "HeldOutUnavailable", "packed_heldout", "prepared_heldout", "prepared_heldout_missing"]
 
 HELDOUT_SPLIT = "heldout"
+HELDOUT_SHARDS_MAX = 16
+"""Shards of the held-out split the samples are spread over, at most: what a remote corpus fetches."""
 
 
 class HeldOutUnavailable(ConfigError):
@@ -43,27 +52,46 @@ def prepared_heldout_missing(corpus: PreparedCorpus, seq_len: int) -> str | None
 
 
 def prepared_heldout(corpus: PreparedCorpus, seq_len: int, count: int, cache_dir: Path) -> list[Sample]:
-    """The first `count` held-out samples (fewer if the split holds fewer). Reads only the shard
-    prefixes it needs; a remote shard is fetched into `cache_dir` and checked like a training one."""
+    """`count` held-out samples spread evenly over the split (fewer if it holds fewer; see the
+    module's docstring). Reads only the windows it needs; a remote shard is fetched into
+    `cache_dir` and checked like a training one."""
     missing = prepared_heldout_missing(corpus, seq_len)
     if missing is not None:
         raise HeldOutUnavailable(missing)
+    shards = spread_shards(corpus.manifest.splits[HELDOUT_SPLIT].shards)
+    ends = np.cumsum([entry.tokens for entry in shards])
+    total = int(ends[-1]) if len(ends) else 0
+    n = min(count, total // seq_len)
+    stride = total // n if n else 0
     files = ShardFiles(corpus, cache_dir)
     samples: list[Sample] = []
-    carry = np.empty(0, dtype=np.int64)  # the start of a sample that runs on into the next shard
     try:
-        for entry in corpus.manifest.splits[HELDOUT_SPLIT].shards:
-            needed = (count - len(samples)) * seq_len - len(carry)
-            if needed <= 0:
-                break
-            tokens = np.concatenate([carry, np.asarray(files.array(entry)[:needed], dtype=np.int64)])
-            whole = len(tokens) // seq_len
-            samples += [Sample(f"heldout-{len(samples) + k}", torch.from_numpy(tokens[k * seq_len:(k + 1) * seq_len]))
-                        for k in range(whole)]
-            carry = tokens[whole * seq_len:]
+        for i in range(n):
+            tokens = _window(files, shards, ends, i * stride, seq_len)
+            samples.append(Sample(f"heldout-{i}", torch.from_numpy(tokens)))
     finally:
         files.close()
     return samples
+
+
+def spread_shards(shards: list[ShardEntry], most: Optional[int] = None) -> list[ShardEntry]:
+    """At most `most` (default `HELDOUT_SHARDS_MAX`) of the split's shards, evenly spaced, in order."""
+    most = HELDOUT_SHARDS_MAX if most is None else most
+    if len(shards) <= most:
+        return list(shards)
+    return [shards[(k * len(shards)) // most] for k in range(most)]
+
+
+def _window(files: ShardFiles, shards: list[ShardEntry], ends: np.ndarray, start: int, length: int) -> np.ndarray:
+    """Tokens [start, start + length) of the shards taken back to back, as int64."""
+    parts = []
+    k = int(np.searchsorted(ends, start, side="right"))
+    while length > 0:
+        offset = start - (int(ends[k - 1]) if k else 0)
+        part = np.asarray(files.array(shards[k])[offset:offset + length], dtype=np.int64)
+        parts.append(part)
+        start, length, k = start + len(part), length - len(part), k + 1
+    return np.concatenate(parts)
 
 
 def packed_heldout(documents: Iterable[str], tokenizer: Tokenizer, seq_len: int, count: int) -> list[Sample]:

@@ -202,12 +202,13 @@ class DhtSource:
             rate = round((tokens - self.previous[1]) / (now - self.previous[0]), 1)
         self.previous = (now, tokens)
         losses = [t.recent_loss for t in trainers.values() if t.recent_loss is not None]
-        eval_loss, eval_step = run_eval(trainers, set(trainers))
+        eval_loss, eval_step, eval_stderr = run_eval(trainers, set(trainers))
         return {
             "run_id": self.run_id, "num_stages": n, "updated_at": now, "interval_s": 0.0, "stages": stages,
             "training": {"samples": sum(t.samples_completed for t in reports.values()), "tokens": tokens,
                          "loss": sum(losses) / len(losses) if losses else None, "tokens_per_s": rate,
-                         "trainers": len(trainers), "eval_loss": eval_loss, "eval_step": eval_step},
+                         "trainers": len(trainers), "eval_loss": eval_loss, "eval_step": eval_step,
+                         "eval_stderr": eval_stderr},
             "nodes": {"present": sum(len(w) for w in workers) + len(trainers), "gone": None, "admitted": None,
                       "queued": None},
             "alerts": [],
@@ -295,10 +296,15 @@ def summary_lines(overview: dict, now: Optional[float] = None) -> list[str]:
 def _held_out(training: dict) -> str:
     """The held-out loss and the step it was taken at; '-' before the first evaluation (or from an
     older authorizer, whose overview has neither)."""
-    loss, step = training.get("eval_loss"), training.get("eval_step")
-    if not isinstance(loss, (int, float)) or isinstance(loss, bool):
+    loss, step, stderr = training.get("eval_loss"), training.get("eval_step"), training.get("eval_stderr")
+    if not _number(loss):
         return "held-out -"
-    return f"held-out {loss:.3f}" + (f" @ step {step}" if isinstance(step, int) and not isinstance(step, bool) else "")
+    return (f"held-out {loss:.3f}" + (f" +- {stderr:.3f}" if _number(stderr) else "")
+            + (f" @ step {step}" if isinstance(step, int) and not isinstance(step, bool) else ""))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def alert_lines(overview: dict) -> list[str]:

@@ -178,6 +178,8 @@ class TrainerRecord(RecordModel):
     eval_loss: Optional[float] = Field(default=None, description="its latest held-out loss (the run's evaluator, "
                                        "trainer 0, publishes one: roles/trainer/evaluation.py)")
     eval_step: Optional[int] = Field(default=None, ge=0, description="the stage step that held-out loss was taken at")
+    eval_stderr: Optional[float] = Field(default=None, ge=0, description="the standard error of that held-out loss "
+                                         "over its samples")
 
 
 class Tombstone(RecordModel):

@@ -182,6 +182,10 @@
     clear(svg);
     const all = [];
     series.forEach(function (s) { s.points.forEach(function (p) { if (isNum(p[0]) && isNum(p[1])) all.push(p); }); });
+    const bandPoints = [];  // [t, lo, hi]: drawn under its series, and kept inside the axes
+    series.forEach(function (s) {
+      (s.band || []).forEach(function (b) { if (isNum(b[0]) && isNum(b[1]) && isNum(b[2])) bandPoints.push(b); });
+    });
     svg.dataset.points = String(all.length);
     if (!all.length) {
       svg.appendChild(svgEl('text', { x: width / 2, y: height / 2, 'text-anchor': 'middle', class: 'empty' },
@@ -193,6 +197,7 @@
       t0 = Math.min(t0, p[0]); t1 = Math.max(t1, p[0]);
       v0 = Math.min(v0, p[1]); v1 = Math.max(v1, p[1]);
     });
+    bandPoints.forEach(function (b) { v0 = Math.min(v0, b[1]); v1 = Math.max(v1, b[2]); });
     if (t1 - t0 < 1) { t0 -= 1; t1 += 1; }
     if (v1 - v0 < 1e-9) { const m = Math.abs(v0) * 0.1 || 1; v0 -= m; v1 += m; }
     if (v0 < 0 && all.every(function (p) { return p[1] >= 0; })) v0 = 0;  // counts never go below zero
@@ -210,6 +215,14 @@
     [t0, (t0 + t1) / 2, t1].forEach(function (t, i) {
       const anchor = i === 0 ? 'start' : i === 2 ? 'end' : 'middle';
       svg.appendChild(svgEl('text', { x: x(t), y: height - 6, 'text-anchor': anchor, class: 'tick' }, fmtClock(t)));
+    });
+    series.forEach(function (s, i) {
+      const band = (s.band || []).filter(function (b) { return isNum(b[0]) && isNum(b[1]) && isNum(b[2]); });
+      if (band.length) {
+        const upper = band.map(function (b, j) { return (j ? 'L' : 'M') + x(b[0]).toFixed(1) + ' ' + y(b[2]).toFixed(1); });
+        const lower = band.slice().reverse().map(function (b) { return 'L' + x(b[0]).toFixed(1) + ' ' + y(b[1]).toFixed(1); });
+        svg.appendChild(svgEl('path', { d: upper.concat(lower).join(' ') + ' Z', class: 'band band' + (i % 2) }));
+      }
     });
     series.forEach(function (s, i) {
       const pts = s.points.filter(function (p) { return isNum(p[0]) && isNum(p[1]); });
@@ -297,6 +310,7 @@
     setText('total-loss', fmtFixed(t.loss, 3));
     setText('total-eval-loss', fmtFixed(t.eval_loss, 3));
     setText('total-eval-step', isNum(t.eval_step) ? 'at step ' + fmtInt(t.eval_step) : '');
+    setText('total-eval-stderr', isNum(t.eval_stderr) && isNum(t.eval_loss) ? '± ' + fmtFixed(t.eval_stderr, 3) : '');
     setText('total-tps', fmtRate(t.tokens_per_s));
     setText('total-samples', fmtInt(t.samples));
     setText('total-tokens', fmtInt(t.tokens));
@@ -396,9 +410,12 @@
     const loss = state.progress.filter(function (p) { return isNum(p.loss); }).map(function (p) { return [p.t, p.loss]; });
     // The latest held-out loss at each snapshot: flat between two evaluations.
     const heldOut = state.progress.filter(function (p) { return isNum(p.eval_loss); }).map(function (p) { return [p.t, p.eval_loss]; });
+    // Two standard errors either side: where about 95% of draws of as many held-out samples would put it.
+    const heldOutBand = state.progress.filter(function (p) { return isNum(p.eval_loss) && isNum(p.eval_stderr); })
+      .map(function (p) { return [p.t, p.eval_loss - 2 * p.eval_stderr, p.eval_loss + 2 * p.eval_stderr]; });
     const tps = state.progress.filter(function (p) { return isNum(p.tokens_per_s); }).map(function (p) { return [p.t, p.tokens_per_s]; });
     drawChart($('loss-chart'), heldOut.length
-      ? [{ points: loss, label: 'training' }, { points: heldOut, label: 'held-out' }]
+      ? [{ points: loss, label: 'training' }, { points: heldOut, band: heldOutBand, label: 'held-out' }]
       : [{ points: loss }], 'no loss reported yet');
     drawChart($('tps-chart'), [{ points: tps }], 'no throughput yet');
   }

@@ -74,13 +74,14 @@ def run_loss(reports: dict[str, TrainerRecord], present: set[str]) -> Optional[f
     return sum(losses) / len(losses) if losses else None
 
 
-def run_eval(reports: dict[str, TrainerRecord], present: set[str]) -> tuple[Optional[float], Optional[int]]:
-    """The run's latest held-out loss and its step: from the present trainer that evaluated at
-    the highest step (one trainer evaluates, roles/trainer/evaluation.py; a restarted one may
-    briefly report beside its old record)."""
-    found = [(r.eval_step, r.eval_loss) for peer, r in reports.items()
+def run_eval(reports: dict[str, TrainerRecord], present: set[str]
+             ) -> tuple[Optional[float], Optional[int], Optional[float]]:
+    """The run's latest held-out loss, its step and its standard error: from the present trainer
+    that evaluated at the highest step (one trainer evaluates, roles/trainer/evaluation.py; a
+    restarted one may briefly report beside its old record)."""
+    found = [(r.eval_step, r.eval_loss, r.eval_stderr) for peer, r in reports.items()
              if peer in present and r.eval_step is not None and r.eval_loss is not None and math.isfinite(r.eval_loss)]
     if not found:
-        return None, None
-    step, loss = max(found)
-    return loss, step
+        return None, None, None
+    step, loss, stderr = max(found, key=lambda f: (f[0], f[1]))
+    return loss, step, stderr

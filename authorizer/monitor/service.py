@@ -103,7 +103,7 @@ class HealthMonitor:
         self.tokens += counted.tokens
         trainers = {p for p, n in self.nodes.items() if n.present and n.role == "trainer"}
         loss = run_loss(obs.trainer_reports, trainers)
-        eval_loss, eval_step = run_eval(obs.trainer_reports, trainers)
+        eval_loss, eval_step, eval_stderr = run_eval(obs.trainer_reports, trainers)
         if loss is not None:
             self.losses = (self.losses + [loss])[-RECENT_LOSSES:]
             self.best_loss = loss if self.best_loss is None else min(self.best_loss, loss)
@@ -128,7 +128,7 @@ class HealthMonitor:
                       + memory_conditions(self.nodes))
         raised, refreshed, resolved = self.book.apply(conditions, t)
         progress = dict(samples=self.samples, tokens=self.tokens, loss=loss, tokens_per_s=tokens_per_s,
-                        trainers=len(trainers), eval_loss=eval_loss, eval_step=eval_step)
+                        trainers=len(trainers), eval_loss=eval_loss, eval_step=eval_step, eval_stderr=eval_stderr)
         await asyncio.to_thread(self.store.write, SnapshotWrite(
             t=t, interval_s=self.interval_s, nodes=changed, node_samples=node_samples, stages=stages,
             progress=progress, cursors=counted.cursors, totals=(self.samples, self.tokens), best_loss=self.best_loss,

@@ -231,7 +231,8 @@ class MonitorStore:
             "training": {"samples": int(state.get("samples", 0)), "tokens": int(state.get("tokens", 0)),
                          "loss": last.loss if last else None, "tokens_per_s": last.tokens_per_s if last else None,
                          "trainers": last.trainers if last else 0,
-                         "eval_loss": last.eval_loss if last else None, "eval_step": last.eval_step if last else None},
+                         "eval_loss": last.eval_loss if last else None, "eval_step": last.eval_step if last else None,
+                         "eval_stderr": last.eval_stderr if last else None},
             "nodes": {"present": int(counts.get("present", 0)), "gone": int(counts.get("gone", 0))},
             "alerts": alerts,
         }
@@ -247,7 +248,8 @@ class MonitorStore:
             rows = conn.execute(query).mappings().all()  # mappings: Row.t is SQLAlchemy's own attribute
         rows = sorted(rows, key=lambda r: r["id"])
         return [dict(t=r["t"], samples=int(r["samples"]), tokens=int(r["tokens"]), loss=r["loss"],
-                     tokens_per_s=r["tokens_per_s"], eval_loss=r["eval_loss"], eval_step=r["eval_step"]) for r in rows]
+                     tokens_per_s=r["tokens_per_s"], eval_loss=r["eval_loss"], eval_step=r["eval_step"],
+                     eval_stderr=r["eval_stderr"]) for r in rows]
 
     def nodes(self, limit: int = 100_000) -> list[dict]:
         with self.read_engine.connect() as conn:

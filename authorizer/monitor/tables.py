@@ -96,10 +96,11 @@ monitor_progress = Table(
     Column("trainers", Integer, nullable=False),
     Column("eval_loss", Float, comment="the run's latest held-out loss (roles/trainer/evaluation.py)"),
     Column("eval_step", BigInteger, comment="the stage step that held-out loss was taken at"),
+    Column("eval_stderr", Float, comment="the standard error of that held-out loss over its samples"),
     Index("monitor_progress_t", "t"),
 )
 
-ADDED_COLUMNS = {"monitor_progress": ("eval_loss", "eval_step"), "monitor_nodes": ("relayed", "relayed_bytes")}
+ADDED_COLUMNS = {"monitor_progress": ("eval_loss", "eval_step", "eval_stderr"), "monitor_nodes": ("relayed", "relayed_bytes")}
 """Columns added since the tables were first released: a database an older monitor created gets
 them when the monitor opens it (authorizer.monitor.store)."""
 

@@ -62,6 +62,8 @@ def _evaluation(f: Families, role: TrainerRole) -> Iterable[Family]:
     latest = evaluator.latest if evaluator is not None else None
     yield f.gauge("agora_eval_loss", "mean loss on the held-out samples at the latest evaluation",
                   latest.loss if latest is not None else None)
+    yield f.gauge("agora_eval_loss_stderr", "standard error of agora_eval_loss over the held-out samples",
+                  latest.stderr if latest is not None else None)
     yield f.gauge("agora_eval_perplexity", "exp(agora_eval_loss)", latest.perplexity if latest is not None else None)
     yield f.gauge("agora_eval_step", "the stage step the latest evaluation was taken at",
                   latest.step if latest is not None else None)

@@ -10,7 +10,7 @@ seen), so an evaluation is reported at the step whose multiple it crossed, not a
 
 An evaluation runs in the background beside the lanes, one at a time, a few samples in flight;
 a sample whose hop fails on every worker tried is left out and counted. The result (mean loss
-over samples, perplexity exp(loss), the step, samples used, seconds) goes to the trainer's
+over samples, its standard error, perplexity exp(loss), the step, samples used, seconds) goes to the trainer's
 metrics, its DHT record (hence `agora-node status` and the dashboard) and its summary.
 """
 
@@ -20,6 +20,7 @@ import asyncio
 import collections
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,10 @@ class Evaluation:
     """The stage step it was due at: the highest step tag this trainer had seen when it started."""
     loss: float
     perplexity: float
+    stderr: Optional[float]
+    """The standard error of `loss` over the samples (their losses' standard deviation over the
+    square root of their count): how far another draw of as many held-out samples could put it.
+    None with a single sample."""
     samples: int
     """Held-out samples that got through every stage."""
     dropped: int
@@ -85,8 +90,16 @@ class Evaluation:
 
     def as_json(self) -> dict:
         return {"step": self.step, "loss": round(self.loss, 6), "perplexity": round(self.perplexity, 4),
+                "stderr": None if self.stderr is None else round(self.stderr, 6),
                 "samples": self.samples, "dropped": self.dropped, "seconds": round(self.seconds, 3),
                 "versions": list(self.versions)}
+
+
+def standard_error(values: list[float]) -> Optional[float]:
+    """The standard error of the mean of `values`; None for fewer than two."""
+    if len(values) < 2:
+        return None
+    return statistics.stdev(values) / math.sqrt(len(values))
 
 
 def perplexity(loss: float) -> float:
@@ -223,13 +236,16 @@ class HeldOutEvaluator:
             logger.warning("held-out evaluation at step %d: none of its %d samples got through the stages (%s)%s",
                            step, len(samples), ", ".join(f"{n} {why}" for why, n in dropped.most_common()), hint)
             return
-        loss = sum(a.loss for a in used) / len(used)
+        losses = [a.loss for a in used]
+        loss = sum(losses) / len(losses)
         versions = [a.version for a in used]
-        result = Evaluation(step=step, loss=loss, perplexity=perplexity(loss), samples=len(used),
+        result = Evaluation(step=step, loss=loss, perplexity=perplexity(loss), stderr=standard_error(losses),
+                            samples=len(used),
                             dropped=len(samples) - len(used), seconds=seconds, versions=(min(versions), max(versions)))
         self._record(result)
-        logger.info("held-out loss %.4f (perplexity %.2f) at step %d: %d of %d samples in %.1fs", loss,
-                    result.perplexity, step, result.samples, len(samples), seconds)
+        logger.info("held-out loss %.4f%s (perplexity %.2f) at step %d: %d of %d samples in %.1fs", loss,
+                    "" if result.stderr is None else f" +- {result.stderr:.4f}", result.perplexity, step,
+                    result.samples, len(samples), seconds)
 
     async def _heldout(self) -> list[Sample]:
         if self._samples is None:

@@ -133,7 +133,8 @@ class TrainerRole:
     def _record(self, final: bool = False) -> TrainerRecord:
         a = self.accounting
         latest = self.evaluator.latest if self.evaluator is not None else None
-        held_out = {"eval_loss": latest.loss, "eval_step": latest.step} if latest is not None else {}
+        held_out = ({"eval_loss": latest.loss, "eval_step": latest.step, "eval_stderr": latest.stderr}
+                    if latest is not None else {})
         return TrainerRecord(
             samples_completed=a.completed, samples_dropped=a.dropped, tokens=a.tokens, last_loss=a.last_loss,
             first_loss=a.first_loss, recent_loss=a.recent_loss, time=time.time(), final=final,

@@ -35,6 +35,7 @@ def test_trainer_0_reports_heldout_loss_and_training_counts_stay_exact(make_swar
     assert math.isfinite(loss) and loss > 0
     assert metric_value(seen, "agora_eval_perplexity") == pytest.approx(math.exp(loss), rel=1e-6)
     assert metric_value(seen, "agora_eval_step") >= 3
+    assert 0 < metric_value(seen, "agora_eval_loss_stderr") < loss
 
     assert swarm.stop(trainer, signal.SIGTERM) == 0, trainer.log_tail()
     summary = trainer.summary()

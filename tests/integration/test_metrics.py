@@ -53,6 +53,7 @@ TRAINER = {
     "agora_trainer_retries": ("counter", {"reason"}),
     "agora_eval_loss": ("gauge", set()),
     "agora_eval_perplexity": ("gauge", set()),
+    "agora_eval_loss_stderr": ("gauge", set()),
     "agora_eval_step": ("gauge", set()),
     "agora_evaluations": ("counter", set()),
 }

@@ -41,7 +41,7 @@ class FixtureMonitor:
             if since is None or t > since:
                 out.append({"t": t, "samples": 16 * i, "tokens": 16 * 64 * i, "loss": 5.5 * 0.97 ** i,
                             "tokens_per_s": 500.0 + 20 * (i % 7), "eval_loss": 5.6 * 0.97 ** (i // 4 * 4),
-                            "eval_step": i // 4 * 4})
+                            "eval_step": i // 4 * 4, "eval_stderr": 0.05})
         return out
 
     def node(self, peer_id: str, role: str, stage, phase) -> dict:
@@ -63,7 +63,7 @@ class FixtureMonitor:
                                  "last_round_at": time.time() - 5}} for s in range(3)]
         return {"run_id": "fixture-run", "num_stages": 3, "updated_at": time.time(), "interval_s": 2.0, "stages": stages,
                 "training": {"samples": self.samples, "tokens": self.samples * 64, "loss": 2.5, "tokens_per_s": 640.0,
-                             "trainers": 1, "eval_loss": 2.7, "eval_step": 40},
+                             "trainers": 1, "eval_loss": 2.7, "eval_step": 40, "eval_stderr": 0.031},
                 "nodes": {"present": 5, "gone": 0, "admitted": 5, "queued": 1},
                 "alerts": [{"id": 1, "kind": "stage_short", "severity": "critical", "subject": HOSTILE,
                             "message": "<b>stage 2</b> has fewer replicas than its minimum", "first_at": time.time(),
@@ -169,6 +169,8 @@ def test_dashboard_draws_escapes_and_updates_in_chromium(served, tmp_path):
                    "the loss chart to draw its points")
         assert len(driver.find_elements("css selector", "#loss-chart path.line")) == 2, "training and held-out loss"
         assert text(driver, "total-eval-loss") == "2.700" and text(driver, "total-eval-step") == "at step 40"
+        assert text(driver, "total-eval-stderr") == "± 0.031"
+        assert driver.find_elements("css selector", "#loss-chart path.band"), "the held-out loss's band"
         nodes_text = text(driver, "nodes-table")
         assert HOSTILE in nodes_text and HOSTILE_2 in nodes_text, "hostile peer ids are shown as text"
         assert HOSTILE in text(driver, "alerts")

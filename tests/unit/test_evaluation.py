@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 import time
 
 import pytest
@@ -220,9 +221,11 @@ def test_evaluations_run_at_step_0_then_every_n_steps_one_at_a_time():
     assert first.samples == 7 and first.dropped == 1, "the failed sample is left out and counted"
     assert first.loss == pytest.approx(sum(i for i in range(8) if i != 3) / 7)
     assert first.perplexity == pytest.approx(math.exp(first.loss))
+    assert first.stderr == pytest.approx(statistics.stdev(i for i in range(8) if i != 3) / math.sqrt(7))
     assert evaluator.evaluations == 4 and len(loads) == 1, "the samples are loaded once"
     assert driver.max_in_flight == 2
     assert evaluator.summary()[0] == {"step": 0, "loss": round(first.loss, 6), "perplexity": round(first.perplexity, 4),
+                                      "stderr": round(first.stderr, 6),
                                       "samples": 7, "dropped": 1, "seconds": round(first.seconds, 3),
                                       "versions": [0, 0]}
 

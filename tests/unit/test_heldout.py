@@ -1,5 +1,5 @@
 """The held-out samples an evaluation uses (corpus/heldout.py, roles/trainer/evaluation.py): the
-same ones at every call, cut from the held-out split only (or, for synthetic data, from text of a
+same ones at every call, spread over the whole held-out split and cut from it only (or, for synthetic data, from text of a
 seed of its own), and none at all for data without a held-out split."""
 
 from __future__ import annotations
@@ -11,21 +11,21 @@ import numpy as np
 import pytest
 import torch
 
-from corpus.heldout import HeldOutUnavailable, prepared_heldout
+from corpus.heldout import HeldOutUnavailable, prepared_heldout, spread_shards
 from corpus.prepare import PrepareOptions, prepare
 from corpus.shards import PreparedCorpus
 from roles.trainer.data import make_sample_stream
 from roles.trainer.evaluation import heldout_loader
 from tests.support.corpus import documents, write_jsonl
 
-SEQ = 100  # 1024-token shards are not a multiple of it: samples run on across shard boundaries
+SEQ = 100  # 2048-token shards are not a multiple of it: samples run on across shard boundaries
 
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("heldout")
     write_jsonl(root / "docs.jsonl", documents(600))
-    prepare(PrepareOptions(inputs=[str(root / "docs.jsonl")], output=root / "out", shard_tokens=1024,
+    prepare(PrepareOptions(inputs=[str(root / "docs.jsonl")], output=root / "out", shard_tokens=2048,
                            heldout_fraction=0.2, progress=False))
     return root / "out"
 
@@ -36,7 +36,7 @@ def _split(corpus_dir: Path, split: str) -> np.ndarray:
     return np.concatenate([np.load(corpus_dir / e["file"]).astype(np.int64) for e in shards])
 
 
-def test_prepared_heldout_samples_are_the_heldout_split_cut_back_to_back_and_fixed(corpus_dir, tmp_path):
+def test_prepared_heldout_samples_are_spread_evenly_over_the_heldout_split_and_fixed(corpus_dir, tmp_path):
     load, described = heldout_loader(str(corpus_dir), tokenizer_path=None, seq_len=SEQ, seed=3, count=25,
                                      data_dir=str(tmp_path))
     first, second = load(), load()
@@ -46,8 +46,10 @@ def test_prepared_heldout_samples_are_the_heldout_split_cut_back_to_back_and_fix
     heldout = _split(corpus_dir, "heldout")
     manifest = json.loads((corpus_dir / "manifest.json").read_text())
     assert len(manifest["splits"]["heldout"]["shards"]) >= 3, "the test must cross shard boundaries"
-    expected = heldout[:25 * SEQ].reshape(25, SEQ)
-    assert np.array_equal(np.stack([s.tokens.numpy() for s in first]), expected)
+    stride = len(heldout) // 25
+    assert stride > 2 * SEQ, "the test must leave gaps between samples"
+    expected = np.stack([heldout[i * stride:i * stride + SEQ] for i in range(25)])
+    assert np.array_equal(np.stack([s.tokens.numpy() for s in first]), expected)  # from the split's start to its end
     assert all(s.tokens.dtype == torch.int64 and s.tokens.shape == (SEQ,) for s in first)
 
     train = _split(corpus_dir, "train")
@@ -59,6 +61,25 @@ def test_a_corpus_with_fewer_heldout_tokens_than_asked_gives_what_it_has(corpus_
     tokens = len(_split(corpus_dir, "heldout"))
     samples = prepared_heldout(PreparedCorpus(str(corpus_dir)), SEQ, 10_000, tmp_path)
     assert len(samples) == tokens // SEQ
+
+
+def test_a_split_of_many_shards_is_sampled_on_evenly_spaced_shards(corpus_dir, tmp_path):
+    shards = list(range(100))
+    assert spread_shards(shards, 4) == [0, 25, 50, 75] and spread_shards(shards[:3], 4) == [0, 1, 2]
+    corpus = PreparedCorpus(str(corpus_dir))
+    entries = corpus.manifest.splits["heldout"].shards
+    import corpus.heldout as heldout_module
+
+    few = heldout_module.HELDOUT_SHARDS_MAX
+    heldout_module.HELDOUT_SHARDS_MAX = 2
+    try:
+        samples = prepared_heldout(corpus, SEQ, 6, tmp_path)
+    finally:
+        heldout_module.HELDOUT_SHARDS_MAX = few
+    chosen = np.concatenate([np.load(corpus_dir / e.file).astype(np.int64) for e in spread_shards(entries, 2)])
+    stride = len(chosen) // 6
+    assert [s.tokens.numpy().tolist() for s in samples] == [chosen[i * stride:i * stride + SEQ].tolist()
+                                                            for i in range(6)]
 
 
 def test_no_heldout_split_means_no_evaluation(tmp_path):

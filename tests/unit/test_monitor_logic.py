@@ -118,13 +118,13 @@ def test_run_loss_is_the_mean_of_present_trainers():
 
 def test_run_eval_is_the_latest_heldout_loss_of_a_present_trainer():
     old = report(10, 100, 1.0).model_copy(update={"eval_loss": 4.5, "eval_step": 20})
-    new = report(10, 100, 1.0).model_copy(update={"eval_loss": 4.0, "eval_step": 40})
+    new = report(10, 100, 1.0).model_copy(update={"eval_loss": 4.0, "eval_step": 40, "eval_stderr": 0.03})
     plain = report(10, 100, 1.0)
-    assert run_eval({PEER: old, OTHER: new}, {PEER, OTHER}) == (4.0, 40)
-    assert run_eval({PEER: old, OTHER: new}, {PEER}) == (4.5, 20), "a trainer no longer present does not count"
-    assert run_eval({PEER: plain}, {PEER}) == (None, None), "no trainer evaluated (yet)"
+    assert run_eval({PEER: old, OTHER: new}, {PEER, OTHER}) == (4.0, 40, 0.03)
+    assert run_eval({PEER: old, OTHER: new}, {PEER}) == (4.5, 20, None), "a trainer no longer present does not count"
+    assert run_eval({PEER: plain}, {PEER}) == (None, None, None), "no trainer evaluated (yet)"
     broken = new.model_copy(update={"eval_loss": float("nan")})
-    assert run_eval({PEER: old, OTHER: broken}, {PEER, OTHER}) == (4.5, 20)
+    assert run_eval({PEER: old, OTHER: broken}, {PEER, OTHER}) == (4.5, 20, None)
 
 
 # ---- health checks ----

@@ -32,7 +32,8 @@ def db_url(request, tmp_path):
 
 
 def _snapshot(t: float, *, samples: int, raised=(), resolved=(), state: str = "present",
-              eval_loss: float | None = None, eval_step: int | None = None) -> SnapshotWrite:
+              eval_loss: float | None = None, eval_step: int | None = None,
+              eval_stderr: float | None = None) -> SnapshotWrite:
     node = NodeState(peer_id=PEER, role="worker", stage=1, first_seen=1.0, last_seen=t, state=state, phase="active",
                      throughput=3.0, step=4, samples=32, last_expiration=t + 3, ttl_s=3.0,
                      rounds=[{"round": 1, "status": "complete", "finished_at": t}])
@@ -45,7 +46,7 @@ def _snapshot(t: float, *, samples: int, raised=(), resolved=(), state: str = "p
                                                               step=4, samples=32, rss_bytes=None, rounds_complete=1,
                                                               rounds_failed=0)],
         stages=[stage], progress=dict(samples=samples, tokens=samples * 10, loss=2.5, tokens_per_s=1.0, trainers=1,
-                                      eval_loss=eval_loss, eval_step=eval_step),
+                                      eval_loss=eval_loss, eval_step=eval_step, eval_stderr=eval_stderr),
         cursors=[Cursor(peer_id=PEER, process=1, samples=samples, tokens=samples * 10, report_time=t)],
         totals=(samples, samples * 10), best_loss=2.5, raised=list(raised), refreshed=[], resolved=list(resolved))
 
@@ -58,13 +59,14 @@ def test_a_snapshot_is_written_read_back_and_resumed(db_url):
                   last_at=10.0)
     store.write(_snapshot(10.0, samples=8, raised=[alert]))
     assert alert.id is not None
-    store.write(_snapshot(12.0, samples=20, eval_loss=2.75, eval_step=40))
+    store.write(_snapshot(12.0, samples=20, eval_loss=2.75, eval_step=40, eval_stderr=0.03))
 
     overview = store.overview()
     assert overview["updated_at"] == 12.0 and overview["interval_s"] == 2.0
     assert overview["training"] == {"samples": 20, "tokens": 200, "loss": 2.5, "tokens_per_s": 1.0, "trainers": 1,
-                                    "eval_loss": 2.75, "eval_step": 40}
-    assert [(p["eval_loss"], p["eval_step"]) for p in store.progress(None, 10)] == [(None, None), (2.75, 40)]
+                                    "eval_loss": 2.75, "eval_step": 40, "eval_stderr": 0.03}
+    assert [(p["eval_loss"], p["eval_step"], p["eval_stderr"]) for p in store.progress(None, 10)] == [
+        (None, None, None), (2.75, 40, 0.03)]
     assert overview["stages"][0]["stage"] == 1 and overview["nodes"] == {"present": 1, "gone": 0}
     assert [a["kind"] for a in overview["alerts"]] == ["stalled"]
     assert [p["samples"] for p in store.progress(None, 10)] == [8, 20]
@@ -98,12 +100,13 @@ def test_tables_of_an_older_monitor_gain_the_heldout_columns(db_url):
     write_engine, read_engine = open_engines(db_url)
     monitor_metadata.create_all(write_engine)
     with write_engine.begin() as conn:  # the progress table as the first release created it
-        for column in ("eval_loss", "eval_step"):
+        for column in ("eval_loss", "eval_step", "eval_stderr"):
             conn.exec_driver_sql(f"ALTER TABLE monitor_progress DROP COLUMN {column}")
     store = MonitorStore(write_engine, read_engine)
     store.open("run-a")
     with read_engine.connect() as conn:
-        assert {"eval_loss", "eval_step"} <= {c["name"] for c in inspect(conn).get_columns("monitor_progress")}
+        assert {"eval_loss", "eval_step", "eval_stderr"} <= {c["name"] for c in
+                                                              inspect(conn).get_columns("monitor_progress")}
     store.write(_snapshot(10.0, samples=8, eval_loss=3.5, eval_step=0))
     assert store.overview()["training"]["eval_loss"] == 3.5
     MonitorStore(write_engine, read_engine).open("run-a")  # opening again changes nothing

@@ -38,6 +38,8 @@ def test_plain_table_shows_stages_training_and_alerts():
     assert "run run-x" in text and "snapshot 3s ago" in text
     assert "loss 3.210" in text and "tokens/s 2,821" in text and "samples 1,234" in text and "trainers 2" in text
     assert "held-out 3.457 @ step 40" in text
+    with_error = {**OVERVIEW, "training": {**OVERVIEW["training"], "eval_stderr": 0.0312}}
+    assert "held-out 3.457 +- 0.031 @ step 40" in render_plain(with_error, now=1003.0)
     older = {**OVERVIEW, "training": {k: v for k, v in OVERVIEW["training"].items() if not k.startswith("eval_")}}
     assert "held-out -" in render_plain(older, now=1003.0), "an older authorizer's overview has no held-out loss"
     lines = text.splitlines()
