@@ -10,8 +10,9 @@ seen), so an evaluation is reported at the step whose multiple it crossed, not a
 
 An evaluation runs in the background beside the lanes, one at a time, a few samples in flight;
 a sample whose hop fails on every worker tried is left out and counted. The result (mean loss
-over samples, its standard error, perplexity exp(loss), the step, samples used, seconds) goes to the trainer's
-metrics, its DHT record (hence `agora-node status` and the dashboard) and its summary.
+over samples, its standard error, perplexity exp(loss), the step, samples used, seconds) goes to
+the trainer's metrics, its DHT record (hence `agora-node status` and the dashboard) and its
+summary.
 """
 
 from __future__ import annotations
@@ -240,8 +241,8 @@ class HeldOutEvaluator:
         loss = sum(losses) / len(losses)
         versions = [a.version for a in used]
         result = Evaluation(step=step, loss=loss, perplexity=perplexity(loss), stderr=standard_error(losses),
-                            samples=len(used),
-                            dropped=len(samples) - len(used), seconds=seconds, versions=(min(versions), max(versions)))
+                            samples=len(used), dropped=len(samples) - len(used), seconds=seconds,
+                            versions=(min(versions), max(versions)))
         self._record(result)
         logger.info("held-out loss %.4f%s (perplexity %.2f) at step %d: %d of %d samples in %.1fs", loss,
                     "" if result.stderr is None else f" +- {result.stderr:.4f}", result.perplexity, step,

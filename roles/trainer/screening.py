@@ -131,7 +131,7 @@ class Screening:
         """Note one reply's size (`reply_size`, `loss_size`) at the weight version it was computed
         at, and rescore its sender every `RESCORE_EVERY` of its replies (a score reads the history:
         about 50 microseconds; 14 per reply on average). Returns how far this reply by itself stands
-        from its replicas' at its version, in robust deviations (`reply_score`; 0.0 when there is
+        from its replicas' at its version, in robust deviations (`_reply_score`; 0.0 when there is
         nothing to hold it against yet, inf when it is not finite)."""
         if (stage, worker) in self._forgotten:
             return 0.0  # replies of an excluded worker still in flight

@@ -81,7 +81,6 @@ SIGN_TEST_P = 0.002
 under a coin before it is struck: 10 of 10, 13 of 14, 16 of 17."""
 LISTING_EVERY = 64
 """Replies between two looks at which workers discovery still lists; the screen drops the others."""
-"""Checks waiting for their replica at once; a draw beyond that is not checked (counted `busy`)."""
 
 
 @dataclass
@@ -118,8 +117,9 @@ class Dispute:
 class SpotCheckStats:
     outcomes: collections.Counter = field(default_factory=collections.Counter)
     """agreed, disputed (of which some unresolved), stale, unchecked, busy, failed; targeted:
-    checks drawn at the suspect rate; outlier: hops checked because the reply stood out by itself; diverged: the replica answered at the same version with other
-    weights (replicas that parted after a step one of them took without some gradients)."""
+    checks drawn at the suspect rate; outlier: hops checked because the reply stood out by itself;
+    diverged: the replica answered at the same version with other weights (replicas that parted
+    after a step one of them took without some gradients)."""
     largest_agreed: float = 0.0
     """The largest distance among the agreed checks: how close honest replicas are."""
     disputes: list[Dispute] = field(default_factory=list)
