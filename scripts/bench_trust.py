@@ -40,11 +40,11 @@ plain, `churn` (replica 1 of stage 1 killed at 40% of the samples and restarted)
 (routing.path workers: samples hop worker to worker) and `mixed` (replica 1 of every stage runs its
 blocks under bfloat16 autocast, `--compute-dtype bfloat16`, beside float32 replicas 0) and
 `skipping` (both replicas of stage 1 killed at 40% and restarted: the trainers skip the stage
-meanwhile); each counts accusations. `--off` adds an
-honest run with the checks off: the overhead is its tokens/s against the honest runs' with them on,
-in the same invocation. `--overhead-pairs N` adds N honest runs with the checks off, each followed
-by one with them on (`pair_ratios`: the machine's drift cancels within a pair). Bytes added per sample are computed from the reply fields that carry
-signatures and weight fingerprints (protocol/evidence.py), spot-check traffic aside.
+meanwhile); each counts accusations. `--off` adds an honest run with the checks off: the overhead
+is its tokens/s against the honest runs' with them on, in the same invocation. `--overhead-pairs
+N` adds N honest runs with the checks off, each followed by one with them on (`pair_ratios`: the
+machine's drift cancels within a pair). Bytes added per sample are computed from the reply fields
+that carry signatures and weight fingerprints (protocol/evidence.py), spot-check traffic aside.
 """
 
 from __future__ import annotations
@@ -256,7 +256,8 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
             "served_before_exclusion": {p[-8:]: n for p, n in (checks.get("served_before_exclusion") or {}).items()},
             "served_by_attackers": {p[-8:]: served.get(p, 0) for p in attackers},
             "checks": {k: checks.get(k) for k in ("agreed", "disputed", "unresolved", "diverged", "targeted",
-                                                  "outlier", "resolved", "evidence", "parted", "largest_agreed_distance")},
+                                                  "outlier", "resolved", "evidence", "parted",
+                                                  "largest_agreed_distance")},
             "replies_standing_out": {p[-8:] + (" (attacker)" if p in attackers else ""): n
                                      for p, n in ((checks.get("screening") or {}).get("outliers") or {}).items()},
             "samples_completed": summary.get("samples_completed"),
@@ -397,7 +398,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=1, metavar="N", help="runs per attack and setting (default 1)")
     p.add_argument("--off", action="store_true", help="also run every attack, and one honest run, with the checks off")
     p.add_argument("--honest", type=int, default=1, metavar="N",
-                   help="honest runs with the checks on, cycling plain, churn, workers, mixed, skipping (default 1: the baseline)")
+                   help="honest runs with the checks on, cycling plain, churn, workers, mixed, skipping "
+                        "(default 1: the baseline)")
     p.add_argument("--overhead-pairs", type=int, default=0, metavar="N",
                    help="after the baseline, N honest runs with the checks off, each followed by one with them on, "
                         "for the overhead figure (default 0)")
