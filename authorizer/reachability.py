@@ -12,12 +12,12 @@ refused by policy: a public authorizer should not be usable to probe its own net
 
 Dial-backs are bounded in time and number: 64 at a time, and a join beyond `max_pending_per_source`
 dial-backs of its source address (in progress or waiting) or `max_pending` in all is answered 429
-at once. Measured before the bound (issue 22): joins announcing an address that accepts TCP and
-never speaks each held a slot for the whole timeout, so dial-backs drained at 64 / 5 s, about the
-per-source join refill (10 a second), and no join was refused; every join from any address waited
-in one queue behind the flood's, including joins whose clients had given up (the server does not
-cancel them), so a 2,000-join burst kept the door shut for minutes (an honest join waited 26 s with
-300 flood joins in flight).
+at once. Measured before the bound (scripts/_join_flood_dialback.py): joins announcing an address
+that accepts TCP and never speaks each held a slot for the whole timeout, so dial-backs drained at
+64 / 5 s, about the per-source join refill (10 a second), and no join was refused; every join from
+any address waited in one queue behind the flood's, including joins whose clients had given up
+(the server does not cancel them), so a 2,000-join burst kept the door shut for minutes (an honest
+join waited 26 s with 300 flood joins in flight).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class SwarmDHT:
         outlives the records a process restarted with the same identity announces (three announce
         periods), so every announcement of the new process was refused until it lapsed: a trainer
         restarted right after a clean exit logged 'not accepted by any DHT peer' for about 40 s
-        and the dashboard showed no trainer (issue 22, point 6). A refused store therefore reads
+        and the dashboard showed no trainer. A refused store therefore reads
         our subkey's expiration and stores again just past it; later stores keep expiring after
         it until `ttl_s` reaches past it by itself."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s

@@ -198,7 +198,7 @@ class AbandonReply(WireModel):
 
 class TagRequest(WireModel):
     """A tail replica asks its stage's tagger for step tags for `count` samples it is about to
-    compute [issue 20]."""
+    compute."""
 
     stage: int = Field(ge=0)
     count: int = Field(ge=1, le=65536)
@@ -223,7 +223,7 @@ class TagReply(WireModel):
 
 class StepCountsRequest(WireModel):
     """A replica's counts for its open step and the next, pushed to the stage's other replicas on
-    every change, so they find a step complete without waiting for the DHT [issue 20]."""
+    every change, so they find a step complete without waiting for the DHT."""
 
     stage: int = Field(ge=0)
     local_step: int = Field(ge=0)
@@ -237,8 +237,8 @@ class StepCountsReply(WireModel):
 
 class StepGradientsRequest(WireModel):
     """A replica's contribution to one step of its stage, pushed to the stage's other replicas
-    before it steps [issue 20]: the sum of its samples' gradients, flat float32 in layout order
-    (absent when it has no samples), and the dropped samples reported to it."""
+    before it steps: the sum of its samples' gradients, flat float32 in layout order (absent when
+    it has no samples), and the dropped samples reported to it."""
 
     stage: int = Field(ge=0)
     step: int = Field(ge=0)
@@ -295,7 +295,7 @@ class ChainHop(WireModel):
 
 
 class ChainRequest(WireModel):
-    """Worker-to-worker routing [issue 23]: run this stage's part of a training sample and pass
+    """Worker-to-worker routing: run this stage's part of a training sample and pass
     its output on to the next stage of `route` yourself. A body or the head forwards, sends its
     coordinates to the next hop, and when the reply comes back runs its own backward with the
     gradient and the step tag in it; the tail fuses loss forward and backward, as for a

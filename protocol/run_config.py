@@ -31,8 +31,8 @@ StageKind = Literal["head", "body", "tail"]
 ModelKind = Literal["transformer", "surrogate"]
 MODEL_CONSTRUCTIONS = ("fixed-embedding", "stage-anchors")
 """How the residual stream outside span(U_k) is made (roles/model/stage.py explains both):
-'fixed-embedding' is the report's fixed random token table; 'stage-anchors' (issue 24) gives each
-stage a learned token table of its own there. A node refuses a construction it does not build."""
+'fixed-embedding' is the report's fixed random token table; 'stage-anchors' gives each stage a
+learned token table of its own there. A node refuses a construction it does not build."""
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -146,8 +146,8 @@ class OptimizerConfig(BaseModel):
 
         Linear warmup from lr/warmup_steps up to lr, then cosine decay to `min_lr_ratio * lr` at
         `total_steps`, flat after it. Because the position counts samples, a step that happens to
-        consume more or fewer samples cannot shift the schedule [issue 7]; and because it is a
-        pure function, every replica of a stage agrees on the rate without talking to the others.
+        consume more or fewer samples cannot shift the schedule; and because it is a pure
+        function, every replica of a stage agrees on the rate without talking to the others.
         """
         if position < 0:
             raise ValueError(f"schedule position must be non-negative, got {position}")
@@ -162,7 +162,7 @@ class OptimizerConfig(BaseModel):
 
 
 class StalenessConfig(BaseModel):
-    """How far the weights a sample's backward uses may lag the ones its forward saw [issue 7].
+    """How far the weights a sample's backward uses may lag the ones its forward saw.
 
     A pipeline keeps samples in flight while stages step, so a sample's forward at one stage can
     run on weights one step older than its backward recompute. Two remedies, both measured by
@@ -609,8 +609,8 @@ class CheckpointConfig(BaseModel):
 
 
 class SkippingConfig(BaseModel):
-    """Stage skipping [issue 12; Crucible notes on stage skipping]: when a body stage has no worker
-    a trainer can reach, its samples go from the stage before it straight to the stage after it
+    """Stage skipping [Crucible notes on stage skipping]: when a body stage has no worker a
+    trainer can reach, its samples go from the stage before it straight to the stage after it
     (forward) and their gradients back along the same shortcut. Every boundary carries the same
     k subspace coordinates and every stage adds to one residual stream, so a skipped stage
     amounts to leaving its blocks' contributions out; it takes no step on those samples."""
@@ -630,7 +630,7 @@ class SkippingConfig(BaseModel):
 
 
 class RoutingConfig(BaseModel):
-    """How a training sample travels the pipeline [issue 23]. `trainer`: the trainer calls every
+    """How a training sample travels the pipeline. `trainer`: the trainer calls every
     stage itself, forward head to tail and backward tail to head (2 network hops per stage and
     direction, the coordinates of every boundary through the trainer). `workers`: the trainer
     hands the sample to the head with a route, each stage passes its output to the next stage's

@@ -22,7 +22,7 @@ def _stages(*sizes: int) -> list[dict[str, int]]:
     return ranges
 
 
-# The CPU presets use the stage-anchors construction (issue 24; roles/model/stage.py), measured here
+# The CPU presets use the stage-anchors construction (roles/model/stage.py), measured here
 # against transformers' Llama (scripts/bench_construction.py). The report's two scales keep the
 # report's fixed-embedding construction, so their plans stay comparable with the report and nothing
 # unmeasured becomes their default; a run of that size may set `construction: stage-anchors` with
@@ -56,8 +56,8 @@ TINY: dict[str, Any] = {
 }
 
 # A CPU model whose stages are compute-bound, for measuring what the swarm keeps of one process's
-# rate when compute, not messaging, dominates (issue 23): each stage is two 384-wide blocks, 27-36
-# ms of forward and backward per 128-token sample on one core of the development machine.
+# rate when compute, not messaging, dominates: each stage is two 384-wide blocks, 27-36 ms of
+# forward and backward per 128-token sample on one core of the development machine.
 CPU_COMPUTE: dict[str, Any] = {
     "run_id": "cpu-compute",
     "model": {
@@ -85,8 +85,9 @@ CPU_COMPUTE: dict[str, Any] = {
 }
 
 # A byte-level model of about 10.8M parameters (as a plain Llama) for judging how the construction
-# learns at more than toy size on this machine (issue 24's `small`): cpu-compute's widths at the
-# demo's batch; one optimizer step of 16 x 128 tokens takes about 0.7 s in one process on two cores.
+# learns at more than toy size on this machine (scripts/bench_construction.py): cpu-compute's
+# widths at the demo's batch; one optimizer step of 16 x 128 tokens takes about 0.7 s in one process
+# on two cores.
 SMALL: dict[str, Any] = {**copy.deepcopy(CPU_COMPUTE), "run_id": "small", "target_batch_size": 16}
 
 # The report's 1B ablation model [6]: rank 40 at d=2048 (a 51x smaller boundary), four stages.

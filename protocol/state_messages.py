@@ -7,7 +7,7 @@ the same peer or from another replica of the stage. Every reply carries the dige
 server's parameter layout and the server's step, so a joiner never mixes incompatible tensors
 and knows how stale what it loaded is. Optimizer state is not transferred.
 
-The multi-donor download [issue 22.4] has records of its own below: a donor's manifest of one
+The multi-donor download has records of its own below: a donor's manifest of one
 frozen snapshot of its state (parameters and optimizer state) and requests for its chunks, each
 checked against the SHA-256 the manifest lists. `agora/v1/state` stays the fallback for donors
 that do not serve them.
@@ -46,7 +46,7 @@ class StateReply(WireModel):
     data: Optional[WireTensor] = None
 
 
-# ---- multi-donor download (`agora/v1/state_manifest`, `agora/v1/state_chunk`) [issue 22.4] ----
+# ---- multi-donor download (`agora/v1/state_manifest`, `agora/v1/state_chunk`) ----------------
 
 SNAPSHOT_FORMAT = "agora-stage-state/1"
 """The bytes a manifest describes: roles/worker/state_snapshot.py."""

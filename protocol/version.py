@@ -18,7 +18,7 @@ STATE = HANDLER_PREFIX + "state"
 fallback for donors without STATE_MANIFEST."""
 STATE_MANIFEST = HANDLER_PREFIX + "state_manifest"
 """A donor's manifest of one frozen snapshot of its stage state (parameters and optimizer state):
-fixed-size chunks, each with its SHA-256 [issue 22.4]."""
+fixed-size chunks, each with its SHA-256."""
 STATE_CHUNK = HANDLER_PREFIX + "state_chunk"
 """One chunk of a snapshot a donor published with STATE_MANIFEST."""
 ABANDON = HANDLER_PREFIX + "abandon"

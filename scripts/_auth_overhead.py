@@ -1,4 +1,4 @@
-"""How much peer authentication adds to a forward round trip (issue: ≤ 5 %).
+"""How much peer authentication adds to a forward round trip (the aim: ≤ 5 %).
 
 Two libp2p peers in one process; the server answers `agora/v1/forward` by validating the request
 exactly as a worker does, then (optionally) running the tiny head stage's forward. The same

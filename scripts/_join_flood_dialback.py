@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Issue 22's authorizer flood with the reachability check on (scripts/bench_authorizer.py turns it
-off): FLOOD well-formed joins from 127.0.0.1 announcing an address that accepts TCP and never
-speaks, so each dial-back waits its full timeout, on CONNS cheap keep-alive connections with a
-10 s deadline per request; meanwhile an honest join from 127.0.0.2 every 2 s (its announced address
-refuses at once). Prints the flood's outcomes per 10 s and each honest join's latency.
+"""A join flood at the authorizer with the reachability check on (scripts/bench_authorizer.py
+turns it off): FLOOD well-formed joins from 127.0.0.1 announcing an address that accepts TCP and
+never speaks, so each dial-back waits its full timeout, on CONNS cheap keep-alive connections with
+a 10 s deadline per request; meanwhile an honest join from 127.0.0.2 every 2 s (its announced
+address refuses at once). Prints the flood's outcomes per 10 s and each honest join's latency.
 
     FLOOD=1500 CONNS=300 LIMIT_S=100 .venv/bin/python scripts/_join_flood_dialback.py
 

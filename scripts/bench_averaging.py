@@ -244,7 +244,7 @@ def _compare(dhts, stores, index_sets, replicas: int, rounds: int, tag: str) -> 
                 side.close()
 
 
-# ---- SparseLoCo [issue 25] ----------------------------------------------------------------------
+# ---- SparseLoCo ---------------------------------------------------------------------------------
 
 SPARSELOCO_H = 15
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How well the stage model learns against `transformers`' own Llama of the same shape, at equal
-tokens, in one process (issue 24), and which part of its construction costs what.
+tokens, in one process, and which part of its construction costs what.
 
 Every model trains on the same samples in the same order with the same optimizer a swarm's
 workers use (AdamW per stage, schedule by samples ending at the run's last step, stage-wise
@@ -17,7 +17,7 @@ Models (`--models`, default the table's four):
   fixed_embedding  the stage model in the report's construction (a fixed random token table)
   stage_anchors    the stage model in the presets' construction (a learned anchor per stage)
 
-`--ablation` trains the candidates of the issue instead, one row each (see ABLATION): the fixed
+`--ablation` trains the construction's candidates instead, one row each (see ABLATION): the fixed
 table's scale and its relation to U_k, the learning rate and init of the head's E, a norm at the
 boundary, the rank, and the anchors' own knobs. Every candidate keeps the boundary lossless.
 

@@ -1,4 +1,4 @@
-"""Fidelity benchmark [issue 7]: does a swarm train as well as the same model in one process, at
+"""Fidelity benchmark: does a swarm train as well as the same model in one process, at
 equal tokens? Prints ONE JSON object on stdout (progress goes to stderr); `--out PATH` also writes
 it to a file, `--quick` runs a short smoke version, `--setting demo|batch64|all` picks the runs.
 
@@ -58,8 +58,8 @@ replica r for every s) gets its held-out loss and gap too, aimed at <= 5% (`aim.
 the distance each moved from the seeded init (`relative_distance`), and `swarm.per_stage` the
 stage's steps over its replicas, its averaging rounds, and each replica's own figures.
 
-`--churn` (with `--workers-per-stage` 2 or more) kills one replica mid-run and restarts it, for
-issue 20's check that the figures hold under churn. Every worker runs with its own `--identity`
+`--churn` (with `--workers-per-stage` 2 or more) kills one replica mid-run and restarts it, to
+check that the figures hold under churn. Every worker runs with its own `--identity`
 file, so the restart keeps its peer id. Once the sample logs hold 40% of the run's samples, replica
 1 of the middle stage (the last one with two stages) gets SIGKILL, then its process group (its DHT
 process and p2pd) too, as a crashed machine would; 5 s later the same command (stage, identity,
@@ -71,8 +71,8 @@ completed and dropped samples against the target (`unaccounted` should be 0), an
 `steps.closed_by` counts why its replicas closed their steps, so short steps can be told apart
 from samples really lost. No churn figures are quoted here until a run has measured them.
 
-`--ablation` instead trains the construction ablation of scripts/bench_construction.py (issue 24:
-one-process candidates against transformers' Llama at the demo's budget, three seeds; that script
+`--ablation` instead trains the construction ablation of scripts/bench_construction.py
+(one-process candidates against transformers' Llama at the demo's budget, three seeds; that script
 is the place to run it with other sizes and budgets).
 """
 

@@ -1,4 +1,4 @@
-"""The staleness frontier [issue 23, part 5]: tokens/s and the fidelity gap together, over the
+"""The staleness frontier: tokens/s and the fidelity gap together, over the
 head's forward gate (`staleness.max_delayed_per_step`) and the batch size, on both routing paths.
 Prints ONE JSON object on stdout (progress to stderr); `--out PATH` also writes it.
 

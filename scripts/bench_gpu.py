@@ -1,4 +1,4 @@
-"""GPU pipeline benchmark (issue 23): the `1b` model's four stages as real worker processes on ONE
+"""GPU pipeline benchmark: the `1b` model's four stages as real worker processes on ONE
 GPU, trainers on the host, against the same model trained in one process on the same GPU.
 Prints ONE JSON object on stdout (logs go to stderr); `--out PATH` also writes it.
 

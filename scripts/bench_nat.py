@@ -1,4 +1,4 @@
-"""Contributors behind NAT against the same swarm all public, in the network lab (issue 22).
+"""Contributors behind NAT against the same swarm all public, in the network lab.
 
 Plays scenarios/nat.yaml twice on the same shaped links: as written (half of the body stage
 behind home routers, one of them behind two levels of NAT, serving through the run's two relays,

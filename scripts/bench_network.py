@@ -16,7 +16,7 @@ Three parts, each a scenario file in scenarios/ played with overrides:
     scenarios/bench-preempt.yaml with contributors of a stage preempted by operator orders while
     they send their chunks, and reducers preempted while sending chunks and while sending reduced
     chunks back: completeness seen by the survivors in the round it happened and the rounds after.
-`sparseloco` (issue 25)
+`sparseloco`
     bench-grid with SparseLoCo in place of AsyncSPARTA (H 6; 1,280 of 4,096 of the surrogate's
     5% vector kept, which is SparseLoCo's default density of the real 8B body stage) and the same
     points with AsyncSPARTA, contributors at 200 and 50 Mbit/s, 80 ms: rounds by outcome, bytes

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What stage skipping costs the model [issue 12, part 2]: held-out loss after N steps when a body
+"""What stage skipping costs the model: held-out loss after N steps when a body
 stage is skipped for a fraction of the steps, against the same run without skipping, on the same
 seed and the same samples; and against dropping those steps' samples instead.
 

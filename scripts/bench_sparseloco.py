@@ -1,5 +1,5 @@
 """SparseLoCo against the one-process model and against local training with plain averaging, at
-equal tokens, in one process [issue 25]. Prints ONE JSON object on stdout (progress on stderr);
+equal tokens, in one process. Prints ONE JSON object on stdout (progress on stderr);
 `--out PATH` also writes it; `--quick` runs a short smoke version.
 
 R replicas of the whole model (`--preset` tiny or small; the stages chained by FullModel, as bench_fidelity's

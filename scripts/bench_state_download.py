@@ -1,4 +1,4 @@
-"""Multi-donor state download [issue 22.4]: the join time of a `surrogate-1b` body stage (stage 1)
+"""Multi-donor state download: the join time of a `surrogate-1b` body stage (stage 1)
 from 1, 2 and 4 donors on 100 Mbit/s links, and the time to finish when a donor dies mid-transfer.
 Prints ONE JSON object on stdout (logs go to stderr).
 

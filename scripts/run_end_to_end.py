@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A run from corpus to model, end to end on this machine, as a run owner does it (issue 21):
+"""A run from corpus to model, end to end on this machine, as a run owner does it:
 
 1. writes a corpus of `--mb` MB (half Parquet, half `.jsonl.zst`) of the synthetic grammar;
 2. `agora-node data prepare` with a trained byte-level BPE (`--vocab`), and uploads the shards to
@@ -133,7 +133,7 @@ class Run:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mb", type=float, default=50.0, help="corpus size in MB (default 50, the issue's floor)")
+    p.add_argument("--mb", type=float, default=50.0, help="corpus size in MB (default 50)")
     p.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary trained by prepare (default 4096)")
     p.add_argument("--workers", type=int, default=3, help="workers (the authorizer places them; default 3)")
     p.add_argument("--kill-at-step", type=int, default=60, help="kill once an evaluation at this step is in")

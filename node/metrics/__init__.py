@@ -1,4 +1,4 @@
-"""Prometheus metrics on every node [issue 10]: `registry` (the node's registry, filled at scrape
+"""Prometheus metrics on every node: `registry` (the node's registry, filled at scrape
 time from the counters the roles keep), `worker` and `trainer` (what each role exposes), `server`
 (the --metrics-port: /metrics, /healthz, /readyz) and `push` (--metrics-push, for nodes nobody can
 scrape). The catalogue, with every name, type and label, is in docs/operations.md, 'Metrics'."""

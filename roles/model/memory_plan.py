@@ -208,7 +208,7 @@ def plan_memory(run: RunConfig, stage_index: int, device: str, max_batch: int) -
         optimizer_host_bytes + num_params * _WIDE + _fixed_table_values(run) * _WIDE
     )
     # Head and body stages accumulate the next step's samples beside the open step's while its
-    # last samples are in flight, and keep the previous weights for pinned recomputes [issue 7];
+    # last samples are in flight, and keep the previous weights for pinned recomputes;
     # the tail tags samples itself and fuses forward with backward, so it needs neither.
     pipelined = kind != "tail"
     plan = MemoryPlan(

@@ -1,5 +1,5 @@
 """The unconstrained reference: `transformers.LlamaForCausalLM` of a run's shape, trained in one
-process [issue 24].
+process.
 
 It prices the subspace constraint: the same widths, depth, vocabulary, rotary base and norm
 epsilon as the stage model, but a learned full-rank embedding and full-rank residual writes, built

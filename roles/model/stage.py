@@ -11,7 +11,7 @@ coordinates whatever the compute dtype. The fixed embedding is stored in `run.dt
 device memory; both sides of a boundary read the same rounded table, so nothing is lost. A worker
 may also run the stage under autocast: the boundary arithmetic, norms and loss switch it off.
 
-What fills the residual stream outside span(U_k) is the run's `model.construction` [issue 24]:
+What fills the residual stream outside span(U_k) is the run's `model.construction`:
 - 'fixed-embedding' (the report's): one fixed random token table T_fixed, rows of norm ~1, that
   every stage regenerates from `subspace_seed`; nothing outside span(U_k) ever learns.
 - 'stage-anchors': no T_fixed. Every stage adds a learned token table of its own, its `anchor`,
@@ -46,7 +46,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _INIT_STD = 0.02
 ANCHOR_SCALE = 4.0
 """stage-anchors: an anchor's stored values times this are its rows; with AdamW that moves anchors
-this many times faster than the other weights at the same effective init (issue 24's ablation)."""
+this many times faster than the other weights at the same effective init (the construction
+ablation in docs/architecture.md, "Wire protocol")."""
 
 
 def torch_dtype(name: str) -> torch.dtype:

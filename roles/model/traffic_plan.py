@@ -167,8 +167,8 @@ def _gradient_mbps(run: RunConfig, index: int, a_b: float) -> float:
 
 def gradient_exchange_on(run: RunConfig, stage_index: int) -> bool:
     """Whether the replicas of a stage add up their gradients every step (`averaging.gradients`):
-    always or never as the run says, else where the plan's exchange fits `gradient_max_mbps`
-    [issue 20]. Every replica of a stage decides alike, from the run config alone."""
+    always or never as the run says, else where the plan's exchange fits `gradient_max_mbps`.
+    Every replica of a stage decides alike, from the run config alone."""
     mode = run.averaging.gradients
     if run.averaging.method == "sparseloco":
         return False  # the replicas step on their own samples between exchanges (config forbids every_step)

@@ -1,4 +1,4 @@
-"""A training sample routed worker to worker (run config `routing.path: workers`, issue 23).
+"""A training sample routed worker to worker (run config `routing.path: workers`).
 
 The trainer picks the sample's route as it would pick its calls: per stage, the balancer's choice
 first, then up to `routing.candidates - 1` other usable workers of the stage in the order the

@@ -43,7 +43,7 @@ FINAL_RECORD_TTL_S = 60.0
 def in_flight_cap(lanes: int, ratio: Optional[float], target_batch_size: int, live_trainers: int) -> int:
     """Samples one trainer may have in flight: its lanes, and its share of the run's cap on samples
     in flight against the stage batch, which bounds how stale a sample's weights can get between
-    its forward and backward [issue 7]. Never below one, so every trainer makes progress."""
+    its forward and backward. Never below one, so every trainer makes progress."""
     if ratio is None:
         return lanes
     share = math.floor(ratio * target_batch_size / max(1, live_trainers))

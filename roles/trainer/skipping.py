@@ -1,6 +1,6 @@
-"""Stage skipping [issue 12; Crucible notes on stage skipping]: which body stages a trainer routes
-around now, how many samples it routed around each, and one log line when a stage's skipping
-starts and one when it ends.
+"""Stage skipping [Crucible notes on stage skipping]: which body stages a trainer routes around
+now, how many samples it routed around each, and one log line when a stage's skipping starts and
+one when it ends.
 
 A body stage with no worker the trainer can reach would drop every sample of the run. Instead the
 sample's boundary coordinates go from the stage before it straight to the stage after it, and

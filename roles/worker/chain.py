@@ -1,4 +1,4 @@
-"""Worker-to-worker routing [issue 23]: the `agora/v1/chain` handler.
+"""Worker-to-worker routing: the `agora/v1/chain` handler.
 
 A trainer hands a training sample to a head worker with a route: the stages after it, each with
 the workers to try, its balancer's choice first (protocol/messages.py ChainRequest). Each worker

@@ -1,5 +1,5 @@
-"""A joiner's side of the donors' RPCs [issue 22.4]: ask every candidate for its manifest, pick
-the state to take, and fetch it from every donor that publishes it (state_download.py).
+"""A joiner's side of the donors' RPCs: ask every candidate for its manifest, pick the state to
+take, and fetch it from every donor that publishes it (state_download.py).
 
 Which state: replicas of a stage drift apart between averaging rounds, so "the same state" is
 byte-identical here, nothing looser: the joiner groups donors by manifest id (the hash of their

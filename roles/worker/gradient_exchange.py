@@ -1,4 +1,4 @@
-"""Replicas of a stage add up their gradients before every step [issue 20].
+"""Replicas of a stage add up their gradients before every step.
 
 With several replicas per stage, each replica used to step on the ~1/R of the step's samples it
 computed itself and rely on AsyncSPARTA (a few percent of the weights every 20 steps) to pull the

@@ -1,4 +1,4 @@
-"""Forward activations kept for the backward, so a stage need not recompute its forward [issue 23].
+"""Forward activations kept for the backward, so a stage need not recompute its forward.
 
 Without this, a head or body stage runs its forward under no_grad and the backward recomputes it
 from the input the trainer sends back: a third of a stage's compute spent twice. With it, the

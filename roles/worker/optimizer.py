@@ -61,10 +61,10 @@ def stage_clip_threshold(num_stages: int, *, is_tail: bool) -> float:
 class StageOptimizer:
     """Owns a stage replica's accumulated gradients and its AdamW, with master weights on the CPU.
 
-    Gradients accumulate per global step [issue 7]: the open step (`local_step`) in the
-    parameters' `.grad`, and the step after it in a second set of buffers, so that samples
-    arriving for the next step while the open one waits for its last samples neither join the
-    wrong step nor stall. `accumulating(offset)` routes a backward pass to one of the two.
+    Gradients accumulate per global step: the open step (`local_step`) in the parameters'
+    `.grad`, and the step after it in a second set of buffers, so that samples arriving for the
+    next step while the open one waits for its last samples neither join the wrong step nor
+    stall. `accumulating(offset)` routes a backward pass to one of the two.
 
     The schedule follows samples, not steps: the learning rate of a step is taken at the
     position `samples_consumed / target_batch_size`, so a short or long step cannot shift it.
@@ -253,8 +253,8 @@ class StageOptimizer:
 
     def set_open_gradient_sum(self, flat: Optional[torch.Tensor], samples: int) -> None:
         """Replace the open step's gradients with `flat` (the stage's sum, as `open_gradient_sum`
-        lays it out) summed over `samples` samples, so that `step` applies the stage's update
-        [issue 20]. None with 0 samples: the step has no gradient. Hold `lock`."""
+        lays it out) summed over `samples` samples, so that `step` applies the stage's update.
+        None with 0 samples: the step has no gradient. Hold `lock`."""
         if (flat is None) != (samples == 0):
             raise ValueError("a gradient sum comes with its samples, and only then")
         if flat is not None and flat.numel() != self.gradient_numel:

@@ -1,5 +1,5 @@
 """What the replicas of one stage say to each other directly, over the swarm's authenticated
-streams, so that several workers of a stage train as one [issue 20]:
+streams, so that several workers of a stage train as one:
 
 - the tail's step tags come from one tagger (`agora/v1/tags`, roles/worker/step_tagger.py), so
   every step holds exactly `target_batch_size` samples in total over the replicas;

@@ -272,8 +272,8 @@ class WorkerRole:
     def _step_counters(self) -> dict[str, int]:
         """Step boundaries and staleness as `agora/v1/info` counters: over `staleness_samples`
         backwards, forward-to-backward version gaps sum to `staleness_gap_total` and gradient delays
-        (the step applied minus the version the gradient was taken at) to `staleness_delay_total`
-        [issue 7]."""
+        (the step applied minus the version the gradient was taken at) to
+        `staleness_delay_total`."""
         ledger, stale = self.ledger, self.runtime.staleness
         return {
             "steps_taken": len(ledger.step_sizes),

@@ -110,7 +110,7 @@ class RecentSamples:
 
 
 class StalenessStats:
-    """How old the weights behind a stage's gradients are [issue 7], two ways:
+    """How old the weights behind a stage's gradients are, two ways:
 
     - `gaps`: versions between the weights a sample's forward saw here and the ones its backward
       recomputed on (0 when pinned: the recompute then uses the forward's weights);
@@ -580,7 +580,7 @@ class StageRuntime:
         return taken
 
     def _forward_allowance(self) -> Optional[int]:
-        """Forwards the head may start now without delaying gradients beyond its bound [issue 7].
+        """Forwards the head may start now without delaying gradients beyond its bound.
 
         The tail tags samples in about the order the head forwarded them, so the samples in flight
         here fill the open step's remaining slots first; a forward beyond those belongs to the next

@@ -1,5 +1,5 @@
 """A worker as a donor of its stage's state to joiners: `agora/v1/state_manifest` and
-`agora/v1/state_chunk` [issue 22.4].
+`agora/v1/state_chunk`.
 
 On the first manifest request the donor freezes its state (parameters and optimizer state, under
 the optimizer's lock, as the run checkpoint's writer does) into a canonical snapshot

@@ -1,4 +1,4 @@
-"""A joiner's multi-donor download of one stage snapshot [issue 22.4].
+"""A joiner's multi-donor download of one stage snapshot.
 
 The snapshot is fixed by one manifest (state_snapshot.Manifest): every chunk must hash to what
 the manifest lists, whichever donor sends it. Each donor (a `ChunkSource`) gets a queue of

@@ -1,5 +1,5 @@
-"""A stage's state frozen as one canonical byte string, cut into chunks with a SHA-256 each
-[issue 22.4]: what a donor serves and a joiner assembles in a multi-donor download.
+"""A stage's state frozen as one canonical byte string, cut into chunks with a SHA-256 each:
+what a donor serves and a joiner assembles in a multi-donor download.
 
 The bytes are a pure function of the state (docs/architecture.md, "Multi-donor state download"):
 an 8-byte little-endian header length, a JSON header with sorted keys (run, stage, step, layout

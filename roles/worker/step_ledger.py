@@ -1,5 +1,5 @@
 """Step boundaries of a stage: which global step each sample belongs to, and when the stage's
-open step is complete [report 3.2, 3.3.1; issue 7].
+open step is complete [report 3.2, 3.3.1].
 
 A sample belongs to one global step in every stage it passes through. The tail, the first stage
 whose gradients a sample touches, tags it: the first `target_batch_size` samples it accumulates

@@ -1,4 +1,4 @@
-"""One tagger per stage step [issue 20]: which tail replica hands out step tags, and its cursor.
+"""One tagger per stage step: which tail replica hands out step tags, and its cursor.
 
 The tail decides which global step each sample joins (roles/worker/step_ledger.py). With one tail
 replica that count is exact; with several, each used to tag from its own count plus the count its
@@ -152,9 +152,9 @@ class AnsweredAsks:
 
 
 class ForwardTickets:
-    """The head's forward gate for a stage with several head replicas [issue 20]: the replica that
-    tags for the head (elected as the tail's tagger is) counts the forwards the whole stage starts,
-    and every head replica asks it before it runs a batch of forwards. It applies the lone head's
+    """The head's forward gate for a stage with several head replicas: the replica that tags for
+    the head (elected as the tail's tagger is) counts the forwards the whole stage starts, and
+    every head replica asks it before it runs a batch of forwards. It applies the lone head's
     rule (runtime.py `_forward_allowance`) to the whole stage: the open step's missing samples, plus
     `max_delayed` that may run ahead, minus the forwards still in flight, wherever and whenever
     they were started (one started before the step belongs to it too). A per-replica gate fed with

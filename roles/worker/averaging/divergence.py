@@ -1,4 +1,4 @@
-"""Is this replica the stage's outlier? [issue 12, part 4]
+"""Is this replica the stage's outlier?
 
 Every averaging round publishes, per replica, how far that replica's slice sat from the stage's
 average (`relative_distance`, rounds.py). Replicas that train on different samples between
@@ -11,8 +11,8 @@ other members of the same round published. It is the outlier when its distance i
 hidden from trainers, averaging with weight 0, so a full pass of rounds replaces its weights with
 the others' average). Two replicas are always symmetric (each is as far from their average as
 the other), so between two the newcomer is the outlier: the replica whose averaging began later,
-which has trained with the stage the shorter time [issue 20]. A stage of three or more whose
-members are all far apart has no outlier; it is reported, not acted on.
+which has trained with the stage the shorter time. A stage of three or more whose members are
+all far apart has no outlier; it is reported, not acted on.
 
 A round is judged at the next round, when the other members' records for it have been announced.
 """

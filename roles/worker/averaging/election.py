@@ -1,4 +1,4 @@
-"""Which workers of a stage reduce when too few were started with `--reducer` [issue 12].
+"""Which workers of a stage reduce when too few were started with `--reducer`.
 
 A butterfly all-reduce needs at least one reducer (a peer in hivemind's node mode); a stage whose
 workers were all placed as senders would otherwise skip every round and drift apart in silence.

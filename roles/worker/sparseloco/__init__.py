@@ -1,4 +1,4 @@
-"""SparseLoCo within a stage [issue 25]: an alternative to AsyncSPARTA (`averaging.method:
+"""SparseLoCo within a stage: an alternative to AsyncSPARTA (`averaging.method:
 sparseloco`). Every replica steps on its own samples; every H steps it sends the largest coordinates
 of its error-fed pseudo-gradient, two bits each, and every replica applies the mean of what arrived.
 

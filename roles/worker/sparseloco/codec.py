@@ -1,4 +1,4 @@
-"""SparseLoCo's compressor and its wire form [issue 25].
+"""SparseLoCo's compressor and its wire form.
 
 Per chunk (chunks.py) the k coordinates of largest magnitude are kept, in ascending order, and each
 kept value becomes a b-bit code: a sign and a magnitude level m in [0, 2^(b-1)), standing for

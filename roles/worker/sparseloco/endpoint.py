@@ -1,4 +1,4 @@
-"""A worker's SparseLoCo on the swarm [issue 25]: the transport its stage's config names, the
+"""A worker's SparseLoCo on the swarm: the transport its stage's config names, the
 `agora/v1/sparseloco_fragment` handler the swarm transport pushes to, and the push itself, over
 the replicas' authenticated streams (roles/worker/replicas.py dials and checks membership)."""
 

@@ -1,4 +1,4 @@
-"""SparseLoCo's state per replica and the outer step [issue 25; Sarfi et al. 2025, Crucible].
+"""SparseLoCo's state per replica and the outer step [Sarfi et al. 2025, Crucible].
 
     Delta_r = anchor - theta_r                    the pseudo-gradient after H inner steps
     e_r     = beta * e_r + Delta_r               error feedback stands in for outer momentum

@@ -1,4 +1,4 @@
-"""When a SparseLoCo fragment is captured, exchanged and applied, and what is reported [issue 25].
+"""When a SparseLoCo fragment is captured, exchanged and applied, and what is reported.
 
 After stage step t (the compute thread, the optimizer's lock held) every fragment due at t
 (chunks.fragment_due) is captured: its pseudo-gradient is folded into the error buffer, compressed,

@@ -1,5 +1,4 @@
-"""How SparseLoCo fragments travel between the replicas of a stage [issue 25]: one interface,
-two ways.
+"""How SparseLoCo fragments travel between the replicas of a stage: one interface, two ways.
 
 - `SwarmTransport`: a replica pushes its signed fragment (`agora/v1/sparseloco_fragment`) to every
   other replica of the stage with a live progress record, over the swarm's authenticated streams,
