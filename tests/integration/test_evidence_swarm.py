@@ -6,6 +6,7 @@ stage, the trainers' own verdicts carry it there once trainers of two accounts r
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -54,7 +55,9 @@ def test_a_cheater_a_third_replica_convicts_is_revoked_by_the_authorizer_and_lea
         assert summary["samples_completed"] == 240, summary
         assert set(checks["excluded"]) == {cheater.peer_id} and checks["evidence"] == {"upheld": 1}, checks
         decided = [d for d in checks["disputes"] if d["struck"]]
-        assert decided and all(d["struck"] == cheater.peer_id and d["arbiter"] for d in decided), checks
+        # in full: a failure must say who was struck and by what (the summary is cut short by pytest)
+        assert decided and all(d["struck"] == cheater.peer_id and d["arbiter"] for d in decided), (
+            f"cheater {cheater.peer_id}; decided disputes: {json.dumps(decided)}")
 
         # the authorizer's own record: upheld against the cheater, reported by the trainer
         listed = httpx.get(f"{authorizer.url}/v1/admin/evidence", headers={"Authorization": f"Bearer {ADMIN}"},
