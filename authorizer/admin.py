@@ -166,8 +166,7 @@ async def evidence_reports(
         accused_account_id=r.accused_account_id, witness_peer_ids=list(r.witness_peer_ids or []),
         stage=r.stage, version=r.version, kind=r.kind, verdict=r.verdict, reason=r.reason,
         distances=None if r.distance_1 is None else [
-            finite_or_none(d) for d in ((r.distance_1,) if r.witness_peer_ids and len(r.witness_peer_ids) == 1
-                                        else (r.distance_1, r.distance_2))],
+            finite_or_none(d) for d in ((r.distance_1,) if r.distance_2 is None else (r.distance_1, r.distance_2))],
         message=r.message, body_sha256=r.body_sha256,
     ) for r in rows])
 

@@ -1,4 +1,4 @@
-"""Evidence a trainer reports against a worker (`POST /v1/evidence`): checked, recorded, acted on.
+"""Evidence a node reports against a worker (`POST /v1/evidence`): checked, recorded, acted on.
 
 Evidence (protocol/evidence.py) proves by itself that the accused signed a result which two other
 replicas of its stage, given the same input at the same weight version, contradict. It cannot
@@ -19,6 +19,15 @@ reporters of `evidence_quorum` accounts (2 by default), none of them the accused
 witness's, have reported the same worker. A worker whose two signed answers to the same
 computation contradict each other (the accused its own witness) has proven its lie by itself and
 is banned at once.
+
+A SparseLoCo replica reports fragment evidence (protocol/fragment_evidence.py): the accused's
+signed fragment of a round against two to four other replicas' of the same round and fragment,
+checked with the run config's SparseLoCo settings (roles/worker/sparseloco/evidence.py). The same
+rules hold: every party an admitted worker of the stage, every witness on an account other than
+the accused's and the other witnesses'. Fragment evidence that holds bans at once (two witnesses
+of other accounts at least); in a run that does not average with SparseLoCo it is `wrong_run`.
+The stored record's `kind` is `fragment`, its `version` the round, its first distance the
+accused's norm over the witnesses' median.
 
 A report passes the cheap gates first, each with its typed error and nothing stored: the body's
 size (413, authorizer.app, before anything is read) and its source's rate (429), its shape (400),
@@ -45,9 +54,12 @@ from authorizer.schema import ADMITTED
 from authorizer.store import EvidenceBan
 from protocol.authorizer_api import EvidenceOut, EvidenceReason
 from protocol.errors import ProtocolError
-from protocol.evidence import Evidence, EvidenceRejected, check_evidence
-from protocol.evidence_report import EvidenceReport, parse_evidence_report, report_signing_bytes
+from protocol.evidence import EvidenceRejected, check_evidence
+from protocol.evidence_report import AnyEvidence, EvidenceReport, parse_evidence_report, report_signing_bytes
+from protocol.fragment_evidence import FragmentEvidence
 from protocol.identity import verify_signature
+from protocol.run_config import RunConfig
+from roles.worker.sparseloco.evidence import check_fragment_evidence
 
 if TYPE_CHECKING:
     from authorizer.service import Authorizer
@@ -83,16 +95,17 @@ class EvidenceDesk:
             parties = [evidence.accused.peer_id, *(w.peer_id for w in evidence.witnesses)]
             workers = await authorizer.read(authorizer.store.stage_workers, parties, evidence.stage)
             try:
-                gaps = await asyncio.to_thread(check_evidence, evidence, run_id=authorizer.run.run_id,
-                                               tolerance=authorizer.run.verification.tolerance)
+                gaps = await asyncio.to_thread(_check, evidence, authorizer.run)
                 _check_parties(evidence, workers)
             except EvidenceRejected as exc:
                 await self._reject(evidence, exc, reporter, workers, received_at, body_sha256)
             return await self._uphold(evidence, gaps, reporter, workers, received_at, body_sha256)
 
-    def _quorum(self, evidence: Evidence, reporter: tuple[str, str]) -> tuple[Optional[int], str]:
+    def _quorum(self, evidence: AnyEvidence, reporter: tuple[str, str]) -> tuple[Optional[int], str]:
         """How many reporters' accounts a ban on this evidence waits for (None: none), and how the
         ban's words name who proved it."""
+        if isinstance(evidence, FragmentEvidence):
+            return None, f"{len(evidence.witnesses)} replicas of other accounts"
         if len(evidence.witnesses) == 2:
             return None, "two replicas of other accounts"
         if evidence.self_contradiction:
@@ -120,7 +133,7 @@ class EvidenceDesk:
                 f"with protocol.evidence_report.evidence_report_body for run {authorizer.run.run_id!r}")
         return live.account_id
 
-    async def _reject(self, evidence: Evidence, exc: EvidenceRejected, reporter: tuple[str, str], workers: dict,
+    async def _reject(self, evidence: AnyEvidence, exc: EvidenceRejected, reporter: tuple[str, str], workers: dict,
                       received_at: float, body_sha256: str) -> NoReturn:
         """Record rejected evidence, its reporter flagged, and answer RejectedEvidence."""
         accused = evidence.accused.peer_id
@@ -134,7 +147,7 @@ class EvidenceDesk:
                        reporter[1][:12], exc.reason, exc)
         raise RejectedEvidence(message, reason=exc.reason, evidence_id=evidence_id, accused=accused)
 
-    async def _uphold(self, evidence: Evidence, gaps: tuple[float, ...], reporter: tuple[str, str], workers: dict,
+    async def _uphold(self, evidence: AnyEvidence, gaps: tuple[float, ...], reporter: tuple[str, str], workers: dict,
                       received_at: float, body_sha256: str) -> EvidenceOut:
         """Ban the accused's account (its peer, if anonymous) unless done already or, for a
         two-replica contradiction, until its quorum of reporters is reached; record it."""
@@ -142,8 +155,12 @@ class EvidenceDesk:
         accused = evidence.accused.peer_id
         account = workers[accused].account_id
         quorum, by_whom = self._quorum(evidence, reporter)
-        what = (f"stage {evidence.stage} {evidence.kind} at version {evidence.version} contradicted by {by_whom} "
-                f"(distance{'s' if len(gaps) > 1 else ''} {', '.join(f'{g:.4g}' for g in gaps)})")
+        if isinstance(evidence, FragmentEvidence):
+            what = (f"stage {evidence.stage} SparseLoCo fragment {evidence.fragment} of round {evidence.round} "
+                    f"whose norm is {gaps[0]:.3g}x the median of {by_whom}")
+        else:
+            what = (f"stage {evidence.stage} {evidence.kind} at version {evidence.version} contradicted by {by_whom} "
+                    f"(distance{'s' if len(gaps) > 1 else ''} {', '.join(f'{g:.4g}' for g in gaps)})")
         anonymous = account == ANONYMOUS_ACCOUNT
         ban = EvidenceBan(
             peer_id=accused if anonymous else None, account_id=None if anonymous else account,
@@ -162,9 +179,8 @@ class EvidenceDesk:
         evidence_id, verdict, ended = await authorizer.stored(authorizer.store.record_evidence(record, ban))
         self.counts[verdict, ""] += 1
         if verdict == "pending":
-            logger.warning("evidence #%d against worker %s held (stage %d %s at version %d contradicted by its other "
-                           "replica); banned once trainers of %d accounts report it", evidence_id, accused,
-                           evidence.stage, evidence.kind, evidence.version, quorum)
+            logger.warning("evidence #%d against worker %s held (%s); banned once trainers of %d accounts report it",
+                           evidence_id, accused, what, quorum)
         elif verdict == "upheld":
             authorizer.queue_wakeup.set()
             logger.warning("evidence #%d upheld: banned %s %s of worker %s (%s): %d live ticket(s) ended",
@@ -176,7 +192,7 @@ class EvidenceDesk:
         return EvidenceOut(verdict=verdict, accused=accused, evidence_id=evidence_id)  # type: ignore[arg-type]
 
 
-def _parse(body: bytes, run_id: str) -> tuple[EvidenceReport, Evidence, bytes, str]:
+def _parse(body: bytes, run_id: str) -> tuple[EvidenceReport, AnyEvidence, bytes, str]:
     """The report, its evidence, what its reporter must have signed for `run_id`, and the body's
     SHA-256 (hex): everything that costs time in proportion to the body."""
     try:
@@ -188,7 +204,18 @@ def _parse(body: bytes, run_id: str) -> tuple[EvidenceReport, Evidence, bytes, s
     return report, evidence, signed, hashlib.sha256(body).hexdigest()
 
 
-def _check_parties(evidence: Evidence, workers: dict) -> None:
+def _check(evidence: AnyEvidence, run: RunConfig) -> tuple[float, ...]:
+    """What the evidence proves by itself (EvidenceRejected if nothing): a spot check's, the
+    accused's distances from its witnesses; a fragment's, its norm over the witnesses' median."""
+    if not isinstance(evidence, FragmentEvidence):
+        return check_evidence(evidence, run_id=run.run_id, tolerance=run.verification.tolerance)
+    if run.averaging.method != "sparseloco":
+        raise EvidenceRejected(EvidenceReason.WRONG_RUN.value, f"run {run.run_id!r} averages with "
+                               f"{run.averaging.method}, not SparseLoCo: no fragment is evidence here")
+    return (check_fragment_evidence(evidence, run_id=run.run_id, config=run.averaging.sparseloco).ratio,)
+
+
+def _check_parties(evidence: AnyEvidence, workers: dict) -> None:
     """What only the authorizer knows: the parties are workers it admitted to the stage, each on
     an account of its own (EvidenceRejected if not)."""
     parties = [evidence.accused.peer_id, *(w.peer_id for w in evidence.witnesses)]
@@ -203,12 +230,12 @@ def _check_parties(evidence: Evidence, workers: dict) -> None:
         raise EvidenceRejected(EvidenceReason.SAME_ACCOUNT.value,
                                "a witness is on the accused's account: its word against its own account proves "
                                "nothing about the account")
-    if len(witnesses) == 2 and witnesses[0] == witnesses[1]:
+    if len(set(witnesses)) != len(witnesses):
         raise EvidenceRejected(EvidenceReason.WITNESSES_SAME_ACCOUNT.value,
-                               "both witnesses are on one account: one account's word twice")
+                               "two witnesses are on one account: one account's word twice")
 
 
-def _record(evidence: Evidence, reporter: tuple[str, str], workers: dict, received_at: float,
+def _record(evidence: AnyEvidence, reporter: tuple[str, str], workers: dict, received_at: float,
             body_sha256: str) -> dict:
     """The report's evidence_reports columns, but its verdict and what depends on it."""
     accused = workers.get(evidence.accused.peer_id)
@@ -216,7 +243,8 @@ def _record(evidence: Evidence, reporter: tuple[str, str], workers: dict, receiv
                 accused_peer_id=evidence.accused.peer_id,
                 accused_account_id=accused.account_id if accused else None,
                 witness_peer_ids=[w.peer_id for w in evidence.witnesses], stage=evidence.stage,
-                version=evidence.version, kind=evidence.kind, reason=None, distance_1=None, distance_2=None, message="",
+                version=evidence.round if isinstance(evidence, FragmentEvidence) else evidence.version,
+                kind=evidence.kind, reason=None, distance_1=None, distance_2=None, message="",
                 body_sha256=body_sha256)
 
 

@@ -142,10 +142,11 @@ evidence_reports = Table(
     Column("witness_peer_ids", JSON, nullable=False),
     Column("stage", Integer, nullable=False),
     Column("version", BigInteger, nullable=False),
-    Column("kind", String(16), nullable=False, comment="output, gradient or loss"),
+    Column("kind", String(16), nullable=False, comment="output, gradient, loss or fragment"),
     Column("verdict", String(16), nullable=False, comment="upheld, already_revoked, rejected or pending"),
     Column("reason", String(32), comment="EvidenceReason of rejected evidence"),
-    Column("distance_1", Float, comment="the accused's relative L2 distance from the first witness (held evidence)"),
+    Column("distance_1", Float, comment="the accused's relative L2 distance from the first witness (held evidence); "
+           "for a fragment its norm over the witnesses' median"),
     Column("distance_2", Float, comment="and from the second"),
     Column("message", String(512), nullable=False, comment="what was decided and done, in a sentence"),
     Column("body_sha256", String(64), nullable=False, comment="of the report's body; the tensors are not kept"),

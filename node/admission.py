@@ -9,8 +9,8 @@ renewal is refused or the credential lapses.
 
 A node may be given several authorizer URLs (authorizers sharing one PostgreSQL database). The
 client sticks to the one that answered last and moves on to the next on a connection error or a
-5xx answer, for every request: join, poll, renew, leave, revocations, and a trainer's evidence
-reports against a worker (authorizer.evidence).
+5xx answer, for every request: join, poll, renew, leave, revocations, and evidence reports against
+a worker (a trainer's spot checks, a SparseLoCo replica's poisoned fragments: authorizer.evidence).
 
 An authorizer that is rate limiting (429 `rate_limited`, e.g. a fleet behind one NAT address
 joining at once, or a neighbour flooding it) names a wait in `Retry-After`; the client waits that
@@ -45,8 +45,7 @@ from protocol.authorizer_api import (
 )
 from protocol.credentials import RevocationList, SignedCredential, proof_bytes, renew_at
 from protocol.errors import AgoraError, ConfigError
-from protocol.evidence import Evidence
-from protocol.evidence_report import EVIDENCE_CONTENT_TYPE, EVIDENCE_PATH, evidence_report_body
+from protocol.evidence_report import EVIDENCE_CONTENT_TYPE, EVIDENCE_PATH, AnyEvidence, evidence_report_body
 from protocol.exit_codes import ExitCode
 from protocol.identity import Identity
 
@@ -283,8 +282,9 @@ class AuthorizerClient:
         """The signed revocation list (verified by the caller against the root key)."""
         return await self._request("GET", "/v1/revocations", RevocationList)
 
-    async def report_evidence(self, evidence: Evidence, identity: Identity) -> EvidenceOut:
-        """Report `evidence` against a worker, signed with this node's key. EvidenceOut when it
+    async def report_evidence(self, evidence: AnyEvidence, identity: Identity) -> EvidenceOut:
+        """Report `evidence` (a trainer's spot check or a SparseLoCo replica's poisoned fragment)
+        against a worker, signed with this node's key. EvidenceOut when it
         holds (`upheld`, `already_revoked`, or `pending` for a two-replica contradiction
         waiting for reporters of more accounts); EvidenceRefused when the authorizer refuses it
         (`reason` says why rejected evidence proves nothing), RateLimited (wait `wait_s()`) or

@@ -406,8 +406,9 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
 
 
 def _evidence_reporter(client, identity):
-    """How a trainer hands a spot check's signed evidence to the run's authorizer: the verdict,
-    or `rejected` with its reason logged (None in an open run: there is nobody to tell)."""
+    """How a trainer (a spot check's evidence) or a SparseLoCo worker (a poisoned fragment's) hands
+    signed evidence to the run's authorizer: the verdict, or `rejected` with its reason logged (None
+    in an open run: there is nobody to tell)."""
     if client is None:
         return None
     from node.admission import EvidenceRefused
@@ -432,7 +433,8 @@ def _build_role(settings, run, stage, device, swarm, p2p, maddrs, authenticator,
             logger.info("the authorizer designated this worker a reducer of stage %s", stage)
         config = settings.worker.model_copy(update={"stage": stage, "device": device,
                                                     "reducer": settings.worker.reducer or designated_reducer})
-        return WorkerRole(config, run, swarm, p2p, maddrs, authenticator, auth_state, identity=identity)
+        return WorkerRole(config, run, swarm, p2p, maddrs, authenticator, auth_state, identity=identity,
+                          report_evidence=report_evidence)
     from roles.trainer.role import TrainerRole
 
     return TrainerRole(settings.trainer, run, swarm, p2p, authenticator, report_evidence=report_evidence)

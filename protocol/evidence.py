@@ -110,8 +110,9 @@ class Evidence(WireModel):
 
 
 class EvidenceRejected(AgoraError):
-    """Evidence that does not prove what it claims (`reason`: bad_signature, witnesses_disagree,
-    accused_agrees, wrong_run, duplicate_party, mismatched_result)."""
+    """Evidence that does not prove what it claims (`reason`: an EvidenceReason value,
+    protocol.authorizer_api: bad_signature, witnesses_disagree, accused_agrees, wrong_run,
+    duplicate_party, and for fragment evidence also mismatched_fragment)."""
 
     code = ErrorCode.INVALID_REQUEST
 

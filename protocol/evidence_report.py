@@ -1,9 +1,12 @@
-"""How a trainer reports evidence to the authorizer (`POST /v1/evidence`): the signed body both
-sides build from this module.
+"""How a node reports evidence to the authorizer (`POST /v1/evidence`): the signed body both
+sides build from this module. A trainer reports a spot check's evidence (protocol/evidence.py), a
+SparseLoCo replica a poisoned fragment's (protocol/fragment_evidence.py); the evidence map's `kind`
+tells them apart (`fragment` for the second; a spot check's `output`, `gradient` or `loss` parses
+exactly as before the second kind existed).
 
-The body is msgpack, not JSON: evidence carries tensors (the input and three results), which travel
-as the one tensor encoding (protocol.codec), and base64 would add a third to bodies of up to
-`EVIDENCE_MAX_BYTES`. It is a map `{evidence, reporter, signed_at, signature}`: the evidence as
+The body is msgpack, not JSON: evidence carries tensors (the input and three results) or signed
+fragments, which travel as the one tensor encoding (protocol.codec) or as bytes, and base64 would
+add a third to bodies of up to `EVIDENCE_MAX_BYTES`. It is a map `{evidence, reporter, signed_at, signature}`: the evidence as
 its wire map (`protocol.messages.to_body`), the reporter's peer id, and the reporter's Ed25519
 signature over `report_signing_bytes`. The signature binds the report to the run and to a moment,
 so a report captured in transit cannot be replayed at another run's authorizer, nor here once the
@@ -16,26 +19,29 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from pydantic import Field
 
 from protocol.codec import pack, unpack
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.evidence import EVIDENCE_MAX_BYTES, Evidence
+from protocol.fragment_evidence import FRAGMENT_KIND, FragmentEvidence
 from protocol.identity import Identity
 from protocol.messages import PeerIdText, WireModel, parse_model, to_body
 
 EVIDENCE_PATH = "/v1/evidence"
 EVIDENCE_CONTENT_TYPE = "application/msgpack"
 
-__all__ = ["EVIDENCE_CONTENT_TYPE", "EVIDENCE_MAX_BYTES", "EVIDENCE_PATH", "EvidenceReport", "evidence_report_body",
-           "parse_evidence_report", "report_signing_bytes"]
+__all__ = ["EVIDENCE_CONTENT_TYPE", "EVIDENCE_MAX_BYTES", "EVIDENCE_PATH", "AnyEvidence", "EvidenceReport",
+           "evidence_report_body", "parse_evidence", "parse_evidence_report", "report_signing_bytes"]
+
+AnyEvidence = Union[Evidence, FragmentEvidence]
 
 
 class EvidenceReport(WireModel):
     """The envelope of a report; `evidence` stays the wire map it arrived as, since the signature
-    covers its bytes (parse it with `parse_model(Evidence, ...)`)."""
+    covers its bytes (parse it with `parse_evidence`)."""
 
     evidence: dict
     reporter: PeerIdText
@@ -54,7 +60,7 @@ def report_signing_bytes(run_id: str, evidence_wire: dict, signed_at: float) -> 
                      struct.pack("<d", signed_at)])
 
 
-def evidence_report_body(evidence: Evidence, identity: Identity, *, signed_at: Optional[float] = None) -> bytes:
+def evidence_report_body(evidence: AnyEvidence, identity: Identity, *, signed_at: Optional[float] = None) -> bytes:
     """The body of `POST /v1/evidence` reporting `evidence`, signed by `identity` (the reporter's
     libp2p key) for the evidence's run, at `signed_at` (now by default)."""
     wire = to_body(evidence)
@@ -64,11 +70,19 @@ def evidence_report_body(evidence: Evidence, identity: Identity, *, signed_at: O
                  "signature": signature})
 
 
-def parse_evidence_report(body: bytes) -> tuple[EvidenceReport, Evidence]:
+def parse_evidence(wire: dict) -> AnyEvidence:
+    """The evidence of a report's evidence map, of the kind its `kind` names; ProtocolError (naming
+    the field) if it is malformed."""
+    if wire.get("kind") == FRAGMENT_KIND:
+        return parse_model(FragmentEvidence, wire)
+    return parse_model(Evidence, wire)
+
+
+def parse_evidence_report(body: bytes) -> tuple[EvidenceReport, AnyEvidence]:
     """The envelope and the evidence of a report's body, from untrusted bytes; ProtocolError
     (naming the field) if either is malformed."""
     raw: Any = unpack(body, max_len=EVIDENCE_MAX_BYTES)
     if not isinstance(raw, dict):
         raise ProtocolError("the evidence report must be a msgpack map", ErrorCode.INVALID_REQUEST)
     report = parse_model(EvidenceReport, raw)
-    return report, parse_model(Evidence, report.evidence)
+    return report, parse_evidence(report.evidence)

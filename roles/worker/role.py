@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 import torch
 from hivemind.p2p import P2P
@@ -27,6 +27,7 @@ from protocol.auth_state import SharedAuthState
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import Phase, ProgressRecord, WorkerRecord, averaging_key, progress_key, workers_key
 from protocol.errors import ConfigError, ErrorCode, ProtocolError
+from protocol.fragment_evidence import FragmentEvidence
 from protocol.identity import Identity
 from protocol.messages import InfoReply
 from protocol.transport import RpcClient, RpcServer
@@ -81,7 +82,10 @@ class WorkerState(enum.Enum):
 class WorkerRole:
     def __init__(self, config: WorkerConfig, run: RunConfig, swarm: SwarmDHT, p2p: P2P, maddrs: list[str],
                  authenticator: Optional[PeerAuthenticator] = None, auth_state: Optional[SharedAuthState] = None,
-                 identity: Optional[Identity] = None):
+                 identity: Optional[Identity] = None,
+                 report_evidence: Optional[Callable[[FragmentEvidence], Awaitable[str]]] = None):
+        """`report_evidence` sends a poisoned SparseLoCo fragment's evidence to the run's authorizer
+        and answers the verdict (node/daemon.py; None in an open run)."""
         self.config = config
         self.run_config = run
         self.swarm = swarm
@@ -168,7 +172,8 @@ class WorkerRole:
                 run, config.stage, self.layout, self.optimizer, self_id=swarm.peer_id, identity=identity,
                 active=lambda: self.phase == Phase.ACTIVE, on_parted=self._sparseloco_parted,
                 stopping=lambda: self.runtime.stopping, members=lambda: list(self.ledger.peers.members),
-                test_poison=config.test_sparseloco_poison, test_exit=config.test_sparseloco_exit)
+                test_poison=config.test_sparseloco_poison, test_exit=config.test_sparseloco_exit,
+                report_evidence=report_evidence)
             self.sparseloco.health = averaging_health(run.termination)
             self.sparseloco_announcer = Announcer(swarm, averaging_key(run.run_id, config.stage),
                                                  lambda: self.sparseloco.record(self.phase),

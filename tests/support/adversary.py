@@ -14,7 +14,11 @@ class reaches every runtime, including one built before `install`.
 Not altered: what else a worker sends that is not a sample's result. The weight version in its
 replies stays the one the honest forward saw (a `stale:N` worker claims its current weights),
 and its state served to joining replicas and its averaging and gradient-exchange contributions
-are its honest training state.
+are its honest training state, but for the one attack on averaging: `sloco_scale:K` sends, in
+every SparseLoCo round, its pseudo-gradient fragment times K, compressed and signed as the honest
+one would be (the capture, roles/worker/sparseloco/outer.py `SparseLoCoState.capture`, is wrapped
+to compress the scaled lie beside the honest fragment, and the service's `encode_fragment` signs
+the lie in its place). Its own anchor, error buffer and applied update stay honest.
 
 The alterations are out of place: a forward's output rows can share storage with the graph kept
 for its backward, and must not change under it.
@@ -37,9 +41,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FORWARD, GRAD, LOSS = "forward", "grad", "loss"
+FORWARD, GRAD, LOSS, FRAGMENT = "forward", "grad", "loss", "fragment"
 """Directions: forward outputs (and held-out coordinates), input gradients sent backwards,
-losses reported by the tail (in backward replies and held-out evaluations)."""
+losses reported by the tail (in backward replies and held-out evaluations), SparseLoCo fragments
+sent to the stage's other replicas."""
 
 NOISE_SEED = 0x5EED
 BIAS_SEED = 0xB1A5
@@ -200,6 +205,33 @@ class LossAttack(Attack):
         return float(self.const) if self.const is not None else float(loss) * self.factor
 
 
+class FragmentScale(Attack):
+    """SparseLoCo: the pseudo-gradient fragment sent, times K before compression (then signed)."""
+
+    direction = FRAGMENT
+
+    def __init__(self, spec: str, k: float, **modifiers):
+        super().__init__(spec, **modifiers)
+        self.k = k
+        self._lies: dict[int, object] = {}
+        """The lie to send in place of each honest capture's fragment, by id of the honest one."""
+
+    def after_capture(self, pseudo_gradient: torch.Tensor, cap) -> None:
+        """Compress `pseudo_gradient` (what the honest capture compressed) times K as this capture's lie."""
+        from roles.worker.sparseloco.codec import compress
+
+        if self.chosen(1)[0]:
+            with self._lock:
+                self._lies[id(cap.own)] = compress(pseudo_gradient * self.k, cap.fragment, cap.own.bits)
+
+    def lie_for(self, own):
+        with self._lock:
+            lie = self._lies.pop(id(own), None)
+        if lie is not None:
+            self.count(1)
+        return lie
+
+
 def _number(name: str, value: Optional[str], cast: Callable = float, positive: bool = False):
     what = "an integer" if cast is int else "a number"
     if value is None:
@@ -245,6 +277,7 @@ def _parse(spec: str) -> Attack:
         "flip_grad": lambda: GradAttack(spec, True, **modifiers),
         "loss": lambda: LossAttack(spec, factor=_number(kind, value), **modifiers),
         "loss_const": lambda: LossAttack(spec, const=_number(kind, value), **modifiers),
+        "sloco_scale": lambda: FragmentScale(spec, _number(kind, value, positive=True), **modifiers),
     }
     if kind not in builders:
         raise ValueError(f"unknown attack '{kind}'; one of {', '.join(builders)}")
@@ -288,12 +321,13 @@ class Adversary:
             runtime.after_step.append(lambda step: self.remember(runtime))
         logger.info("adversary: %s on this stage-%d %s worker", ", ".join(a.spec for a in self.attacks),
                     runtime.stage, runtime.kind)
-        idle = {FORWARD: runtime.kind == "tail", GRAD: runtime.kind == "head", LOSS: runtime.kind != "tail"}
+        idle = {FORWARD: runtime.kind == "tail", GRAD: runtime.kind == "head", LOSS: runtime.kind != "tail",
+                FRAGMENT: False}
         for attack in self.attacks:
             if idle[attack.direction]:
                 logger.warning("adversary: %s alters %s, which a %s stage does not send: it does nothing here",
                                attack.spec, {FORWARD: "forward outputs", GRAD: "input gradients",
-                                             LOSS: "losses"}[attack.direction], runtime.kind)
+                                             LOSS: "losses", FRAGMENT: ""}[attack.direction], runtime.kind)
 
     # ---- stale weights ----
 
@@ -429,31 +463,59 @@ def _stop(self, *args, **kwargs):
     return leftover
 
 
+def _capture(self, round_id, fragment, weights, *, beta, bits):
+    # the pseudo-gradient the honest capture compresses, before it changes the error buffer
+    pseudo = self.error[fragment.start:fragment.end] * beta + self.anchor[fragment.start:fragment.end] - weights
+    cap = _ORIGINALS["SparseLoCoState.capture"](self, round_id, fragment, weights, beta=beta, bits=bits)
+    for attack in _ATTACKS:
+        if attack.direction == FRAGMENT:
+            attack.after_capture(pseudo, cap)
+    return cap
+
+
+def _encode_fragment(c, envelope, identity):
+    for attack in _ATTACKS:
+        if attack.direction == FRAGMENT:
+            c = attack.lie_for(c) or c
+    return _ORIGINALS["service.encode_fragment"](c, envelope, identity)
+
+
 _PATCHES = {"_forward_batch": _forward_batch, "_backward_batch": _backward_batch,
             "_backward_through": _backward_through, "evaluate": _evaluate, "stop": _stop}
 
 
-def install(attacks: Sequence[Attack]) -> None:
-    """Wrap StageRuntime's result-producing methods with `attacks`, applied in order."""
+def _targets() -> list[tuple[object, str, str, Callable]]:
+    """(owner, attribute, key in _ORIGINALS, patch) of every patch."""
     from roles.worker.runtime import StageRuntime
+    from roles.worker.sparseloco import service
+    from roles.worker.sparseloco.outer import SparseLoCoState
 
+    return [*((StageRuntime, name, name, patch) for name, patch in _PATCHES.items()),
+            (SparseLoCoState, "capture", "SparseLoCoState.capture", _capture),
+            (service, "encode_fragment", "service.encode_fragment", _encode_fragment)]
+
+
+def install(attacks: Sequence[Attack]) -> None:
+    """Wrap StageRuntime's result-producing methods, SparseLoCo's capture and the SparseLoCo
+    service's fragment encoding with `attacks`, applied in order."""
     if _ORIGINALS:
         raise RuntimeError("the adversary is already installed; uninstall it first")
-    for name, patch in _PATCHES.items():
-        if not callable(getattr(StageRuntime, name, None)):
-            raise RuntimeError(f"StageRuntime.{name} is gone: tests/support/adversary.py needs updating")
-        _ORIGINALS[name] = StageRuntime.__dict__[name]
-        setattr(StageRuntime, name, patch)
+    targets = _targets()
+    for owner, name, key, _ in targets:
+        if not callable(getattr(owner, name, None)):
+            raise RuntimeError(f"{key} is gone: tests/support/adversary.py needs updating")
+    for owner, name, key, patch in targets:
+        _ORIGINALS[key] = owner.__dict__[name]
+        setattr(owner, name, patch)
     global _installation
     _installation = next(_INSTALLATIONS)
     _ATTACKS[:] = attacks
 
 
 def uninstall() -> None:
-    from roles.worker.runtime import StageRuntime
-
-    for name, original in _ORIGINALS.items():
-        setattr(StageRuntime, name, original)
+    for owner, name, key, _ in _targets():
+        if key in _ORIGINALS:
+            setattr(owner, name, _ORIGINALS[key])
     _ORIGINALS.clear()
     _ATTACKS.clear()
 

@@ -31,6 +31,9 @@ training state (weights, accumulated gradients, kept activations, step counts) s
   losses: the tail's reported loss, in backward replies and, unless `eval:0`, held-out evaluations:
     loss:K         the loss times K (its gradients stay honest)
     loss_const:C   the loss reported as C
+  SparseLoCo fragments (averaging.method sparseloco): what it sends its stage's other replicas:
+    sloco_scale:K  its pseudo-gradient fragment times K before compression, signed as usual (its own
+                   anchor, error buffer and applied update stay honest); `every:N` counts rounds
 
 Modifiers, after a comma:
     every:N        cheat on one sample in N only: the 1st, N+1th, ... of the attack's direction,

@@ -253,7 +253,8 @@ def test_counts_are_logged_first_then_per_hundred_and_in_all_at_stop(caplog):
 
 
 @pytest.mark.parametrize("spec", ["scale", "scale:x", "noise:0", "stale:1.5", "stale:0", "swap:2", "flip_grad:1",
-                                  "foo:1", "scale:3,every:0", "scale:3,bogus:1", "scale:inf", "loss_const"])
+                                  "foo:1", "scale:3,every:0", "scale:3,bogus:1", "scale:inf", "loss_const",
+                                  "sloco_scale:0", "sloco_scale"])
 def test_bad_specs_are_refused_with_a_reason(spec):
     with pytest.raises(ValueError) as refused:
         parse_attack(spec)
@@ -273,3 +274,36 @@ def test_prefix_and_argv_split_bring_the_node_command_line_through():
         split_argv(["--attack", "scale:3", "--", "python", "-m", "node.other"])
     with pytest.raises(ValueError):
         adversary_prefix("scale")
+
+
+def test_sloco_scale_signs_a_scaled_pseudo_gradient_and_keeps_its_own_state_honest():
+    from protocol.identity import Identity
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+    from roles.worker.layout import FlatLayout
+    from roles.worker.sparseloco import service
+    from roles.worker.sparseloco.chunks import plan_fragments
+    from roles.worker.sparseloco.codec import Envelope, compressed_norm, decode_fragment
+    from roles.worker.sparseloco.outer import SparseLoCoState
+
+    layout = FlatLayout(["w"], [(64, 64)])
+    [frag] = plan_fragments(layout, chunk_size=512, topk=16, fragments=1)
+    me = Identity(ed25519.Ed25519PrivateKey.generate(), "")
+    envelope = Envelope("run", 0, 5, 0, layout.digest, 512, 16, 2, sender=me.peer_id.to_base58())
+    start = torch.randn(layout.numel, generator=torch.Generator().manual_seed(1))
+    weights = start - torch.randn(layout.numel, generator=torch.Generator().manual_seed(2)) * 0.01
+
+    def one_round():
+        state = SparseLoCoState.starting_at(start)
+        cap = state.capture(5, frag, weights.clone(), beta=0.95, bits=2)
+        _, sent = decode_fragment(service.encode_fragment(cap.own, envelope, me), envelope, frag)
+        return state, cap, compressed_norm(sent, frag)
+
+    honest_state, honest_cap, honest_norm = one_round()
+    with installed("sloco_scale:1000,every:2") as [attack]:
+        state, cap, lie_norm = one_round()
+        _, _, second = one_round()  # every:2 - the second round is sent honestly
+    assert lie_norm == pytest.approx(1000 * honest_norm, rel=0.02) and second == pytest.approx(honest_norm)
+    assert attack.altered == 1
+    # what it keeps and applies is what an honest replica would
+    assert torch.equal(state.error, honest_state.error) and cap.own_norm == honest_cap.own_norm
+    assert service.encode_fragment.__module__ == "roles.worker.sparseloco.codec"  # uninstalled

@@ -121,6 +121,24 @@ def decompress(c: Compressed, fragment: Fragment, out: Optional[torch.Tensor] = 
     return dense
 
 
+@torch.no_grad()
+def compressed_norm(c: Compressed, fragment: Fragment) -> float:
+    """The L2 norm of the vector `c` stands for, without building it: the kept indices of a chunk
+    are distinct, so it is the norm of the kept values (summed in float64; what a fragment-length
+    dense vector would cost is too much for the authorizer at large stages)."""
+    codes = torch.from_numpy(c.codes)
+    scales = torch.from_numpy(c.scales)
+    total = 0.0
+    at = chunk = 0
+    for run in fragment.runs:
+        n = run.count * run.k
+        vals = _dequantise(codes[at:at + n].view(run.count, run.k), scales[chunk:chunk + run.count])
+        total += float(vals.double().square().sum())
+        at += n
+        chunk += run.count
+    return total ** 0.5
+
+
 def pack_codes(codes: np.ndarray, bits: int) -> bytes:
     per_byte = 8 // bits
     padded = np.zeros(packed_len(len(codes), bits) * per_byte, dtype=np.uint8)

@@ -13,6 +13,11 @@ verify (codec.py), when its sender is not who delivered it, or when its norm is 
 `max_norm_ratio` times away from this replica's own. A replica whose anchor differs from the one the
 other replicas agree on has parted from them (it missed a fragment they applied); it says so and
 the worker reloads its stage's state.
+
+A fragment refused for its norm alone was signed by its sender: with two good fragments of the
+round that agree (this replica's own among them) it is evidence, which the FragmentReporter
+(evidence.py) checks and reports to the run's authorizer, off the compute thread, once per sender
+and round. The authorizer bans the sender's account if the witnesses are on other accounts.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import torch
 
 from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, RoundSummaryRecord
 from protocol.errors import ErrorCode, ProtocolError
+from protocol.fragment_evidence import FragmentEvidence
 from protocol.identity import Identity
 from protocol.run_config import RunConfig
 from protocol.stats import Distribution
@@ -47,6 +53,7 @@ from roles.worker.sparseloco.codec import (
     encode_fragment,
     expected_payload_bytes,
 )
+from roles.worker.sparseloco.evidence import FragmentReporter
 from roles.worker.sparseloco.outer import Capture, SparseLoCoState, anchor_digest
 from roles.worker.sparseloco.transport import Exchanged, FragmentTransport, RoundKey
 
@@ -117,7 +124,8 @@ class SparseLoCoService:
                  identity: Identity, active: Callable[[], bool],
                  on_parted: Callable[[str], None] = lambda why: None,
                  stopping: Callable[[], bool] = lambda: False, members: Callable[[], list[str]] = lambda: [],
-                 test_poison: str = "", test_exit: str = ""):
+                 test_poison: str = "", test_exit: str = "",
+                 report_evidence: Optional[Callable[[FragmentEvidence], Awaitable[str]]] = None):
         self.config = run.averaging.sparseloco
         self.total_steps = run.optimizer.total_steps
         self.run_id = run.run_id
@@ -135,7 +143,9 @@ class SparseLoCoService:
         self.transport: Optional[FragmentTransport] = None
         self.state: Optional[SparseLoCoState] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._inflight: dict[int, tuple[Capture, concurrent.futures.Future, int]] = {}
+        self._inflight: dict[int, tuple[Capture, concurrent.futures.Future, int, bytes]] = {}
+        """Per fragment: its capture, its exchange, the step after which it is applied, and this
+        replica's own fragment as sent (a witness, should a peer's be refused)."""
         self.counters: collections.Counter[str] = collections.Counter()
         self.refused_by_sender: collections.Counter[str] = collections.Counter()
         self.recent: collections.deque[RoundReport] = collections.deque(maxlen=RECENT_ROUNDS)
@@ -155,6 +165,9 @@ class SparseLoCoService:
         self.leave_reason: Optional[str] = None
         self.left = Signal()
         """Fired once `leave_reason` is set: the worker must leave its stage."""
+        self.reporter = None if report_evidence is None else FragmentReporter(
+            run_id=run.run_id, stage=stage, layout=layout, config=self.config, self_id=self_id, report=report_evidence)
+        self._reports: set[concurrent.futures.Future] = set()
         self.test_poison = test_poison
         self.test_exit: tuple[str, int] = ("", -1)
         if test_exit:
@@ -251,17 +264,18 @@ class SparseLoCoService:
                 if self.test_exit == ("after_send", step) else None
             future = asyncio.run_coroutine_threadsafe(
                 self.transport.exchange(RoundKey(step, f), data, deadline, on_sent=on_sent), self._loop)
-            self._inflight[f] = (cap, future, step + self.config.overlap_steps)
+            self._inflight[f] = (cap, future, step + self.config.overlap_steps, data)
             self.counters["captures"] += 1
 
     def after_step_unlocked(self, step: int) -> None:
         """Lock free: wait for and apply every fragment whose aggregate is due after `step`."""
         with self.optimizer.lock:  # a reload on the event loop may clear them meanwhile
-            due = sorted((f, cap, future) for f, (cap, future, apply_at) in self._inflight.items() if apply_at <= step)
-        for f, cap, future in due:
-            self._finish(f, cap, future)
+            due = sorted(((f, cap, future, sent) for f, (cap, future, apply_at, sent) in self._inflight.items()
+                          if apply_at <= step), key=lambda entry: entry[0])
+        for f, cap, future, sent in due:
+            self._finish(f, cap, future, sent)
 
-    def _finish(self, f: int, cap: Capture, future: concurrent.futures.Future) -> None:
+    def _finish(self, f: int, cap: Capture, future: concurrent.futures.Future, sent: bytes) -> None:
         started = time.monotonic()
         exchanged: Optional[Exchanged] = None
         while exchanged is None:
@@ -277,6 +291,8 @@ class SparseLoCoService:
         waited = time.monotonic() - started
         report = self._screen(cap, exchanged)
         report.wait_s = waited
+        if report.norm_refused:
+            self._report_lies(cap, report, sent)
         with self.optimizer.lock:
             if self.state.pending.get(f) is not cap:
                 return  # the replica reloaded its state meanwhile: this round is void
@@ -294,7 +310,7 @@ class SparseLoCoService:
         report.anchor = applied.anchor
         report.expected = len(exchanged.expected)
         report.finished_at = time.time()
-        del report.contributions
+        del report.contributions, report.wire, report.norm_refused
         self._record(report, waited, parted=report.parted)
 
     # ---- checking what arrived ----
@@ -304,6 +320,8 @@ class SparseLoCoService:
         expected_env = self._envelope(cap.round, f)
         frag = self.fragments[f]
         good: dict[str, Compressed] = {}
+        wire: dict[str, tuple[bytes, float]] = {}
+        norm_refused: dict[str, tuple[bytes, float]] = {}
         refused: dict[str, str] = {}
         anchors: dict[str, str] = {}
         for sender, data in sorted(exchanged.received.items()):
@@ -319,6 +337,7 @@ class SparseLoCoService:
                 norm = float(decompress(compressed, frag).norm())
                 ratio = self.config.max_norm_ratio
                 if cap.own_norm > 0 and not (cap.own_norm / ratio <= norm <= cap.own_norm * ratio):
+                    norm_refused[sender] = (data, norm)  # signed by its sender: perhaps evidence
                     raise ProtocolError(f"norm {norm:.3g} against this replica's {cap.own_norm:.3g} "
                                         f"(more than {ratio:g}x apart)", ErrorCode.INVALID_TENSOR)
             except ProtocolError as exc:
@@ -329,6 +348,7 @@ class SparseLoCoService:
                                cap.round, f, sender, exc)
                 continue
             good[sender] = compressed
+            wire[sender] = (data, norm)
             anchors[sender] = envelope.anchor
         parted = self._check_anchor(cap, anchors)
         missing = tuple(p for p in exchanged.expected if p not in exchanged.received)
@@ -343,7 +363,23 @@ class SparseLoCoService:
             status = "failed"
         return _Screened(round=cap.round, fragment=f, status=status, missing=missing, refused=refused,
                          bytes_sent=exchanged.bytes_sent, bytes_received=exchanged.bytes_received,
-                         contributions=good, parted=parted)
+                         contributions=good, parted=parted, wire=wire, norm_refused=norm_refused)
+
+    def _report_lies(self, cap: Capture, screened: "_Screened", sent: bytes) -> None:
+        """Report the fragments refused for their norm to the authorizer, if the round's good
+        fragments (this replica's own among them) prove it; in the background, never raising."""
+        if self.reporter is None or self._loop is None:
+            return
+        good = {**screened.wire, self.self_id: (sent, cap.own_norm)}
+        try:
+            found = self.reporter.evidence(cap.round, cap.fragment.index, screened.norm_refused, good)
+            for evidence in found:
+                future = asyncio.run_coroutine_threadsafe(self.reporter.send(evidence), self._loop)
+                self._reports.add(future)
+                future.add_done_callback(self._reports.discard)
+        except Exception:  # noqa: BLE001 - a report is a courtesy to the run; the round goes on
+            logger.exception("sparseloco round %d fragment %d: could not report the refused fragments",
+                             cap.round, cap.fragment.index)
 
     def _check_anchor(self, cap: Capture, anchors: dict[str, str]) -> bool:
         """Whether this replica parted from its stage: the replicas (this one included) are grouped
@@ -437,6 +473,7 @@ class SparseLoCoService:
             "refused": {k: v for k, v in self.counters.items() if k.startswith("fragments_refused_")},
             "refused_senders": dict(self.refused_by_sender),
             "anchor_mismatches": self.counters["anchor_mismatches"],
+            "evidence": {} if self.reporter is None else dict(self.reporter.counts),
             "anchors": self.anchor_digests(),
             "recent": [r.to_summary() for r in self.recent],
         }
@@ -452,3 +489,7 @@ def _test_kill(when: str) -> None:
 class _Screened(RoundReport):
     contributions: dict[str, Compressed] = field(default_factory=dict)
     parted: bool = False
+    wire: dict[str, tuple[bytes, float]] = field(default_factory=dict)
+    """The good fragments as they arrived, and their norms."""
+    norm_refused: dict[str, tuple[bytes, float]] = field(default_factory=dict)
+    """The fragments refused for their norm alone (they decoded and verified), and their norms."""
