@@ -160,6 +160,9 @@ def _sparseloco(slc: Any) -> str:
     refused = sum(v for v in (slc.get("refused") or {}).values() if isinstance(v, int))
     if refused:
         text += f", {refused} fragment(s) refused"
+    evidence = {k: v for k, v in (slc.get("evidence") or {}).items() if isinstance(v, int) and v}
+    if evidence:
+        text += ", evidence reported: " + ", ".join(f"{v} {k}" for k, v in sorted(evidence.items()))
     if _int(slc, "anchor_mismatches"):
         text += f", parted from the stage {_int(slc, 'anchor_mismatches')} time(s)"
     return text

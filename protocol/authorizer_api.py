@@ -272,7 +272,7 @@ class EvidenceReason(str, enum.Enum):
     NOT_A_WORKER_OF_THE_STAGE = "not_a_worker_of_the_stage"  # a party was never admitted as a worker of the stage
     SAME_ACCOUNT = "same_account"  # a witness is on the accused's account
     WITNESSES_SAME_ACCOUNT = "witnesses_same_account"  # two witnesses are on one account: one party's word
-    MISMATCHED_FRAGMENT = "mismatched_fragment"  # a fragment is not of the evidence's round, fragment, layout or chunking
+    MISMATCHED_FRAGMENT = "mismatched_fragment"  # a fragment not of the evidence's round, fragment, layout, chunking
 
 
 class EvidenceOut(BaseModel):

@@ -6,8 +6,8 @@ exactly as before the second kind existed).
 
 The body is msgpack, not JSON: evidence carries tensors (the input and three results) or signed
 fragments, which travel as the one tensor encoding (protocol.codec) or as bytes, and base64 would
-add a third to bodies of up to `EVIDENCE_MAX_BYTES`. It is a map `{evidence, reporter, signed_at, signature}`: the evidence as
-its wire map (`protocol.messages.to_body`), the reporter's peer id, and the reporter's Ed25519
+add a third to bodies of up to `EVIDENCE_MAX_BYTES`. It is a map
+`{evidence, reporter, signed_at, signature}`: the evidence as its wire map (`protocol.messages.to_body`), the reporter's peer id, and the reporter's Ed25519
 signature over `report_signing_bytes`. The signature binds the report to the run and to a moment,
 so a report captured in transit cannot be replayed at another run's authorizer, nor here once the
 freshness window has passed; the evidence itself proves its case without trusting the reporter

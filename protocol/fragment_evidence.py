@@ -36,9 +36,9 @@ FRAGMENT_KIND = "fragment"
 """The value of `kind` in a report's evidence map that says it is a FragmentEvidence."""
 MAX_WITNESSES = 4
 FRAGMENT_MAX_BYTES = EVIDENCE_MAX_BYTES // (MAX_WITNESSES + 2)
-"""The largest fragment one evidence may carry (five fit one body with room for the rest): a stage
-whose fragments are larger (a stage of some 400M parameters at 2 bits and one fragment per cycle)
-cannot be reported; more fragments per cycle make each smaller."""
+"""The largest fragment one evidence may carry (five fit one body with room for the rest). A stage
+whose fragments are larger (some 300M parameters at the default 64 of 4,096 kept, 2 bits, one
+fragment per cycle) cannot be reported; more fragments per cycle make each smaller."""
 MAX_LAYOUT_TENSORS = 16384
 TensorName = Annotated[str, Field(min_length=1, max_length=256)]
 TensorShape = Annotated[list[Annotated[int, Field(ge=0, le=1 << 40)]], Field(max_length=8)]

@@ -66,6 +66,7 @@ def test_a_replica_that_signs_a_poisoned_fragment_is_revoked_on_its_peers_eviden
             assert list(slc["refused_senders"]) == [liar.peer_id], slc
             verdicts += [verdict for verdict, n in slc["evidence"].items() for _ in range(n)]
         assert sorted(verdicts) == sorted(r["verdict"] for r in listed), (verdicts, listed)
-        assert "adversary: altered 1 samples (sloco_scale:1000)" in liar.log_tail(200)
+        with open(liar.log_path) as log:
+            assert "adversary: altered 1 samples (sloco_scale:1000)" in log.read()
     finally:
         authorizer.stop()

@@ -115,8 +115,8 @@ def test_a_forged_fragment_is_refused(cast):
     framed = SignedFragment(peer_id=_peer(liar), data=_wire(a, 1000.0))
     _refused("bad_signature", _evidence(framed, s["b"], s["c"]))
     # a fragment naming the liar as its sender but signed by someone else
-    _refused("bad_signature", _evidence(SignedFragment(peer_id=_peer(liar), data=_resigned(s["a"].data, a, p=_peer(liar))),
-                                        s["b"], s["c"]))
+    renamed = _resigned(s["a"].data, a, p=_peer(liar))
+    _refused("bad_signature", _evidence(SignedFragment(peer_id=_peer(liar), data=renamed), s["b"], s["c"]))
 
 
 def test_an_accused_within_the_ratio_is_not_convicted(cast):

@@ -155,10 +155,11 @@ class FragmentReporter:
         if len(chosen) < 2:
             return []
         median = statistics.median(good[p][1] for p in chosen)
+        ratio = self.config.max_norm_ratio
         out = []
         for accused, (data, norm) in sorted(refused.items()):
             key = (accused, round_id)
-            if key in self._reported or median / self.config.max_norm_ratio <= norm <= median * self.config.max_norm_ratio:
+            if key in self._reported or median / ratio <= norm <= median * ratio:
                 continue
             self._reported[key] = None
             while len(self._reported) > REPORTED_KEPT:
