@@ -33,7 +33,9 @@ replicas' at the same versions like the sizes, so a construction whose boundarie
 The median hides a worker that lies on one sample in ten. So each reply is also held, by itself,
 against the replicas' replies at its version (at the version before, while its own has fewer than
 two): one further than `REPLY_THRESHOLD` robust deviations from their median, its size and its
-direction taken together, stands out (`stands_out`), and the trainer checks that very hop
+direction taken together, stands out (`stands_out`), and the trainer checks that very hop. The
+deviation is that of such distances on the stage, but never more than `WITHIN_FACTOR` times a
+sender's own spread: a liar that lies on every reply would otherwise set the yardstick itself
 (roles/trainer/spot_checks.py). Standing out is a reason to check one sample, never a suspicion:
 honest replies do it now and then, and their checks agree.
 """
@@ -69,6 +71,13 @@ differ by 10-20% at one version of theirs; an output or a loss depends on its ow
 REPLY_THRESHOLD = 5.0
 """Robust deviations one reply may stand from its replicas' median at its version, its kinds taken
 together (`Screening.stands_out`), before that hop is checked."""
+WITHIN_FACTOR = 2.0
+"""The per-reply yardstick is at most this many robust deviations of one reply from its own
+sender's replies at its version (`Screening._scale`). The spread of replies' distances from their
+replicas' median alone is set by whoever lies: with two replicas, a liar that lies on every reply
+is as far from its replica as the replica is from it, and widened the yardstick to its own offset.
+A sender's own spread is immune to its offset; honest distances measure about 1.1-1.3 of it (the
+median of the others is noisy too, and versions move)."""
 VERSIONS_KEPT = 8
 """Versions whose replies are kept by version, per stage and kind, for the per-reply test."""
 TINY = 1e-30
@@ -166,7 +175,9 @@ class Screening:
             return 0.0
         scale, measured_at = self._reply_scales.get(key, (0.0, 0))
         if self._reply_seen[key] - measured_at >= RESCALE_EVERY or not scale:
-            scale = max(1.4826 * statistics.median(distances), SCALE_FLOOR.get(kind, max(SCALE_FLOOR.values())))
+            between = 1.4826 * statistics.median(distances)
+            scale = max(min(between, WITHIN_FACTOR * self._scale(stage, kind)),
+                        SCALE_FLOOR.get(kind, max(SCALE_FLOOR.values())))
             self._reply_scales[key] = (scale, self._reply_seen[key])
         return distance / scale
 

@@ -141,3 +141,37 @@ def test_a_worker_discovery_no_longer_lists_is_dropped_and_its_replica_no_longer
     for i in range(LISTING_EVERY):
         checks.on_tail(1, "honest", torch.zeros(1, 4, dtype=torch.long), None, reply)
     assert not checks.screening.suspect(1, "honest") and "liar" not in checks.screening.workers(1)
+
+
+def test_with_two_replicas_a_liar_on_every_reply_stands_out_from_its_first_replies():
+    """With two replicas every distance is between the liar and the honest one, so the distances'
+    own spread is the liar's offset; the senders' own spread keeps the yardstick honest."""
+    gen = torch.Generator().manual_seed(3)
+    inputs, answers = _residual_replies(gen, samples=400)
+    for name, lie in {"flip": lambda a: -a, "scale": lambda a: 3 * a}.items():
+        screen = Screening()
+        standing = {"honest": 0, "liar": 0}
+        for i in range(400):
+            worker = ("honest", "liar")[i % 2]
+            answer = lie(answers[i]) if worker == "liar" else answers[i]
+            standing[worker] += screen.stands_out(
+                worker, screen.observe(1, "output", worker, reply_size(answer), i // 8),
+                screen.observe(1, "output_coherence", worker, coherence(inputs[i], answer), i // 8))
+        # the first 2 * RECENT distances set the yardstick: every later lie stands out
+        assert standing["liar"] >= 200 - 2 * RECENT, (name, standing)
+        # and so does its replica (each is the other's only reference): checks, never strikes
+
+
+def test_honest_pairs_seldom_stand_out_while_the_run_moves_their_sizes():
+    gen, rng = torch.Generator().manual_seed(4), random.Random(4)
+    inputs, answers = _residual_replies(gen, samples=4000)
+    screen = Screening()
+    standing = 0
+    for i in range(4000):
+        version = i // 8
+        drift = math.exp(-version / 20)
+        worker = ("a", "b")[rng.random() < 0.5]
+        standing += screen.stands_out(
+            worker, screen.observe(1, "output", worker, reply_size(answers[i] * drift), version),
+            screen.observe(1, "output_coherence", worker, coherence(inputs[i], answers[i]), version))
+    assert standing <= 0.01 * 4000, standing
