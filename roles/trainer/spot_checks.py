@@ -118,6 +118,7 @@ class SpotCheckStats:
     outcomes: collections.Counter = field(default_factory=collections.Counter)
     """agreed, disputed (of which some unresolved), stale, unchecked, busy, failed; targeted:
     checks drawn at the suspect rate; outlier: hops checked because the reply stood out by itself;
+    tallied: strikes decided by the tally of disputes within the loss margin;
     diverged: the replica answered at the same version with other weights (replicas that parted
     after a step one of them took without some gradients)."""
     largest_agreed: float = 0.0
@@ -140,7 +141,8 @@ class SpotCheckStats:
 
     def summary(self) -> dict:
         return {**{k: self.outcomes.get(k, 0) for k in ("agreed", "disputed", "unresolved", "stale", "unchecked", "busy",
-                                                         "failed", "targeted", "diverged", "outlier")},
+                                                         "failed", "targeted", "diverged", "outlier",
+                                                         "tallied")},
                 "resolved": sum(self.strikes.values()), "largest_agreed_distance": self.largest_agreed,
                 "strikes": dict(self.strikes), "excluded": dict(self.excluded),
                 "served_before_exclusion": dict(self.served_before_exclusion),
@@ -325,6 +327,10 @@ class SpotChecks:
             return  # discovery knows nobody for now: no reason to forget anyone
         for worker in self.screening.workers(stage) - listed:
             self.screening.drop(stage, worker)
+            self._hops.pop(worker, None)
+            self._outlier_checks.pop(worker, None)
+            for pair in [pair for pair in self._signs if pair[0] == stage and worker in pair[1]]:
+                del self._signs[pair]
 
     def check_forward(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
                       output: torch.Tensor, version: Optional[int], attestation: Optional[bytes] = None,
@@ -545,6 +551,7 @@ class SpotChecks:
         tally.clear()
         dispute.sign_test = (k, n)
         self.stats.outcomes["unresolved"] -= 1  # resolved after all, by the tally
+        self.stats.outcomes["tallied"] += 1
         self._strike(dispute, worse)
 
     async def _resolve_gradient(self, dispute: Dispute, tokens: torch.Tensor, coords: torch.Tensor,

@@ -141,6 +141,20 @@ def test_a_worker_discovery_no_longer_lists_is_dropped_and_its_replica_no_longer
     for i in range(LISTING_EVERY):
         checks.on_tail(1, "honest", torch.zeros(1, 4, dtype=torch.long), None, reply)
     assert not checks.screening.suspect(1, "honest") and "liar" not in checks.screening.workers(1)
+    assert "liar" not in checks._hops and "honest" in checks._hops  # its counts go too
+
+
+def test_the_tally_of_a_pair_goes_with_a_worker_discovery_no_longer_lists():
+    listed = {1: ["honest", "liar"]}
+    checks = SpotChecks(0.01, 0.01, None, lambda stage: listed[stage], random.Random(0))
+    checks.screening.observe(1, "loss", "liar", loss_size(3.0), 0)
+    checks._signs[(1, frozenset(("honest", "liar")))]["liar"] += 5
+    checks._signs[(2, frozenset(("other", "third")))]["other"] += 1
+    listed[1] = ["honest"]
+    reply = BackwardReply(loss=3.0, grad_input=torch.ones(4, 8))
+    for i in range(LISTING_EVERY):
+        checks.on_tail(1, "honest", torch.zeros(1, 4, dtype=torch.long), None, reply)
+    assert list(checks._signs) == [(2, frozenset(("other", "third")))]
 
 
 def test_with_two_replicas_a_liar_on_every_reply_stands_out_from_its_first_replies():

@@ -278,6 +278,7 @@ def test_a_lie_worse_by_less_than_the_margin_every_time_is_struck_by_the_tally_a
     assert [d.sign_test for d in checks.stats.disputes if d.struck] == [(10, 10)] * 3
     assert "worse loss in 10 of 10 close disputes" in checks.stats.excluded["liar"]
     assert checks.stats.outcomes["unresolved"] == 27 and checks.stats.favoured["honest"] == 3
+    assert checks.stats.summary()["tallied"] == 3
     # a lie that costs nothing: which side is worse is a coin, and nobody is struck in 40 disputes
     coin = random.Random(3)
     fair = lambda claimed: [2.0, 2.0 + coin.choice((-0.005, 0.005))]  # noqa: E731
