@@ -9,6 +9,11 @@ altered by the adversary harness (tests/support/adversary_node.py: its replies a
 own training state stays honest). The attacker is replica 1 of the stage its lie comes out of:
 stage 1 for outputs and input gradients, the tail (stage 2) for losses. `collude` is two liars in
 adjacent stages (replica 1 of stages 0 and 1, both adding noise as large as their output).
+`sloco_scale:100` lies in averaging instead: the run averages with SparseLoCo at 3 replicas a
+stage (at least), and replica 1 of stage 1 signs its pseudo-gradient fragments times 100 while its
+replies stay honest; its replicas refuse the fragments and, with `--authorizer`, report them as
+fragment evidence (protocol/fragment_evidence.py). Its held-out gap is taken against the first
+honest `sparseloco` run of the invocation (none: no gap).
 
 For each attack, with the checks on (the run config's `verification`, spot checks at
 `--spot-check-rate`, default 1%) and, with `--off`, with spot checks and the screen's checks at 0:
@@ -40,7 +45,8 @@ plain, `churn` (replica 1 of stage 1 killed at 40% of the samples and restarted)
 (routing.path workers: samples hop worker to worker) and `mixed` (replica 1 of every stage runs its
 blocks under bfloat16 autocast, `--compute-dtype bfloat16`, beside float32 replicas 0) and
 `skipping` (both replicas of stage 1 killed at 40% and restarted: the trainers skip the stage
-meanwhile); each counts accusations. `--off` adds an honest run with the checks off: the overhead
+meanwhile) and `sparseloco` (averaging with SparseLoCo at 3 replicas a stage, at least); each
+counts accusations. `--off` adds an honest run with the checks off: the overhead
 is its tokens/s against the honest runs' with them on, in the same invocation. `--overhead-pairs
 N` adds N honest runs with the checks off, each followed by one with them on (`pair_ratios`: the
 machine's drift cancels within a pair). Bytes added per sample are computed from the reply fields
@@ -80,24 +86,36 @@ ATTACKS: dict[str, dict[str, list[str]]] = {
     "noise:1,every:10": {"worker-s1-r1": ["noise:1,every:10"]},
     "loss:3": {"worker-s2-r1": ["loss:3"]},
     "collude": {"worker-s0-r1": ["noise:1"], "worker-s1-r1": ["noise:1"]},
+    "sloco_scale:100": {"worker-s1-r1": ["sloco_scale:100"]},
 }
 DEFAULT_ATTACKS = tuple(ATTACKS)
-HONEST_VARIANTS = ("plain", "churn", "workers", "mixed", "skipping")
+SPARSELOCO_ATTACKS = ("sloco_scale:100",)
+"""Attacks on averaging: the run averages with SparseLoCo, at `SPARSELOCO_REPLICAS` replicas a stage."""
+SPARSELOCO_REPLICAS = 3
+"""Fragment evidence needs two witnesses besides the accused (protocol/fragment_evidence.py)."""
+HONEST_VARIANTS = ("plain", "churn", "workers", "mixed", "skipping", "sparseloco")
 MIXED_ARGS = ["--compute-dtype", "bfloat16"]
 """The `mixed` variant: replica 1 of every stage computes in bfloat16 beside replica 0's float32."""
 SIGNATURE_BYTES, FINGERPRINT_BYTES = 64, 8
 
 
-def trust_run_config(args: argparse.Namespace, steps: int, *, checks: bool, routing: str = "trainer"):
-    """bench_fidelity's demo run config at R replicas, with verification on or off."""
+def trust_run_config(args: argparse.Namespace, steps: int, *, checks: bool, routing: str = "trainer",
+                     sparseloco: bool = False):
+    """bench_fidelity's demo run config at R replicas, with verification on or off; averaging with
+    SparseLoCo (bench_fidelity's `--averaging-method sparseloco`) at `replicas_for` replicas."""
     import bench_fidelity
 
-    fargs = bench_fidelity.parse_args(["--workers-per-stage", str(args.workers_per_stage), "--routing", routing])
+    fargs = bench_fidelity.parse_args(["--workers-per-stage", str(replicas_for(args, sparseloco)), "--routing", routing,
+                                       *(["--averaging-method", "sparseloco"] if sparseloco else [])])
     run = bench_fidelity.fidelity_run_config("trust", bench_fidelity.SETTINGS[args.setting], steps, fargs)
     verification = run.verification.model_copy(update={
         "spot_check_rate": args.spot_check_rate if checks else 0.0,
         "suspect_check_rate": run.verification.suspect_check_rate if checks else 0.0})
     return run.model_copy(update={"verification": verification, "seed": args.seed})
+
+
+def replicas_for(args: argparse.Namespace, sparseloco: bool) -> int:
+    return max(args.workers_per_stage, SPARSELOCO_REPLICAS) if sparseloco else args.workers_per_stage
 
 
 class Revocation:
@@ -150,7 +168,10 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
     steps = args.steps
     total = steps * bench_fidelity.SETTINGS[args.setting].target_batch_size
     workdir = tempfile.mkdtemp(prefix=f"agora-trust-{label.replace(':', '').replace(',', '-')}-")
-    run = trust_run_config(args, steps, checks=checks, routing="workers" if variant == "workers" else "trainer")
+    sparseloco = attack in SPARSELOCO_ATTACKS or variant == "sparseloco"
+    replicas = replicas_for(args, sparseloco)
+    run = trust_run_config(args, steps, checks=checks, routing="workers" if variant == "workers" else "trainer",
+                           sparseloco=sparseloco)
     run = run.model_copy(update={"run_id": f"trust-{os.getpid()}-{label.replace(':', '').replace(',', '-')}"})
     config_path = os.path.join(workdir, "run.yaml")
     dump_run_config(run, config_path)
@@ -160,15 +181,16 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
         f"{steps} steps of {run.target_batch_size}")
     authorizer = revocation = None
     node_args = on_tick = None
-    out: dict[str, Any] = {"attack": attack, "checks": checks, "variant": variant, "attackers": sorted(liars)}
+    out: dict[str, Any] = {"attack": attack, "checks": checks, "variant": variant, "attackers": sorted(liars),
+                           "averaging": run.averaging.method, "workers_per_stage": replicas}
     started = time.monotonic()
     try:
         if args.authorizer:
-            authorizer, node_args = _start_authorizer(config_path, workdir, args.workers_per_stage)
+            authorizer, node_args = _start_authorizer(config_path, workdir, replicas)
             revocation = Revocation(authorizer.url, set(liars))
             on_tick = revocation.tick
         swarm = bench_fidelity.run_swarm(run, config_path, workdir, bench_fidelity.SETTINGS[args.setting], total,
-                                         args.workers_per_stage, churn=variant == "churn", prefixes=prefixes,
+                                         replicas, churn=variant == "churn", prefixes=prefixes,
                                          skip_stage=variant == "skipping",
                                          node_args=_with_variant(node_args, variant), on_tick=on_tick)
         out.update(_figures(run, swarm, liars, total))
@@ -346,14 +368,15 @@ def bytes_per_sample(run) -> dict:
             "tail_backward_reply": tail, "per_sample": total}
 
 
-def summarize(runs: list[dict], baseline: Optional[dict]) -> dict:
+def summarize(runs: list[dict], baseline: Optional[dict], sparseloco_baseline: Optional[dict] = None) -> dict:
     """Per attack and checks on/off: samples to exclusion (median, max over runs), held-out gap to
-    the honest baseline, revocation seconds."""
-    base = (baseline or {}).get("held_out_loss")
+    the honest baseline (an attack on SparseLoCo's: to the first honest SparseLoCo run, if any),
+    revocation seconds."""
     table: dict[str, dict] = {}
     for r in runs:
         if r.get("attack") is None:
             continue
+        base = ((sparseloco_baseline if r.get("averaging") == "sparseloco" else baseline) or {}).get("held_out_loss")
         row = table.setdefault(r["attack"], {}).setdefault("on" if r["checks"] else "off", {
             "runs": 0, "samples_to_exclusion": [], "never_excluded": 0, "held_out_gaps": [],
             "revoked_after_s": [], "false_accusations": 0, "honest_strikes": 0})
@@ -398,8 +421,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=1, metavar="N", help="runs per attack and setting (default 1)")
     p.add_argument("--off", action="store_true", help="also run every attack, and one honest run, with the checks off")
     p.add_argument("--honest", type=int, default=1, metavar="N",
-                   help="honest runs with the checks on, cycling plain, churn, workers, mixed, skipping "
-                        "(default 1: the baseline)")
+                   help="honest runs with the checks on, cycling plain, churn, workers, mixed, skipping, "
+                        "sparseloco (default 1: the baseline)")
     p.add_argument("--overhead-pairs", type=int, default=0, metavar="N",
                    help="after the baseline, N honest runs with the checks off, each followed by one with them on, "
                         "for the overhead figure (default 0)")
@@ -458,12 +481,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def report() -> dict:
         baseline = honest[0] if honest else None
+        sparseloco_baseline = next((r for r in honest if r["checks"] and r["variant"] == "sparseloco"), None)
         on = [r["tokens_per_s"] for r in honest if r["checks"] and r.get("tokens_per_s") and r["variant"] == "plain"]
         off = [r["tokens_per_s"] for r in honest if not r["checks"] and r.get("tokens_per_s")]
         out["honest"] = {
             "runs": honest,
             "false_accusations": sum(len(r.get("false_accusations") or []) for r in honest if r["checks"]),
             "baseline_held_out_loss": (baseline or {}).get("held_out_loss"),
+            "sparseloco_baseline_held_out_loss": (sparseloco_baseline or {}).get("held_out_loss"),
         }
         out["overhead"] = {
             "tokens_per_s_checks_on": on, "tokens_per_s_checks_off": off,
@@ -475,7 +500,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                            "(checks on) run over it; bytes: what the signature and weights-fingerprint "
                            "fields add to one sample's replies on the wire",
         }
-        out["attacks"] = summarize(runs, baseline)
+        out["attacks"] = summarize(runs, baseline, sparseloco_baseline)
         out["runs"] = runs
         out["errors"] = errors + [f"{r.get('attack') or r['variant']} ({'on' if r['checks'] else 'off'}): {e}"
                                   for r in [*honest, *runs] for e in r.get("errors", [])]

@@ -128,3 +128,18 @@ def test_overhead_pairs_divide_each_checks_on_run_by_the_checks_off_run_before_i
             {"checks": True, "tokens_per_s": 820.0}]
     assert bench_trust._pair_ratios(runs) == [0.95, 1.025]
     assert bench_trust.parse_args(["--overhead-pairs", "2"]).overhead_pairs == 2
+
+
+def test_an_attack_on_sparseloco_runs_at_three_replicas_and_is_held_against_a_sparseloco_baseline():
+    args = bench_trust.parse_args(["--attacks", "sloco_scale:100", "--steps", "20"])
+    assert bench_trust.replicas_for(args, sparseloco=True) == 3 and bench_trust.replicas_for(args, False) == 2
+    run = bench_trust.trust_run_config(args, 20, checks=True, sparseloco=True)
+    assert run.averaging.method == "sparseloco" and run.averaging.enabled
+    assert bench_trust.trust_run_config(args, 20, checks=True).averaging.method == "asyncsparta"
+    runs = [{"attack": "sloco_scale:100", "checks": True, "averaging": "sparseloco", "held_out_loss": 3.3,
+             "samples_to_exclusion": {"w": 40}, "revoked_after_s": {"w": 12.0}},
+            {"attack": "scale:3", "checks": True, "averaging": "asyncsparta", "held_out_loss": 2.2,
+             "samples_to_exclusion": {"w": 10}}]
+    table = bench_trust.summarize(runs, {"held_out_loss": 2.0}, {"held_out_loss": 3.0})
+    assert table["sloco_scale:100"]["on"]["held_out_gaps"] == [0.1] and table["scale:3"]["on"]["held_out_gaps"] == [0.1]
+    assert bench_trust.summarize(runs[:1], {"held_out_loss": 2.0})["sloco_scale:100"]["on"]["held_out_gaps"] == []
