@@ -40,14 +40,14 @@ authorizer's default quorum of two accounts. `revoked_after_s` is when the autho
 evidence against the attacker, in seconds since the trainers started (polled every 0.5 s);
 `left_after_s` when the revoked attacker's process exited; `evidence` counts the verdicts.
 
-`--honest N` adds N honest runs with the checks on (the baseline is the first), cycling through
-plain, `churn` (replica 1 of stage 1 killed at 40% of the samples and restarted), `workers`
-(routing.path workers: samples hop worker to worker) and `mixed` (replica 1 of every stage runs its
-blocks under bfloat16 autocast, `--compute-dtype bfloat16`, beside float32 replicas 0) and
-`skipping` (both replicas of stage 1 killed at 40% and restarted: the trainers skip the stage
-meanwhile) and `sparseloco` (averaging with SparseLoCo at 3 replicas a stage, at least); each
-counts accusations. `--off` adds an honest run with the checks off: the overhead
-is its tokens/s against the honest runs' with them on, in the same invocation. `--overhead-pairs
+`--honest N` adds N honest runs with the checks on (the baseline is the first, plain), cycling
+through `--honest-variants` (default all but plain): `churn` (replica 1 of stage 1 killed at 40%
+of the samples and restarted), `workers` (routing.path workers: samples hop worker to worker),
+`mixed` (replica 1 of every stage runs its blocks under bfloat16 autocast, `--compute-dtype
+bfloat16`, beside float32 replicas 0), `skipping` (both replicas of stage 1 killed at 40% and
+restarted: the trainers skip the stage meanwhile) and `sparseloco` (averaging with SparseLoCo at 3
+replicas a stage, at least); each counts accusations. `--off` adds an honest run with the checks
+off: the overhead is its tokens/s against the honest runs' with them on, in the same invocation. `--overhead-pairs
 N` adds N honest runs with the checks off, each followed by one with them on (`pair_ratios`: the
 machine's drift cancels within a pair). Bytes added per sample are computed from the reply fields
 that carry signatures and weight fingerprints (protocol/evidence.py), spot-check traffic aside.
@@ -421,8 +421,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=1, metavar="N", help="runs per attack and setting (default 1)")
     p.add_argument("--off", action="store_true", help="also run every attack, and one honest run, with the checks off")
     p.add_argument("--honest", type=int, default=1, metavar="N",
-                   help="honest runs with the checks on, cycling plain, churn, workers, mixed, skipping, "
-                        "sparseloco (default 1: the baseline)")
+                   help="honest runs with the checks on: the plain baseline, then --honest-variants in turn "
+                        "(default 1: the baseline)")
+    p.add_argument("--honest-variants", default=",".join(HONEST_VARIANTS[1:]), metavar="LIST",
+                   help="the variants --honest cycles through after the plain baseline, comma-separated "
+                        f"(default {','.join(HONEST_VARIANTS[1:])}; known: {','.join(HONEST_VARIANTS)})")
     p.add_argument("--overhead-pairs", type=int, default=0, metavar="N",
                    help="after the baseline, N honest runs with the checks off, each followed by one with them on, "
                         "for the overhead figure (default 0)")
@@ -443,6 +446,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     unknown = [a for a in args.attacks if a not in ATTACKS]
     if unknown:
         p.error(f"unknown attack(s) {unknown}; known: {'; '.join(ATTACKS)}")
+    args.honest_variants = [v.strip() for v in args.honest_variants.split(",") if v.strip()]
+    if not args.honest_variants or any(v not in HONEST_VARIANTS for v in args.honest_variants):
+        p.error(f"--honest-variants takes some of {','.join(HONEST_VARIANTS)}")
     if args.workers_per_stage < 2:
         p.error("--workers-per-stage must be at least 2: a check re-executes on another replica")
     if args.steps is None:
@@ -526,7 +532,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if args.off:
                     done(one_run(f"{attack}-off-{k}", args, attack=attack, checks=False), runs)
             for h in range(1, args.honest) if k == 0 else ():
-                variant = HONEST_VARIANTS[h % len(HONEST_VARIANTS)]
+                variant = args.honest_variants[(h - 1) % len(args.honest_variants)]
                 done(one_run(f"honest-{h}-{variant}", args, attack=None, checks=True, variant=variant), honest)
     except KeyboardInterrupt:
         errors.append("interrupted")

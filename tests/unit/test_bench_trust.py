@@ -143,3 +143,10 @@ def test_an_attack_on_sparseloco_runs_at_three_replicas_and_is_held_against_a_sp
     table = bench_trust.summarize(runs, {"held_out_loss": 2.0}, {"held_out_loss": 3.0})
     assert table["sloco_scale:100"]["on"]["held_out_gaps"] == [0.1] and table["scale:3"]["on"]["held_out_gaps"] == [0.1]
     assert bench_trust.summarize(runs[:1], {"held_out_loss": 2.0})["sloco_scale:100"]["on"]["held_out_gaps"] == []
+
+
+def test_the_honest_variants_can_be_chosen():
+    assert bench_trust.parse_args([]).honest_variants == ["churn", "workers", "mixed", "skipping", "sparseloco"]
+    assert bench_trust.parse_args(["--honest-variants", "sparseloco"]).honest_variants == ["sparseloco"]
+    with pytest.raises(SystemExit):
+        bench_trust.parse_args(["--honest-variants", "tidy"])
