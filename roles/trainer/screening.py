@@ -33,10 +33,12 @@ replicas' at the same versions like the sizes, so a construction whose boundarie
 The median hides a worker that lies on one sample in ten. So each reply is also held, by itself,
 against the replicas' replies at its version (at the version before, while its own has fewer than
 two): one further than `REPLY_THRESHOLD` robust deviations from their median, its size and its
-direction taken together, stands out (`stands_out`), and the trainer checks that very hop. The
-deviation is that of such distances on the stage, but never more than `WITHIN_FACTOR` times a
-sender's own spread: a liar that lies on every reply would otherwise set the yardstick itself
-(roles/trainer/spot_checks.py). Standing out is a reason to check one sample, never a suspicion:
+direction taken together, stands out (`stands_out`), and the trainer checks that very hop
+(roles/trainer/spot_checks.py). The deviation is that of such distances on the stage, but never
+more than `WITHIN_FACTOR` times a sender's own spread: a liar that lies on every reply would
+otherwise set the yardstick itself. Until the stage has that spread (its first `2 * RECENT`
+distances) the kind's floor stands in: a liar from a run's first replies, when a step moves the
+weights most, is checked from its first. Standing out is a reason to check one sample, never a suspicion:
 honest replies do it now and then, and their checks agree.
 """
 
@@ -171,8 +173,8 @@ class Screening:
         distances = self._reply_distances[key]
         distances.append(distance)
         self._reply_seen[key] += 1
-        if len(distances) < 2 * RECENT:
-            return 0.0
+        if len(distances) < 2 * RECENT:  # no spread measured yet: the smallest one assumed
+            return distance / SCALE_FLOOR.get(kind, max(SCALE_FLOOR.values()))
         scale, measured_at = self._reply_scales.get(key, (0.0, 0))
         if self._reply_seen[key] - measured_at >= RESCALE_EVERY or not scale:
             between = 1.4826 * statistics.median(distances)

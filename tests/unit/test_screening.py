@@ -189,3 +189,18 @@ def test_honest_pairs_seldom_stand_out_while_the_run_moves_their_sizes():
             worker, screen.observe(1, "output", worker, reply_size(answers[i] * drift), version),
             screen.observe(1, "output_coherence", worker, coherence(inputs[i], answers[i]), version))
     assert standing <= 0.01 * 4000, standing
+
+
+def test_a_liar_from_the_first_replies_stands_out_before_the_stage_has_a_measured_spread():
+    gen = torch.Generator().manual_seed(5)
+    inputs, answers = _residual_replies(gen, samples=2 * RECENT)
+    screen = Screening()
+    standing = {"honest": [], "liar": []}
+    for i in range(2 * RECENT):
+        worker = ("honest", "liar")[i % 2]
+        answer = -answers[i] if worker == "liar" else answers[i]
+        standing[worker].append(screen.stands_out(
+            worker, screen.observe(1, "output", worker, reply_size(answer), 0),
+            screen.observe(1, "output_coherence", worker, coherence(inputs[i], answer), 0)))
+    # from the first reply with two of its replica's to be held against
+    assert all(standing["liar"][2:]), standing
