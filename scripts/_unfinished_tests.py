@@ -11,7 +11,7 @@ import sys
 def main() -> int:
     finished_log, *pytest_args = sys.argv[1:]
     with open(finished_log, encoding="utf-8") as log:
-        finished = {line.strip() for line in log if line.strip() and not line.startswith("FAILED ")}
+        finished = {line.strip() for line in log if line.strip() and not line.startswith(("FAILED ", "DURATION "))}
     listing = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", *pytest_args],
                              capture_output=True, text=True, check=False)
     collected = [line for line in listing.stdout.splitlines() if "::" in line and not line.startswith(" ")]

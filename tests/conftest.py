@@ -94,15 +94,22 @@ def run_config_path(tmp_path):
 def pytest_runtest_logreport(report):
     """With AGORA_TEST_FINISHED_LOG set (scripts/test), the controlling process writes down each
     test that finished (and each that failed), so the tests a pytest worker never finished can be
-    run again without forgetting the failures."""
+    run again without forgetting the failures, and how long each took."""
     path = os.environ.get("AGORA_TEST_FINISHED_LOG")
     if not path or os.environ.get("PYTEST_XDIST_WORKER") is not None:
         return
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
     with open(path, "a", encoding="utf-8") as log:
         if report.failed:
             log.write(f"FAILED {report.nodeid}\n")
         if report.when == "teardown":
+            log.write(f"DURATION {_durations.pop(report.nodeid, 0.0):.1f} {report.nodeid}\n")
             log.write(report.nodeid + "\n")
+
+
+_durations: dict[str, float] = {}
+"""Seconds of each running test's setup, call and teardown so far (for the finished log's DURATION
+lines: scripts/_slowest_tests.py lists the slowest at the end of scripts/test)."""
 
 
 def pytest_sessionfinish(session, exitstatus):
