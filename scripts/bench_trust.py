@@ -278,7 +278,7 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
             "served_before_exclusion": {p[-8:]: n for p, n in (checks.get("served_before_exclusion") or {}).items()},
             "served_by_attackers": {p[-8:]: served.get(p, 0) for p in attackers},
             "checks": {k: checks.get(k) for k in ("agreed", "disputed", "unresolved", "diverged", "targeted",
-                                                  "outlier", "tallied", "resolved", "evidence", "parted",
+                                                  "outlier", "tallied", "probation", "resolved", "evidence", "parted",
                                                   "largest_agreed_distance")},
             "replies_standing_out": {p[-8:] + (" (attacker)" if p in attackers else ""): n
                                      for p, n in ((checks.get("screening") or {}).get("outliers") or {}).items()},

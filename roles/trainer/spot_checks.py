@@ -81,6 +81,11 @@ SIGN_TEST_P = 0.002
 under a coin before it is struck: 10 of 10, 13 of 14, 16 of 17."""
 LISTING_EVERY = 64
 """Replies between two looks at which workers discovery still lists; the screen drops the others."""
+PROBATION_HOPS = 16
+"""A worker's first hops on this trainer are drawn at the suspect rate: the screen holds nothing
+of it yet, and a run's first steps, when a lie costs the model most (a step moves the weights most
+then), are the ones a liar from the start takes part in. Measured: replays on weights four steps
+old and flipped gradients, served for 22-35 samples from a run's start, cost up to 13% held-out."""
 
 
 @dataclass
@@ -118,7 +123,8 @@ class SpotCheckStats:
     outcomes: collections.Counter = field(default_factory=collections.Counter)
     """agreed, disputed (of which some unresolved), stale, unchecked, busy, failed; targeted:
     checks drawn at the suspect rate; outlier: hops checked because the reply stood out by itself;
-    tallied: strikes decided by the tally of disputes within the loss margin;
+    tallied: strikes decided by the tally of disputes within the loss margin; probation: checks drawn
+    at the suspect rate among a worker's first hops (`PROBATION_HOPS`);
     diverged: the replica answered at the same version with other weights (replicas that parted
     after a step one of them took without some gradients)."""
     largest_agreed: float = 0.0
@@ -142,7 +148,7 @@ class SpotCheckStats:
     def summary(self) -> dict:
         return {**{k: self.outcomes.get(k, 0) for k in ("agreed", "disputed", "unresolved", "stale", "unchecked", "busy",
                                                          "failed", "targeted", "diverged", "outlier",
-                                                         "tallied")},
+                                                         "tallied", "probation")},
                 "resolved": sum(self.strikes.values()), "largest_agreed_distance": self.largest_agreed,
                 "strikes": dict(self.strikes), "excluded": dict(self.excluded),
                 "served_before_exclusion": dict(self.served_before_exclusion),
@@ -256,7 +262,7 @@ class SpotChecks:
     def draw(self, stage: Optional[int] = None, worker: Optional[str] = None, outlier: bool = False) -> bool:
         """Whether to check a hop: always for a reply the screen found an outlier by itself (up to
         `OUTLIER_SHARE_MAX` of the worker's hops), else at the base rate, or the suspect rate for
-        a flagged worker."""
+        a flagged worker and for a worker's first `PROBATION_HOPS`."""
         if self.rate <= 0:
             return False
         if worker is not None:
@@ -266,9 +272,12 @@ class SpotChecks:
                 self.stats.outcomes["outlier"] += 1
                 return True
         suspect = worker is not None and self.screening.suspect(stage, worker)
-        drawn = self._rng.random() < (self.suspect_rate if suspect else self.rate)
+        on_probation = worker is not None and self._hops[worker] <= PROBATION_HOPS
+        drawn = self._rng.random() < (self.suspect_rate if suspect or on_probation else self.rate)
         if drawn and suspect:
             self.stats.outcomes["targeted"] += 1  # drawn at the suspect rate
+        elif drawn and on_probation:
+            self.stats.outcomes["probation"] += 1
         return drawn
 
     # ---- what the pipeline calls for every hop: screen it, maybe check it ----

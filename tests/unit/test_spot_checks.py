@@ -284,3 +284,14 @@ def test_a_lie_worse_by_less_than_the_margin_every_time_is_struck_by_the_tally_a
     fair = lambda claimed: [2.0, 2.0 + coin.choice((-0.005, 0.005))]  # noqa: E731
     checks, excluded = asyncio.run(disputes(fair, 40))
     assert not checks.stats.strikes and excluded == [] and checks.stats.outcomes["unresolved"] == 40
+
+
+def test_a_worker_s_first_hops_are_drawn_at_the_suspect_rate_then_at_the_base_rate():
+    from roles.trainer.spot_checks import PROBATION_HOPS
+
+    checks = SpotChecks(0.01, 0.01, None, lambda stage: [], random.Random(0), suspect_rate=0.5)
+    first = sum(checks.draw(1, f"w{i}") for i in range(200) for _ in range(PROBATION_HOPS))
+    later = sum(checks.draw(1, f"w{i}") for i in range(200) for _ in range(PROBATION_HOPS))
+    assert 0.4 * 200 * PROBATION_HOPS < first < 0.6 * 200 * PROBATION_HOPS, first
+    assert later < 0.03 * 200 * PROBATION_HOPS, later
+    assert checks.stats.outcomes["probation"] == first and checks.stats.summary()["probation"] == first
