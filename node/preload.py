@@ -3,7 +3,7 @@
 A worker's first `torch.optim.AdamW` imports `torch._dynamo` (torch wraps the optimizer's methods
 in a lazy `_disable_dynamo`), and the role's own modules pull in hivemind's averaging: together
 2-7 s of CPU on a loaded 2-core machine, which a restarted worker used to spend between joining
-the swarm and forking its averager, with nothing else to do (README, "Joining fast"). Admission
+the swarm and forking its averager, with nothing else to do (docs/performance.md, "Joining fast"). Admission
 and the DHT bootstrap, before it, are mostly waiting on other processes. `Preload` runs the
 imports in a thread during those waits.
 

@@ -1,5 +1,5 @@
 """The exit codes of every `agora-node` role, in one table: operators script against them, so a
-code never changes meaning. `--help` and the README show `EXIT_CODES` as it is here."""
+code never changes meaning. `--help` and docs/cli.md show `EXIT_CODES` as it is here."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ EXIT_CODES: dict[ExitCode, str] = {
 
 
 def exit_code_table() -> str:
-    """The table as plain text, one code a line (for --help and the README)."""
+    """The table as plain text, one code a line (for --help and docs/cli.md)."""
     import textwrap
 
     return "\n".join(textwrap.fill(text, width=96, initial_indent=f"  {int(code):>3}  ", subsequent_indent=" " * 7)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Rewrite the generated blocks of the documentation from the code: the README's `--help`
-blocks, and the policy-file schema and the self-termination rules in docs/operations.md. tests/unit/test_docs_in_sync.py fails
-when they differ, so the documents cannot drift from the code.
+"""Rewrite the generated blocks of the documentation from the code: the `--help` blocks in
+docs/cli.md, and the policy-file schema and the self-termination rules in docs/operations.md.
+tests/unit/test_docs_in_sync.py fails when they differ, so the documents cannot drift from the code.
 
     .venv/bin/python scripts/sync_docs.py          # rewrite the blocks
     .venv/bin/python scripts/sync_docs.py --check  # exit 1 if anything would change
@@ -81,8 +81,8 @@ def termination_rules() -> str:
 
 
 BLOCKS: dict[tuple[str, str], Callable[[], str]] = {
-    ("README.md", "help:node"): lambda: help_text("--help"),
-    ("README.md", "help:authorizer"): lambda: help_text("--role", "authorizer", "--help"),
+    ("docs/cli.md", "help:node"): lambda: help_text("--help"),
+    ("docs/cli.md", "help:authorizer"): lambda: help_text("--role", "authorizer", "--help"),
     ("docs/operations.md", "policy-schema"): policy_schema,
     ("docs/operations.md", "termination-rules"): termination_rules,
 }

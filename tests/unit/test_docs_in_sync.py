@@ -1,4 +1,4 @@
-"""Generated blocks of the documentation match the code: the README shows `agora-node --help`
+"""Generated blocks of the documentation match the code: docs/cli.md shows `agora-node --help`
 and `agora-node --role authorizer --help` verbatim, docs/operations.md every policy field.
 Regenerate them with scripts/sync_docs.py after changing a setting."""
 
