@@ -257,23 +257,23 @@ async def _serve(settings: NodeSettings, device: str, identity, life: ProcessLif
                 _check_trainer_data(settings, run)
             if metrics is not None:
                 metrics.admitted(run.run_id, stage, _credential_expiry(trust))
-            reachability = trust.reachability(settings.relay)
-            apply_daemon_flags(reachability)
+            plan = trust.reach_plan(settings.relay)
+            apply_daemon_flags(plan)
             membership = await join_swarm_until_stopped(
                 identity=identity, run_id=run.run_id, num_stages=run.num_stages,
                 initial_peers=trust.initial_peers, host_maddrs=trust.host_maddrs,
-                announce_maddrs=reachability.announce_maddrs or settings.announce_maddrs,
+                announce_maddrs=plan.announce_maddrs or settings.announce_maddrs,
                 bootstrap_timeout_s=settings.bootstrap_timeout_s,
                 stop=stop, auth_state=trust.auth_state, authorizer=trust.dht_authorizer,
                 before_fork=preload.pause, after_fork=preload.forked,
-                own_maddrs=reachability.own_maddrs(identity.peer_id.to_base58()) if reachability.relayed else None,
+                own_maddrs=plan.own_maddrs(identity.peer_id.to_base58()) if plan.relayed else None,
             )
             if not membership.maddrs:
                 await asyncio.to_thread(membership.shutdown)
                 raise ConfigError(
                     f"libp2p reports no address this node listens at (--host-maddrs {' '.join(trust.host_maddrs)}); "
                     "listen on an address of this machine, e.g. --host-maddrs /ip4/0.0.0.0/tcp/31337")
-            logger.info("%s", reachability.describe(membership.maddrs))
+            logger.info("%s", plan.describe(membership.maddrs))
         except BaseException:
             await trust.close()
             raise
@@ -321,14 +321,14 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
     try:
         p2p = await membership.dht.replicate_p2p()
         life.note_resources()
-        reachability = trust.reachability(settings.relay)
+        plan = trust.reach_plan(settings.relay)
         # every relay of the run, also those down at admission: they may come back
-        trust.start_relay_pass(stop, p2p, list(dict.fromkeys([*reachability.relays, *trust.relays])),
-                               relayed=reachability.relayed)
-        if reachability.relayed:
+        trust.start_relay_pass(stop, p2p, list(dict.fromkeys([*plan.relays, *trust.relays])),
+                               relayed=plan.relayed)
+        if plan.relayed:
             # a slot on any relay, before the node announces itself: else nobody could reach it
             await until_stopped(
-                wait_for_relay_slot(identity.peer_id.to_base58(), reachability.relays, stop, greet=trust.greet_relays,
+                wait_for_relay_slot(identity.peer_id.to_base58(), plan.relays, stop, greet=trust.greet_relays,
                                     timeout_s=settings.relay_slot_timeout_s),
                 stop, "while waiting for a relay slot")
         swarm = SwarmDHT(membership.dht, identity.peer_id.to_base58())

@@ -39,7 +39,7 @@ roles/relay/gate.py's PASS_TTL_S without one."""
 
 
 @dataclass(frozen=True)
-class Reachability:
+class ReachPlan:
     """What the node announces and how its libp2p daemon is started."""
 
     relayed: bool
@@ -83,8 +83,8 @@ class Reachability:
         return f"reachable directly at {', '.join(direct) or 'no address'}"
 
 
-def plan_reachability(mode: str, *, relays: list[str], relayed_by_authorizer: bool,
-                      answering: Optional[list[str]] = None) -> Reachability:
+def plan_reach(mode: str, *, relays: list[str], relayed_by_authorizer: bool,
+               answering: Optional[list[str]] = None) -> ReachPlan:
     """`mode` is --relay: auto, off or a relay's multiaddr. `answering`: the relays that accepted
     the node's credential at admission; a relayed node reserves and announces only those when any
     did. p2pd's autorelay takes no slot anywhere while one of its static relays is down (measured
@@ -93,15 +93,15 @@ def plan_reachability(mode: str, *, relays: list[str], relayed_by_authorizer: bo
     if answering:
         relays = [relay for relay in relays if relay in answering] or relays
     if mode == "off":
-        return Reachability(relayed=False, relays=list(relays))
+        return ReachPlan(relayed=False, relays=list(relays))
     if mode != "auto":  # a relay named by hand: always through it (and the run's others)
-        return Reachability(relayed=True, relays=list(dict.fromkeys([mode, *relays])), forced=True)
-    return Reachability(relayed=relayed_by_authorizer and bool(relays), relays=list(relays))
+        return ReachPlan(relayed=True, relays=list(dict.fromkeys([mode, *relays])), forced=True)
+    return ReachPlan(relayed=relayed_by_authorizer and bool(relays), relays=list(relays))
 
 
-def apply_daemon_flags(reachability: Reachability) -> None:
+def apply_daemon_flags(plan: ReachPlan) -> None:
     """Flags for every libp2p daemon this process starts from now on (hivemind's DHT forks after)."""
-    hivemind_adapter.set_daemon_flags(**reachability.daemon_flags())
+    hivemind_adapter.set_daemon_flags(**plan.daemon_flags())
 
 
 RELAY_SLOT_PROGRESS_EVERY_S = 5.0

@@ -110,12 +110,12 @@ class Trust:
         """Show every relay this node's credential again now; returns how many accepted."""
         return 0 if self._relay_pass is None else await self._relay_pass.greet_all()
 
-    def reachability(self, mode: str):
+    def reach_plan(self, mode: str):
         """How this node is reached (node/reachability.py), from --relay `mode` and its admission."""
-        from node.reachability import plan_reachability
+        from node.reachability import plan_reach
 
-        return plan_reachability(mode, relays=self.relays, relayed_by_authorizer=self.relayed,
-                                 answering=self.answering_relays)
+        return plan_reach(mode, relays=self.relays, relayed_by_authorizer=self.relayed,
+                          answering=self.answering_relays)
 
     def _apply(self, revocations: RevocationList) -> bool:
         """Keep `revocations` if it is valid and newer; log it only when its content changed."""

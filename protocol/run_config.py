@@ -713,7 +713,7 @@ class TerminationConfig(BaseModel):
     model_config = _FROZEN
 
     check_period_s: float = Field(
-        default=5.0, gt=0, description="How often memory and reachability are sampled and the timers checked."
+        default=5.0, gt=0, description="How often memory and connectivity are sampled and the timers checked."
     )
     device_fault: SwitchRule = Field(
         default_factory=SwitchRule, description="Leave on a CUDA/device error raised by the compute."

@@ -48,7 +48,7 @@ from roles.worker.checkpoint import StageCheckpoints
 from roles.worker.config import WorkerConfig
 from roles.worker.donor_client import load_from_donors
 from roles.worker.errors import CheckpointError, StateLoadError, WorkerLeftStage
-from roles.worker.reachability import Reachability
+from roles.worker.connectivity import ConnectivityProbe
 from roles.worker.termination import SelfTermination, averaging_health
 from roles.worker.handlers import WorkerHandlers
 from roles.worker.layout import FlatLayout
@@ -127,7 +127,7 @@ class WorkerRole:
                                              reducer=config.reducer))
         self.server = RpcServer(p2p, authenticator=authenticator, limits=config.stream_limits())
         # Self-termination [report 3.3.1.6]: the compute thread reports batch errors and steps to
-        # the rules; the run loop samples memory and reachability (_watch) and leaves when one fires.
+        # the rules; the run loop samples memory and connectivity (_watch) and leaves when one fires.
         self.termination = SelfTermination(run.termination)
         self.runtime.on_compute_error = self.termination.compute_error
         self.runtime.on_step = self.termination.step_result
@@ -181,7 +181,7 @@ class WorkerRole:
             self.runtime.after_step.append(self.sparseloco.after_step)
             self.runtime.after_step_unlocked.append(self.sparseloco.after_step_unlocked)
         self._probe_client: Optional[RpcClient] = None
-        self.reachability: Optional[Reachability] = None
+        self.connectivity_probe: Optional[ConnectivityProbe] = None
         self.state_server = StateServer(
             self.optimizer, self.layout, run_id=run.run_id, stage=config.stage,
             step=lambda: self.optimizer.local_step,
@@ -577,7 +577,7 @@ class WorkerRole:
         rules = self.run_config.termination
         self._probe_client = RpcClient(self.p2p, timeout_s=rules.check_period_s,
                                        authenticator=self.server.authenticator)
-        self.reachability = Reachability(
+        self.connectivity_probe = ConnectivityProbe(
             self.swarm, self.p2p, self._probe_client, run_id=self.run_config.run_id,
             num_stages=self.run_config.num_stages, served=lambda: sum(self.handlers.outcomes.values()),
             timeout_s=min(5.0, rules.check_period_s))
@@ -625,9 +625,9 @@ class WorkerRole:
         used, total = device_memory(self.config.device)
         self.termination.memory(host_rss=host_rss_bytes(), host_total=host_memory_total_bytes(),
                                 device_used=used, device_total=total)
-        if self.termination.firing is None and self.reachability is not None:
-            ok, why = await self.reachability.probe()
-            self.termination.reachability(ok, why)
+        if self.termination.firing is None and self.connectivity_probe is not None:
+            ok, why = await self.connectivity_probe.probe()
+            self.termination.connectivity(ok, why)
         self.termination.check()
 
     def _update_phase(self) -> None:

@@ -218,7 +218,7 @@ class SelfTermination:
 
     # ---- samples (the event loop, each check period) ----
 
-    def reachability(self, ok: bool, detail: str = "", now: Optional[float] = None) -> None:
+    def connectivity(self, ok: bool, detail: str = "", now: Optional[float] = None) -> None:
         self._connectivity.record(ok, detail, self.clock() if now is None else now)
 
     def progress_read(self, ok: bool, detail: str = "", now: Optional[float] = None) -> None:

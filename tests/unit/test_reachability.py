@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.reachability import plan_reachability
+from node.reachability import plan_reach
 from protocol.hivemind_adapter import wire_multiaddr
 from protocol.relays import circuit_address, is_relayed, peer_of, relay_of, relay_peers, transport_address
 
@@ -40,18 +40,18 @@ def test_p2p_components_are_encoded_as_bare_multihashes():
 
 
 def test_the_plan_follows_the_authorizer_and_the_flag():
-    direct = plan_reachability("auto", relays=[RELAY], relayed_by_authorizer=False)
+    direct = plan_reach("auto", relays=[RELAY], relayed_by_authorizer=False)
     assert not direct.relayed and direct.announce_maddrs == []
     assert direct.daemon_flags() == {"relayService": False}  # a contributor relays for nobody
-    relayed = plan_reachability("auto", relays=[RELAY, OTHER], relayed_by_authorizer=True)
+    relayed = plan_reach("auto", relays=[RELAY, OTHER], relayed_by_authorizer=True)
     assert relayed.relayed and relayed.announce_maddrs == [circuit_address(RELAY), circuit_address(OTHER)]
     flags = relayed.daemon_flags()
     assert flags["autoRelay"] and flags["forceReachabilityPrivate"] and not flags["relayDiscovery"]
     assert flags["trustedRelays"] == f"{RELAY},{OTHER}" and flags["relayService"] is False
     # relayed by the authorizer, but the run lists no relay: nothing to reserve on
-    assert not plan_reachability("auto", relays=[], relayed_by_authorizer=True).relayed
-    assert not plan_reachability("off", relays=[RELAY], relayed_by_authorizer=True).relayed
-    forced = plan_reachability(OTHER, relays=[RELAY], relayed_by_authorizer=False)
+    assert not plan_reach("auto", relays=[], relayed_by_authorizer=True).relayed
+    assert not plan_reach("off", relays=[RELAY], relayed_by_authorizer=True).relayed
+    forced = plan_reach(OTHER, relays=[RELAY], relayed_by_authorizer=False)
     assert forced.relayed and forced.forced and forced.relays == [OTHER, RELAY]
     assert "as --relay asks" in forced.describe([])
     assert "could not dial" in relayed.describe([])
@@ -92,27 +92,27 @@ def test_a_relayed_node_says_once_when_no_relay_accepts_it(caplog):
 
 
 def test_a_relay_listed_at_two_addresses_is_named_once():
-    from node.reachability import Reachability
+    from node.reachability import ReachPlan
 
     same = RELAY.replace("198.51.100.4", "192.0.2.7")
-    line = Reachability(relayed=True, relays=[RELAY, same], forced=True).describe([])
+    line = ReachPlan(relayed=True, relays=[RELAY, same], forced=True).describe([])
     assert line.count(peer_of(RELAY)[:12]) == 1, line
     assert "/ip4/198.51.100.4/tcp/4001, /ip4/192.0.2.7/tcp/4001" in line, line
 
 
 def test_a_relayed_node_announces_its_own_circuits_on_the_relays_that_answered():
     # p2pd reports no address for such a node behind a public relay: it says them itself
-    plan = plan_reachability("auto", relays=[RELAY, OTHER], relayed_by_authorizer=True)
+    plan = plan_reach("auto", relays=[RELAY, OTHER], relayed_by_authorizer=True)
     assert plan.own_maddrs(NODE) == [f"{circuit_address(RELAY)}/p2p/{NODE}", f"{circuit_address(OTHER)}/p2p/{NODE}"]
     # a relay that did not accept the credential at admission is left out of the reservations
     # (p2pd takes no slot anywhere while a static relay is down) and of the announcements
-    plan = plan_reachability("auto", relays=[RELAY, OTHER], relayed_by_authorizer=True, answering=[OTHER])
+    plan = plan_reach("auto", relays=[RELAY, OTHER], relayed_by_authorizer=True, answering=[OTHER])
     assert plan.relays == [OTHER] and plan.daemon_flags()["trustedRelays"] == OTHER
     assert plan.own_maddrs(NODE) == [f"{circuit_address(OTHER)}/p2p/{NODE}"]
     # none answered: all are kept, and the slot check says what is wrong
-    assert plan_reachability("auto", relays=[RELAY, OTHER], relayed_by_authorizer=True, answering=[]).relays == [
+    assert plan_reach("auto", relays=[RELAY, OTHER], relayed_by_authorizer=True, answering=[]).relays == [
         RELAY, OTHER]
-    assert plan_reachability("auto", relays=[RELAY], relayed_by_authorizer=False).own_maddrs(NODE) == []
+    assert plan_reach("auto", relays=[RELAY], relayed_by_authorizer=False).own_maddrs(NODE) == []
 
 
 def test_advice_for_a_node_behind_a_router_names_its_public_address():

@@ -105,7 +105,7 @@ def test_non_finite_fires_when_the_retry_fails_too_and_a_finite_step_resets():
     assert fired(three) == "non_finite"
 
 
-@pytest.mark.parametrize("name, feed", [("connectivity", SelfTermination.reachability),
+@pytest.mark.parametrize("name, feed", [("connectivity", SelfTermination.connectivity),
                                         ("progress", SelfTermination.progress_read)])
 def test_silence_rules_fire_after_their_time_without_a_success(name, feed):
     evaluator = rules(**{name: {"after_s": 30}})

@@ -24,7 +24,7 @@ from protocol.errors import RemoteError
 from protocol.transport import RpcClient, dial
 
 
-class Reachability:
+class ConnectivityProbe:
     """Probes the run's workers; `probe()` says whether one answered, and why not."""
 
     def __init__(self, swarm: SwarmDHT, p2p: P2P, client: RpcClient, *, run_id: str, num_stages: int,
