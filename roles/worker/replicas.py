@@ -44,7 +44,7 @@ from roles.model.traffic_plan import gradient_exchange_on
 from roles.periodic import every
 from roles.worker.gradient_exchange import Contribution, GradientExchange, StepSum
 from roles.worker.runtime import StageRuntime
-from roles.worker.step_tagger import AnsweredAsks, ForwardTickets, StepTagger, TagGrant, Unreachable, elect_tagger
+from roles.worker.step_tagger import AnsweredAsks, ForwardSlots, StepTagger, TagGrant, Unreachable, elect_tagger
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,10 @@ class StageReplicas:
         self.tagger: Optional[StepTagger] = None
         if runtime.kind == "tail":
             self.tagger = StepTagger(run.target_batch_size, ahead=0 if run.staleness.max_delayed_per_step == 0 else 1)
-        self.tickets: Optional[ForwardTickets] = None
+        self.slots: Optional[ForwardSlots] = None
         if runtime.kind == "head" and runtime.max_delayed_per_step is not None:
-            self.tickets = ForwardTickets(run.target_batch_size, runtime.max_delayed_per_step,
-                                          runtime.forward_gate_timeout_s)
+            self.slots = ForwardSlots(run.target_batch_size, runtime.max_delayed_per_step,
+                                      runtime.forward_gate_timeout_s)
         self.tagging = False
         """This replica tags for the stage (published in its progress record)."""
         self.tagger_id: Optional[str] = None
@@ -108,12 +108,12 @@ class StageReplicas:
         """Register the handlers and give the runtime its hooks (before the compute thread starts)."""
         self._loop = asyncio.get_running_loop()
         self._client = RpcClient(self.p2p, timeout_s=self.request_timeout_s, authenticator=server.authenticator)
-        if self.tagger is not None or self.tickets is not None:
+        if self.tagger is not None or self.slots is not None:
             await server.add_handler(version.TAGS, self.serve_tags, roles=_WORKER_ONLY)
         if self.tagger is not None:
             self.runtime.tagging = self.take_tags
-        if self.tickets is not None:
-            self.runtime.forward_tickets = self.take_tickets
+        if self.slots is not None:
+            self.runtime.forward_slots = self.take_slots
         await server.add_handler(version.STEP_COUNTS, self.serve_step_counts, roles=_WORKER_ONLY)
         if self.exchange is not None:
             await server.add_handler(version.STEP_GRADIENTS, self.serve_step_gradients, roles=_WORKER_ONLY)
@@ -170,7 +170,7 @@ class StageReplicas:
     # ---- who tags (event loop, after every read of the stage's progress) ----
 
     def on_peers(self) -> None:
-        if self.tagger is None and self.tickets is None:
+        if self.tagger is None and self.slots is None:
             return
         view = self.ledger.peers
         now = time.monotonic()
@@ -190,7 +190,7 @@ class StageReplicas:
             self.runtime.changed.fire()  # publish the claim
         elif chosen != self.self_id and self.tagging:
             self.tagging = False
-            (self.tagger or self.tickets).reset()
+            (self.tagger or self.slots).reset()
             logger.info("stage %d: replica %s tags the stage's steps now", self.stage, chosen[-8:])
             self.runtime.changed.fire()
         self.tagger_id = chosen
@@ -217,23 +217,23 @@ class StageReplicas:
     def _ask_budget_s(self) -> float:
         return self.request_timeout_s * sum(TAG_ASK_TIMEOUTS) + 1.0
 
-    def take_tickets(self, n: int) -> Optional[int]:
+    def take_slots(self, n: int) -> Optional[int]:
         """Compute thread, head: how many of `n` forwards may start, from this replica's gate if it
         keeps it, else from the replica that does."""
         keeper = self.tagger_id
         if keeper is None:
             return None
         if keeper == self.self_id:
-            return self._take_tickets(n)
+            return self._take_slots(n)
         grants = self._wait(self._ask_tags(keeper, n), self._ask_budget_s)
         return None if grants is None else sum(g.count for g in grants)
 
-    def _take_tickets(self, n: int, for_peer: bool = False) -> int:
+    def _take_slots(self, n: int, for_peer: bool = False) -> int:
         opt = self.runtime.optimizer
         step = opt.local_step
         open_known = self._known(step)
         back = opt.samples_consumed + open_known + self._known(step + 1)
-        return self.tickets.take(n, back_total=back, open_known=open_known, for_peer=for_peer)
+        return self.slots.take(n, back_total=back, open_known=open_known, for_peer=for_peer)
 
     async def _ask_tags(self, tagger: str, n: int) -> Optional[list[TagGrant]]:
         request = TagRequest(stage=self.stage, count=n, open_step=self.runtime.optimizer.local_step,
@@ -284,8 +284,8 @@ class StageReplicas:
         def serve() -> TagReply:
             if request.open_step is not None and request.open_step != open_step:
                 return TagReply(tagger=True)  # not at the same step yet: ask again once it is
-            if self.tickets is not None:  # the head's "tags" are forward tickets: how many may start
-                given = self._take_tickets(request.count, for_peer=True)
+            if self.slots is not None:  # the head's "tags" are forward slots: how many may start
+                given = self._take_slots(request.count, for_peer=True)
                 return TagReply(tagger=True, steps=[open_step] if given else [], counts=[given] if given else [])
             grants = self.tagger.take(request.count, open_step, self._known, for_peer=True)
             return TagReply(tagger=True, steps=[g.step for g in grants], counts=[g.count for g in grants])
@@ -396,7 +396,7 @@ class StageReplicas:
         out: dict = {"gradient_exchange": None if self.exchange is None else self.exchange.summary()}
         if self.counters:
             out["replica_messages"] = dict(self.counters)
-        keeper = self.tagger or self.tickets
+        keeper = self.tagger or self.slots
         if keeper is not None:
             out["tagging"] = {**keeper.summary(), "tagger": self.tagging, "asks_failed": self.tag_asks_failed,
                               "asks_retried": self.tag_asks_retried, "asks_repeated": self._answered.repeated}

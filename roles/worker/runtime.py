@@ -274,7 +274,7 @@ class StageRuntime:
         self.tagging: Optional[Callable[[int], Optional[list[TagGrant]]]] = None
         """Tail with replicas: step tags for n untagged samples from the stage's tagger, in order
         (roles/worker/step_tagger.py); fewer or none when it has none to give yet."""
-        self.forward_tickets: Optional[Callable[[int], Optional[int]]] = None
+        self.forward_slots: Optional[Callable[[int], Optional[int]]] = None
         """Head with replicas: how many of n forwards the stage's gate lets start now (None: no
         gate could be asked); used instead of the lone head's own count while it has peers."""
         self._forwards_paused_until = 0.0
@@ -450,8 +450,8 @@ class StageRuntime:
                         self._run(tasks, functools.partial(self._backward_through, kept))
                     self._recompute(recompute)
                 limit = None if self.tagging is not None else self._untagged_capacity()[0]
-                ticketed = self.forward_tickets is not None and bool(self.ledger.peers.members)
-                if ticketed:
+                gated = self.forward_slots is not None and bool(self.ledger.peers.members)
+                if gated:
                     forward_limit = 0 if time.monotonic() < self._forwards_paused_until else None
                 else:
                     forward_limit = self._forward_allowance()
@@ -459,8 +459,8 @@ class StageRuntime:
                                                forward_limit=forward_limit)
                 if not batch:
                     continue
-                if batch[0].kind == TaskKind.FORWARD and ticketed:
-                    self._run_ticketed(batch)
+                if batch[0].kind == TaskKind.FORWARD and gated:
+                    self._run_gated(batch)
                 elif batch[0].kind == TaskKind.FORWARD:
                     self._run(batch, self._forward_batch)
                 elif batch[0].step is None and self.tagging is not None:
@@ -507,10 +507,10 @@ class StageRuntime:
         if not grants:
             self._stop.wait(0.01)  # nothing could be tagged: let the stage step before asking again
 
-    def _run_ticketed(self, batch: list[Task]) -> None:
+    def _run_gated(self, batch: list[Task]) -> None:
         """Head with replicas: run as many forwards as the stage's gate grants (step_tagger.py
-        `ForwardTickets`), put back the rest, and ask again a little later if none was granted."""
-        granted = self.forward_tickets(len(batch)) or 0
+        `ForwardSlots`), put back the rest, and ask again a little later if none was granted."""
+        granted = self.forward_slots(len(batch)) or 0
         if granted:
             self._run(batch[:granted], self._forward_batch)
         rest = batch[granted:]

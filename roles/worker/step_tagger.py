@@ -151,7 +151,7 @@ class AnsweredAsks:
         return answer
 
 
-class ForwardTickets:
+class ForwardSlots:
     """The head's forward gate for a stage with several head replicas: the replica that tags for
     the head (elected as the tail's tagger is) counts the forwards the whole stage starts, and
     every head replica asks it before it runs a batch of forwards. It applies the lone head's
@@ -160,10 +160,10 @@ class ForwardTickets:
     they were started (one started before the step belongs to it too). A per-replica gate fed with
     the others' published counts let 60-80% of the samples run a step ahead.
 
-    In flight: tickets not yet known to be back. Samples come back roughly in the order they went
-    out, so as many of the oldest tickets as the stage is known to have taken back are done with;
-    one out for longer than `timeout_s` stops holding its slot (its sample was probably lost, and
-    waiting for it would stall the stage)."""
+    In flight: slots whose samples are not yet known to be back. Samples come back roughly in the
+    order they went out, so as many of the oldest slots as the stage is known to have taken samples
+    back are freed; a slot held longer than `timeout_s` is freed too (its sample was probably lost,
+    and waiting for it would stall the stage)."""
 
     def __init__(self, target: int, max_delayed: int, timeout_s: float, clock: Callable[[], float] = time.monotonic):
         self.target = target
@@ -173,8 +173,8 @@ class ForwardTickets:
         self._out: collections.deque[float] = collections.deque()
         self._back_seen: Optional[int] = None
         self._lock = threading.Lock()
-        self.tickets_issued = 0
-        self.tickets_to_peers = 0
+        self.slots_issued = 0
+        self.slots_to_peers = 0
 
     def take(self, n: int, *, back_total: int, open_known: int, for_peer: bool = False) -> int:
         """How many of `n` forwards may start now (0..n). `back_total`: samples the stage is known to
@@ -184,7 +184,7 @@ class ForwardTickets:
             now = self._clock()
             if self._back_seen is None or back_total < self._back_seen:
                 # First call, or a replica left with samples it held: count from here (otherwise
-                # no ticket would come back until the stage made up the loss, and the gate stalls).
+                # no slot would be freed until the stage made up the loss, and the gate stalls).
                 self._back_seen = back_total
             for _ in range(min(max(0, back_total - self._back_seen), len(self._out))):
                 self._out.popleft()
@@ -195,9 +195,9 @@ class ForwardTickets:
             free = self.target + self.max_delayed - open_known - len(self._out)
             given = max(0, min(n, free))
             self._out.extend([now] * given)
-            self.tickets_issued += given
+            self.slots_issued += given
             if for_peer:
-                self.tickets_to_peers += given
+                self.slots_to_peers += given
             return given
 
     def reset(self) -> None:
@@ -206,4 +206,5 @@ class ForwardTickets:
             self._back_seen = None
 
     def summary(self) -> dict:
-        return {"tickets_issued": self.tickets_issued, "tickets_to_peers": self.tickets_to_peers}
+        # the worker summary's keys (public) keep the old word
+        return {"tickets_issued": self.slots_issued, "tickets_to_peers": self.slots_to_peers}

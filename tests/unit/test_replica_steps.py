@@ -12,7 +12,7 @@ import torch
 
 from protocol.errors import PeerUnavailable, ProtocolError
 from roles.worker.gradient_exchange import Contribution, GradientExchange, add_up
-from roles.worker.step_tagger import AnsweredAsks, ForwardTickets, StepTagger, elect_tagger
+from roles.worker.step_tagger import AnsweredAsks, ForwardSlots, StepTagger, elect_tagger
 
 TARGET = 16
 
@@ -83,47 +83,47 @@ def test_the_incumbent_keeps_tagging_and_two_claims_resolve_to_the_lowest():
 
 # ---- the head's forward gate ----
 
-def test_forward_tickets_give_a_step_its_target_over_all_head_replicas():
+def test_forward_slots_give_a_step_its_target_over_all_head_replicas():
     clock = [0.0]
-    tickets = ForwardTickets(TARGET, max_delayed=0, timeout_s=5.0, clock=lambda: clock[0])
-    assert tickets.take(10, back_total=0, open_known=0) == 10  # replica A
-    assert tickets.take(10, back_total=0, open_known=0) == 6  # replica B: the step's rest
-    assert tickets.take(1, back_total=0, open_known=0) == 0
+    gate = ForwardSlots(TARGET, max_delayed=0, timeout_s=5.0, clock=lambda: clock[0])
+    assert gate.take(10, back_total=0, open_known=0) == 10  # replica A
+    assert gate.take(10, back_total=0, open_known=0) == 6  # replica B: the step's rest
+    assert gate.take(1, back_total=0, open_known=0) == 0
     # 16 came back, the stage stepped: the next step's 16 may go.
-    assert tickets.take(20, back_total=16, open_known=0) == 16
+    assert gate.take(20, back_total=16, open_known=0) == 16
 
 
 def test_forwards_started_before_the_step_hold_slots_of_it():
     clock = [0.0]
-    tickets = ForwardTickets(TARGET, max_delayed=2, timeout_s=5.0, clock=lambda: clock[0])
-    assert tickets.take(18, back_total=0, open_known=0) == 18  # 16 and 2 running ahead
+    gate = ForwardSlots(TARGET, max_delayed=2, timeout_s=5.0, clock=lambda: clock[0])
+    assert gate.take(18, back_total=0, open_known=0) == 18  # 16 and 2 running ahead
     # The 16 came back and the stage stepped; the 2 that ran ahead are still out: 14 more, not 16.
-    assert tickets.take(20, back_total=16, open_known=0) == 14 + 2
+    assert gate.take(20, back_total=16, open_known=0) == 14 + 2
 
 
-def test_a_ticket_out_longer_than_the_timeout_frees_its_slot():
+def test_a_slot_held_longer_than_the_timeout_is_freed():
     clock = [0.0]
-    tickets = ForwardTickets(4, max_delayed=0, timeout_s=5.0, clock=lambda: clock[0])
-    assert tickets.take(4, back_total=0, open_known=0) == 4
+    gate = ForwardSlots(4, max_delayed=0, timeout_s=5.0, clock=lambda: clock[0])
+    assert gate.take(4, back_total=0, open_known=0) == 4
     clock[0] = 3.0
-    assert tickets.take(1, back_total=3, open_known=3) == 0  # 3 back, one still out
+    assert gate.take(1, back_total=3, open_known=3) == 0  # 3 back, one still out
     clock[0] = 6.0
-    assert tickets.take(1, back_total=3, open_known=3) == 1  # that one was lost: its slot is free
+    assert gate.take(1, back_total=3, open_known=3) == 1  # that one was lost: its slot is free
 
 
 def test_a_replica_leaving_with_samples_does_not_stall_the_gate():
-    """The stage's known count drops when a replica leaves with the open step's samples; tickets
+    """The stage's known count drops when a replica leaves with the open step's samples; slots
     are counted back from the new count, not from the old high-water mark."""
     clock = [0.0]
-    tickets = ForwardTickets(4, max_delayed=0, timeout_s=5.0, clock=lambda: clock[0])
-    assert tickets.take(4, back_total=0, open_known=0) == 4
+    gate = ForwardSlots(4, max_delayed=0, timeout_s=5.0, clock=lambda: clock[0])
+    assert gate.take(4, back_total=0, open_known=0) == 4
     clock[0] = 1.0
-    assert tickets.take(4, back_total=3, open_known=3) == 0  # 3 back (2 of them on the replica that leaves)
-    assert tickets.take(4, back_total=1, open_known=1) == 2  # it left: 1 known, 1 out, 2 to make up
+    assert gate.take(4, back_total=3, open_known=3) == 0  # 3 back (2 of them on the replica that leaves)
+    assert gate.take(4, back_total=1, open_known=1) == 2  # it left: 1 known, 1 out, 2 to make up
     clock[0] = 2.0
-    assert tickets.take(4, back_total=2, open_known=2) == 0  # the one out came back: 2 known, 2 out
-    assert tickets.take(4, back_total=4, open_known=4) == 0  # the step is whole again
-    assert tickets.take(4, back_total=8, open_known=0) == 4  # it stepped: the next step's 4
+    assert gate.take(4, back_total=2, open_known=2) == 0  # the one out came back: 2 known, 2 out
+    assert gate.take(4, back_total=4, open_known=4) == 0  # the step is whole again
+    assert gate.take(4, back_total=8, open_known=0) == 4  # it stepped: the next step's 4
 
 
 # ---- the gradient exchange ----
