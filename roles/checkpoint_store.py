@@ -18,7 +18,7 @@ other's object; the manifest takes the lowest id. Objects are safetensors (tenso
 metadata, no pickle): a reader loads a store it does not control without running its code.
 Every object is checked against its SHA-256 before a tensor of it is used. Sidecars and manifests
 also list the SHA-256 of every STORE_CHUNK_BYTES chunk of the object, so a joiner can fetch it
-with parallel ranged reads and check each range as it arrives (run_checkpoints.fetch_stage_chunked);
+with parallel ranged reads and check each range as it arrives (run_checkpoint_io.fetch_stage_chunked);
 older checkpoints without them are fetched whole.
 """
 

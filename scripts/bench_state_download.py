@@ -111,7 +111,7 @@ async def scenario(opt, layout, fresh, *, donors: int, link_mbps: float, cap_mbp
     from protocol import version
     from protocol.transport import RpcClient, RpcServer
     from roles.worker.donor_client import DonorSource, choose, fetch_manifests
-    from roles.worker.run_checkpoints import apply_state
+    from roles.worker.run_checkpoint_io import apply_state
     from roles.worker.state_donor import StateDonor, TokenBucket
     from roles.worker.state_download import MultiDonorDownload
     from roles.worker.state_snapshot import thaw

@@ -34,7 +34,7 @@ from protocol.run_config import SyncConfig
 from roles.checkpoint_store import CheckpointStoreError
 from roles.worker.errors import StateLoadError
 from roles.worker.layout import FlatLayout
-from roles.worker.run_checkpoints import apply_state
+from roles.worker.run_checkpoint_io import apply_state
 from roles.worker.state_download import BadChunk, DownloadResult, MultiDonorDownload
 from roles.worker.state_snapshot import Manifest, SnapshotError, thaw
 

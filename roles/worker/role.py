@@ -44,7 +44,7 @@ from roles.worker.averaging.service import AveragingService
 from roles.worker.sparseloco.service import SparseLoCoService
 from roles.worker.sparseloco.endpoint import SparseLoCoEndpoint
 from roles.worker.chain import ChainHandler, StageDirectory
-from roles.worker.checkpoint import StageCheckpoints
+from roles.worker.stage_checkpoint import StageCheckpoints
 from roles.worker.config import WorkerConfig
 from roles.worker.donor_client import load_from_donors
 from roles.worker.errors import CheckpointError, StateLoadError, WorkerLeftStage
@@ -57,7 +57,7 @@ from roles.worker.preemption import PreemptionWatcher, PreemptSwitch
 from roles.worker.progress import StageProgress
 from roles.worker.queues import TaskQueues
 from roles.worker.replicas import StageReplicas
-from roles.worker.run_checkpoints import RunCheckpointWriter, apply_state, load_latest
+from roles.worker.run_checkpoint_io import RunCheckpointWriter, apply_state, load_latest
 from roles.worker.runtime import StageRuntime, autocast_dtype
 from roles.worker.state_donor import StateDonor
 from roles.worker.state_loader import StateLoader

@@ -185,7 +185,7 @@ def test_bench_reads_a_swarm_that_trained_exactly_like_the_reference(monkeypatch
     import json
 
     import bench_fidelity
-    from roles.worker.checkpoint import checkpoint_path, write_checkpoint
+    from roles.worker.stage_checkpoint import checkpoint_path, write_checkpoint
 
     def fake_swarm(run, config_path, workdir, setting, total, replicas):
         bank = SampleBank(run)

@@ -19,7 +19,7 @@ from roles.worker.donor_client import DonorSource, Offer, choose, fetch_manifest
 from roles.worker.errors import StateLoadError
 from roles.worker.layout import FlatLayout
 from roles.worker.optimizer import StageOptimizer
-from roles.worker.run_checkpoints import apply_state
+from roles.worker.run_checkpoint_io import apply_state
 from roles.worker.state_donor import StateDonor, TokenBucket
 from roles.worker.state_download import MultiDonorDownload
 from roles.worker.state_snapshot import Manifest, SnapshotError, describe, freeze, thaw
@@ -418,7 +418,7 @@ def test_a_store_object_is_fetched_by_checked_ranged_reads_and_a_damaged_range_i
     from protocol.run_config import load_run_config
     from roles.checkpoint_store import CheckpointStore, StageEntry
     from roles.model.stage import build_stage_model
-    from roles.worker.run_checkpoints import RunCheckpointWriter, load_latest
+    from roles.worker.run_checkpoint_io import RunCheckpointWriter, load_latest
 
     run = load_run_config("tiny", {"run_id": "ranged-unit", "stages": [{"first_layer": 0, "last_layer": 2},
                                                                        {"first_layer": 2, "last_layer": 3}]})

@@ -14,7 +14,7 @@ from hivemind.p2p import P2P
 from protocol import version
 from protocol.errors import ErrorCode, RemoteError
 from protocol.transport import RpcClient, RpcServer, dial
-from roles.worker.checkpoint import StageCheckpoints, checkpoint_path
+from roles.worker.stage_checkpoint import StageCheckpoints, checkpoint_path
 from roles.worker.errors import CheckpointError, StateLoadError
 from roles.worker.layout import FlatLayout
 from roles.worker.state_loader import StateLoader
