@@ -24,11 +24,12 @@ import json
 import os
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import ConfigDict, Field, SecretStr, field_validator
 
 from authorizer.policy import CHECK_NAMES
 from protocol.errors import ConfigError
 from protocol.files import atomic_write
+from roles.settings_base import LoggingSettings
 
 DEFAULT_PORT = 8000
 STORED_SETTINGS_FILE = "authorizer.json"
@@ -67,8 +68,9 @@ DEFAULT_CREDENTIAL_TTL_S = 30 * 60
 and torch (seconds), and bad flags should fail at once (tests pin the two equal)."""
 
 
-class AuthorizerConfig(BaseModel):
-    """Everything one authorizer process needs; `agora-node --role authorizer` builds it from flags."""
+class AuthorizerConfig(LoggingSettings):
+    """Everything one authorizer process needs; `agora-node --role authorizer` builds it from flags
+    (its logging settings are the nodes', from roles/settings_base.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -170,9 +172,6 @@ class AuthorizerConfig(BaseModel):
     sqlite_synchronous: Literal["full", "normal"] = Field(
         default="full", description="full: a commit survives power loss; normal: survives a process crash"
     )
-    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log verbosity")
-    log_format: Literal["human", "json"] = Field(default="human", description="stderr log lines for people or one "
-                                                 "JSON object per line")
 
     @field_validator("stage_capacity", "checks", mode="before")
     @classmethod

@@ -31,10 +31,9 @@ SYNOPSIS = """
   agora-node demo [--help]
   agora-node --version"""
 
-_METAVARS = {"config": "NAME|PATH", "authorizer": "URL", "initial_peers": "MADDR", "host_maddrs": "MADDR",
-             "announce_maddrs": "MADDR", "identity": "PATH", "account_token": "TOKEN", "data": "synthetic|PATH|URL", "data_dir": "DIR",
-             "tokenizer": "PATH", "checkpoint_dir": "DIR", "checkpoint_store": "URL", "gpu_memory": "SIZE", "host_memory": "SIZE", "metrics_push": "URL",
-             "relay": "auto|off|MADDR"}
+_METAVARS = {"config": "NAME|PATH", "data": "synthetic|PATH|URL", "data_dir": "DIR", "tokenizer": "PATH",
+             "checkpoint_dir": "DIR", "checkpoint_store": "URL", "gpu_memory": "SIZE", "host_memory": "SIZE",
+             "metrics_push": "URL", "relay": "auto|off|MADDR"}
 
 
 def _version() -> str:
@@ -60,8 +59,8 @@ def node_parser() -> argparse.ArgumentParser:
     node.add_argument("--role", choices=["worker", "trainer", "authorizer", "monitor", "relay"], default=None,
                       help="what this node does (authorizer, monitor: see agora-node --role authorizer|monitor "
                            "--help; the run's state: agora-node status --help)")
-    add_model_flags(node, NodeSettings, [n for n in NodeSettings.model_fields if n in COMMON_FIELDS and n != "role"],
-                    _METAVARS)
+    common = [n for n in NodeSettings.model_fields if n in COMMON_FIELDS and n != "role"]
+    add_model_flags(node, NodeSettings, sorted(common, key=lambda n: n != "config"), _METAVARS)  # --config first
     worker, trainer = ROLE_SECTIONS["worker"].model_fields, ROLE_SECTIONS["trainer"].model_fields
     shared = [n for n in worker if n in trainer]
     add_model_flags(p.add_argument_group("worker"), ROLE_SECTIONS["worker"],

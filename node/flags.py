@@ -9,7 +9,7 @@ import argparse
 import typing
 from typing import Any, Iterable, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -29,8 +29,8 @@ def _default_text(field: FieldInfo) -> str:
         return ""
     else:
         value = field.default
-    if value is None or value is False or value == [] or value == "":
-        return ""
+    if value is None or value is False or value == [] or value == "" or isinstance(value, SecretStr):
+        return ""  # a secret's default is not shown, whatever it is
     if isinstance(value, list):
         value = " ".join(map(str, value))
     return f" (default: {value})"
@@ -72,6 +72,12 @@ def add_field_flag(group, name: str, field: FieldInfo, *, metavar: str | None = 
 
 
 def add_model_flags(group, model: type[BaseModel], names: Iterable[str], metavars: dict[str, str] | None = None):
+    """One flag per field of `names`, in that order except that the logging and metrics-port
+    settings every process shares (roles/settings_base.py) come last, the same in every help."""
+    from roles.settings_base import LoggingSettings, MetricsPortSettings
+
+    tail = [*LoggingSettings.model_fields, *MetricsPortSettings.model_fields]
+    names = sorted(names, key=lambda n: n in tail and tail.index(n) + 1)
     for name in names:
         field = model.model_fields[name]
         extra = field.json_schema_extra

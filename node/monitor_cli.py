@@ -20,6 +20,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from pydantic import SecretStr
+
 from node.flags import OneLineErrorParser, add_model_flags, model_from_args
 from protocol.exit_codes import ExitCode, exit_code_table
 
@@ -54,7 +56,7 @@ class MonitorTrustSettings:
     temporary node `agora-node preempt` admits with the admin token)."""
 
     authorizer: list[str]
-    account_token: str
+    account_token: SecretStr
     admission_timeout_s: float
     revocation_refresh_s: float
     initial_peers: list[str] = field(default_factory=list)
@@ -111,10 +113,11 @@ async def _run(config, life) -> int:
     identity = load_or_create_identity(config.identity)
     if config.identity is None:
         life.remove_on_exit(identity.path)
-    settings = MonitorTrustSettings(authorizer=list(config.authorizer), account_token=config.account_token.get_secret_value(),
-                              admission_timeout_s=config.admission_timeout_s,
-                              revocation_refresh_s=config.revocation_refresh_s, initial_peers=list(config.initial_peers),
-                              host_maddrs=list(config.host_maddrs), announce_maddrs=list(config.announce_maddrs))
+    settings = MonitorTrustSettings(authorizer=list(config.authorizer), account_token=config.account_token,
+                                    admission_timeout_s=config.admission_timeout_s,
+                                    revocation_refresh_s=config.revocation_refresh_s,
+                                    initial_peers=list(config.initial_peers), host_maddrs=list(config.host_maddrs),
+                                    announce_maddrs=list(config.announce_maddrs))
     trust = await _until_stopped(establish_trust(settings, identity, "cpu"), stop)  # type: ignore[arg-type]
     if trust is None:
         unregister()

@@ -146,6 +146,8 @@ def preempt_main(argv: list[str]) -> int:
 
 async def _write(args: argparse.Namespace, orders: list[PreemptOrderOut], life) -> int:
     from node.lifecycle import reap_children
+    from pydantic import SecretStr
+
     from node.monitor_cli import MonitorTrustSettings
     from node.swarm import join_swarm_until_stopped
     from node.trust import establish_trust
@@ -156,9 +158,9 @@ async def _write(args: argparse.Namespace, orders: list[PreemptOrderOut], life) 
     unregister = life.on_stop(lambda: loop.call_soon_threadsafe(stop.set))
     identity = load_or_create_identity(None)
     life.remove_on_exit(identity.path)
-    settings = MonitorTrustSettings(authorizer=[args.authorizer], account_token=args.admin_token,
-                              admission_timeout_s=args.timeout_s, revocation_refresh_s=3600.0,
-                              initial_peers=list(args.initial_peers), host_maddrs=list(args.host_maddrs))
+    settings = MonitorTrustSettings(authorizer=[args.authorizer], account_token=SecretStr(args.admin_token),
+                                    admission_timeout_s=args.timeout_s, revocation_refresh_s=3600.0,
+                                    initial_peers=list(args.initial_peers), host_maddrs=list(args.host_maddrs))
     trust = membership = None
     try:
         trust = await _bounded(establish_trust(settings, identity, "cpu"), stop, args.timeout_s,  # type: ignore[arg-type]

@@ -36,7 +36,8 @@ def relay_parser() -> argparse.ArgumentParser:
         description="Run one of a training run's relays: a public node through which contributors behind a home\n"
                     "router (NAT) serve. Only the run's admitted nodes may reserve a slot or open a connection\n"
                     "through it. Run it on a machine with a public address and an open TCP port\n"
-                    "(docs/operations.md, 'Relays').",
+                    "(docs/operations.md, 'Relays'), and keep its --identity: the circuit addresses nodes\n"
+                    "announce name its peer id.",
         epilog=f"exit codes:\n{exit_code_table()}",
     )
     add_model_flags(p.add_argument_group("relay"), RelayConfig, RelayConfig.model_fields)
@@ -92,7 +93,7 @@ async def _run(config, life) -> int:
     if config.identity is None:
         life.remove_on_exit(identity.path)
     settings = MonitorTrustSettings(authorizer=list(config.authorizer),
-                                    account_token=config.account_token.get_secret_value(),
+                                    account_token=config.account_token,
                                     admission_timeout_s=config.admission_timeout_s,
                                     revocation_refresh_s=config.revocation_refresh_s,
                                     host_maddrs=list(config.host_maddrs),

@@ -252,7 +252,7 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
 
         admission: Admission = await join_run(
             client, identity, settings.role, hardware=measured_hardware(device), announce_maddrs=visible,
-            account_token=settings.account_token, preferred_stage=_requested_stage(settings), on_wait=on_wait,
+            account_token=settings.account_token.get_secret_value(), preferred_stage=_requested_stage(settings), on_wait=on_wait,
             timeout_s=settings.admission_timeout_s, relay_ok=getattr(settings, "relay", "off") != "off")
         run = parse_run_config(admission.run_config, "the authorizer's run config")
         requested = _requested_stage(settings)

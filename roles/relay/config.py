@@ -3,32 +3,29 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from pydantic import ConfigDict, Field, SecretStr
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from roles.settings_base import AdmissionSettings, LoggingSettings, MetricsPortSettings, role_field
 
 DEFAULT_RELAY_MADDR = "/ip4/0.0.0.0/tcp/4001"
 
 
-class RelayConfig(BaseModel):
-    """Everything one relay process needs."""
+class RelayConfig(MetricsPortSettings, LoggingSettings, AdmissionSettings):
+    """Everything one relay process needs; what it shares with nodes and the monitor comes from
+    roles/settings_base.py. A relay joins no DHT, so it has no --initial-peers."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    authorizer: list[str] = Field(min_length=1, json_schema_extra={"metavar": "URL"},
-                                  description="URL(s) of the run's authorizer(s); the relay is admitted like a node "
-                                              "and the authorizer lists it to every node it admits")
-    account_token: SecretStr = Field(json_schema_extra={"metavar": "ADMIN_TOKEN"},
-                                     description="the run owner's admin token (admin.token in the authorizer's data "
-                                                 "directory): only the owner runs the run's relays")
-    identity: Optional[str] = Field(default=None, json_schema_extra={"metavar": "PATH"},
-                                    description="libp2p key file, created if missing; keeps the relay's peer id (and "
-                                                "so the circuit addresses nodes announce) across restarts")
-    host_maddrs: list[str] = Field(default_factory=lambda: [DEFAULT_RELAY_MADDR],
-                                   json_schema_extra={"metavar": "MADDR"},
-                                   description="where the relay listens: a public address and an open port")
-    announce_maddrs: list[str] = Field(default_factory=list, json_schema_extra={"metavar": "MADDR"},
-                                       description="addresses to advertise, if not the listen addresses")
+    # Only the run owner runs relays: the authorizer and the owner's admin token are required.
+    authorizer: list[str] = role_field(AdmissionSettings, "authorizer", required=True, min_length=1)
+    account_token: SecretStr = role_field(
+        AdmissionSettings, "account_token", required=True, json_schema_extra={"metavar": "ADMIN_TOKEN"},
+        description="the run owner's admin token (admin.token in the authorizer's data directory): only the owner "
+                    "runs the run's relays")
+    # Nodes behind NAT dial a relay from anywhere at an address they are told once: it listens on
+    # every interface at a fixed, well-known port instead of a node's loopback and any free port.
+    host_maddrs: list[str] = role_field(AdmissionSettings, "host_maddrs", default_factory=lambda: [DEFAULT_RELAY_MADDR],
+                                        description="where the relay listens: a public address and an open port")
     max_reservations: int = Field(default=128, ge=1, le=100_000,
                                   description="nodes behind NAT that may hold a slot on this relay at once")
     max_circuits_per_peer: int = Field(default=16, ge=1, le=10_000,
@@ -44,34 +41,6 @@ class RelayConfig(BaseModel):
     pass_grace_s: float = Field(default=5.0, gt=0, le=120.0,
                                 description="how long a peer may stay connected without showing a credential "
                                             "before the relay drops it (and its reservation)")
-    metrics_port: Optional[int] = Field(default=None, ge=0, le=65535,
-                                        description="serve Prometheus /metrics on this port; off by default")
-    metrics_host: str = Field(default="127.0.0.1", max_length=255, description="address the metrics port listens on")
-    admission_timeout_s: float = Field(default=300.0, gt=0, description="give up joining when no authorizer "
-                                       "answered for this long")
-    revocation_refresh_s: float = Field(default=30.0, gt=0, description="how often the revocation list is re-read")
-    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log verbosity")
-    log_format: Literal["human", "json"] = Field(default="human", description="stderr log lines for people or one "
-                                                 "JSON object per line")
-
-    @field_validator("authorizer", mode="before")
-    @classmethod
-    def _urls(cls, values: Any) -> Any:
-        if isinstance(values, str):
-            values = values.replace(",", " ").split()
-        return values
-
-    @field_validator("host_maddrs", "announce_maddrs")
-    @classmethod
-    def _multiaddrs(cls, values: list[str]) -> list[str]:
-        from hivemind.utils.multiaddr import Multiaddr
-
-        for value in values:
-            try:
-                Multiaddr(value)
-            except Exception:
-                raise ValueError(f"{value!r} is not a multiaddr; expected e.g. /ip4/0.0.0.0/tcp/4001") from None
-        return values
 
     def daemon_flags(self) -> dict:
         """p2pd's circuit-relay-v2 service with these limits, on whatever autonat thinks."""
