@@ -62,6 +62,11 @@ class SampleBank:
             self._tokens.append(next(self._stream).tokens)
         return torch.stack([self._tokens[i] for i in indices])
 
+    def index(self, sample_id: str) -> int:
+        """The stream position of a trainer's sample id (scripts/_fidelity_corpus.py numbers a
+        prepared corpus's samples to the same scheme)."""
+        return stream_index(sample_id)
+
     def sequential_steps(self, total_samples: int, batch: int) -> list[list[int]]:
         """Positions 0..total-1 cut into steps of `batch`: what the trainers would read if one
         process consumed their shards round-robin."""

@@ -91,6 +91,7 @@ import time
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a file: find the helpers
@@ -165,7 +166,25 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
         overrides["staleness"] = staleness
     if args.routing != "trainer":
         overrides["routing"] = {"path": args.routing}
+    model: dict[str, Any] = {}
+    if getattr(args, "data", None):
+        # The trainers read the corpus the run config names (trainer_data), and its tokenizer's
+        # vocabulary is the model's; the trainers refuse a corpus whose manifest hashes otherwise.
+        corpus = open_corpus(args.data)
+        model["vocab_size"] = corpus.manifest.tokenizer.vocab_size
+        overrides["data"] = {"location": corpus.location, "manifest_sha256": corpus.sha256}
+    if getattr(args, "anchor_rank", None):
+        model["anchor_rank"] = args.anchor_rank
+    if model:
+        overrides["model"] = model
     return load_run_config("tiny", overrides)
+
+
+def open_corpus(location: str):
+    """The prepared corpus at `location` (a directory), by its absolute path, so every node finds it."""
+    from corpus.shards import PreparedCorpus
+
+    return PreparedCorpus(os.path.abspath(location))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,12 +411,15 @@ def _count_lines(path: str) -> int:
         return 0
 
 
-def read_sample_logs(paths: list[str]) -> tuple[dict[int, list[tuple[int, float, Optional[tuple]]]], int]:
-    """Logged samples grouped by step: {step: [(stream position, loss, versions)]}, and how many
-    lines were unreadable. `versions` (None if not logged) are the weight versions each stage's
-    forward used. A sample logged twice (a retry) counts once, at its last line."""
+def read_sample_logs(paths: list[str], index_of: Optional[Callable[[str], int]] = None,
+                     ) -> tuple[dict[int, list[tuple[int, float, Optional[tuple]]]], int]:
+    """Logged samples grouped by step: {step: [(sample number, loss, versions)]}, and how many
+    lines were unreadable. `index_of` numbers a logged sample id as the sample bank does (default:
+    the synthetic stream's position). `versions` (None if not logged) are the weight versions each
+    stage's forward used. A sample logged twice (a retry) counts once, at its last line."""
     from _fidelity_reference import stream_index
 
+    index_of = index_of or stream_index
     latest: dict[int, dict] = {}
     bad = 0
     for path in paths:
@@ -409,7 +431,7 @@ def read_sample_logs(paths: list[str]) -> tuple[dict[int, list[tuple[int, float,
         for line in lines:
             try:
                 record = json.loads(line)
-                latest[stream_index(record["sample_id"])] = record
+                latest[index_of(record["sample_id"])] = record
             except (ValueError, KeyError, TypeError):
                 bad += 1
     steps: dict[int, list[tuple[int, float, Optional[tuple]]]] = defaultdict(list)
@@ -588,6 +610,25 @@ def _stage_over_replicas(replicas: list[dict]) -> dict:
 # one setting
 # ---------------------------------------------------------------------------------------------
 
+def _parameter_counts(run) -> dict[str, Optional[int]]:
+    """Trained values of the stage model (all stages) and of the plain Llama of its shape, and the
+    `model.anchor_rank` that brings the stage model's count nearest the Llama's (None without
+    stage anchors): a factored anchor of rank r holds r x (vocab + d_model) values per stage."""
+    from _fidelity_reference import build_stages
+    from roles.model.plain import PlainModel
+
+    stages = build_stages(run)
+    ours = sum(p.numel() for s in stages for p in s.trainable_parameters())
+    plain = sum(p.numel() for p in PlainModel(run).parameters() if p.requires_grad)
+    nearest = None
+    anchored = [s for s in stages if s.anchor is not None]
+    if anchored:
+        without = ours - sum(p.numel() for s in anchored for p in (s.anchor, s.anchor_basis) if p is not None)
+        per_rank = len(anchored) * (run.model.vocab_size + run.model.d_model)
+        nearest = max(1, round((plain - without) / per_rank))
+    return {"ours": ours, "plain": plain, "anchor_rank_nearest": nearest}
+
+
 def _gap(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return None if a is None or b is None else round((a - b) / b, 4)
 
@@ -709,6 +750,7 @@ def bench_setting(name: str, args: argparse.Namespace) -> dict:
 
 def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     from _fidelity_reference import OneProcessTrainer, SampleBank, StepRecord, held_out_tokens, loss_figures
+    from _fidelity_corpus import PreparedSampleBank, describe_corpus, prepared_heldout_tokens
     from protocol.run_config import dump_run_config
     from roles.model.plain import PlainModel
 
@@ -723,13 +765,30 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
         averaging: Any = run.averaging.model_dump(mode="json")
     else:
         averaging = "off (one replica per stage)" if replicas == 1 else "off (--averaging-off)"
+    # The samples and held-out set come first: a corpus too small for them fails before the swarm.
+    data = getattr(args, "data", None)
+    trainer_args: dict[str, Any] = {}
+    if data:
+        corpus = open_corpus(data)
+        cache = Path(workdir) / "data-cache"
+        held_out = prepared_heldout_tokens(corpus, run.seq_len, HELD_OUT_SAMPLES, cache)
+        bank: Any = PreparedSampleBank(run, corpus, TRAINERS, cache)
+        data_figures = describe_corpus(corpus)
+        # A data directory of this run's own, so no trainer resumes a position an earlier run left.
+        trainer_args["node_args"] = lambda node: (["--data-dir", str(cache)] if node.startswith("trainer") else [])
+    else:
+        held_out = held_out_tokens(run, HELD_OUT_SAMPLES)
+        bank = SampleBank(run)
+        data_figures = {"kind": "synthetic", "tokenizer": "byte", "vocab_size": run.model.vocab_size}
+    parameters = _parameter_counts(run)
     out: dict[str, Any] = {
         "config": {"preset": "tiny", "stages": STAGES, "workers_per_stage": replicas, "trainers": TRAINERS,
                    "lanes": args.lanes, "target_batch_size": run.target_batch_size, "steps": steps, "samples": total,
                    "seq_len": run.seq_len, "worker_max_batch": setting.worker_max_batch,
                    "optimizer": run.optimizer.model_dump(mode="json"), "averaging": averaging,
                    "staleness": run.staleness.model_dump(mode="json"), "churn": bool(args.churn),
-                   "routing": run.routing.path},
+                   "routing": run.routing.path, "data": data_figures, "vocab_size": run.model.vocab_size,
+                   "anchor_rank": run.model.anchor_rank, "trained_parameters": parameters["ours"]},
     }
     errors: list[str] = []
     started = time.monotonic()
@@ -737,13 +796,11 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
         f"{'on' if run.averaging.enabled else 'off'}), {TRAINERS} trainers x {args.lanes} lanes, {steps} steps of "
         f"{run.target_batch_size} = {total} samples")
     # churn and lanes are passed only when set, so a run_swarm stand-in without them (the tests') still fits
-    swarm = run_swarm(run, config_path, workdir, setting, total, replicas,
+    swarm = run_swarm(run, config_path, workdir, setting, total, replicas, **trainer_args,
                       **({"churn": True} if args.churn else {}), **({"lanes": args.lanes} if args.lanes != LANES else {}))
     errors += swarm.pop("errors", [])
 
-    held_out = held_out_tokens(run, HELD_OUT_SAMPLES)
-    bank = SampleBank(run)
-    logged, bad_lines = read_sample_logs(swarm.get("sample_logs", []))
+    logged, bad_lines = read_sample_logs(swarm.get("sample_logs", []), bank.index)
     replica_stages: list[dict] = []
     replica_written: list[dict[int, Optional[int]]] = []
     for r, directory in enumerate(swarm["checkpoint_dirs"]):
@@ -830,6 +887,10 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
                                else None),
         "exit_codes": swarm.get("exit_codes"), "survivors": swarm.get("survivors"),
     }
+    if data and swarm_steps:
+        # Over 1, the trainers read some samples again: a corpus too small for the run.
+        out["swarm"]["train_split_epochs"] = rounded(
+            bank.epochs(index for v in swarm_steps.values() for index, _, _ in v), 4)
 
     log(f"[{name}] one-process references")
     samples = sum(step_sizes) if step_sizes else total
@@ -858,6 +919,9 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
                                         order if swarm_steps else sequential, bank, held_out,
                                         "unconstrained plain Llama")
         out["unconstrained"]["order"] = "swarm" if swarm_steps else "sequential"
+        out["unconstrained"].update(trained_parameters=parameters["plain"], trained_parameters_ours=parameters["ours"],
+                                    parameters_ratio=rounded(parameters["ours"] / parameters["plain"], 4),
+                                    anchor_rank_nearest_in_parameters=parameters["anchor_rank_nearest"])
         if args.noise_runs:
             reference["order_noise"] = _order_noise(run, order if swarm_steps else sequential, bank, held_out,
                                                     args.noise_runs, (reference["swarm_order"] or reference["sequential"]))
@@ -900,6 +964,8 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     if replicas > 1:
         out["aim"]["replica_gap_max"] = REPLICA_GAP_MAX
         out["aim"]["replicas_met"] = None if worst_replica_gap is None else worst_replica_gap <= REPLICA_GAP_MAX
+    if data:
+        bank.close()
     out["errors"] = errors
     out["elapsed_s"] = round(time.monotonic() - started, 1)
     return out
@@ -958,6 +1024,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="reshuffled reference runs that measure order noise (default 3, 0 with --quick)")
     p.add_argument("--routing", choices=("trainer", "workers"), default="trainer",
                    help="run config routing.path: the trainer calls each stage (default), or worker to worker")
+    p.add_argument("--data", metavar="PREPARED_DIR",
+                   help="train on a corpus made by `agora-node data prepare` (with at least 2 training shards) "
+                        "instead of the synthetic grammar; model.vocab_size becomes its tokenizer's")
+    p.add_argument("--anchor-rank", type=int, metavar="K",
+                   help="run config model.anchor_rank: factor the stage anchors at rank K (default: full tables), "
+                        "e.g. to bring the trained parameters near the plain Llama's at a large vocabulary")
     p.add_argument("--out", metavar="PATH", help="also write the JSON result to PATH")
     p.add_argument("--keep-logs", action="store_true", help="keep node and sample logs and print where they are")
     args = p.parse_args(argv)
@@ -967,6 +1039,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--workers-per-stage must be at least 1")
     if args.churn and args.workers_per_stage < 2:
         p.error("--churn needs --workers-per-stage 2 or more, so the killed replica's stage keeps a live one")
+    if args.anchor_rank is not None and args.anchor_rank < 1:
+        p.error("--anchor-rank must be at least 1")
+    if args.data is not None and not os.path.isfile(os.path.join(args.data, "manifest.json")):
+        p.error(f"--data {args.data} holds no prepared corpus (no manifest.json); make one with "
+                "`agora-node data prepare ... --train-tokenizer 4096 --shard-tokens 65536`")
     if args.noise_runs is None:
         args.noise_runs = 0 if args.quick else 3
     return args
