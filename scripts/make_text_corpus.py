@@ -13,12 +13,14 @@ prepare` reads, of about `--mb` megabytes, from two kinds of text, in this order
    in an order fixed by a hash of their names so a small corpus still mixes many of them.
 
 Long texts are cut at blank lines into documents of about `DOCUMENT_BYTES`, so prepare's held-out
-choice (a hash per document) spreads over every source. The same installed files give the same
-bytes. Then prepare it, e.g. for bench_fidelity's two trainers (which need two training shards):
+choice (a hash per document) spreads over every source, and the documents chosen are written in
+the order of their hashes: prepare cuts shards in input order and a trainer reads a shard's
+samples before the next shard's, so a corpus written source by source would train on one kind of
+text at a time. The same installed files give the same bytes. Then prepare it, e.g. for bench_fidelity's two trainers (which need two training shards):
 
     python scripts/make_text_corpus.py --out /tmp/text --mb 3
     agora-node data prepare /tmp/text/corpus.jsonl --output /tmp/text-4096 --train-tokenizer 4096 \\
-        --shard-tokens 65536 --heldout-fraction 0.02
+        --shard-tokens 16384 --heldout-fraction 0.05
 
 Prints one JSON line (documents, bytes, by source kind) on stdout.
 """
@@ -132,19 +134,22 @@ def make_text_corpus(out: Path, mb: float, *, site_packages: Optional[list[str]]
     budget = int(mb * 1e6)
     written = 0
     counts: dict[str, dict[str, int]] = {}
+    chosen: list[tuple[str, str]] = []
+    for kind, documents in (("pypi", package_descriptions(site_packages)), ("debian", debian_changelogs(doc_root))):
+        for document in documents:
+            if written >= budget:
+                break
+            line = json.dumps(document, sort_keys=True, ensure_ascii=False)
+            chosen.append((hashlib.sha256(line.encode("utf-8")).hexdigest(), line))
+            size = len(document["text"].encode("utf-8"))
+            written += size
+            entry = counts.setdefault(kind, {"documents": 0, "bytes": 0})
+            entry["documents"] += 1
+            entry["bytes"] += size
     path = out / "corpus.jsonl"
     tmp = out / ".corpus.jsonl.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        for kind, documents in (("pypi", package_descriptions(site_packages)), ("debian", debian_changelogs(doc_root))):
-            for document in documents:
-                if written >= budget:
-                    break
-                size = len(document["text"].encode("utf-8"))
-                f.write(json.dumps(document, sort_keys=True, ensure_ascii=False) + "\n")
-                written += size
-                entry = counts.setdefault(kind, {"documents": 0, "bytes": 0})
-                entry["documents"] += 1
-                entry["bytes"] += size
+        f.writelines(line + "\n" for _, line in sorted(chosen))
     tmp.replace(path)
     return {"path": str(path), "bytes": written, "documents": sum(c["documents"] for c in counts.values()),
             "by_source": counts, "short_of_target": written < budget}
