@@ -71,6 +71,26 @@ completed and dropped samples against the target (`unaccounted` should be 0), an
 `steps.closed_by` counts why its replicas closed their steps, so short steps can be told apart
 from samples really lost. No churn figures are quoted here until a run has measured them.
 
+`--data PREPARED_DIR` trains on a corpus made by `agora-node data prepare` (e.g. with
+`--train-tokenizer 4096 --shard-tokens 16384`: the two trainers need a training shard each, and
+small shards mix the text each reads) instead of the synthetic grammar: the run config names it
+(`data.location`, `manifest_sha256`), so the trainers read it as in a real run, each from a data
+directory of the run's own, and `model.vocab_size` is its tokenizer's. The references get the
+very samples the trainers logged (scripts/_fidelity_corpus.py walks each trainer's shards as it
+does and numbers them as the synthetic stream's positions are numbered, so `sequential` is the
+two walks round-robin), and every held-out loss is taken on HELD_OUT_SAMPLES samples spread
+evenly over the corpus's held-out split (corpus/heldout.py, the selection the trainers' own
+evaluation uses). `config.data` says
+which corpus (path, manifest hash, vocabulary, training tokens) and `swarm.train_split_epochs` how
+much of it the run read. scripts/make_text_corpus.py makes a small corpus from documentation
+already on the machine, for tests and quick runs.
+
+At a large vocabulary the stage anchors (one [vocab, d_model] table per stage) outweigh the
+rest of the tiny model; `--anchor-rank K` factors them (`model.anchor_rank`). `unconstrained`
+reports `trained_parameters` of the plain Llama, `trained_parameters_ours` of the stage model,
+and `anchor_rank_nearest_in_parameters`, the K at which the two counts are nearest, so the
+subspace gap can be read at equal trained values.
+
 `--ablation` instead trains the construction ablation of scripts/bench_construction.py
 (one-process candidates against transformers' Llama at the demo's budget, three seeds; that script
 is the place to run it with other sizes and budgets).
@@ -1043,7 +1063,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--anchor-rank must be at least 1")
     if args.data is not None and not os.path.isfile(os.path.join(args.data, "manifest.json")):
         p.error(f"--data {args.data} holds no prepared corpus (no manifest.json); make one with "
-                "`agora-node data prepare ... --train-tokenizer 4096 --shard-tokens 65536`")
+                "`agora-node data prepare ... --train-tokenizer 4096 --shard-tokens 16384`")
     if args.noise_runs is None:
         args.noise_runs = 0 if args.quick else 3
     return args
