@@ -8,15 +8,16 @@ prepare` reads, of about `--mb` megabytes, from two kinds of text, in this order
    beside this interpreter whose metadata names an open-source license (SPDX expression, license
    field or OSI classifier; others are skipped), by distribution name;
 2. then, while the corpus is short of `--mb`, the changelogs of the Debian packages under
-   `/usr/share/doc` (`changelog*`, gzipped or not; Debian main is free software, and each line
-   names the package's copyright file for its terms), at most `PER_FILE_BYTES` of each, packages
-   in an order fixed by a hash of their names so a small corpus still mixes many of them.
+   `/usr/share/doc` (`changelog*`, gzipped or not) that ship a `copyright` file stating their
+   terms (each line names it; packages without one are left out), at most `PER_FILE_BYTES` of
+   each, packages in an order fixed by a hash of their names so a small corpus mixes many.
 
 Long texts are cut at blank lines into documents of about `DOCUMENT_BYTES`, so prepare's held-out
 choice (a hash per document) spreads over every source, and the documents chosen are written in
 the order of their hashes: prepare cuts shards in input order and a trainer reads a shard's
 samples before the next shard's, so a corpus written source by source would train on one kind of
-text at a time. The same installed files give the same bytes. Then prepare it, e.g. for bench_fidelity's two trainers (which need two training shards):
+text at a time. The same installed files give the same bytes. Then prepare it, e.g. for
+bench_fidelity's two trainers (which need two training shards):
 
     python scripts/make_text_corpus.py --out /tmp/text --mb 3
     agora-node data prepare /tmp/text/corpus.jsonl --output /tmp/text-4096 --train-tokenizer 4096 \\
