@@ -551,7 +551,8 @@ class EvaluationConfig(BaseModel):
     )
     samples: int = Field(
         default=32, ge=1, le=4096,
-        description="Held-out samples per evaluation: the first of the held-out split, the same every time.",
+        description="Held-out samples per evaluation: spread evenly over the held-out split (corpus/heldout.py), "
+                    "the same every time.",
     )
 
 
