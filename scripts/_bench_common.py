@@ -11,6 +11,13 @@ import sys
 import time
 from typing import Optional
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    # A benchmark imports the product from its own checkout: run from a second worktree, the
+    # editable install would otherwise give it the first one's code beside its nodes' (`python -m
+    # node.cli` finds the worktree's, from its working directory).
+    sys.path.insert(1, REPO_ROOT)
+
 
 def log(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
