@@ -21,8 +21,9 @@ INLINE_CODE = re.compile(r"`[^`]*`")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
 
-def _prose_lines(path: str):
-    """(line number, text) of the lines outside fenced code blocks, with inline code removed."""
+def _prose_lines(path: str, keep_code: bool = False):
+    """(line number, text) of the lines outside fenced code blocks, with inline code removed
+    unless `keep_code` (a heading's inline code is part of its slug)."""
     with open(os.path.join(ROOT, path)) as f:
         fenced = False
         for number, line in enumerate(f, 1):
@@ -30,7 +31,7 @@ def _prose_lines(path: str):
                 fenced = not fenced
                 continue
             if not fenced:
-                yield number, INLINE_CODE.sub("", line)
+                yield number, line if keep_code else INLINE_CODE.sub("", line)
 
 
 def _slug(heading: str) -> str:
@@ -40,23 +41,11 @@ def _slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def _prose_lines_with_code(path: str):
-    """Like _prose_lines, but headings keep their inline code (its text is part of the slug)."""
-    with open(os.path.join(ROOT, path)) as f:
-        fenced = False
-        for number, line in enumerate(f, 1):
-            if line.lstrip().startswith("```"):
-                fenced = not fenced
-                continue
-            if not fenced:
-                yield number, line
-
-
 def anchors(path: str) -> set[str]:
     """GitHub's anchors for the headings of a Markdown file (a repeated one gets -1, -2, ...)."""
     seen: dict[str, int] = {}
     result = set()
-    for _, line in _prose_lines_with_code(path):
+    for _, line in _prose_lines(path, keep_code=True):
         match = HEADING.match(line)
         if not match:
             continue
