@@ -5,7 +5,7 @@ run's DHT and writes the signal. Here the run's authorizer signs the order with 
 (POST /v1/admin/preempt, behind the admin token), and this command writes it under the run's
 control key from a temporary DHT node admitted as the operator's own (role `monitor`, the admin
 token as its account token: an authenticated run's DHT answers admitted nodes only). The target
-worker reads it within a couple of seconds and dies at the named moment (roles/worker/preemption.py);
+worker reads it within a couple of seconds and dies at the named moment (roles/worker/health/preemption.py);
 with --wait-s this command waits until the target's worker record is gone from the DHT (the
 record outlives a killed worker by up to three announce periods).
 

@@ -34,7 +34,7 @@ EXIT_CODES: dict[ExitCode, str] = {
     ExitCode.REVOKED: "the node was banned or its credential revoked, or renewal was refused",
     ExitCode.CREDENTIAL_EXPIRED: "the credential expired while every authorizer was unreachable",
     ExitCode.WAIT_TIMED_OUT: "a command's --wait-s ran out before what it waited for happened (agora-node preempt)",
-    # 8-13: a worker's self-termination rules (roles/worker/termination.py, docs/operations.md)
+    # 8-13: a worker's self-termination rules (roles/worker/health/termination.py, docs/operations.md)
     ExitCode.DEVICE_FAULT: "a worker left its stage: rule device_fault, its device failed (CUDA error)",
     ExitCode.NON_FINITE_GRADIENTS: "a worker left its stage: rule non_finite, its gradients stayed non-finite",
     ExitCode.LOST_CONNECTIVITY: "a worker left its stage: rule connectivity, no peer answered it",

@@ -708,7 +708,7 @@ class AveragingRule(SwitchRule):
 
 class TerminationConfig(BaseModel):
     """A worker's self-termination rules [report 3.3.1.6]: conditions under which it leaves its
-    stage on its own, with the exit code and sentence roles/worker/termination.py gives each.
+    stage on its own, with the exit code and sentence roles/worker/health/termination.py gives each.
     They are in the run config so the run owner sets them for every worker."""
 
     model_config = _FROZEN

@@ -49,7 +49,7 @@ class StateReply(WireModel):
 # ---- multi-donor download (`agora/v1/state_manifest`, `agora/v1/state_chunk`) ----------------
 
 SNAPSHOT_FORMAT = "agora-stage-state/1"
-"""The bytes a manifest describes: roles/worker/state_snapshot.py."""
+"""The bytes a manifest describes: roles/worker/state/state_snapshot.py."""
 MAX_SNAPSHOT_CHUNKS = 1 << 16
 """Chunks one manifest may list (256 GiB at 4 MiB a chunk); bounds the manifest frame to ~2 MiB."""
 MIN_SNAPSHOT_CHUNK_BYTES = 1 << 16

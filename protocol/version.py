@@ -12,7 +12,7 @@ FORWARD = HANDLER_PREFIX + "forward"
 BACKWARD = HANDLER_PREFIX + "backward"
 INFO = HANDLER_PREFIX + "info"
 CHAIN = HANDLER_PREFIX + "chain"
-"""A training sample routed worker to worker (protocol/messages.py ChainRequest, roles/worker/chain.py)."""
+"""A training sample routed worker to worker (protocol/messages.py ChainRequest, roles/worker/serving/chain.py)."""
 STATE = HANDLER_PREFIX + "state"
 """A stage replica's parameters, served in chunks to a joining worker [report 3.3.1.1]; the
 fallback for donors without STATE_MANIFEST."""

@@ -25,7 +25,7 @@ from roles.model.stage import FullModel, StageModel
 from roles.trainer.data import SampleStream, SyntheticCorpus
 from roles.trainer.tokenizer import load_tokenizer
 from roles.worker.layout import FlatLayout
-from roles.worker.optimizer import StageOptimizer
+from roles.worker.steps.optimizer import StageOptimizer
 
 HELD_OUT_SEED_OFFSET = 1000
 """The held-out set is the synthetic corpus under seed `run.seed + 1000`: text no trainer reads."""

@@ -473,7 +473,7 @@ def read_checkpoints(run, directory: str) -> tuple[dict, dict[int, Optional[int]
     from safetensors import safe_open
 
     from _fidelity_reference import build_stages, load_stage_weights
-    from roles.worker.stage_checkpoint import checkpoint_path
+    from roles.worker.state.stage_checkpoint import checkpoint_path
 
     stages, written = {}, {}
     for stage in build_stages(run):

@@ -176,9 +176,9 @@ def _validating_runtime(run, stage: int):
     """A StageRuntime for `stage` whose compute thread is never started: only its request checks
     (`check_forward`, exactly what a worker runs before queueing) are used."""
     from roles.model.stage import StageModel
-    from roles.worker.optimizer import StageOptimizer
-    from roles.worker.queues import TaskQueues
-    from roles.worker.runtime import StageRuntime
+    from roles.worker.steps.optimizer import StageOptimizer
+    from roles.worker.serving.queues import TaskQueues
+    from roles.worker.serving.runtime import StageRuntime
 
     model = StageModel(run, stage)
     opt = run.optimizer
@@ -756,8 +756,8 @@ def _compute_per_request_us(result: dict) -> Optional[float]:
 def recording_cost_us(samples: int = 20000, batch: int = 8) -> float:
     """What the compute thread pays per request to record the balance signals (BatchStats.record
     on a batch of `batch`), in microseconds: paid whether or not the node is scraped."""
-    from roles.worker.queues import Task, TaskKind
-    from roles.worker.runtime import BatchStats
+    from roles.worker.serving.queues import Task, TaskKind
+    from roles.worker.serving.runtime import BatchStats
 
     stats = BatchStats(WORKER_MAX_BATCH)
     tasks = [Task(kind=TaskKind.BACKWARD, payload=None, on_done=lambda r, e: None) for _ in range(batch)]

@@ -44,7 +44,7 @@ from torch import Tensor, nn  # noqa: E402
 from _fidelity_reference import SampleBank, build_stages, evaluate, held_out_tokens  # noqa: E402
 from protocol.run_config import RunConfig, load_run_config  # noqa: E402
 from roles.model.stage import FullModel, StageModel  # noqa: E402
-from roles.worker.optimizer import StageOptimizer  # noqa: E402
+from roles.worker.steps.optimizer import StageOptimizer  # noqa: E402
 
 STAGES = 4
 OUTAGE_STEPS = 6

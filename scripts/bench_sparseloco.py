@@ -44,7 +44,7 @@ from _fidelity_reference import SampleBank, build_stages, evaluate, held_out_tok
 from protocol.run_config import load_run_config  # noqa: E402
 from roles.model.stage import FullModel  # noqa: E402
 from roles.worker.layout import FlatLayout  # noqa: E402
-from roles.worker.optimizer import StageOptimizer  # noqa: E402
+from roles.worker.steps.optimizer import StageOptimizer  # noqa: E402
 from roles.worker.sparseloco.chunks import fragment_due, plan_fragments  # noqa: E402
 from roles.worker.averaging.index_sets import SegmentIndexSets  # noqa: E402
 from roles.worker.averaging.schedule import segment_of  # noqa: E402

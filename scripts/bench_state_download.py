@@ -2,7 +2,7 @@
 from 1, 2 and 4 donors on 100 Mbit/s links, and the time to finish when a donor dies mid-transfer.
 Prints ONE JSON object on stdout (logs go to stderr).
 
-What runs: the product's own donor (roles/worker/state_donor.py) behind the product's RPC server on
+What runs: the product's own donor (roles/worker/state/state_donor.py) behind the product's RPC server on
 real libp2p daemons (one p2pd per donor and one for the joiner, over 127.0.0.1), and the product's
 joiner path (donor_client.fetch_manifests + choose, state_download.MultiDonorDownload, thaw and
 apply_state into a fresh StageOptimizer), on the real state of a surrogate-1b body stage after one
@@ -46,7 +46,7 @@ def build_state(preset: str, stage: int):
     from protocol.run_presets import PRESETS
     from roles.model.stage import build_stage_model
     from roles.worker.layout import FlatLayout
-    from roles.worker.optimizer import StageOptimizer
+    from roles.worker.steps.optimizer import StageOptimizer
 
     run = RunConfig.model_validate(PRESETS[preset])
 
@@ -110,11 +110,11 @@ async def scenario(opt, layout, fresh, *, donors: int, link_mbps: float, cap_mbp
                    kill_at: float | None, run_id: str, stage: int, lab=None) -> dict:
     from protocol import version
     from protocol.transport import RpcClient, RpcServer
-    from roles.worker.donor_client import DonorSource, choose, fetch_manifests
-    from roles.worker.run_checkpoint_io import apply_state
-    from roles.worker.state_donor import StateDonor, TokenBucket
-    from roles.worker.state_download import MultiDonorDownload
-    from roles.worker.state_snapshot import thaw
+    from roles.worker.state.donor_client import DonorSource, choose, fetch_manifests
+    from roles.worker.state.run_checkpoint_io import apply_state
+    from roles.worker.state.state_donor import StateDonor, TokenBucket
+    from roles.worker.state.state_download import MultiDonorDownload
+    from roles.worker.state.state_snapshot import thaw
 
     joiner = await _p2p_in(lab, "joiner")
     hosts = []

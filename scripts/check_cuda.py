@@ -20,10 +20,10 @@ from protocol.messages import BackwardRequest, ForwardRequest
 from protocol.run_config import load_run_config
 from roles.model.memory_plan import plan_memory
 from roles.model.stage import StageModel
-from roles.worker.optimizer import StageOptimizer
-from roles.worker.queues import TaskQueues
-from roles.worker.runtime import StageRuntime
-from roles.worker.step_ledger import StepLedger
+from roles.worker.steps.optimizer import StageOptimizer
+from roles.worker.serving.queues import TaskQueues
+from roles.worker.serving.runtime import StageRuntime
+from roles.worker.steps.step_ledger import StepLedger
 
 
 def build_runtime(run, stage: int, max_batch: int, device: torch.device) -> StageRuntime:

@@ -75,7 +75,7 @@ def policy_schema() -> str:
 
 def termination_rules() -> str:
     sys.path.insert(0, ROOT)
-    from roles.worker.termination import rules_table
+    from roles.worker.health.termination import rules_table
 
     return rules_table()
 

@@ -8,9 +8,9 @@ from typing import Iterable, Optional
 
 from node.metrics.registry import Families, Family, NodeMetrics
 from protocol.dht_schema import Phase, RoundStatus
-from roles.worker.queues import TaskKind
+from roles.worker.serving.queues import TaskKind
 from roles.worker.role import WorkerRole, WorkerState
-from roles.worker.termination import RULES
+from roles.worker.health.termination import RULES
 
 PASSES = tuple(kind.value for kind in TaskKind)
 ROUND_OUTCOMES = tuple(status.value for status in RoundStatus)

@@ -48,11 +48,11 @@ def modeling_source() -> str:
 
 def load_stages(run: RunConfig, files: list[Path]) -> list[StageModel]:
     """Every stage of the run, built from the run config and loaded from one stage checkpoint
-    per stage (safetensors: a `--checkpoint-dir` file, roles/worker/stage_checkpoint.py, or a run
+    per stage (safetensors: a `--checkpoint-dir` file, roles/worker/state/stage_checkpoint.py, or a run
     checkpoint's stage object, roles/checkpoint_store.py); refused in one sentence if a stage is
     missing, doubled or from another run or layout."""
     from roles.checkpoint_store import FORMAT as RUN_FORMAT
-    from roles.worker.stage_checkpoint import FORMAT
+    from roles.worker.state.stage_checkpoint import FORMAT
     from roles.worker.layout import FlatLayout
 
     if run.model.kind != "transformer":

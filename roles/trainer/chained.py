@@ -4,7 +4,7 @@ The trainer picks the sample's route as it would pick its calls: per stage, the 
 first, then up to `routing.candidates - 1` other usable workers of the stage in the order the
 balancer would take them; a body stage with no usable worker is left out of the route when the
 run skips stages (roles/trainer/skipping.py). It hands the sample to the head with that route and
-waits for the outcome (roles/worker/chain.py). The reply names who ran each stage, how long the
+waits for the outcome (roles/worker/serving/chain.py). The reply names who ran each stage, how long the
 sample spent there and which candidates failed: the balancers learn from those as from their own
 calls, and ban the failed ones. A head that cannot be reached or is busy is replaced by the
 route's next head candidate; anything later is the workers' to retry.

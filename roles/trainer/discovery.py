@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 ROUTABLE_PHASES = (Phase.ACTIVE, Phase.OPTIMIZER_SYNC)
 EMPTY_READ_GRACE_S = 30.0
 """How long a stage's workers stay routable through reads that find no record under the stage:
-the lifetime of a worker record (roles/worker/progress.py), so none outlives what the DHT keeps."""
+the lifetime of a worker record (roles/worker/steps/progress.py), so none outlives what the DHT keeps."""
 
 
 class WorkerDiscovery:

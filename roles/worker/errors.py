@@ -7,7 +7,7 @@
         ├── CheckpointError      a checkpoint is missing, unreadable or belongs to another run/stage
         └── WorkerLeftStage      the worker's own rules made it leave the stage [report 3.3.1.6];
             │                    the node exits with the code its daemon maps this to (3)
-            └── SelfTerminated   one named rule of roles/worker/termination.py fired; the node
+            └── SelfTerminated   one named rule of roles/worker/health/termination.py fired; the node
                                  exits with that rule's code
 """
 
@@ -41,7 +41,7 @@ class WorkerLeftStage(WorkerError):
 
 
 class SelfTerminated(WorkerLeftStage):
-    """A self-termination rule fired (roles/worker/termination.py): the worker leaves its stage
+    """A self-termination rule fired (roles/worker/health/termination.py): the worker leaves its stage
     cleanly and the node exits with `exit_code`, the rule's documented code."""
 
     def __init__(self, rule: str, exit_code: int, message: str):

@@ -43,27 +43,27 @@ from roles.worker.averaging.rounds import RoundOutcome
 from roles.worker.averaging.service import AveragingService
 from roles.worker.sparseloco.service import SparseLoCoService
 from roles.worker.sparseloco.endpoint import SparseLoCoEndpoint
-from roles.worker.chain import ChainHandler, StageDirectory
-from roles.worker.stage_checkpoint import StageCheckpoints
+from roles.worker.serving.chain import ChainHandler, StageDirectory
+from roles.worker.state.stage_checkpoint import StageCheckpoints
 from roles.worker.config import WorkerConfig
-from roles.worker.donor_client import load_from_donors
+from roles.worker.state.donor_client import load_from_donors
 from roles.worker.errors import CheckpointError, StateLoadError, WorkerLeftStage
-from roles.worker.connectivity import ConnectivityProbe
-from roles.worker.termination import SelfTermination, averaging_health
-from roles.worker.handlers import WorkerHandlers
+from roles.worker.health.connectivity import ConnectivityProbe
+from roles.worker.health.termination import SelfTermination, averaging_health
+from roles.worker.serving.handlers import WorkerHandlers
 from roles.worker.layout import FlatLayout
-from roles.worker.optimizer import StageOptimizer
-from roles.worker.preemption import PreemptionWatcher, PreemptSwitch
-from roles.worker.progress import StageProgress
-from roles.worker.queues import TaskQueues
-from roles.worker.replicas import StageReplicas
-from roles.worker.run_checkpoint_io import RunCheckpointWriter, apply_state, load_latest
-from roles.worker.runtime import StageRuntime, autocast_dtype
-from roles.worker.state_donor import StateDonor
-from roles.worker.state_loader import StateLoader
-from roles.worker.state_server import StateServer
-from roles.worker.step_ledger import StepLedger
-from roles.worker.sync_phase import SyncPhases
+from roles.worker.steps.optimizer import StageOptimizer
+from roles.worker.health.preemption import PreemptionWatcher, PreemptSwitch
+from roles.worker.steps.progress import StageProgress
+from roles.worker.serving.queues import TaskQueues
+from roles.worker.serving.replicas import StageReplicas
+from roles.worker.state.run_checkpoint_io import RunCheckpointWriter, apply_state, load_latest
+from roles.worker.serving.runtime import StageRuntime, autocast_dtype
+from roles.worker.state.state_donor import StateDonor
+from roles.worker.state.state_loader import StateLoader
+from roles.worker.state.state_server import StateServer
+from roles.worker.steps.step_ledger import StepLedger
+from roles.worker.state.sync_phase import SyncPhases
 
 logger = logging.getLogger(__name__)
 
@@ -541,7 +541,7 @@ class WorkerRole:
 
     async def _load_from_donors(self):
         """Parameters and optimizer state from every donor that publishes the chosen snapshot
-        (roles/worker/donor_client.py); None when no worker of the stage answers as a donor."""
+        (roles/worker/state/donor_client.py); None when no worker of the stage answers as a donor."""
         candidates = await self._state_candidates()
         if not candidates:
             return None

@@ -92,7 +92,7 @@ def test_a_trained_tokenizer_travels_with_the_export_and_bad_checkpoints_are_ref
     from protocol.run_config import load_run_config
     from roles.model.stage import build_stage_model
     from roles.trainer.tokenizer import HFTokenizer
-    from roles.worker.stage_checkpoint import FORMAT, write_checkpoint
+    from roles.worker.state.stage_checkpoint import FORMAT, write_checkpoint
     from roles.worker.layout import FlatLayout
 
     write_jsonl(tmp_path / "docs.jsonl", documents(800))

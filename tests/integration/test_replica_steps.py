@@ -76,7 +76,7 @@ def test_two_replicas_per_stage_step_on_exact_batches_stay_equal_and_survive_a_k
     assert summary["samples_completed"] >= 440, summary
     steps = _steps_from_log(log)
     # As the trainers saw it, one step may hold more: when the victim was the tail's tagger, the
-    # survivor takes over from the counts published so far (roles/worker/step_tagger.py) and
+    # survivor takes over from the counts published so far (roles/worker/steps/step_tagger.py) and
     # fills the open step again, while samples the victim tagged for it and answered before it
     # died are in the trainer's log with that step; their tail gradients died with it. What
     # each surviving replica applied stays exact (samples_per_step_max below).

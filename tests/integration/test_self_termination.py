@@ -36,7 +36,7 @@ import uuid
 import pytest
 
 from protocol.run_config import dump_run_config, load_run_config
-from roles.worker.termination import RULES_BY_NAME
+from roles.worker.health.termination import RULES_BY_NAME
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration

@@ -38,7 +38,7 @@ def _samples(path: str) -> list[dict]:
 def test_a_body_stage_whose_only_worker_dies_is_skipped_until_a_new_worker_serves_it(
         make_swarm, run_config_path, tmp_path, routing):
     """On the worker-to-worker path the head finds the body unreachable and sends the sample to the
-    tail itself (roles/worker/chain.py)."""
+    tail itself (roles/worker/serving/chain.py)."""
     config = run_config_path(target_batch_size=8, routing={"path": routing})
     swarm = make_swarm(config)
     worker_args = ["--max-batch", "8", "--announce-period-s", "1"]

@@ -3,8 +3,8 @@ only): what a cheating worker sends is altered, while the worker's own training 
 weights, accumulated gradients, kept activations, step ledger) stays honest.
 
 Every result a worker sends comes out of four `StageRuntime` methods, on both routing paths:
-the handlers (roles/worker/handlers.py: forward, backward, evaluate) and the chain handler
-(roles/worker/chain.py: its forward, its backward, the tail's fused backward) all queue work
+the handlers (roles/worker/serving/handlers.py: forward, backward, evaluate) and the chain handler
+(roles/worker/serving/chain.py: its forward, its backward, the tail's fused backward) all queue work
 for the compute thread, which calls `_forward_batch` (forward outputs, kept or not),
 `_backward_batch` (recomputed backwards and the tail's loss) or `_backward_through` (backwards
 through kept activations); held-out evaluations call `evaluate` in a thread of their own. The
@@ -486,7 +486,7 @@ _PATCHES = {"_forward_batch": _forward_batch, "_backward_batch": _backward_batch
 
 def _targets() -> list[tuple[object, str, str, Callable]]:
     """(owner, attribute, key in _ORIGINALS, patch) of every patch."""
-    from roles.worker.runtime import StageRuntime
+    from roles.worker.serving.runtime import StageRuntime
     from roles.worker.sparseloco import service
     from roles.worker.sparseloco.outer import SparseLoCoState
 

@@ -16,10 +16,10 @@ import torch
 from protocol.messages import BackwardRequest, EvaluateRequest, ForwardRequest
 from protocol.run_config import load_run_config
 from roles.model.stage import StageModel
-from roles.worker.optimizer import StageOptimizer
-from roles.worker.queues import TaskKind, TaskQueues
-from roles.worker.runtime import StageRuntime
-from roles.worker.step_ledger import StepLedger
+from roles.worker.steps.optimizer import StageOptimizer
+from roles.worker.serving.queues import TaskKind, TaskQueues
+from roles.worker.serving.runtime import StageRuntime
+from roles.worker.steps.step_ledger import StepLedger
 from tests.support.adversary import installed, parse_attack
 from tests.support.adversary_node import adversary_prefix, split_argv
 

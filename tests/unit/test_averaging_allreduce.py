@@ -19,7 +19,7 @@ from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundPlan, SegmentRound
 from roles.worker.layout import FlatLayout
-from roles.worker.preemption import PreemptSwitch
+from roles.worker.health.preemption import PreemptSwitch
 
 CONFIG = AveragingConfig(matchmaking_time_s=2.0, request_timeout_s=1.0, sender_timeout_s=3.0,
                          allreduce_timeout_s=30.0, part_size_bytes=4096)

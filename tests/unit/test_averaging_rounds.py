@@ -13,7 +13,7 @@ import torch
 from hivemind.averaging.matchmaking import MatchmakingException
 
 from protocol.dht_schema import RoundStatus
-from roles.worker.averaging.health import RoundHealth, Verdict
+from roles.worker.health.round_health import RoundHealth, Verdict
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundPlan, SegmentRound, delta_rule, round_key_bits
 from roles.worker.layout import FlatLayout
@@ -230,7 +230,7 @@ def test_two_failures_in_three_rounds_leave_unless_everyone_failed():
 def test_a_round_edits_the_master_copy_and_pushes_it_to_the_compute_parameters():
     """The path a GPU worker takes: the optimizer keeps separate float32 master weights, the round
     edits those, and the compute parameters follow (here on the CPU, forced)."""
-    from roles.worker.optimizer import StageOptimizer
+    from roles.worker.steps.optimizer import StageOptimizer
 
     model = torch.nn.Linear(10, 5)
     optimizer = StageOptimizer(model.parameters(), lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,

@@ -18,7 +18,7 @@ from protocol.run_config import RoutingConfig
 from roles.trainer.balancer import StageBalancer, WorkerView
 from roles.trainer.chained import ChainedRouting
 from roles.trainer.pipeline import PipelineDriver, SampleDropped
-from roles.worker.chain import ChainHandler, StageDirectory
+from roles.worker.serving.chain import ChainHandler, StageDirectory
 
 TOKENS = torch.arange(8, dtype=torch.int64)
 _PEER = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
@@ -181,7 +181,7 @@ class _QueueingRuntime:
 def test_a_tagged_sample_whose_caller_left_before_its_backward_ran_is_abandoned_at_this_stage(withdrawable):
     """Cancelled while its backward is queued: withdrawn unrun, the step it was tagged for must not
     wait for it; if the compute thread took it already, it still counts and is not abandoned."""
-    from roles.worker.handlers import WorkerHandlers
+    from roles.worker.serving.handlers import WorkerHandlers
 
     async def main():
         runtime = _QueueingRuntime(withdrawable)
@@ -214,7 +214,7 @@ def test_a_next_worker_that_cannot_be_reached_is_dialled_again_at_the_addresses_
     """A worker restarted elsewhere with the same identity: its old addresses fail once, then the
     stage's records are read again and the new ones dialled."""
     from protocol.errors import PeerUnavailable
-    from roles.worker import chain as chain_module
+    from roles.worker.serving import chain as chain_module
 
     peer = _PEER.to_base58()
     listed = {"now": ["/ip4/127.0.0.1/tcp/1"]}

@@ -1,4 +1,4 @@
-"""Run checkpoints in a store (roles/checkpoint_store.py, roles/worker/run_checkpoint_io.py): complete only
+"""Run checkpoints in a store (roles/checkpoint_store.py, roles/worker/state/run_checkpoint_io.py): complete only
 once every stage is there, verified before use, pruned to the newest K, and a resumed stage steps
 exactly as the one that wrote it would have."""
 
@@ -10,8 +10,8 @@ from protocol.run_config import load_run_config
 from roles.checkpoint_store import CheckpointStore, CheckpointStoreError
 from roles.model.stage import build_stage_model
 from roles.worker.layout import FlatLayout
-from roles.worker.optimizer import StageOptimizer
-from roles.worker.run_checkpoint_io import RunCheckpointWriter, apply_state, load_latest
+from roles.worker.steps.optimizer import StageOptimizer
+from roles.worker.state.run_checkpoint_io import RunCheckpointWriter, apply_state, load_latest
 
 import pytest
 

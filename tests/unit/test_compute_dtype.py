@@ -10,7 +10,7 @@ import torch
 from protocol.messages import ForwardRequest
 from protocol.run_config import load_run_config
 from roles.worker.config import WorkerConfig
-from roles.worker.runtime import autocast_dtype
+from roles.worker.serving.runtime import autocast_dtype
 from tests.unit.test_step_boundaries import make_runtime
 
 

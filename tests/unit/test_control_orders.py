@@ -146,7 +146,7 @@ def test_revocation_list_path_is_intact(tmp_path, ids):
 
 def test_open_run_validator_leaves_the_control_key_alone_and_orders_need_a_root_key(tmp_path, ids):
     """In an open run nobody's record validator checks the control key (any peer may write
-    anything there): that is why workers there never read orders (roles/worker/preemption.py)."""
+    anything there): that is why workers there never read orders (roles/worker/health/preemption.py)."""
     validator = SignedRecordValidator(ids[0], schema_for_run(RUN, 2))
     good = sign_order_as_root(ROOT, new_order(run_id=RUN, peer_id=_target(ids), moment="now"))
     assert validator.validate(_record(good.to_dht_value(), preempt_subkey(_target(ids))))
@@ -201,7 +201,7 @@ class _Swarm:
 
 @pytest.fixture
 def watcher(tmp_path, ids, monkeypatch):
-    from roles.worker import preemption
+    from roles.worker.health import preemption
 
     kills = []
     monkeypatch.setattr(preemption.os, "kill", lambda pid, sig: kills.append((pid, sig)))

@@ -22,11 +22,11 @@ from protocol.run_config import EvaluationConfig, load_run_config
 from roles.model.stage import StageModel
 from roles.trainer.evaluation import HeldOutEvaluator
 from roles.trainer.pipeline import EvaluatedSample, SampleDropped
-from roles.worker import handlers as worker_handlers
-from roles.worker.handlers import WorkerHandlers
-from roles.worker.optimizer import StageOptimizer
-from roles.worker.queues import TaskQueues
-from roles.worker.runtime import StageRuntime
+from roles.worker.serving import handlers as worker_handlers
+from roles.worker.serving.handlers import WorkerHandlers
+from roles.worker.steps.optimizer import StageOptimizer
+from roles.worker.serving.queues import TaskQueues
+from roles.worker.serving.runtime import StageRuntime
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ from protocol.evidence import Evidence, EvidenceRejected, SignedResult, check_ev
 from protocol.identity import Identity, verify_peer_signature
 from protocol.messages import EvaluateReply, EvaluateRequest
 from roles.trainer.spot_checks import SpotChecks
-from roles.worker.handlers import WorkerHandlers
+from roles.worker.serving.handlers import WorkerHandlers
 from tests.unit.test_adversary import TAIL, coords, make_runtime, tokens
 
 RUN = "run-e"

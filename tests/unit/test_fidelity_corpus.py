@@ -109,7 +109,7 @@ def test_bench_with_data_reads_a_swarm_that_trained_like_the_reference(monkeypat
     gaps; the run config, JSON config and parameter counts follow the corpus and --anchor-rank."""
     import bench_fidelity
     from _fidelity_reference import OneProcessTrainer
-    from roles.worker.stage_checkpoint import checkpoint_path, write_checkpoint
+    from roles.worker.state.stage_checkpoint import checkpoint_path, write_checkpoint
     from roles.worker.layout import FlatLayout
 
     seen: dict = {}

@@ -14,7 +14,7 @@ from protocol.run_config import RunConfig, load_run_config
 from roles.model.plain import PlainModel
 from roles.model.stage import FullModel, StageModel
 from roles.worker.layout import FlatLayout
-from roles.worker.optimizer import StageOptimizer
+from roles.worker.steps.optimizer import StageOptimizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 from _fidelity_reference import (  # noqa: E402
@@ -185,7 +185,7 @@ def test_bench_reads_a_swarm_that_trained_exactly_like_the_reference(monkeypatch
     import json
 
     import bench_fidelity
-    from roles.worker.stage_checkpoint import checkpoint_path, write_checkpoint
+    from roles.worker.state.stage_checkpoint import checkpoint_path, write_checkpoint
 
     def fake_swarm(run, config_path, workdir, setting, total, replicas):
         bank = SampleBank(run)

@@ -19,7 +19,7 @@ from protocol.messages import (
     ReplyFrame, RequestFrame, StepGradientsReply, TagReply, parse_frame, parse_reply_frame, parse_request_frame,
     to_body,
 )
-from roles.worker.runtime import _all_finite
+from roles.worker.serving.runtime import _all_finite
 
 scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats() | st.text(max_size=8) \
     | st.binary(max_size=8)

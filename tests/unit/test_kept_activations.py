@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from protocol.messages import BackwardRequest, ForwardRequest
-from roles.worker.queues import TaskKind
+from roles.worker.serving.queues import TaskKind
 from tests.support.polling import poll_until
 from tests.unit.test_step_boundaries import Replies, coords, make_run, make_runtime, tokens
 

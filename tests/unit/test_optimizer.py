@@ -12,7 +12,7 @@ from torch import nn
 
 from protocol.errors import AgoraError
 from protocol.run_config import OptimizerConfig
-from roles.worker.optimizer import NonFiniteGradients, StageOptimizer, stage_clip_threshold
+from roles.worker.steps.optimizer import NonFiniteGradients, StageOptimizer, stage_clip_threshold
 
 # eps is large on purpose: with a tiny eps AdamW is almost blind to the gradient's scale, and these
 # tests must see whether the gradients were averaged and clipped correctly.

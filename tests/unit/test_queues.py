@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.errors import AgoraError
-from roles.worker.queues import (
+from roles.worker.serving.queues import (
     BatchResultMismatch,
     QueueClosed,
     QueueFull,
@@ -291,7 +291,7 @@ def test_ungrouped_batches_match_oldest_head_model(max_batch, kinds):
 def test_a_retry_replaces_its_sample_s_request_that_still_waits():
     """A caller that timed out and retried does not wait for the first request any more: the worker
     drops it unrun and answers it Superseded; requests of other samples or callers stay."""
-    from roles.worker.queues import Superseded
+    from roles.worker.serving.queues import Superseded
 
     queues = TaskQueues(max_batch=8)
     answers = []

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from protocol.errors import PeerUnavailable, ProtocolError
-from roles.worker.gradient_exchange import Contribution, GradientExchange, add_up
-from roles.worker.step_tagger import AnsweredAsks, ForwardSlots, StepTagger, elect_tagger
+from roles.worker.steps.gradient_exchange import Contribution, GradientExchange, add_up
+from roles.worker.steps.step_tagger import AnsweredAsks, ForwardSlots, StepTagger, elect_tagger
 
 TARGET = 16
 

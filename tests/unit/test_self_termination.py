@@ -1,4 +1,4 @@
-"""The self-termination rules' evaluator (roles/worker/termination.py) [report 3.3.1.6]: each rule
+"""The self-termination rules' evaluator (roles/worker/health/termination.py) [report 3.3.1.6]: each rule
 fires on its cause and not otherwise, thresholds come from the run config, successes reset the
 counts, and the rules table agrees with the exit codes."""
 
@@ -13,9 +13,9 @@ from pydantic import ValidationError
 
 from protocol.exit_codes import EXIT_CODES, ExitCode
 from protocol.run_config import TerminationConfig, load_run_config
-from roles.worker.averaging.health import RoundHealth
+from roles.worker.health.round_health import RoundHealth
 from roles.worker.errors import SelfTerminated, WorkerLeftStage
-from roles.worker.termination import RULES, SelfTermination, averaging_health, is_device_fault
+from roles.worker.health.termination import RULES, SelfTermination, averaging_health, is_device_fault
 
 GIB = 2**30
 

@@ -15,14 +15,14 @@ from protocol import version
 from protocol.errors import ErrorCode, PeerUnavailable, ProtocolError, RemoteError
 from protocol.state_messages import ManifestReply
 from protocol.transport import RpcClient, RpcServer
-from roles.worker.donor_client import DonorSource, Offer, choose, fetch_manifests
+from roles.worker.state.donor_client import DonorSource, Offer, choose, fetch_manifests
 from roles.worker.errors import StateLoadError
 from roles.worker.layout import FlatLayout
-from roles.worker.optimizer import StageOptimizer
-from roles.worker.run_checkpoint_io import apply_state
-from roles.worker.state_donor import StateDonor, TokenBucket
-from roles.worker.state_download import MultiDonorDownload
-from roles.worker.state_snapshot import Manifest, SnapshotError, describe, freeze, thaw
+from roles.worker.steps.optimizer import StageOptimizer
+from roles.worker.state.run_checkpoint_io import apply_state
+from roles.worker.state.state_donor import StateDonor, TokenBucket
+from roles.worker.state.state_download import MultiDonorDownload
+from roles.worker.state.state_snapshot import Manifest, SnapshotError, describe, freeze, thaw
 
 CHUNK = 1 << 16
 
@@ -304,7 +304,7 @@ def test_donor_drops_an_idle_snapshot_and_freezes_a_fresh_one():
 def test_a_new_joiner_gets_a_fresh_snapshot_once_the_stage_stepped_past_an_idle_one(monkeypatch):
     """Under churn a snapshot kept for its TTL handed a joiner state 56 steps old. A snapshot the
     stage stepped past is refrozen for the next joiner, unless a download is reading it."""
-    from roles.worker import state_donor
+    from roles.worker.state import state_donor
 
     monkeypatch.setattr(state_donor, "SNAPSHOT_IDLE_BEFORE_REFREEZE_S", 0.1)
     _, opt, layout = _stage(0)
@@ -381,7 +381,7 @@ def test_download_over_libp2p_from_two_donors_one_of_which_dies():
 
 def test_an_older_donor_without_the_manifest_handler_is_no_donor_and_the_caller_falls_back():
     from protocol.run_config import SyncConfig
-    from roles.worker.donor_client import load_from_donors
+    from roles.worker.state.donor_client import load_from_donors
 
     _, opt, layout = _stage(0)
 
@@ -418,7 +418,7 @@ def test_a_store_object_is_fetched_by_checked_ranged_reads_and_a_damaged_range_i
     from protocol.run_config import load_run_config
     from roles.checkpoint_store import CheckpointStore, StageEntry
     from roles.model.stage import build_stage_model
-    from roles.worker.run_checkpoint_io import RunCheckpointWriter, load_latest
+    from roles.worker.state.run_checkpoint_io import RunCheckpointWriter, load_latest
 
     run = load_run_config("tiny", {"run_id": "ranged-unit", "stages": [{"first_layer": 0, "last_layer": 2},
                                                                        {"first_layer": 2, "last_layer": 3}]})

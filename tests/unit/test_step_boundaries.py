@@ -16,10 +16,10 @@ import torch
 from protocol.messages import BackwardRequest, ForwardRequest
 from protocol.run_config import load_run_config
 from roles.model.stage import StageModel
-from roles.worker.optimizer import StageOptimizer
-from roles.worker.queues import TaskKind, TaskQueues
-from roles.worker.runtime import StageRuntime
-from roles.worker.step_ledger import PeerView, StepLedger
+from roles.worker.steps.optimizer import StageOptimizer
+from roles.worker.serving.queues import TaskKind, TaskQueues
+from roles.worker.serving.runtime import StageRuntime
+from roles.worker.steps.step_ledger import PeerView, StepLedger
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -195,7 +195,7 @@ def test_a_replica_adding_up_gradients_jumps_only_when_no_replica_can_still_clos
     (its empty contribution, the peer's sum) instead of jumping: a peer pushing its gradients of a
     skipped step would be refused and step on them alone, and the replicas would part (CI: stage 0
     replicas differed after a tail replica was killed)."""
-    from roles.worker.gradient_exchange import StepSum
+    from roles.worker.steps.gradient_exchange import StepSum
 
     run = make_run(2)
     # (the peer's open step, the first step this replica exchanges and with how many samples, steps skipped)

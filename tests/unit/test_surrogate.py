@@ -18,7 +18,7 @@ from roles.model.surrogate_sizes import surrogate_averaged_count, surrogate_payl
 from roles.model.traffic_plan import averaged_values_per_round
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.layout import FlatLayout
-from roles.worker.optimizer import StageOptimizer
+from roles.worker.steps.optimizer import StageOptimizer
 
 MIRRORS = {"surrogate-1b": "1b", "surrogate-8b": "8b"}
 

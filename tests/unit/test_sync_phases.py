@@ -11,10 +11,10 @@ import torch
 
 from protocol.dht_schema import Phase, ProgressRecord, RoundStatus
 from protocol.run_config import SyncConfig
-from roles.worker.optimizer import StageOptimizer
-from roles.worker.progress import StageProgress
-from roles.worker.step_ledger import StepLedger
-from roles.worker.sync_phase import SyncPhases
+from roles.worker.steps.optimizer import StageOptimizer
+from roles.worker.steps.progress import StageProgress
+from roles.worker.steps.step_ledger import StepLedger
+from roles.worker.state.sync_phase import SyncPhases
 
 
 def test_only_a_stale_joiner_syncs():
@@ -144,7 +144,7 @@ def test_progress_counts_every_tagged_sample_of_the_step():
 def test_an_idle_replica_reads_its_stage_slowly_and_the_next_sample_makes_it_quick(monkeypatch):
     """Issue 23 (the idle swarm's DHT cost): counts unchanged for IDLE_AFTER_S -> reads every
     idle period (alone: a tick inside it reads nothing); a change -> back to `period_s` at once."""
-    from roles.worker import progress as progress_module
+    from roles.worker.steps import progress as progress_module
 
     now = [1000.0]
     monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
@@ -180,7 +180,7 @@ def test_a_replica_asked_by_a_peer_it_does_not_know_reads_its_stage_once_for_all
     """A replica that found our progress record before we found its asks at once (tags, step
     gradients); `read_soon` reads the stage for it: one read for every ask under way, none again
     within MIN_REREAD_S, and the newcomer is a member afterwards."""
-    from roles.worker import progress as progress_module
+    from roles.worker.steps import progress as progress_module
 
     _, opt = _optimizer()
     reads = []

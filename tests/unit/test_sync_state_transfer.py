@@ -14,11 +14,11 @@ from hivemind.p2p import P2P
 from protocol import version
 from protocol.errors import ErrorCode, RemoteError
 from protocol.transport import RpcClient, RpcServer, dial
-from roles.worker.stage_checkpoint import StageCheckpoints, checkpoint_path
+from roles.worker.state.stage_checkpoint import StageCheckpoints, checkpoint_path
 from roles.worker.errors import CheckpointError, StateLoadError
 from roles.worker.layout import FlatLayout
-from roles.worker.state_loader import StateLoader
-from roles.worker.state_server import StateServer
+from roles.worker.state.state_loader import StateLoader
+from roles.worker.state.state_server import StateServer
 
 LAYOUT = FlatLayout(["w", "b"], [(30, 10), (50,)])  # 350 values
 CHUNK = 64

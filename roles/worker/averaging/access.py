@@ -42,7 +42,7 @@ CREDENTIAL_KEY = "credential"
 GROUP_REFUSED = "refused the group"
 """How the reason of a round whose group this replica refused begins. It reaches the node inside
 hivemind's MatchmakingException message (the exception crosses the process boundary by its text);
-such a round does not count against the replica's health (health.py): the group was at fault."""
+such a round does not count against the replica's health (health/round_health.py): the group was at fault."""
 
 
 class Refusal(str, enum.Enum):

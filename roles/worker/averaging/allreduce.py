@@ -14,7 +14,7 @@ whose part is not finite, carries an absurd weight or has a norm far from ours i
 round from that part on, and `telemetry()` names it with the reason.
 
 It also hosts the operator's preemption moments `chunk_send` and `reduced_send`
-(roles/worker/preemption.py), and the two faults tests inject: stalling this peer mid-round, so a test can kill it
+(roles/worker/health/preemption.py), and the two faults tests inject: stalling this peer mid-round, so a test can kill it
 while its peers wait for its next chunk, and poisoning the parts it sends to other reducers (NaN
 or a million times too large), so a test can watch them leave it out.
 """
@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 from protocol.control_orders import PreemptMoment
 from protocol.hivemind_adapter import AdaptedRunner, HeldPart
 from roles.worker.averaging.screening import PartScreen
-from roles.worker.preemption import PreemptSwitch
+from roles.worker.health.preemption import PreemptSwitch
 
 logger = logging.getLogger(__name__)
 

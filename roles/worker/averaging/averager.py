@@ -40,7 +40,7 @@ from roles.worker.averaging.access import (
 from roles.worker.averaging.allreduce import InstrumentedRunner
 from roles.worker.averaging.screening import PartScreen
 from roles.worker.errors import AveragingError
-from roles.worker.preemption import PreemptSwitch
+from roles.worker.health.preemption import PreemptSwitch
 
 logger = logging.getLogger(__name__)
 

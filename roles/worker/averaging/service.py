@@ -9,7 +9,7 @@ slice is followed at once by a repair round among the survivors on the same segm
 replica's weight is the number of samples it processed since its last round, at least 1 while it
 is active (so an idle stage still averages), and 0 in a sync phase [report 3.3.1.1]. Each round's
 outcome goes to the log, to the `{run}/stage/{s}/averaging` record (with the last rounds and
-counters), to the self-protection rule (health.py) and to the divergence watch (divergence.py:
+counters), to the self-protection rule (health/round_health.py) and to the divergence watch (divergence.py:
 the stage's outlier rejoins through weight sync). In an authenticated run only the stage's credentialed workers
 may average with the replica (access.py); the requests and groups it refused are counted.
 """
@@ -38,12 +38,12 @@ from roles.worker.averaging.access import AveragingAccess
 from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.divergence import DivergenceWatch
 from roles.worker.averaging.election import Candidate, elect
-from roles.worker.averaging.health import RoundHealth, Verdict
+from roles.worker.health.round_health import RoundHealth, Verdict
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome, RoundPlan, SegmentRound
 from roles.worker.averaging.schedule import RoundSchedule, segment_of
 from roles.worker.layout import ParameterStore
-from roles.worker.preemption import PreemptSwitch
+from roles.worker.health.preemption import PreemptSwitch
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class AveragingService:
         """Called when this replica is the stage's outlier (divergence.py): it must resync."""
         self.divergence = DivergenceWatch(config.max_divergence, config.divergence_rounds)
         self.preempt = preempt
-        """Shared with the averager process, which dies on it mid-round (roles/worker/preemption.py)."""
+        """Shared with the averager process, which dies on it mid-round (roles/worker/health/preemption.py)."""
         self.swarm = swarm
         self.run_id = run_id
         self.stage = stage

@@ -1,6 +1,6 @@
 """A worker's SparseLoCo on the swarm: the transport its stage's config names, the
 `agora/v1/sparseloco_fragment` handler the swarm transport pushes to, and the push itself, over
-the replicas' authenticated streams (roles/worker/replicas.py dials and checks membership)."""
+the replicas' authenticated streams (roles/worker/serving/replicas.py dials and checks membership)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import SparseLoCoFragmentReply, SparseLoCoFragmentRequest, parse_model
 from protocol.run_config import RunConfig
 from protocol.transport import RpcServer, frame_bytes
-from roles.worker.replicas import StageReplicas
+from roles.worker.serving.replicas import StageReplicas
 from roles.worker.sparseloco.service import SparseLoCoService
 from roles.worker.sparseloco.transport import (
     FragmentInbox,

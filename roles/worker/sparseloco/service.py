@@ -41,7 +41,7 @@ from protocol.identity import Identity
 from protocol.run_config import RunConfig
 from protocol.stats import Distribution
 from roles.periodic import Signal
-from roles.worker.averaging.health import RoundHealth
+from roles.worker.health.round_health import RoundHealth
 from roles.worker.layout import FlatLayout
 from roles.worker.sparseloco.chunks import Fragment, fragment_due, plan_fragments
 from roles.worker.sparseloco.codec import (

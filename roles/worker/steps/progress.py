@@ -2,7 +2,7 @@
 holds for its open step and the next one, and reads what the other replicas of its stage hold,
 so the step ledger can close a step when the stage as a whole has its target batch.
 
-The exchange only informs; the compute thread decides and takes the steps (roles/worker/step_ledger.py).
+The exchange only informs; the compute thread decides and takes the steps (roles/worker/steps/step_ledger.py).
 A worker alone in its stage needs nobody's count, so it publishes on its own steps and on a slow
 period (to stay visible to joiners and observers); replicas with peers publish on every change,
 at most every `min_interval_s`, because a peer waiting on their count is waiting on the DHT.
@@ -21,8 +21,8 @@ from protocol.dht import SwarmDHT
 from protocol.dht_schema import ProgressRecord, progress_key
 from protocol.errors import PeerTimeout
 from roles.periodic import Signal, every
-from roles.worker.optimizer import StageOptimizer
-from roles.worker.step_ledger import PeerView, StepLedger
+from roles.worker.steps.optimizer import StageOptimizer
+from roles.worker.steps.step_ledger import PeerView, StepLedger
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, RemoteError
 from roles.worker.errors import StateLoadError
-from roles.worker.state_snapshot import Manifest
+from roles.worker.state.state_snapshot import Manifest
 
 logger = logging.getLogger(__name__)
 

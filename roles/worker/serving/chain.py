@@ -18,7 +18,7 @@ sample already tagged with a step is reported abandoned to this stage at once, s
 not wait for a gradient that will not come. A worker that dies mid-chain breaks it for the
 workers before it, which see it unavailable and drop the sample the same way; a tagged sample
 lost that way is closed short by its step's timeout, as for a sample that died with a trainer
-(roles/worker/step_ledger.py). A worker only dials workers that the DHT lists for the route's
+(roles/worker/steps/step_ledger.py). A worker only dials workers that the DHT lists for the route's
 stage (signed records), never an address a caller made up.
 """
 
@@ -37,8 +37,8 @@ from protocol.dht_schema import Phase, WorkerRecord, workers_key
 from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
 from protocol.messages import BackwardRequest, ChainHop, ChainReply, ChainRequest, ChainStage, ForwardRequest, parse_model
 from protocol.transport import RpcClient, dial
-from roles.worker.handlers import WorkerHandlers
-from roles.worker.queues import TaskKind
+from roles.worker.serving.handlers import WorkerHandlers
+from roles.worker.serving.queues import TaskKind
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ class PeerView:
     members: tuple[str, ...] = ()
     """Peer ids of the other replicas with a live progress record."""
     taggers: tuple[str, ...] = ()
-    """Those of them that say they tag for the stage (the tail's tagger, roles/worker/step_tagger.py)."""
+    """Those of them that say they tag for the stage (the tail's tagger, roles/worker/steps/step_tagger.py)."""
     records: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """Per peer: (its open step, samples it holds for it, samples for the next one)."""
 
@@ -87,9 +87,9 @@ class StepLedger:
         self._peer_due: set[int] = set()
         self._published_view = PeerView()
         self._direct: dict[str, tuple[int, int, int]] = {}
-        """Counts the other replicas pushed straight to us (roles/worker/replicas.py): fresher than
+        """Counts the other replicas pushed straight to us (roles/worker/serving/replicas.py): fresher than
         their DHT records, which lag by a DHT round trip, so a step is found complete at once."""
-        """Steps a replica already pushed its gradients for (roles/worker/gradient_exchange.py)."""
+        """Steps a replica already pushed its gradients for (roles/worker/steps/gradient_exchange.py)."""
         self._open_since = time.monotonic()
         """When a sample of the open step last arrived, or the step opened."""
         self._waiting_since: Optional[float] = None

@@ -34,9 +34,9 @@ from protocol.run_config import SyncConfig
 from roles.checkpoint_store import CheckpointStoreError
 from roles.worker.errors import StateLoadError
 from roles.worker.layout import FlatLayout
-from roles.worker.run_checkpoint_io import apply_state
-from roles.worker.state_download import BadChunk, DownloadResult, MultiDonorDownload
-from roles.worker.state_snapshot import Manifest, SnapshotError, thaw
+from roles.worker.state.run_checkpoint_io import apply_state
+from roles.worker.state.state_download import BadChunk, DownloadResult, MultiDonorDownload
+from roles.worker.state.state_snapshot import Manifest, SnapshotError, thaw
 
 logger = logging.getLogger(__name__)
 

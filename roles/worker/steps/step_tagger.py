@@ -1,6 +1,6 @@
 """One tagger per stage step: which tail replica hands out step tags, and its cursor.
 
-The tail decides which global step each sample joins (roles/worker/step_ledger.py). With one tail
+The tail decides which global step each sample joins (roles/worker/steps/step_ledger.py). With one tail
 replica that count is exact; with several, each used to tag from its own count plus the count its
 peers last published, so both filled a step before they saw each other and steps overshot the
 target. Now exactly one tail replica, the tagger, owns the count: it tags its own batches

@@ -149,8 +149,8 @@ def fetch_stage_chunked(store: CheckpointStore, manifest: RunManifest, stage: in
     """A local copy of one stage's object fetched by parallel ranged reads, each range checked
     against the SHA-256 its sidecar lists (a bad range is read again, not the whole object), then
     the whole object against its SHA-256. Blocking: call it off the event loop."""
-    from roles.worker.state_download import MultiDonorDownload
-    from roles.worker.state_snapshot import Manifest
+    from roles.worker.state.state_download import MultiDonorDownload
+    from roles.worker.state.state_snapshot import Manifest
 
     entry = manifest.stages[stage]
     if not entry.chunks:

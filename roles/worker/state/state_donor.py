@@ -35,7 +35,7 @@ from hivemind.p2p import PeerID
 from protocol.errors import AgoraError, ErrorCode, ProtocolError
 from protocol.messages import parse_model
 from protocol.state_messages import ChunkReply, ChunkRequest, ManifestReply, ManifestRequest
-from roles.worker import state_snapshot
+from roles.worker.state import state_snapshot
 from roles.worker.layout import FlatLayout
 
 logger = logging.getLogger(__name__)

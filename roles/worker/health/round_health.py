@@ -7,7 +7,7 @@ leaving then would empty the stage for nothing. So a failure counts against this
 the stage averaged without it, i.e. another worker reports that same round as complete or
 partial; a failure nobody else survived is neutral. Skipped rounds (alone, no reducer) are not
 rounds at all, and neither is a group this worker refused because a member was no credentialed
-worker of the stage (access.py): the service does not report those here.
+worker of the stage (averaging/access.py): the service does not report those here.
 """
 
 from __future__ import annotations

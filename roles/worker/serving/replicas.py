@@ -1,14 +1,14 @@
 """What the replicas of one stage say to each other directly, over the swarm's authenticated
 streams, so that several workers of a stage train as one:
 
-- the tail's step tags come from one tagger (`agora/v1/tags`, roles/worker/step_tagger.py), so
+- the tail's step tags come from one tagger (`agora/v1/tags`, roles/worker/steps/step_tagger.py), so
   every step holds exactly `target_batch_size` samples in total over the replicas;
 - with `averaging.gradients` on, the replicas add up their gradients before every step
-  (`agora/v1/step_gradients`, roles/worker/gradient_exchange.py), so they apply one update.
+  (`agora/v1/step_gradients`, roles/worker/steps/gradient_exchange.py), so they apply one update.
 
 The compute thread asks for tags and waits for the exchange through the hooks this module gives
 the runtime; the requests themselves run on the event loop. Who the other replicas are comes from
-the stage's progress records (roles/worker/progress.py), which their owners sign.
+the stage's progress records (roles/worker/steps/progress.py), which their owners sign.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from protocol.run_config import RunConfig
 from protocol.transport import RpcClient, RpcServer, dial
 from roles.model.traffic_plan import gradient_exchange_on
 from roles.periodic import every
-from roles.worker.gradient_exchange import Contribution, GradientExchange, StepSum
-from roles.worker.runtime import StageRuntime
-from roles.worker.step_tagger import AnsweredAsks, ForwardSlots, StepTagger, TagGrant, Unreachable, elect_tagger
+from roles.worker.steps.gradient_exchange import Contribution, GradientExchange, StepSum
+from roles.worker.serving.runtime import StageRuntime
+from roles.worker.steps.step_tagger import AnsweredAsks, ForwardSlots, StepTagger, TagGrant, Unreachable, elect_tagger
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Whether any peer still answers this worker: the signal of the connectivity rule
-(roles/worker/termination.py) [report 3.3.1.6].
+(roles/worker/health/termination.py) [report 3.3.1.6].
 
 A DHT call cannot tell: hivemind answers from its local storage when every peer is gone, and a
 store "succeeds" locally. So the probe asks for a reply only a live remote peer can give. A

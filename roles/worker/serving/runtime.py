@@ -3,7 +3,7 @@ stage model, one result back to each requester [report 3.3.1.2-3.3.1.4].
 
 Requests are checked here before they are queued, so one malformed request can never spoil a
 batch. A head or body stage keeps its forward batch's activations for the backward while its
-memory budget allows (roles/worker/kept_activations.py); otherwise, and whenever the kept graph
+memory budget allows (roles/worker/serving/kept_activations.py); otherwise, and whenever the kept graph
 no longer fits the weights, backward recomputes the stage forward from the input the trainer
 sends back (stage-level activation checkpointing [report 3.3.1.4]).
 """
@@ -28,12 +28,12 @@ from protocol.messages import BackwardRequest, EvaluateReply, EvaluateRequest, F
 from protocol.stats import BusyWindow, Distribution, powers_of_two
 from roles.model.stage import StageModel
 from roles.periodic import Signal
-from roles.worker.optimizer import NonFiniteGradients, StageOptimizer, StepReport
-from roles.worker.step_ledger import StepDue, StepLedger
-from roles.worker.gradient_exchange import Contribution, StepSum
-from roles.worker.kept_activations import KeptActivations, KeptBatch, SavedBytes
-from roles.worker.queues import QueueClosed, Task, TaskKind, TaskQueues, run_batch
-from roles.worker.step_tagger import TagGrant
+from roles.worker.steps.optimizer import NonFiniteGradients, StageOptimizer, StepReport
+from roles.worker.steps.step_ledger import StepDue, StepLedger
+from roles.worker.steps.gradient_exchange import Contribution, StepSum
+from roles.worker.serving.kept_activations import KeptActivations, KeptBatch, SavedBytes
+from roles.worker.serving.queues import QueueClosed, Task, TaskKind, TaskQueues, run_batch
+from roles.worker.steps.step_tagger import TagGrant
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class StageRuntime:
         self.mid_compute: Optional[Callable[[str], None]] = None
         """Called by the compute thread mid batch ("forward" once the model ran, "backward" once the
         gradients are in), before any reply goes back: where an operator's preemption order
-        strikes (roles/worker/preemption.py)."""
+        strikes (roles/worker/health/preemption.py)."""
         self.on_compute_error: Optional[Callable[[BaseException], None]] = None
         """Called by the compute thread with each error a batch raised (before its requesters get
         it): the self-termination rules tell a failing device from a bad request there."""
@@ -273,7 +273,7 @@ class StageRuntime:
         on the network (a SparseLoCo round's aggregate) and take the lock themselves to apply it."""
         self.tagging: Optional[Callable[[int], Optional[list[TagGrant]]]] = None
         """Tail with replicas: step tags for n untagged samples from the stage's tagger, in order
-        (roles/worker/step_tagger.py); fewer or none when it has none to give yet."""
+        (roles/worker/steps/step_tagger.py); fewer or none when it has none to give yet."""
         self.forward_slots: Optional[Callable[[int], Optional[int]]] = None
         """Head with replicas: how many of n forwards the stage's gate lets start now (None: no
         gate could be asked); used instead of the lone head's own count while it has peers."""

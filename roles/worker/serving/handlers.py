@@ -29,8 +29,8 @@ from protocol.messages import (
     InfoReply,
     parse_model,
 )
-from roles.worker.queues import QueueClosed, QueueFull, TaskKind
-from roles.worker.runtime import BackwardResult, StageRuntime
+from roles.worker.serving.queues import QueueClosed, QueueFull, TaskKind
+from roles.worker.serving.runtime import BackwardResult, StageRuntime
 
 T = TypeVar("T")
 

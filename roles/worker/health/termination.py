@@ -26,7 +26,7 @@ from typing import Callable, Optional
 from protocol.exit_codes import ExitCode
 from protocol.run_config import TerminationConfig
 from roles.periodic import Signal
-from roles.worker.averaging.health import RoundHealth
+from roles.worker.health.round_health import RoundHealth
 from roles.worker.errors import SelfTerminated
 
 
@@ -72,7 +72,7 @@ RULES: tuple[Rule, ...] = (
          "the worker failed too many of its recent averaging rounds while its stage averaged without it; it "
          "leaves its stage, since a replica that keeps missing rounds drifts from the stage",
          "`max_failures` failed rounds among the last `window`, counting only rounds the stage completed "
-         "without it (roles/worker/averaging/health.py); a successful round resets the count"),
+         "without it (roles/worker/health/round_health.py); a successful round resets the count"),
 )
 RULES_BY_NAME: dict[str, Rule] = {rule.name: rule for rule in RULES}
 
@@ -212,7 +212,7 @@ class SelfTermination:
                                      f"{detail}")
 
     def averaging_left(self, reason: str) -> None:
-        """The averaging health (health.py, configured by `averaging_health`) says leave."""
+        """The averaging health (round_health.py, configured by `averaging_health`) says leave."""
         if self.config.averaging.enabled:
             self._fire("averaging", reason)
 

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from roles.worker.queues import Superseded, Task
+from roles.worker.serving.queues import Superseded, Task
 
 PARK_S = 1.0
 """How long a backward waits for the rest of its forward batch before it is recomputed alone."""

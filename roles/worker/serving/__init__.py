@@ -1,0 +1,12 @@
+"""What a worker serves: requests in over `agora/v1/*`, batches through the stage model on the
+compute thread, results back, and the replicas of a stage talking to each other directly
+[report 3.3.1.2-3.3.1.4]. It builds on the step room (roles/worker/steps/) and is built on by the
+role and SparseLoCo; the state and health rooms never import it (tests/unit/test_layers.py).
+
+    runtime.py           the compute loop: owns the model, optimizer, queues and ledger, runs batches
+    queues.py            task queues and batch coalescing between the handlers and the compute thread
+    kept_activations.py  forward activations kept for the backward within a memory budget
+    handlers.py          the `agora/v1/*` handlers: parse, validate, queue, await, reply
+    chain.py             worker-to-worker routing: the `agora/v1/chain` handler
+    replicas.py          the replicas' direct RPCs: step tags and the gradient exchange, wired into the runtime
+"""
