@@ -91,7 +91,7 @@ SampleId = Annotated[str, Field(min_length=1, max_length=128)]
 Attestation = Annotated[bytes, Field(min_length=64, max_length=64)]
 """An Ed25519 signature over a result (protocol/evidence.py result_signing_bytes)."""
 Fingerprint = Annotated[bytes, Field(min_length=8, max_length=8)]
-"""Names the weights a result was computed with (roles/worker/serving/runtime.py weights_fingerprint)."""
+"""Names the weights a result was computed with (roles/worker/serving/compute_stats.py weights_fingerprint)."""
 
 
 class ForwardRequest(WireModel):

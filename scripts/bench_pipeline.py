@@ -757,7 +757,7 @@ def recording_cost_us(samples: int = 20000, batch: int = 8) -> float:
     """What the compute thread pays per request to record the balance signals (BatchStats.record
     on a batch of `batch`), in microseconds: paid whether or not the node is scraped."""
     from roles.worker.serving.queues import Task, TaskKind
-    from roles.worker.serving.runtime import BatchStats
+    from roles.worker.serving.compute_stats import BatchStats
 
     stats = BatchStats(WORKER_MAX_BATCH)
     tasks = [Task(kind=TaskKind.BACKWARD, payload=None, on_done=lambda r, e: None) for _ in range(batch)]

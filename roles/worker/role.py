@@ -131,8 +131,6 @@ class WorkerRole:
         self.termination = SelfTermination(run.termination)
         self.runtime.on_compute_error = self.termination.compute_error
         self.runtime.on_step = self.termination.step_result
-        self.runtime.test_device_fault_after_batches = config.test_device_fault_after_batches
-        self.runtime.test_nan_gradients_after_steps = config.test_nan_gradients_after_steps
         self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches,
                                        fail_forwards=config.test_fail_forwards, run_id=run.run_id,
                                        sign=None if identity is None else identity.sign)

@@ -4,12 +4,13 @@ weights, accumulated gradients, kept activations, step ledger) stays honest.
 
 Every result a worker sends comes out of four `StageRuntime` methods, on both routing paths:
 the handlers (roles/worker/serving/handlers.py: forward, backward, evaluate) and the chain handler
-(roles/worker/serving/chain.py: its forward, its backward, the tail's fused backward) all queue work
-for the compute thread, which calls `_forward_batch` (forward outputs, kept or not),
+(roles/worker/serving/chain.py: its forward, its backward, the tail's fused backward) all queue
+work for the compute thread, which calls `_forward_batch` (forward outputs, kept or not),
 `_backward_batch` (recomputed backwards and the tail's loss) or `_backward_through` (backwards
-through kept activations); held-out evaluations call `evaluate` in a thread of their own. The
-compute loop looks these methods up on the instance at every batch, so wrapping them on the
-class reaches every runtime, including one built before `install`.
+through kept activations), all three defined on the runtime's `BatchCompute` part
+(roles/worker/serving/batches.py); held-out evaluations call `evaluate` in a thread of their own.
+The compute loop looks these methods up on the instance at every batch, so wrapping them on the
+class that defines them reaches every runtime, including one built before `install`.
 
 Not altered: what else a worker sends that is not a sample's result. The weight version in its
 replies stays the one the honest forward saw (a `stale:N` worker claims its current weights),
@@ -486,11 +487,14 @@ _PATCHES = {"_forward_batch": _forward_batch, "_backward_batch": _backward_batch
 
 def _targets() -> list[tuple[object, str, str, Callable]]:
     """(owner, attribute, key in _ORIGINALS, patch) of every patch."""
+    from roles.worker.serving.batches import BatchCompute
     from roles.worker.serving.runtime import StageRuntime
     from roles.worker.sparseloco import service
     from roles.worker.sparseloco.outer import SparseLoCoState
 
-    return [*((StageRuntime, name, name, patch) for name, patch in _PATCHES.items()),
+    owners = {"_forward_batch": BatchCompute, "_backward_batch": BatchCompute, "_backward_through": BatchCompute,
+              "evaluate": StageRuntime, "stop": StageRuntime}
+    return [*((owners[name], name, name, patch) for name, patch in _PATCHES.items()),
             (SparseLoCoState, "capture", "SparseLoCoState.capture", _capture),
             (service, "encode_fragment", "service.encode_fragment", _encode_fragment)]
 

@@ -19,7 +19,7 @@ from protocol.messages import (
     ReplyFrame, RequestFrame, StepGradientsReply, TagReply, parse_frame, parse_reply_frame, parse_request_frame,
     to_body,
 )
-from roles.worker.serving.runtime import _all_finite
+from roles.worker.serving.request_checks import all_finite
 
 scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats() | st.text(max_size=8) \
     | st.binary(max_size=8)
@@ -98,5 +98,5 @@ def test_a_decoded_tensor_lies_over_its_frames_bytes_and_only_those(dtype):
 @settings(max_examples=200, deadline=None)
 def test_the_finiteness_check_agrees_with_torch(values, dtype):
     tensor = torch.tensor(values, dtype=torch.float32).to(dtype)
-    assert _all_finite(tensor) == bool(torch.isfinite(tensor).all())
-    assert _all_finite(decode_tensor(encode_tensor(tensor))) == bool(np.isfinite(tensor.float().numpy()).all())
+    assert all_finite(tensor) == bool(torch.isfinite(tensor).all())
+    assert all_finite(decode_tensor(encode_tensor(tensor))) == bool(np.isfinite(tensor.float().numpy()).all())

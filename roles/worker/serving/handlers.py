@@ -30,7 +30,8 @@ from protocol.messages import (
     parse_model,
 )
 from roles.worker.serving.queues import QueueClosed, QueueFull, TaskKind
-from roles.worker.serving.runtime import BackwardResult, StageRuntime
+from roles.worker.serving.batches import BackwardResult
+from roles.worker.serving.runtime import StageRuntime
 
 T = TypeVar("T")
 

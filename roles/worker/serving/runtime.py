@@ -1,43 +1,38 @@
 """The worker's compute loop: validated single-sample requests in, coalesced batches through the
 stage model, one result back to each requester [report 3.3.1.2-3.3.1.4].
 
-Requests are checked here before they are queued, so one malformed request can never spoil a
-batch. A head or body stage keeps its forward batch's activations for the backward while its
-memory budget allows (roles/worker/serving/kept_activations.py); otherwise, and whenever the kept graph
-no longer fits the weights, backward recomputes the stage forward from the input the trainer
-sends back (stage-level activation checkpointing [report 3.3.1.4]).
+Requests are checked before they are queued (request_checks.py), so one malformed request can
+never spoil a batch. Between batches the compute thread takes the stage's step when it is due
+(step_decision.py); each batch runs through the model as batches.py says, keeping or recomputing
+the forward's activations for the backward.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
-import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 
-from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import BackwardRequest, EvaluateReply, EvaluateRequest, ForwardRequest
-from protocol.stats import BusyWindow, Distribution, powers_of_two
 from roles.model.stage import StageModel
 from roles.periodic import Signal
-from roles.worker.steps.optimizer import NonFiniteGradients, StageOptimizer, StepReport
-from roles.worker.steps.step_ledger import StepDue, StepLedger
-from roles.worker.steps.gradient_exchange import Contribution, StepSum
-from roles.worker.serving.kept_activations import KeptActivations, KeptBatch, SavedBytes
+from roles.worker.serving.batches import BatchCompute
+from roles.worker.serving.compute_stats import BatchStats, RecentSamples, StalenessStats, weights_fingerprint
+from roles.worker.serving.kept_activations import KeptActivations
 from roles.worker.serving.queues import QueueClosed, Task, TaskKind, TaskQueues, run_batch
+from roles.worker.serving.request_checks import RequestChecks
+from roles.worker.serving.step_decision import StepDecision
+from roles.worker.steps.gradient_exchange import Contribution, StepSum
+from roles.worker.steps.optimizer import StageOptimizer, StepReport
+from roles.worker.steps.step_ledger import StepLedger
 from roles.worker.steps.step_tagger import TagGrant
 
 logger = logging.getLogger(__name__)
-
-_COORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def autocast_dtype(requested: str, run_dtype: str, device: torch.device) -> Optional[torch.dtype]:
@@ -51,146 +46,7 @@ def autocast_dtype(requested: str, run_dtype: str, device: torch.device) -> Opti
     return None if requested == "float32" else getattr(torch, requested)
 
 
-@dataclass
-class BackwardResult:
-    grad_input: Optional[torch.Tensor]
-    loss: Optional[float]
-    step: Optional[int] = None
-    """The global step the sample was accumulated into here (the tail's tag)."""
-    version: Optional[int] = None
-    """The weight version (steps applied) the gradient was taken at."""
-
-
-class RecentSamples:
-    """The samples this worker ran forward for and whose backward has not come yet, with the weight
-    version (optimizer step) each forward saw: backward requests that were not pinned to us are
-    counted (they use gradients from other weights [report 4.2.1]), the version gap measures
-    staleness, and the head gates its forwards on how many are in flight. A sample whose backward
-    never comes (dropped without a notice) is forgotten after `ttl_s`."""
-
-    def __init__(self, capacity: int = 65536, ttl_s: float = 120.0):
-        self._ids: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
-        self._capacity = capacity
-        self._ttl_s = ttl_s
-        self._lock = threading.Lock()
-
-    def add(self, sample_id: str, version: int = 0) -> None:
-        with self._lock:
-            self._ids[sample_id] = (version, time.monotonic())
-            self._ids.move_to_end(sample_id)
-            self._expire()
-
-    def _expire(self) -> None:
-        horizon = time.monotonic() - self._ttl_s
-        while self._ids and (len(self._ids) > self._capacity or next(iter(self._ids.values()))[1] < horizon):
-            self._ids.popitem(last=False)
-
-    def peek(self, sample_id: str) -> Optional[int]:
-        with self._lock:
-            entry = self._ids.get(sample_id)
-            return None if entry is None else entry[0]
-
-    def pop(self, sample_id: str) -> Optional[int]:
-        """The version the sample's forward saw here, or None if it did not run here."""
-        with self._lock:
-            entry = self._ids.pop(sample_id, None)
-            return None if entry is None else entry[0]
-
-    def in_flight(self, max_age_s: float) -> int:
-        """Forwards younger than `max_age_s` whose backward has not come yet (entries are in the
-        order they were added, so the count stops at the first older one)."""
-        horizon = time.monotonic() - max_age_s
-        count = 0
-        with self._lock:
-            for _, at in reversed(self._ids.values()):
-                if at < horizon:
-                    break
-                count += 1
-        return count
-
-
-class StalenessStats:
-    """How old the weights behind a stage's gradients are, two ways:
-
-    - `gaps`: versions between the weights a sample's forward saw here and the ones its backward
-      recomputed on (0 when pinned: the recompute then uses the forward's weights);
-    - `delays`: versions between the weights the gradient was taken at and the step it is applied
-      in (its tag). One process has 0 for every sample; this is what costs fidelity.
-    """
-
-    def __init__(self) -> None:
-        self.gaps: collections.Counter[int] = collections.Counter()
-        self.delays: collections.Counter[int] = collections.Counter()
-        self.pinned_samples = 0
-        """Backwards recomputed on the previous weights their forward used."""
-
-    def record(self, gap: int, delay: int) -> None:
-        self.gaps[gap] += 1
-        self.delays[delay] += 1
-
-    @staticmethod
-    def _stats(counts: collections.Counter[int]) -> tuple:
-        total = sum(counts.values())
-        if not total:
-            return None, None, None
-        return (round(sum(g * n for g, n in counts.items()) / total, 4), max(counts),
-                round(sum(n for g, n in counts.items() if g > 0) / total, 4))
-
-    def summary(self) -> dict:
-        mean_gap, max_gap, stale_share = self._stats(self.gaps)
-        mean_delay, max_delay, delayed_share = self._stats(self.delays)
-        return {
-            "samples": sum(self.gaps.values()),
-            "mean_gap": mean_gap, "max_gap": max_gap, "stale_share": stale_share,
-            "pinned": self.pinned_samples,
-            "mean_delay": mean_delay, "max_delay": max_delay, "delayed_share": delayed_share,
-            "delays": {str(d): n for d, n in sorted(self.delays.items())},
-        }
-
-
-class BatchStats:
-    """The four balance signals the report monitors per stage [report 3.4.3], per pass: how long
-    each request waited in the queue for the compute thread (microbatch data-await time), how long
-    each coalesced batch computed, how many requests each batch coalesced, and the compute
-    thread's busy share of recent wall time. Recorded once per batch by the compute thread."""
-
-    def __init__(self, max_batch: int, window_s: float = 30.0):
-        self.queue_wait = {kind: Distribution() for kind in TaskKind}
-        self.compute = {kind: Distribution() for kind in TaskKind}
-        self.batch_size = {kind: Distribution(powers_of_two(max_batch)) for kind in TaskKind}
-        self.busy = BusyWindow(window_s)
-
-    def record(self, batch: list[Task], taken_at: float, started: float, ended: float) -> None:
-        """`taken_at` (monotonic) is when the batch left the queue; `started`/`ended` are
-        perf_counter times around its compute."""
-        kind = batch[0].kind
-        waits = self.queue_wait[kind]
-        for task in batch:
-            waits.observe(max(0.0, taken_at - task.enqueued_at))
-        self.compute[kind].observe(ended - started)
-        self.batch_size[kind].observe(len(batch))
-        self.busy.record(taken_at, taken_at + (ended - started))
-
-
-FINGERPRINT_SAMPLES = 64
-"""Elements of each parameter a weights fingerprint reads (evenly strided): replicas that parted
-differ nearly everywhere, so a few of each catch it."""
-
-
-def weights_fingerprint(tensors) -> bytes:
-    """8 bytes that name a set of weights: equal replicas have the same, replicas that stepped
-    differently (a step without some replica's gradients) do not. Spot checks compare two
-    replicas' results only under the same fingerprint (roles/trainer/spot_checks.py)."""
-    picks = []
-    for tensor in tensors:
-        flat = tensor.detach().reshape(-1)
-        picks.append(flat[::max(1, flat.numel() // FINGERPRINT_SAMPLES)][:FINGERPRINT_SAMPLES].float())
-    if not picks:
-        return bytes(8)
-    return hashlib.sha256(torch.cat(picks).cpu().numpy().tobytes()).digest()[:8]
-
-
-class StageRuntime:
+class StageRuntime(StepDecision, BatchCompute):
     """Owns the stage model, its optimizer, the task queues and the step ledger; runs the compute
     thread, which is also where the stage's optimizer steps happen, so a step always falls between
     two batches and the ledger is only ever touched by one thread."""
@@ -221,6 +77,8 @@ class StageRuntime:
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.rank = model.subspace_rank
+        self.checks = RequestChecks(stage=stage, kind=model.kind, vocab_size=vocab_size, max_seq_len=max_seq_len,
+                                    rank=model.subspace_rank, local_step=lambda: self.optimizer.local_step)
         self.device = device
         self.autocast_dtype = autocast_dtype
         self.wire_dtype = wire_dtype
@@ -281,78 +139,17 @@ class StageRuntime:
         self.exchange_step: Optional[Callable[[Contribution], Optional[StepSum]]] = None
         """With `averaging.gradients` on: hands this replica's contribution to the stage's step to
         the exchange and returns the stage's total (blocking; None if the worker is stopping)."""
-        self.test_device_fault_after_batches = 0
-        """TESTS ONLY (AGORA_TEST_DEVICE_FAULT_AFTER_BATCHES): batches after which every batch raises
-        a CUDA-like error."""
-        self.test_nan_gradients_after_steps = 0
-        """TESTS ONLY (AGORA_TEST_NAN_GRADIENTS_AFTER_STEPS): from this local step on, every step's
-        accumulated gradients are made NaN before the step."""
 
-    # ---- validation (called on the event loop, before queueing) ----
+    # ---- validation (called on the event loop, before queueing: request_checks.py) ----
 
     def check_forward(self, request: ForwardRequest) -> None:
-        if self.kind == "tail":
-            raise ProtocolError("the tail fuses loss forward and backward: send a backward request",
-                                ErrorCode.INVALID_REQUEST)
-        self._check_common(request.stage, request.tokens, request.coords)
+        self.checks.check_forward(request)
 
     def check_backward(self, request: BackwardRequest) -> None:
-        seq_len = self._check_common(request.stage, request.tokens, request.coords)
-        if self.kind == "tail":
-            if request.grad_output is not None:
-                raise ProtocolError("the tail computes its own loss; grad_output must be absent",
-                                    ErrorCode.INVALID_REQUEST)
-            if request.step is not None:
-                raise ProtocolError("the tail tags samples with their step itself; step must be absent",
-                                    ErrorCode.INVALID_REQUEST)
-            if seq_len < 2:
-                raise ProtocolError("the tail needs at least 2 tokens", ErrorCode.INVALID_TENSOR)
-        else:
-            self._check_coords(request.grad_output, seq_len, "grad_output")
-        if request.step is not None and request.step > self.optimizer.local_step + 1_000_000:
-            raise ProtocolError(f"step {request.step} is implausibly far ahead of this stage's "
-                                f"{self.optimizer.local_step}", ErrorCode.INVALID_REQUEST)
+        self.checks.check_backward(request)
 
     def check_evaluate(self, request: EvaluateRequest) -> None:
-        seq_len = self._check_common(request.stage, request.tokens, request.coords)
-        if self.kind == "tail" and seq_len < 2:
-            raise ProtocolError("the tail needs at least 2 tokens", ErrorCode.INVALID_TENSOR)
-        if request.grad_output is not None:
-            if self.kind != "body":
-                raise ProtocolError("grad_output is for a body stage (the tail takes input_grad, the head has no "
-                                    "input gradient)", ErrorCode.INVALID_REQUEST)
-            self._check_coords(request.grad_output, seq_len, "grad_output")
-        if request.input_grad and self.kind != "tail":
-            raise ProtocolError("input_grad is for the tail (a body stage takes grad_output)",
-                                ErrorCode.INVALID_REQUEST)
-
-    def _check_common(self, stage: int, tokens: torch.Tensor, coords: Optional[torch.Tensor]) -> int:
-        if stage != self.stage:
-            raise ProtocolError(f"this worker serves stage {self.stage}, not {stage}", ErrorCode.WRONG_STAGE)
-        if tokens.dtype != torch.int64 or tokens.dim() != 1 or not 0 < tokens.numel() <= self.max_seq_len:
-            raise ProtocolError(
-                f"tokens must be int64 of shape [T] with 0 < T <= {self.max_seq_len}; "
-                f"got {tokens.dtype} {list(tokens.shape)}", ErrorCode.INVALID_TENSOR)
-        low, high = torch.aminmax(tokens)
-        if int(low) < 0 or int(high) >= self.vocab_size:
-            raise ProtocolError(f"token ids must lie in [0, {self.vocab_size})", ErrorCode.INVALID_TENSOR)
-        seq_len = tokens.numel()
-        if self.kind == "head":
-            if coords is not None:
-                raise ProtocolError("the head embeds tokens itself; coords must be absent", ErrorCode.INVALID_REQUEST)
-        else:
-            self._check_coords(coords, seq_len, "coords")
-        return seq_len
-
-    def _check_coords(self, tensor: Optional[torch.Tensor], seq_len: int, name: str) -> None:
-        if tensor is None:
-            raise ProtocolError(f"{name} is required at stage {self.stage}", ErrorCode.INVALID_REQUEST)
-        if tensor.dtype not in _COORD_DTYPES or list(tensor.shape) != [seq_len, self.rank]:
-            raise ProtocolError(
-                f"{name} must be float of shape [{seq_len}, {self.rank}]; got {tensor.dtype} {list(tensor.shape)}",
-                ErrorCode.INVALID_TENSOR)
-        if not _all_finite(tensor):
-            raise ProtocolError(f"{name} contains non-finite values", ErrorCode.INVALID_TENSOR)
+        self.checks.check_evaluate(request)
 
     # ---- evaluation (a handler's thread, not the compute thread) ----
 
@@ -545,22 +342,11 @@ class StageRuntime:
     def _observed(self, compute, payloads):
         """Run one batch, telling `on_compute_error` what it raised (run_batch hands it on)."""
         try:
-            batches = self.counters["forward_batches"] + self.counters["backward_batches"]
-            if 0 < self.test_device_fault_after_batches <= batches:
-                raise RuntimeError("CUDA error: an illegal memory access was encountered (test fault: "
-                                   "AGORA_TEST_DEVICE_FAULT_AFTER_BATCHES)")
             return compute(payloads)
         except Exception as exc:
             if self.on_compute_error is not None:
                 self.on_compute_error(exc)
             raise
-
-    def arrived(self) -> tuple[int, int]:
-        """Samples of the open step and of the next that reached this replica: accumulated here, or
-        reported abandoned by their trainer (they complete the step without a gradient)."""
-        opt, ledger = self.optimizer, self.ledger
-        step = opt.local_step
-        return (opt.samples_accumulated + ledger.abandoned(step), opt.next_accumulated + ledger.abandoned(step + 1))
 
     def forget_forward(self, sample_id: str) -> None:
         """A forward ran here but its sample will not come back for the backward (a chained
@@ -579,113 +365,6 @@ class StageRuntime:
             self.queues.wake()
         return taken
 
-    def _forward_allowance(self) -> Optional[int]:
-        """Forwards the head may start now without delaying gradients beyond its bound.
-
-        The tail tags samples in about the order the head forwarded them, so the samples in flight
-        here fill the open step's remaining slots first; a forward beyond those belongs to the next
-        step but runs on the open step's weights, so its gradient will be a step old. At most
-        `max_delayed_per_step` such forwards run ahead; the rest wait for the step (0: the
-        pipeline drains at every step, and no gradient is delayed). A forward whose backward has
-        not come within `forward_gate_timeout_s` no longer holds a slot: its sample was probably
-        dropped, and a gate waiting for it would stall the stage (a slow one costs a delayed
-        gradient instead).
-        """
-        if self.max_delayed_per_step is None:
-            return None
-        open_samples, _ = self.arrived()
-        remaining = self.ledger.target - open_samples - self.ledger.peers.counts.get(self.optimizer.local_step, 0)
-        in_flight = self.forwarded.in_flight(self.forward_gate_timeout_s)
-        return max(0, remaining + self.max_delayed_per_step - in_flight)
-
-    def _untagged_capacity(self) -> tuple[int, int]:
-        open_samples, next_samples = self.arrived()
-        return self.ledger.capacity(self.optimizer.local_step, open_samples, next_samples, self.queues.max_batch)
-
-    def _maybe_step(self) -> None:
-        opt = self.optimizer
-        with opt.lock:
-            open_samples, next_samples = self.arrived()
-            held, earliest = self.queues.held(opt.local_step + 1)
-            exchanging = self.exchange_step is not None and bool(self.ledger.peers.members)
-            if held and not open_samples and not next_samples and opt.samples_accumulated == 0 and (
-                    not exchanging or self.ledger.may_jump_to(earliest)):
-                self._jump_to(earliest)
-                return
-            # A tail waiting with untagged samples queued is waiting on this step too: the stage's
-            # tagger gives them no tag until it closes (a tag handed to a replica that died leaves
-            # a hole only the close timeout ends).
-            waiting = held > 0 or (self.tagging is not None and self.queues.pending()[TaskKind.BACKWARD] > 0)
-            due = self.ledger.due(opt.local_step, open_samples, next_samples > 0 or waiting, overtaken=held > 0)
-            if due is None:
-                return
-            own = None
-            if exchanging:
-                step = opt.local_step
-                own = Contribution(peer="", step=step, samples=opt.samples_accumulated,
-                                   abandoned=self.ledger.abandoned(step), grad=opt.open_gradient_sum(),
-                                   consumed=opt.samples_consumed)
-        if own is not None:
-            # The exchange waits for the other replicas; the lock stays free meanwhile (the averager
-            # and the state server take it), and nothing accumulates since this thread waits.
-            total = self.exchange_step(own)
-            if total is None:  # stopping
-                return
-            due = StepDue(total.stage_samples, _exchange_reason(total, due, self.ledger.target))
-        with opt.lock:
-            if own is not None:
-                opt.set_open_gradient_sum(total.grad, total.samples)
-                opt.samples_consumed = max(opt.samples_consumed, total.consumed)
-            had_samples = opt.samples_accumulated > 0
-            if had_samples and 0 < self.test_nan_gradients_after_steps <= opt.local_step:
-                opt.poison_gradients()
-            try:
-                report = opt.step(stage_samples=due.stage_samples)
-            except NonFiniteGradients as exc:
-                self.counters["non_finite_steps"] += 1
-                logger.error("%s", exc)
-                report = None
-                if self.on_step is not None:
-                    self.on_step(False, str(exc))
-            else:
-                if had_samples and self.on_step is not None:
-                    self.on_step(True, "")
-            self.ledger.stepped(opt.local_step - 1, due)
-            for hook in self.after_step:
-                hook(opt.local_step)
-        for hook in self.after_step_unlocked:
-            hook(opt.local_step)
-        if due.reason != "complete":
-            why = {"peer_ahead": "a replica of this stage was ahead",
-                   "peer_due": "a replica of this stage closed it",
-                   "replica_lost": "a replica of this stage did not bring its gradients",
-                   "adopted": "this replica came late and applied the sum the others stepped on",
-                   "overtaken": "samples two steps ahead arrived; the rest of it was lost",
-                   "timeout": f"no sample of it for {self.ledger.close_timeout_s:.0f}s"}[due.reason]
-            logger.info("stage %d closed step %d with %d of %d samples (%s)", self.stage, opt.local_step - 1,
-                        due.stage_samples, self.ledger.target, why)
-        if report is not None:
-            self.last_step = report
-            logger.info("stage %d step %d: lr %.2e, grad norm %.3f%s, %d local samples", self.stage, report.step,
-                        report.lr, report.grad_norm, " (clipped)" if report.clipped else "", report.samples)
-        self.stepped.fire()
-        self.changed.fire()
-
-    def _jump_to(self, step: int) -> None:
-        """Samples of a step two or more ahead arrived while this worker holds nothing: the run
-        moved on without it (it was away, or it restarted a stage that had no replica left), so
-        it joins the run's step at once instead of closing every step in between. With the
-        stage's replicas adding up gradients, only when none of them can still close a skipped
-        step (StepLedger.may_jump_to); else it closes them in turn through the exchange."""
-        opt = self.optimizer
-        skipped = step - opt.local_step
-        opt.set_step(step, opt.samples_consumed + skipped * self.ledger.target)
-        self.ledger.skipped(skipped)
-        logger.info("stage %d jumped from step %d to %d: samples of step %d arrived and this worker held none of "
-                    "the steps in between", self.stage, step - skipped, step, step)
-        self.stepped.fire()
-        self.changed.fire()
-
     def stop(self, timeout_s: float = 30.0) -> list[Task]:
         """Stop taking work; return what was still queued so the caller can hand it back. Gradients
         of steps the stage never completed are discarded and reported, never stepped on alone."""
@@ -696,197 +375,3 @@ class StageRuntime:
         leftover += self.kept.drain()  # backwards parked for their forward batch's others
         self.discarded_at_shutdown = self.optimizer.discard_all()
         return leftover
-
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
-    def _inputs(self, requests):
-        tokens = torch.stack([r.tokens for r in requests]).to(self.device, non_blocking=True)
-        coords = None
-        if self.kind != "head":
-            coords = torch.stack([r.coords for r in requests]).to(self.device, torch.float32, non_blocking=True)
-        return tokens, coords
-
-    def _forward_batch(self, requests: list[ForwardRequest]) -> list[torch.Tensor]:
-        tokens, coords = self._inputs(requests)
-        keep = self.kept.enabled and self.kept.room_for(self._kept_bytes_per_sample * len(requests))
-        if keep:
-            out, version = self._forward_kept(requests, tokens, coords)
-        else:
-            with torch.no_grad(), self.optimizer.lock, self._autocast():
-                version = self.optimizer.local_step
-                out = self.model(coords, tokens)
-                self._note_fingerprint(version)
-        if self.mid_compute is not None:
-            self.mid_compute("forward")
-        out = out.detach().to(self.wire_dtype).cpu()
-        for request in requests:
-            self.forwarded.add(request.sample_id, version)
-        self.counters["forward_requests"] += len(requests)
-        self.counters["forward_batches"] += 1
-        return list(out.unbind(0))
-
-    def _forward_kept(self, requests: list[ForwardRequest], tokens: torch.Tensor, coords: Optional[torch.Tensor]
-                      ) -> tuple[torch.Tensor, int]:
-        """The forward with its graph, kept for the batch's backwards if the budget has room."""
-        if coords is not None:
-            coords.requires_grad_(True)
-        saved = SavedBytes(self._param_storages)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved, _unpacked), \
-                self.optimizer.lock, self._autocast():
-            version = self.optimizer.local_step
-            out = self.model(coords, tokens)
-            self._note_fingerprint(version)
-        self._kept_bytes_per_sample = saved.nbytes // len(requests)
-        if self.kept.keep(out, coords, version, [r.sample_id for r in requests], saved.nbytes):
-            self.counters["forward_kept"] += len(requests)
-        return out, version
-
-    def _backward_through(self, kept: KeptBatch, requests: list[BackwardRequest]) -> list[BackwardResult]:
-        """One backward through a kept forward graph: every sample of the forward batch has its
-        output gradient here (`requests`, in row order) or was abandoned (a zero row)."""
-        opt = self.optimizer
-        n = len(requests)
-        rows = [kept.rows[r.sample_id] for r in requests]
-        for r in requests:
-            self.forwarded.pop(r.sample_id)
-        grad = torch.zeros(kept.out.shape, dtype=torch.float32, device=self.device)
-        grad[rows] = torch.stack([r.grad_output for r in requests]).to(self.device, torch.float32)
-        with opt.lock:
-            if opt.local_step != kept.version:  # cannot happen: the step is taken on this thread
-                raise RuntimeError(f"a kept graph of version {kept.version} at step {opt.local_step}")
-            tag = requests[0].step if requests[0].step is not None else opt.local_step
-            offset = tag - opt.local_step
-            if offset < 0:
-                self.ledger.note_late(n)
-            elif offset == 0:
-                self.ledger.arrived()
-            with opt.accumulating(min(offset, 1) if offset >= 0 else -1):
-                kept.out.float().backward(grad)
-                if self.mid_compute is not None:
-                    self.mid_compute("backward")
-            if offset >= 0:
-                opt.add_samples(n, offset=min(offset, 1))
-            used = opt.local_step
-        grads = kept.coords.grad[rows].to(self.wire_dtype).cpu() if kept.coords is not None else None
-        kept.out = kept.coords = None  # the graph's memory goes now, not when the batch object does
-        for _ in range(n):
-            self.staleness.record(0, tag - used)
-        self.counters["backward_requests"] += n
-        self.counters["backward_batches"] += 1
-        self.counters["backward_kept"] += n
-        if offset < 0:
-            self.counters["late_samples"] += n
-        self.changed.fire()
-        return [BackwardResult(grad_input=None if grads is None else grads[i], loss=None, step=tag, version=used)
-                for i in range(n)]
-
-    def _note_fingerprint(self, version: Optional[int], weights: Optional[list[torch.Tensor]] = None) -> None:
-        """Remember the fingerprint of the weights a batch at `version` ran on (the current
-        parameters, or `weights`); call under the optimizer lock."""
-        if version is None:
-            return
-        self.fingerprints[version] = weights_fingerprint(self.optimizer.params if weights is None else weights)
-        for old in [v for v in self.fingerprints if v < version - 2]:
-            del self.fingerprints[old]
-
-    def _previous_weights(self, versions: list[Optional[int]]) -> Optional[dict[str, torch.Tensor]]:
-        """The weights the batch's forward ran on, if they are the previous version and kept."""
-        opt = self.optimizer
-        version = versions[0]
-        if (version is None or opt.previous is None or opt.previous_version != version
-                or any(v != version for v in versions)):
-            return None
-        return {name: t.detach().requires_grad_(True) for name, t in zip(self._param_names, opt.previous)}
-
-    def _backward_batch(self, requests: list[BackwardRequest], tag: Optional[int] = None) -> list[BackwardResult]:
-        """`tag`: the step the stage's tagger gave these untagged tail samples (None: tag here)."""
-        tokens, coords = self._inputs(requests)
-        if coords is not None:
-            coords.requires_grad_(True)
-        opt = self.optimizer
-        n = len(requests)
-        versions = [self.forwarded.pop(r.sample_id) for r in requests] if self.kind != "tail" else []
-        with opt.lock:
-            tag = requests[0].step if requests[0].step is not None else tag
-            if tag is None:
-                limit, offset = self._untagged_capacity()
-                tag = opt.local_step + offset
-            else:
-                offset = tag - opt.local_step  # 0 open step, 1 next, < 0 closed (late: discarded)
-            if offset < 0:
-                self.ledger.note_late(n)
-            elif offset == 0:
-                self.ledger.arrived()
-            pinned = self._previous_weights(versions) if versions else None
-            with opt.accumulating(min(offset, 1) if offset >= 0 else -1):
-                if pinned is not None:
-                    # Gradients taken at the previous weights join this step's sum in place: autograd
-                    # adds into an existing .grad, so no third gradient buffer is ever allocated.
-                    for param, old in zip(opt.params, pinned.values()):
-                        old.grad = param.grad
-                with self._autocast():
-                    if pinned is not None:
-                        out = torch.func.functional_call(self.model, pinned, (coords, tokens))
-                    else:
-                        out = self.model(coords, tokens)
-                if self.mid_compute is not None and self.kind == "tail":
-                    self.mid_compute("forward")  # the tail has no forward requests: its forward runs here
-                if self.kind == "tail":
-                    losses = out.float()
-                    losses.sum().backward()
-                else:
-                    grad = torch.stack([r.grad_output for r in requests]).to(self.device, torch.float32)
-                    out.float().backward(grad)
-                    losses = None
-                if pinned is not None:
-                    for param, old in zip(opt.params, pinned.values()):
-                        param.grad, old.grad = old.grad, None
-                if self.mid_compute is not None:
-                    self.mid_compute("backward")
-            # A worker in optimizer sync accumulates too: it steps on its own gradients to warm its
-            # moments [report 3.3.1.1], and its samples complete the step they were tagged with.
-            if offset >= 0:
-                opt.add_samples(n, offset=min(offset, 1))
-            used = opt.previous_version if pinned is not None else opt.local_step  # the gradient's weights
-            self._note_fingerprint(used, None if pinned is None else list(pinned.values()))
-        grads = coords.grad.to(self.wire_dtype).cpu() if coords is not None else None
-        loss_values = losses.detach().cpu().tolist() if losses is not None else [None] * n
-        if self.kind != "tail":
-            self.counters["backward_unpinned"] += sum(1 for v in versions if v is None)
-            self.staleness.pinned_samples += n if pinned is not None else 0
-            for v in versions:
-                if v is not None:
-                    self.staleness.record(used - v, tag - used)
-        self.counters["backward_requests"] += n
-        self.counters["backward_batches"] += 1
-        if offset < 0:
-            self.counters["late_samples"] += n
-        self.changed.fire()
-        return [
-            BackwardResult(grad_input=None if grads is None else grads[i], loss=loss_values[i], step=tag, version=used)
-            for i in range(n)
-        ]
-
-
-def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """torch.isfinite(t).all() in a fifth of the time for the float32 and float16 tensors a
-    request brings (numpy's reduction has no dispatcher in front of it)."""
-    if tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float16) and not tensor.requires_grad:
-        return bool(np.isfinite(tensor.numpy()).all())
-    return bool(torch.isfinite(tensor).all())
-
-
-def _exchange_reason(total: StepSum, due: StepDue, target: int) -> str:
-    """Why the stage's step closed, once the replicas' gradients are added up."""
-    if total.adopted_from is not None:
-        return "adopted"
-    if total.stage_samples >= target:
-        return "complete"
-    return "replica_lost" if total.missing else due.reason

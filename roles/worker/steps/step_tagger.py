@@ -155,10 +155,11 @@ class ForwardSlots:
     """The head's forward gate for a stage with several head replicas: the replica that tags for
     the head (elected as the tail's tagger is) counts the forwards the whole stage starts, and
     every head replica asks it before it runs a batch of forwards. It applies the lone head's
-    rule (runtime.py `_forward_allowance`) to the whole stage: the open step's missing samples, plus
-    `max_delayed` that may run ahead, minus the forwards still in flight, wherever and whenever
-    they were started (one started before the step belongs to it too). A per-replica gate fed with
-    the others' published counts let 60-80% of the samples run a step ahead.
+    rule (roles/worker/serving/step_decision.py `_forward_allowance`) to the whole stage: the open
+    step's missing samples, plus `max_delayed` that may run ahead, minus the forwards still in
+    flight, wherever and whenever they were started (one started before the step belongs to it
+    too). A per-replica gate fed with the others' published counts let 60-80% of the samples run a
+    step ahead.
 
     In flight: slots whose samples are not yet known to be back. Samples come back roughly in the
     order they went out, so as many of the oldest slots as the stage is known to have taken samples
