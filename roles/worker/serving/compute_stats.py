@@ -15,6 +15,7 @@ import torch
 
 from protocol.stats import BusyWindow, Distribution, powers_of_two
 from roles.worker.serving.queues import Task, TaskKind
+from roles.worker.steps.step_ledger import StepLedger
 
 
 class RecentSamples:
@@ -144,3 +145,23 @@ def weights_fingerprint(tensors) -> bytes:
     if not picks:
         return bytes(8)
     return hashlib.sha256(torch.cat(picks).cpu().numpy().tobytes()).digest()[:8]
+
+
+def step_counters(ledger: StepLedger, staleness: StalenessStats) -> dict[str, int]:
+    """Step boundaries and staleness as `agora/v1/info` counters: over `staleness_samples`
+    backwards, forward-to-backward version gaps sum to `staleness_gap_total` and gradient delays
+    (the step applied minus the version the gradient was taken at) to
+    `staleness_delay_total`."""
+    stale = staleness
+    return {
+        "steps_taken": len(ledger.step_sizes),
+        "step_samples_total": sum(ledger.step_sizes),
+        "steps_short": sum(1 for n in ledger.step_sizes if n < ledger.target),
+        "late_samples": ledger.late_samples,
+        "abandoned_samples": ledger.abandoned_total,
+        "staleness_samples": sum(stale.gaps.values()),
+        "staleness_gap_total": sum(g * n for g, n in stale.gaps.items()),
+        "staleness_delay_total": sum(d * n for d, n in stale.delays.items()),
+        "staleness_delayed": sum(n for d, n in stale.delays.items() if d > 0),
+        "staleness_pinned": stale.pinned_samples,
+    }

@@ -19,6 +19,7 @@ parked requests whose caller left. One lock guards the lot.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,12 @@ from typing import Optional
 
 import torch
 
+from protocol.run_config import RunConfig
+from roles.model.memory_plan import plan_memory
+from roles.worker.config import WorkerConfig
 from roles.worker.serving.queues import Superseded, Task
+
+logger = logging.getLogger(__name__)
 
 PARK_S = 1.0
 """How long a backward waits for the rest of its forward batch before it is recomputed alone."""
@@ -232,3 +238,33 @@ class KeptActivations:
         with self._lock:
             return {"budget_bytes": self.budget_bytes, "bytes_kept": self.bytes_kept,
                     "batches_waiting": len(self._batches), **self.counters}
+
+
+def kept_activations_budget(config: WorkerConfig, run: RunConfig, kind: str) -> int:
+    """--kept-activations, or half of what the stage's memory plan leaves free on its device (host
+    RAM on the CPU). The tail keeps nothing: its forward runs inside its backward."""
+    import psutil
+
+    if kind == "tail":
+        return 0
+    if config.kept_activations is not None:
+        budget = config.kept_activations
+    elif run.staleness.max_delayed_per_step != 0:
+        # Forwards run ahead of the step, so one forward batch holds samples of two steps, whose
+        # backwards cannot share its graph: measured slower than recomputing (demo, gate 4).
+        logger.info("stage %d recomputes every forward in its backward (staleness.max_delayed_per_step is not 0; "
+                    "--kept-activations SIZE keeps them anyway)", config.stage)
+        return 0
+    else:
+        plan = plan_memory(run, config.stage, config.device, config.max_batch)
+        device_free = None
+        if config.device.startswith("cuda") and torch.cuda.is_available():
+            # --gpu-memory on a card that is here: this worker's share of it
+            device_free = config.gpu_memory or int(torch.cuda.mem_get_info(torch.device(config.device))[0])
+        budget = plan.kept_activations_budget(device_free, int(psutil.virtual_memory().available))
+    if budget:
+        logger.info("stage %d keeps forward activations for the backward within %.2f GiB (recomputes beyond)",
+                    config.stage, budget / 2**30)
+    else:
+        logger.info("stage %d recomputes every forward in its backward (no memory to keep activations)", config.stage)
+    return budget

@@ -33,6 +33,9 @@ from protocol.run_config import SyncConfig
 
 logger = logging.getLogger(__name__)
 
+SERVING_PHASES = (Phase.ACTIVE, Phase.OPTIMIZER_SYNC)
+"""The phases in which a replica serves batches and may give its state to joiners."""
+
 
 @dataclass
 class PhaseSpan:
