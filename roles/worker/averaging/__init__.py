@@ -12,5 +12,7 @@ never serving, steps or state (tests/unit/test_layers.py).
     schedule.py    when a round is due: every N stage steps, or on a clock in an idle stage
     election.py    which workers reduce when too few were started with `--reducer`
     divergence.py  whether this replica is the stage's outlier, from the rounds' published distances
+    stage_view.py  the stage as the DHT shows it before a round, and why a replica skips one
     service.py     with whom a round runs, at what weight, and how it is reported
+    round_verdicts.py  what a finished round tells: counts, log, self-protection, divergence, digests
 """

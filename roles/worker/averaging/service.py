@@ -24,7 +24,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from protocol.auth_state import SharedAuthState
@@ -38,18 +37,16 @@ from roles.worker.averaging.access import AveragingAccess
 from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.divergence import DivergenceWatch
 from roles.worker.averaging.election import Candidate, elect
-from roles.worker.health.round_health import RoundHealth, Verdict
+from roles.worker.health.round_health import RoundHealth
 from roles.worker.averaging.index_sets import SegmentIndexSets
+from roles.worker.averaging.round_verdicts import RoundVerdicts
 from roles.worker.averaging.rounds import RoundOutcome, RoundPlan, SegmentRound
 from roles.worker.averaging.schedule import RoundSchedule, segment_of
+from roles.worker.averaging.stage_view import CADENCE_SKIP, StageView, skip_reason
 from roles.worker.layout import ParameterStore
 from roles.worker.health.preemption import PreemptSwitch
 
 logger = logging.getLogger(__name__)
-
-CADENCE_SKIP = "skips this round at its cadence"
-"""The end of the skip reason of a round the others leave out at their stride (logged at DEBUG,
-like the rounds this replica's own stride leaves out)."""
 
 RECENT_ROUNDS = 8
 
@@ -60,25 +57,6 @@ class AveragingState(enum.Enum):
     READY = "ready"  # waiting for the next round
     RUNNING = "running"  # a round is in flight
     STOPPED = "stopped"
-
-
-@dataclass
-class StageView:
-    """The stage as the DHT showed it before a round."""
-
-    expected: int = 1
-    reducers: set[str] = field(default_factory=set)
-    active: set[str] = field(default_factory=set)
-    records: dict[str, AveragingRecord] = field(default_factory=dict)
-    candidates: list[Candidate] = field(default_factory=list)
-    """Active workers that may be elected reducers (this one included), for election.py."""
-    off_cadence: set[str] = field(default_factory=set)
-    """Workers whose published stride skips this round: nobody waits for them in it."""
-
-    @property
-    def running(self) -> int:
-        """Workers that run this round (this one included): the group it can form."""
-        return self.expected - len(self.off_cadence)
 
 
 class _SerialThread:
@@ -109,7 +87,7 @@ class _SerialThread:
         self._jobs.put((None, None, None))
 
 
-class AveragingService:
+class AveragingService(RoundVerdicts):
     """One replica's averaging: schedules rounds, runs them off the event loop (one at a time),
     publishes their outcomes and decides when the replica must leave its stage."""
 
@@ -400,6 +378,9 @@ class AveragingService:
         return StageView(expected=len(live_ids), reducers=reducers, active=active, records=records,
                          candidates=candidates, off_cadence=off_cadence)
 
+    def _skip_reason(self, view: StageView) -> str:
+        return skip_reason(view, self.config.min_reducers)
+
     def _repair_plan(self, outcome: RoundOutcome) -> Optional[RoundPlan]:
         """After a round in which a reducer died: hivemind left its slice at local values on every
         survivor, so the survivors average the segment again, among themselves, under the key
@@ -458,142 +439,6 @@ class AveragingService:
         if self._seconds_moving <= 0:
             return 0.0
         return (self.bytes_sent + self.bytes_received) / self._seconds_moving
-
-    def _skip_reason(self, view: StageView) -> str:
-        if view.expected <= 1:
-            return "alone in the stage"
-        if not view.reducers:
-            why = ("and none could be elected" if self.config.min_reducers > 0
-                   else "and averaging.min_reducers is 0, so none is elected")
-            return f"no reducer in the stage {why}: start a worker of the stage with --reducer"
-        if not view.active:
-            return "no active replica in the stage to average with"
-        # Replicas whose rounds ran long average every 2nd, 4th.. round (schedule.py). A round that
-        # they all skip would be a matchmaking window spent alone and reported as failed.
-        if view.running <= 1:
-            return f"every other replica of the stage {CADENCE_SKIP}"
-        if not view.reducers - view.off_cadence:
-            return f"every reducer of the stage {CADENCE_SKIP}"
-        return ""
-
-    def _resolve_health(self, view: StageView) -> None:
-        if not self.health.pending:
-            return
-        survived = {
-            (summary.kind, summary.round)
-            for record in view.records.values()
-            for summary in record.recent
-            if summary.status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL)
-        }
-        for (kind, round_id), verdict in self.health.resolve(survived):
-            if verdict == Verdict.FAILURE:
-                logger.warning("%s round %d failed here while other workers of the stage averaged", kind, round_id)
-        reason = self.health.should_leave()
-        if reason and self.gradients_exchanged:
-            # The rule exists because a replica that misses rounds drifts from its stage; one
-            # whose stage adds up its gradients every step applies the same updates as the others.
-            logger.warning("stage %d: %s; the worker stays, since its stage's replicas add up their gradients "
-                           "every step (averaging.gradients) and missed rounds do not set it apart", self.stage,
-                           reason)
-            self._counts["averaging_rule_waived"] += 1
-            self.health.recent.clear()
-            return
-        self.leave_reason = reason
-        if self.leave_reason:
-            logger.error("leaving stage %d: %s [report 3.3.1.6]", self.stage, self.leave_reason)
-            self.left.fire()
-
-    def _judge_divergence(self, view: StageView, phase: Phase) -> None:
-        """Judge the last round's distance against the others' (divergence.py): report a replica
-        far off the average, and make the stage's outlier rejoin through weight sync."""
-        judgement = self.divergence.judge(view.records.values(), started_at=self.started_at,
-                                          stage_size=view.expected)
-        if judgement is None:
-            return
-        if judgement.diverged:
-            self._counts["rounds_diverged"] += 1
-            logger.warning("stage %d replicas diverge: in %s round %d this replica sat %.3f (relative L2) from the "
-                           "average, at or above averaging.max_divergence %g; the other members sat %s%s", self.stage,
-                           judgement.kind, judgement.round, judgement.distance, self.config.max_divergence,
-                           ", ".join(f"{d:.3f}" for d in judgement.others),
-                           " (this replica is the outlier)" if judgement.outlier else "")
-        if phase != Phase.ACTIVE or not self.divergence.must_resync():
-            return
-        reason = (f"this replica was the stage's outlier for {self.divergence.outlier_streak} rounds in a row "
-                  f"(last: {judgement.distance:.3f} from the average, the others at most {max(judgement.others):.3f})")
-        self.divergence.reset()
-        self._counts["divergence_resyncs"] += 1
-        try:
-            self.on_divergent(reason)
-        except Exception:  # noqa: BLE001 - a reporting hook must not break averaging
-            logger.exception("resync callback failed")
-
-    async def _check_index_sets(self, outcome: RoundOutcome) -> None:
-        """Peers announce the digest of the round they are in and of their last rounds; one that
-        announces a round this replica also ran with another digest computes other index sets
-        (another config or version) and was kept out. The last rounds count too: a peer that
-        started the round late (it joined, or its previous round ran long) announces it only
-        after this replica looked."""
-        try:
-            records = await self.swarm.get(averaging_key(self.run_id, self.stage), AveragingRecord)
-        except Exception:  # noqa: BLE001 - the check is best effort, the round itself is done
-            logger.debug("could not read averaging records", exc_info=True)
-            return
-        mine = {(o.plan.kind, o.plan.round): o.digest for o in self.history if o.digest}
-        mine[(outcome.plan.kind, outcome.plan.round)] = outcome.digest
-
-        def differs(record: AveragingRecord) -> bool:
-            announced = [(record.round_kind, record.round, record.digest)]
-            announced += [(summary.kind, summary.round, summary.digest) for summary in record.recent]
-            return any(digest and mine.get((kind, round_id), digest) != digest for kind, round_id, digest in announced)
-
-        mismatched = sorted(peer for peer, record in records.items() if peer != self.swarm.peer_id and differs(record))
-        if mismatched:
-            self._counts["index_set_mismatches"] += len(mismatched)
-            outcome.mismatched_peers = sorted(set(outcome.mismatched_peers) | set(mismatched))
-            logger.warning("%d peer(s) of stage %d use another index set for rounds this worker ran (%s); they were "
-                           "left out of those rounds: check that they run the same run config and agora-node version",
-                           len(mismatched), self.stage, ", ".join(mismatched))
-
-    def _finish(self, outcome: RoundOutcome, quiet: bool = False) -> None:
-        """Count, log (`quiet`: at DEBUG, for rounds the cadence leaves out), publish and report a round."""
-        repair = outcome.plan.kind == "repair"
-        self._counts[f"rounds_{outcome.status.value}"] += 1
-        if outcome.rejected_senders:
-            self._counts["senders_rejected"] += len(outcome.rejected_senders)
-        self.recent.append(outcome)
-        self.history.append(outcome)
-        if outcome.status != RoundStatus.SKIPPED:
-            if outcome.allreduce_began:  # a round without a group lasts the matchmaking deadline
-                self.schedule.finished(outcome.plan.kind, outcome.duration_s)
-            self.round_seconds.observe(max(0.0, outcome.duration_s))
-            if repair:  # what the repair brought back of the slices the round lost
-                last = self.last_completeness or 0.0
-                self.last_completeness = last + (1.0 - last) * (outcome.averaging_success or 0.0)
-            else:
-                self.last_completeness = outcome.averaging_success or 0.0
-            self.bytes_sent += outcome.bytes_sent
-            self.bytes_received += outcome.bytes_received
-            if outcome.bytes_sent or outcome.bytes_received:
-                self._seconds_moving += max(0.0, outcome.duration_s)
-        if outcome.plan.phase == Phase.ACTIVE.value and not repair:
-            self.divergence.observe(outcome.plan.kind, outcome.plan.round, outcome.status,
-                                    outcome.relative_distance, len(outcome.group))
-        if outcome.status in (RoundStatus.COMPLETE, RoundStatus.PARTIAL):
-            self.health.record_success()
-        elif outcome.status == RoundStatus.FAILED and not outcome.group_refused and not repair:
-            # A refused group is the group's fault: a credentialed non-worker posing as the stage's
-            # leader must not be able to push honest replicas out of their stage.
-            self.health.record_failure(outcome.plan.kind, outcome.plan.round)
-        level = logging.INFO if outcome.status in (RoundStatus.COMPLETE, RoundStatus.SKIPPED) else logging.WARNING
-        if quiet:
-            level = logging.DEBUG
-        logger.log(level, "averaging: %s", outcome.describe())
-        try:
-            self.on_round(outcome)
-        except Exception:  # noqa: BLE001 - a reporting hook must not break averaging
-            logger.exception("round callback failed")
-        self.announcer.poke()
 
     # ---- reporting ----
 
