@@ -1,7 +1,7 @@
 """The command line, generated from the settings models: one flag per field, grouped by the
 section it belongs to, with the field's description and default as its help. Nothing about a
 setting is written here; add a field to its model and it becomes a flag, an `AGORA_*` variable
-and a config-file key at once. Fields marked hidden (test hooks) get no flag."""
+and a config-file key at once."""
 
 from __future__ import annotations
 
@@ -79,11 +79,7 @@ def add_model_flags(group, model: type[BaseModel], names: Iterable[str], metavar
     tail = [*LoggingSettings.model_fields, *MetricsPortSettings.model_fields]
     names = sorted(names, key=lambda n: n in tail and tail.index(n) + 1)
     for name in names:
-        field = model.model_fields[name]
-        extra = field.json_schema_extra
-        if isinstance(extra, dict) and extra.get("hidden"):
-            continue
-        add_field_flag(group, name, field, metavar=(metavars or {}).get(name))
+        add_field_flag(group, name, model.model_fields[name], metavar=(metavars or {}).get(name))
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

@@ -1,6 +1,6 @@
 """The worker's section of the node settings: every field is a flag (`--max-batch`), an
-`AGORA_MAX_BATCH` environment variable and a key of the config file's `node:` section; fields
-marked hidden (test hooks) are environment variables only."""
+`AGORA_MAX_BATCH` environment variable and a key of the config file's `node:` section. Faults
+that tests inject are no settings: tests/support/faults.py wraps the product from outside."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from protocol.stream_limits import StreamLimits
-
-HIDDEN = {"hidden": True}
-"""json_schema_extra of a setting that is not a flag: test hooks, set as AGORA_* variables only."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -79,41 +76,6 @@ class WorkerConfig(BaseModel):
     checkpoint_write: bool = Field(
         default=False, description="upload this stage's parameters and optimizer state to the checkpoint store at "
         "every checkpoints.every_steps step (the run owner's designated writers)")
-    test_checkpoint_upload_delay_s: float = Field(
-        default=0.0, ge=0, json_schema_extra=HIDDEN,
-        description="TESTS ONLY: pause this long before each checkpoint upload (an upload slow enough to be killed)")
-    test_init_seed_offset: int = Field(
-        default=0, ge=0, json_schema_extra=HIDDEN,
-        description="TESTS ONLY: start from other initial weights than the run's seed gives")
-    test_averaging_stall_s: float = Field(
-        default=0.0, ge=0, json_schema_extra=HIDDEN,
-        description="TESTS ONLY: stall mid-round in every all-reduce for this long (fault injection)")
-    test_averaging_poison: Literal["", "nan", "huge"] = Field(
-        default="", json_schema_extra=HIDDEN,
-        description="TESTS ONLY: send NaN or huge parts to the other reducers in every all-reduce (fault injection)")
-    test_sparseloco_poison: Literal["", "huge", "garbage"] = Field(
-        default="", json_schema_extra=HIDDEN,
-        description="TESTS ONLY: send SparseLoCo fragments scaled 1e4 (huge) or with a flipped byte (garbage)")
-    test_sparseloco_exit: str = Field(
-        default="", pattern=r"^$|^(before|after)_send:[0-9]+$", json_schema_extra=HIDDEN,
-        description="TESTS ONLY: SIGKILL this worker in SparseLoCo round N, before or after its fragment left "
-                    "(before_send:N, after_send:N)")
-    test_fail_forwards: int = Field(
-        default=0, ge=0, json_schema_extra=HIDDEN,
-        description="TESTS ONLY: answer the first N forward requests with an internal error (failing calls)")
-    test_without_chain: bool = Field(
-        default=False, json_schema_extra=HIDDEN,
-        description="TESTS ONLY: act as a worker older than worker-to-worker routing (no agora/v1/chain, none announced)")
-    test_device_fault_after_batches: int = Field(
-        default=0, ge=0, json_schema_extra=HIDDEN,
-        description="TESTS ONLY: after N batches every batch raises a CUDA-like error (a failing device)")
-    test_nan_gradients_after_steps: int = Field(
-        default=0, ge=0, json_schema_extra=HIDDEN,
-        description="TESTS ONLY: from local step N on, make every step's accumulated gradients NaN")
-    test_state_chunk_delay_s: float = Field(
-        default=0.0, ge=0, json_schema_extra=HIDDEN,
-        description="TESTS ONLY: pause this long before serving each state chunk (a slow state download)")
-
     def stream_limits(self) -> StreamLimits:
         """What one peer may hold of this worker's RPC server (protocol/stream_limits.py)."""
         return StreamLimits(idle_timeout_s=self.stream_idle_timeout_s, max_streams_per_peer=self.max_streams_per_peer)

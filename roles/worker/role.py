@@ -3,8 +3,10 @@ stepping with its stage, averaging with its replicas, and announcing itself in t
 [report 3.3.1].
 
 Start order matters: hivemind's averager is a forked process, so it is created before the
-compute thread (or any other thread of ours) exists (docs/architecture.md, 'Processes and threads'); then the worker joins its stage
-(loads state if the stage has moved on, picks its sync phase), and only then serves.
+compute thread (or any other thread of ours) exists (docs/architecture.md, 'Processes and
+threads'); then the worker joins its stage (state/joining.py: loads state if the stage has moved
+on, picks its sync phase), and only then serves. The parts live in the worker's rooms
+(roles/worker/__init__.py); this module builds them, runs the supervisor loop and shuts down.
 """
 
 from __future__ import annotations
@@ -106,10 +108,7 @@ class WorkerRole:
     def _build_compute(self) -> None:
         """The stage model, its optimizer and layout, the sync phases, the step ledger and the runtime."""
         config, run = self.config, self.run_config
-        init_run = run
-        if config.test_init_seed_offset:
-            init_run = run.model_copy(update={"seed": run.seed + config.test_init_seed_offset})
-        self.model = build_stage_model(init_run, config.stage, device=self.device)
+        self.model = build_stage_model(run, config.stage, device=self.device)
         self.optimizer = StageOptimizer.for_stage(run, config.stage, self.model.trainable_parameters(), self.device,
                                                   payload=[t for _, t in self.model.averaged_payload()])
         self.layout = FlatLayout.of_stage(self.model)
@@ -147,8 +146,7 @@ class WorkerRole:
         self.termination = SelfTermination(run.termination)
         self.runtime.on_compute_error = self.termination.compute_error
         self.runtime.on_step = self.termination.step_result
-        self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches,
-                                       fail_forwards=config.test_fail_forwards, run_id=run.run_id,
+        self.handlers = WorkerHandlers(self.runtime, self.info, self._serving_batches, run_id=run.run_id,
                                        sign=None if identity is None else identity.sign)
         self.chain_client = RpcClient(p2p, timeout_s=run.staleness.forward_gate_timeout_s, authenticator=authenticator)
         """Calls to the next stage's workers for chained samples (routing.path `workers`)."""
@@ -176,8 +174,7 @@ class WorkerRole:
             index_sets=SegmentIndexSets(self.layout, run.averaging.segments, seed=run.seed, stage=config.stage),
             reducer=config.reducer, local_step=lambda: self.optimizer.local_step, phase=lambda: self.phase,
             samples_processed=lambda: self.runtime.counters["backward_requests"], on_round=self._on_round,
-            announce_period_s=config.announce_period_s, stall_s=config.test_averaging_stall_s,
-            stepped=self.runtime.stepped, auth_state=auth_state, poison=config.test_averaging_poison,
+            announce_period_s=config.announce_period_s, stepped=self.runtime.stepped, auth_state=auth_state,
             preempt=self.preempt, on_divergent=self._resync,
         )
         self.averaging.health = averaging_health(run.termination)  # the averaging rule's thresholds
@@ -195,9 +192,7 @@ class WorkerRole:
                 run, config.stage, swarm=self.swarm, layout=self.layout, runtime=self.runtime,
                 replicas=self.replicas, identity=identity, phase=lambda: self.phase,
                 announce_period_s=config.announce_period_s, reload_state=lambda: self.join.load_from_donors(),
-                track=lambda task: self._tasks.append(task),
-                test_poison=config.test_sparseloco_poison, test_exit=config.test_sparseloco_exit,
-                report_evidence=report_evidence)
+                track=lambda task: self._tasks.append(task), report_evidence=report_evidence)
         self.sparseloco: Optional[SparseLoCoService] = None if self.sloco is None else self.sloco.service
 
     def _build_state(self, authenticator: Optional[PeerAuthenticator]) -> None:
@@ -206,13 +201,13 @@ class WorkerRole:
         self.state_server = StateServer(
             self.optimizer, self.layout, run_id=run.run_id, stage=config.stage,
             step=lambda: self.optimizer.local_step, serving=self._serving_batches,
-            max_chunk_elements=run.sync.state_chunk_elements, chunk_delay_s=config.test_state_chunk_delay_s,
+            max_chunk_elements=run.sync.state_chunk_elements,
         )
         self.donor = StateDonor(
             self.optimizer, self.layout, run_id=run.run_id, stage=config.stage, serving=self._serving_batches,
             chunk_bytes=run.sync.state_chunk_bytes, upload_mbps=run.sync.donor_upload_mbps,
             max_concurrent_chunks=run.sync.donor_max_concurrent_chunks,
-            snapshot_ttl_s=run.sync.donor_snapshot_ttl_s, chunk_delay_s=config.test_state_chunk_delay_s,
+            snapshot_ttl_s=run.sync.donor_snapshot_ttl_s,
         )
         self.checkpoints: Optional[StageCheckpoints] = None
         if config.checkpoint_dir:
@@ -225,7 +220,7 @@ class WorkerRole:
             self.checkpoint_writer = RunCheckpointWriter(
                 self.run_store, stage=config.stage, writer=self.swarm.peer_id, optimizer=self.optimizer,
                 layout=self.layout, every_steps=run.checkpoints.every_steps, keep=run.checkpoints.keep,
-                may_write=lambda: self.phase == Phase.ACTIVE, upload_delay_s=config.test_checkpoint_upload_delay_s)
+                may_write=lambda: self.phase == Phase.ACTIVE)
             self.runtime.after_step.append(self.checkpoint_writer.after_step)
         self.join = StageJoin(
             run=run, stage=config.stage, state_source=config.state_source, swarm=self.swarm, p2p=self.p2p,
@@ -255,7 +250,7 @@ class WorkerRole:
             host_rss_bytes=host_rss_bytes(), host_memory_total_bytes=host_memory_total_bytes(),
             device_memory_used_bytes=device_used, device_memory_total_bytes=device_total,
             relayed_bytes=sum(self.server.relayed_bytes), started_at=self._started_at,
-            chain=not self.config.test_without_chain, model_digest=self.run_config.model_digest,
+            chain=True, model_digest=self.run_config.model_digest,
             construction=self.run_config.model.construction,
         )
 
@@ -347,8 +342,7 @@ class WorkerRole:
         await self.server.add_handler(version.EVALUATE, self.handlers.evaluate, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.ABANDON, self.handlers.abandon, roles=frozenset({"trainer"}))
         # A chained sample comes from a trainer (at the head) or from the previous stage's worker.
-        if not self.config.test_without_chain:
-            await self.server.add_handler(version.CHAIN, self.chain.chain, roles=frozenset({"trainer", "worker"}))
+        await self.server.add_handler(version.CHAIN, self.chain.chain, roles=frozenset({"trainer", "worker"}))
         await self.server.add_handler(version.INFO, self.handlers.info)
         self.state = WorkerState.ONLINE
         await self.announcer.announce_now()

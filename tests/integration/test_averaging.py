@@ -24,6 +24,7 @@ from protocol.dht_schema import AveragingRecord, RoundStatus, WorkerRecord, aver
 from protocol.records import SignedRecordValidator
 from protocol.run_config import load_run_config
 from roles.model.stage import StageModel
+from tests.support.faults_node import faults_prefix
 from tests.support.metrics import metric_value, scrape
 from tests.support.polling import poll_until
 
@@ -102,7 +103,7 @@ def _one_pass_of_three_replicas(make_swarm, config, run, tmp_path, attempt: int)
     dirs = [str(tmp_path / f"attempt{attempt}" / f"ckpt{i}") for i in range(3)]
     workers = [swarm.start("worker", stage=0, wait_ready=i == 0,
                            args=["--reducer", "--checkpoint-dir", dirs[i], "--checkpoint-period-s", "3600"],
-                           env={"AGORA_TEST_INIT_SEED_OFFSET": str(i + 1)}) for i in range(3)]
+                           prefix=faults_prefix(init_seed_offset=i + 1)) for i in range(3)]
     for worker in workers[1:]:
         swarm.wait_ready(worker)
     probe = DhtProbe(workers[0].maddrs, run.run_id, run.num_stages)
@@ -160,7 +161,7 @@ def _kill_mid_round(make_swarm, run_config_path, *, victim_reduces: bool):
     survivors = [swarm.start("worker", stage=0, args=["--reducer"], wait_ready=i == 0) for i in range(2)]
     swarm.wait_ready(survivors[1])
     victim = swarm.start("worker", stage=0, args=["--reducer"] if victim_reduces else [],
-                         env={"AGORA_TEST_AVERAGING_STALL_S": "60"})
+                         prefix=faults_prefix(averaging_stall_s=60))
     poll_until(lambda: log_has(victim, "test fault: stalling"), 60, "the victim to stall mid-round", period_s=0.3)
     with open(victim.log_path) as f:
         stalled = next(line for line in f if "test fault: stalling" in line)
@@ -449,7 +450,7 @@ def test_a_replica_sending_garbage_is_left_out_and_the_round_completes_for_the_o
                           args=["--reducer", "--checkpoint-dir", dirs[i], "--checkpoint-period-s", "3600"])
               for i in range(2)]
     swarm.wait_ready(honest[1])
-    poisoner = swarm.start("worker", stage=0, env={"AGORA_TEST_AVERAGING_POISON": poison})
+    poisoner = swarm.start("worker", stage=0, prefix=faults_prefix(averaging_poison=poison))
     probe = DhtProbe(honest[0].maddrs, run.run_id, run.num_stages)
     try:
         def poisoned_rounds():
@@ -535,7 +536,7 @@ def test_a_replica_far_from_the_others_is_reported_and_rejoins_through_weight_sy
                                         "request_timeout_s": 1.5})
     swarm = make_swarm(config, common_args=COMMON)
     workers = [swarm.start("worker", stage=0, args=["--reducer"], wait_ready=i == 0,
-                           env={"AGORA_TEST_INIT_SEED_OFFSET": "1"} if i == 2 else None) for i in range(3)]
+                           prefix=faults_prefix(init_seed_offset=1) if i == 2 else ()) for i in range(3)]
     for worker in workers[1:]:
         swarm.wait_ready(worker)
     odd = workers[2]
@@ -577,7 +578,7 @@ def test_a_worker_whose_averaging_stalls_leaves_its_stage_and_the_others_keep_av
     swarm = make_swarm(config, common_args=COMMON)
     good = [swarm.start("worker", stage=0, args=["--reducer"], wait_ready=i == 0) for i in range(2)]
     swarm.wait_ready(good[1])
-    stalled = swarm.start("worker", stage=0, env={"AGORA_TEST_AVERAGING_STALL_S": "8"})
+    stalled = swarm.start("worker", stage=0, prefix=faults_prefix(averaging_stall_s=8))
     assert swarm.wait(stalled, 150) == 3, stalled.log_tail()
     assert log_has(stalled, "self-termination rule averaging"), stalled.log_tail()
     assert not log_has(stalled, "node: worker failed"), "a rule exit is no bug: " + stalled.log_tail(60)

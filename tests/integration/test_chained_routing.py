@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.support.faults_node import faults_prefix
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -120,7 +121,7 @@ def test_a_stage_of_workers_too_old_to_chain_gets_its_samples_the_trainer_driven
                              target_batch_size=8, routing=WORKERS)
     swarm = make_swarm(config)
     head = swarm.start("worker", stage=0, args=["--max-batch", "8"])
-    old_tail = swarm.start("worker", stage=1, args=["--max-batch", "8"], env={"AGORA_TEST_WITHOUT_CHAIN": "1"})
+    old_tail = swarm.start("worker", stage=1, args=["--max-batch", "8"], prefix=faults_prefix(without_chain=1))
     trainer = swarm.start("trainer", args=["--lanes", "4", "--max-samples", "24", "--discovery-period-s", "1"])
     assert swarm.wait(trainer, 120) == 0, trainer.log_tail()
     summary = trainer.summary()

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from node.lifecycle import shared_memory_files
+from tests.support.faults_node import faults_prefix
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -201,7 +202,7 @@ def test_signal_while_downloading_state_and_while_in_weight_sync(make_swarm, run
                              sync={"max_stale_steps": 1, "weight_sync_steps": 10_000, "state_chunk_elements": 4096,
                                    "state_chunk_bytes": 1 << 16})
     swarm = make_swarm(config)
-    first = swarm.start("worker", stage=0, env={"AGORA_TEST_STATE_CHUNK_DELAY_S": "1"})
+    first = swarm.start("worker", stage=0, prefix=faults_prefix(state_chunk_delay_s=1))
     tail = swarm.start("worker", stage=1, wait_ready=False)
     trainer = swarm.start("trainer", wait_ready=False, args=["--lanes", "2", "--discovery-period-s", "1"])
     swarm.wait_ready(tail)

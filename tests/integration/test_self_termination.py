@@ -6,9 +6,9 @@ back in when restarted with the same identity.
 One swarm carries four of the rules, to keep the suite cheap: stage 0 has a healthy replica and
 four faulty ones, stage 1 one worker, and a trainer drives samples throughout.
 
-- device_fault: AGORA_TEST_DEVICE_FAULT_AFTER_BATCHES makes the compute raise a CUDA-like error
-  after a few batches, as a failing GPU does.
-- non_finite: AGORA_TEST_NAN_GRADIENTS_AFTER_STEPS fills the accumulated gradients with NaN
+- device_fault: the device_fault_after_batches fault (tests/support/faults.py) makes the compute
+  raise a CUDA-like error after a few batches, as a failing GPU does.
+- non_finite: the nan_gradients_after_steps fault fills the accumulated gradients with NaN
   before every step from step 2 on, so the step and its retry both have non-finite gradients.
 - host_memory: that worker's run config sets `termination.host_memory.max_bytes` to 64 MiB, far
   below the real RSS of any worker.
@@ -37,6 +37,7 @@ import pytest
 
 from protocol.run_config import dump_run_config, load_run_config
 from roles.worker.health.termination import RULES_BY_NAME
+from tests.support.faults_node import faults_prefix
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -100,9 +101,9 @@ def test_each_rule_fires_on_its_cause_and_the_swarm_keeps_training(make_swarm, t
     identity = str(tmp_path / "device.key")
     device_args = ["--identity", identity]
     device = swarm.start("worker", stage=0, name="device", args=device_args, wait_ready=False,
-                         env={"AGORA_TEST_DEVICE_FAULT_AFTER_BATCHES": "6"})
+                         prefix=faults_prefix(device_fault_after_batches=6))
     nan = swarm.start("worker", stage=0, name="nan", wait_ready=False,
-                      env={"AGORA_TEST_NAN_GRADIENTS_AFTER_STEPS": "2"})
+                      prefix=faults_prefix(nan_gradients_after_steps=2))
     ram = swarm.start("worker", stage=0, name="ram", args=["--config", low_ram], wait_ready=False)
     cut = swarm.start("worker", stage=0, name="cut", args=["--config", short_fuse], wait_ready=False)
     for node in (tail, device, nan, cut):

@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support.faults_node import faults_prefix
+
 pytestmark = pytest.mark.integration
 
 TWO_STAGES = [{"first_layer": 0, "last_layer": 2}, {"first_layer": 2, "last_layer": 3}]
@@ -89,16 +91,16 @@ def test_replicas_killed_before_and_after_sending_and_a_poisoner(make_swarm, run
     config = run_config_path(stages=TWO_STAGES, target_batch_size=TARGET, averaging={
         "method": "sparseloco", "sparseloco": {"inner_steps": H, "round_timeout_s": 15.0}})
     swarm = make_swarm(config, common_args=COMMON)
-    faults = {(0, 2): {"AGORA_TEST_SPARSELOCO_POISON": "huge"},
-              (1, 1): {"AGORA_TEST_SPARSELOCO_EXIT": "before_send:10"},
-              (1, 2): {"AGORA_TEST_SPARSELOCO_EXIT": "after_send:15"}}
+    faults = {(0, 2): faults_prefix(sparseloco_poison="huge"),
+              (1, 1): faults_prefix(sparseloco_exit="before_send:10"),
+              (1, 2): faults_prefix(sparseloco_exit="after_send:15")}
     workers, dirs = {}, {}
     for stage in (0, 1):
         for replica in (0, 1, 2):
             dirs[(stage, replica)] = str(tmp_path / f"s{stage}r{replica}")
             workers[(stage, replica)] = swarm.start(
                 "worker", stage=stage, wait_ready=not workers, name=f"worker-s{stage}-r{replica}",
-                env=faults.get((stage, replica), {}),
+                prefix=faults.get((stage, replica), ()),
                 args=["--checkpoint-dir", dirs[(stage, replica)], "--checkpoint-period-s", "3600"])
     for worker in list(workers.values())[1:]:
         swarm.wait_ready(worker)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.support.faults_node import faults_prefix
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -36,9 +37,9 @@ def test_a_joiner_finishes_from_the_second_donor_when_the_first_is_killed_mid_tr
     config = run_config_path(stages=TWO_STAGES, target_batch_size=4,
                              sync={"max_stale_steps": 10_000, "state_chunk_bytes": 1 << 16,
                                    "state_chunk_timeout_s": 5.0})
-    slow = {"AGORA_TEST_STATE_CHUNK_DELAY_S": "1"}
+    slow = faults_prefix(state_chunk_delay_s=1)
     swarm = make_swarm(config)
-    first = swarm.start("worker", stage=0, env=slow, name="first")
+    first = swarm.start("worker", stage=0, prefix=slow, name="first")
     tail = swarm.start("worker", stage=1, wait_ready=False)
     trainer = swarm.start("trainer", wait_ready=False, args=["--lanes", "2", "--discovery-period-s", "1"])
     swarm.wait_ready(tail)
@@ -51,7 +52,7 @@ def test_a_joiner_finishes_from_the_second_donor_when_the_first_is_killed_mid_tr
     def checkpoint(directory):  # written as the worker starts serving, then not again during the test
         return ["--checkpoint-dir", str(directory), "--checkpoint-period-s", "3600"]
 
-    second = swarm.start("worker", stage=0, env=slow, name="second", args=checkpoint(second_dir), timeout_s=120)
+    second = swarm.start("worker", stage=0, prefix=slow, name="second", args=checkpoint(second_dir), timeout_s=120)
     assert second.summary() is None and _log_has(second, "from 1 donor(s)"), second.log_tail(40)
     poll_until(lambda: second_dir.exists() and any(second_dir.iterdir()), 30, "the second donor's checkpoint")
 

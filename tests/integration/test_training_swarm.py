@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.support.faults_node import faults_prefix
 from tests.support.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -114,7 +115,7 @@ def test_a_single_worker_stage_that_fails_calls_is_not_banned(make_swarm, run_co
     retries it instead of banning it (a 30 s ban would drop every sample as `no_workers`)."""
     config = run_config_path(stages=TWO_STAGES, target_batch_size=8)
     swarm = make_swarm(config)
-    head = swarm.start("worker", stage=0, env={"AGORA_TEST_FAIL_FORWARDS": "3"})
+    head = swarm.start("worker", stage=0, prefix=faults_prefix(fail_forwards=3))
     tail = swarm.start("worker", stage=1, wait_ready=False)
     swarm.wait_ready(tail)
     trainer = swarm.start("trainer", args=["--lanes", "2", "--max-samples", "40", "--discovery-period-s", "1"])

@@ -23,6 +23,7 @@ from roles.worker.state.run_checkpoint_io import apply_state
 from roles.worker.state.state_donor import StateDonor, TokenBucket
 from roles.worker.state.state_download import MultiDonorDownload
 from roles.worker.state.state_snapshot import Manifest, SnapshotError, describe, freeze, thaw
+from tests.support.faults import SlowBucket
 
 CHUNK = 1 << 16
 
@@ -225,10 +226,14 @@ def test_token_bucket_spaces_bytes_at_its_rate():
 
 # ---- the donor's handlers, called directly ----
 
-def _donor(opt, layout, **kw):
+def _donor(opt, layout, chunk_delay_s: float = 0.0, **kw):
+    """A donor; `chunk_delay_s` pauses before each chunk (tests/support/faults.py, a slow donor)."""
     kw = {"serving": lambda: True, "chunk_bytes": CHUNK, "upload_mbps": 10_000.0, "max_concurrent_chunks": 2,
           "snapshot_ttl_s": 60.0, **kw}
-    return StateDonor(opt, layout, run_id="run", stage=1, **kw)
+    donor = StateDonor(opt, layout, run_id="run", stage=1, **kw)
+    if chunk_delay_s:
+        donor.bucket = SlowBucket(donor.bucket, chunk_delay_s)
+    return donor
 
 
 def test_donor_validates_every_request_and_refuses_with_typed_errors():

@@ -49,14 +49,12 @@ class SpartaAverager(AdaptedAverager):
     """The averager process: rounds run through `InstrumentedRunner` and report what they saw
     (see module docstring)."""
 
-    def __init__(self, buffer: torch.Tensor, dht, *, stall_s: float = 0.0, access: Optional[AveragingAccess] = None,
-                 screen: Optional[PartScreen] = None, poison: str = "", admission_wait_s: float = 5.0,
+    def __init__(self, buffer: torch.Tensor, dht, *, access: Optional[AveragingAccess] = None,
+                 screen: Optional[PartScreen] = None, admission_wait_s: float = 5.0,
                  preempt: Optional[PreemptSwitch] = None, **kwargs):
-        self.stall_s = stall_s
         self.preempt = preempt
         self.access = access
         self.screen = screen
-        self.poison = poison
         self.admission_wait_s = admission_wait_s
         """How long a part from a peer not yet verified waits for our check of its group (it may
         have heard the group's start from the leader before we did)."""
@@ -75,8 +73,7 @@ class SpartaAverager(AdaptedAverager):
     def make_runner(self, gathered: dict[str, Any], **runner_kwargs) -> InstrumentedRunner:
         own = gathered.get(self.peer_id.to_base58()) or {}
         label = f"{own.get('kind', '?')} round {own.get('round', '?')}"
-        return InstrumentedRunner(stall_s=self.stall_s, label=label, screen=self.screen, poison=self.poison,
-                                  preempt=self.preempt, **runner_kwargs)
+        return InstrumentedRunner(label=label, screen=self.screen, preempt=self.preempt, **runner_kwargs)
 
     def round_result(self, gathered: dict[str, Any], runner: InstrumentedRunner) -> dict[str, Any]:
         plain = {peer: {k: v for k, v in data.items() if k != CREDENTIAL_KEY} if isinstance(data, dict) else data
@@ -162,17 +159,15 @@ class StageAverager:
     and size, one step at a time, and shutdown."""
 
     def __init__(self, dht, buffer_size: int, *, run_id: str, stage: int, reducer: bool,
-                 config: AveragingConfig, stall_s: float = 0.0, access: Optional[AveragingAccess] = None,
-                 poison: str = "", preempt: Optional[PreemptSwitch] = None):
+                 config: AveragingConfig, access: Optional[AveragingAccess] = None,
+                 preempt: Optional[PreemptSwitch] = None):
         self.config = config
         self.reducer = reducer
         self.access = access
         self.buffer = torch.zeros(max(1, buffer_size), dtype=torch.float32)
         self._process_kwargs = dict(
-            stall_s=stall_s,
             access=access,
             screen=PartScreen(config.max_norm_ratio, config.max_sender_weight),
-            poison=poison,
             preempt=preempt,
             admission_wait_s=config.sender_timeout_s,
             prefix=averaging_prefix(run_id, stage),

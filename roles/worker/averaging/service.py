@@ -95,8 +95,8 @@ class AveragingService(RoundVerdicts):
                  store: ParameterStore, index_sets: SegmentIndexSets, reducer: bool,
                  local_step: Callable[[], int], phase: Callable[[], Phase], samples_processed: Callable[[], int],
                  on_round: Callable[[RoundOutcome], None] = lambda outcome: None,
-                 announce_period_s: float = 5.0, stall_s: float = 0.0, stepped: Optional[Signal] = None,
-                 auth_state: Optional[SharedAuthState] = None, poison: str = "",
+                 announce_period_s: float = 5.0, stepped: Optional[Signal] = None,
+                 auth_state: Optional[SharedAuthState] = None,
                  preempt: Optional[PreemptSwitch] = None, on_divergent: Callable[[str], None] = lambda reason: None):
         self.config = config
         self.on_divergent = on_divergent
@@ -118,8 +118,6 @@ class AveragingService(RoundVerdicts):
         self.phase = phase
         self.samples_processed = samples_processed
         self.on_round = on_round
-        self.stall_s = stall_s
-        self.poison = poison
         self.access = AveragingAccess(auth_state, stage) if auth_state is not None else None
         """Who may average with us (None in an open run: everyone)."""
         self.state = AveragingState.CREATED if config.enabled else AveragingState.DISABLED
@@ -164,8 +162,8 @@ class AveragingService(RoundVerdicts):
         if self.state == AveragingState.DISABLED:
             return
         self.averager = StageAverager(dht, self.index_sets.buffer_size, run_id=self.run_id, stage=self.stage,
-                                      reducer=self.reducer, config=self.config, stall_s=self.stall_s,
-                                      access=self.access, poison=self.poison, preempt=self.preempt)
+                                      reducer=self.reducer, config=self.config, access=self.access,
+                                      preempt=self.preempt)
         self.averager.start()
         self.rounds = SegmentRound(self.store, self.index_sets, self.averager)
         self._thread = _SerialThread(f"stage{self.stage}-averaging")

@@ -49,13 +49,11 @@ class WorkerHandlers:
     """Binds a StageRuntime to the RPC server. `serving()` gates requests while starting or leaving."""
 
     def __init__(self, runtime: StageRuntime, info: Callable[[], InfoReply], serving: Callable[[], bool],
-                 fail_forwards: int = 0, *, run_id: str = "", sign: Optional[Callable[[bytes], bytes]] = None):
+                 *, run_id: str = "", sign: Optional[Callable[[bytes], bytes]] = None):
         self.runtime = runtime
         self._run_id = run_id
         self._sign = sign
         """This node's identity key, signing every result it sends (protocol/evidence.py); None: unsigned."""
-        self._fail_forwards = fail_forwards
-        """Test fault (AGORA_TEST_FAIL_FORWARDS): forwards still to answer with an internal error."""
         self.info_fn = info
         self.serving = serving
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -121,9 +119,6 @@ class WorkerHandlers:
     async def _forward(self, peer_id: PeerID, body: dict) -> ForwardReply:
         request = parse_model(ForwardRequest, body)
         self.runtime.check_forward(request)
-        if self._fail_forwards > 0:
-            self._fail_forwards -= 1
-            raise ProtocolError("test fault: this forward fails on purpose", ErrorCode.INTERNAL)
         coords = await self._run(TaskKind.FORWARD, request, peer_id)
         version = self.runtime.forwarded.peek(request.sample_id)
         weights = self.runtime.fingerprints.get(version)

@@ -37,7 +37,7 @@ class SparseLoCoLifecycle:
     def __init__(self, run: RunConfig, stage: int, *, swarm: SwarmDHT, layout: FlatLayout, runtime: StageRuntime,
                  replicas: StageReplicas, identity: Optional[Identity], phase: Callable[[], Phase],
                  announce_period_s: float, reload_state: Callable[[], Awaitable[object]],
-                 track: Callable[[asyncio.Task], None], test_poison: str = "", test_exit: str = "",
+                 track: Callable[[asyncio.Task], None],
                  report_evidence: Optional[Callable[[FragmentEvidence], Awaitable[str]]] = None):
         if identity is None:
             raise ConfigError("averaging.method sparseloco signs every fragment: the worker needs its identity")
@@ -52,7 +52,7 @@ class SparseLoCoLifecycle:
             run, stage, layout, self.optimizer, self_id=swarm.peer_id, identity=identity,
             active=lambda: phase() == Phase.ACTIVE, on_parted=self._parted,
             stopping=lambda: runtime.stopping, members=lambda: list(runtime.ledger.peers.members),
-            test_poison=test_poison, test_exit=test_exit, report_evidence=report_evidence)
+            report_evidence=report_evidence)
         self.service.health = averaging_health(run.termination)
         self.announcer = Announcer(swarm, averaging_key(run.run_id, stage), lambda: self.service.record(phase()),
                                    period_s=announce_period_s)

@@ -26,8 +26,6 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-import os
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional
@@ -124,7 +122,6 @@ class SparseLoCoService:
                  identity: Identity, active: Callable[[], bool],
                  on_parted: Callable[[str], None] = lambda why: None,
                  stopping: Callable[[], bool] = lambda: False, members: Callable[[], list[str]] = lambda: [],
-                 test_poison: str = "", test_exit: str = "",
                  report_evidence: Optional[Callable[[FragmentEvidence], Awaitable[str]]] = None):
         self.config = run.averaging.sparseloco
         self.total_steps = run.optimizer.total_steps
@@ -168,11 +165,6 @@ class SparseLoCoService:
         self.reporter = None if report_evidence is None else FragmentReporter(
             run_id=run.run_id, stage=stage, layout=layout, config=self.config, self_id=self_id, report=report_evidence)
         self._reports: set[concurrent.futures.Future] = set()
-        self.test_poison = test_poison
-        self.test_exit: tuple[str, int] = ("", -1)
-        if test_exit:
-            when, at = test_exit.split(":")
-            self.test_exit = (when, int(at))
 
     # ---- arithmetic ----
 
@@ -254,16 +246,10 @@ class SparseLoCoService:
             self.known.update(self.members())
             weights = self.layout.read(self.optimizer.master_params, frag.start, frag.numel)
             cap = self.state.capture(step, frag, weights, beta=self.config.error_decay, bits=self.config.bits)
-            data = encode_fragment(self._poisoned(cap.own), self._envelope(step, f, anchor=cap.anchor), self.identity)
-            if self.test_poison == "garbage":
-                data = data[:-40] + bytes([data[-40] ^ 0xFF]) + data[-39:]
-            if self.test_exit == ("before_send", step):
-                _test_kill(f"before sending round {step}")
+            data = encode_fragment(cap.own, self._envelope(step, f, anchor=cap.anchor), self.identity)
             deadline = time.monotonic() + self.config.round_timeout_s
-            on_sent = (lambda: _test_kill(f"after sending round {step}")) \
-                if self.test_exit == ("after_send", step) else None
             future = asyncio.run_coroutine_threadsafe(
-                self.transport.exchange(RoundKey(step, f), data, deadline, on_sent=on_sent), self._loop)
+                self.transport.exchange(RoundKey(step, f), data, deadline), self._loop)
             self._inflight[f] = (cap, future, step + self.config.overlap_steps, data)
             self.counters["captures"] += 1
 
@@ -423,12 +409,6 @@ class SparseLoCoService:
         log = logger.info if report.status in ("complete", "alone") else logger.warning
         log("%s", report.describe())
 
-    def _poisoned(self, own: Compressed) -> Compressed:
-        if self.test_poison != "huge":
-            return own
-        logger.warning("test fault: sending a fragment scaled 1e4")
-        return Compressed(own.indices, own.codes, own.scales * 1e4, own.bits)
-
     def _envelope(self, round_id: int, fragment: int, anchor: str = "") -> Envelope:
         c = self.config
         return Envelope(self.run_id, self.stage, round_id, fragment, self.layout.digest, c.chunk_size,
@@ -477,12 +457,6 @@ class SparseLoCoService:
             "anchors": self.anchor_digests(),
             "recent": [r.to_summary() for r in self.recent],
         }
-
-
-def _test_kill(when: str) -> None:
-    """Test fault (AGORA_TEST_SPARSELOCO_EXIT): die as a machine dies, with nothing flushed."""
-    logger.warning("test fault: SIGKILL %s", when)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass

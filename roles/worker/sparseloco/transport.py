@@ -21,7 +21,7 @@ import posixpath
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional, Protocol
+from typing import Awaitable, Callable, Protocol
 
 from fsspec.implementations.local import LocalFileSystem
 
@@ -55,10 +55,8 @@ class Exchanged:
 class FragmentTransport(Protocol):
     name: str
 
-    async def exchange(self, key: RoundKey, data: bytes, deadline: float,
-                       on_sent: Optional[Callable[[], None]] = None) -> Exchanged:
-        """Send `data` and return what the others sent by `deadline`; `on_sent` is called once
-        this replica's fragment has left (tests kill a replica there)."""
+    async def exchange(self, key: RoundKey, data: bytes, deadline: float) -> Exchanged:
+        """Send `data` and return what the others sent by `deadline`."""
 
     async def close(self) -> None: ...
 
@@ -132,16 +130,11 @@ class SwarmTransport:
         self.push = push
         self.members = members
 
-    async def exchange(self, key: RoundKey, data: bytes, deadline: float,
-                       on_sent: Optional[Callable[[], None]] = None) -> Exchanged:
+    async def exchange(self, key: RoundKey, data: bytes, deadline: float) -> Exchanged:
         expected = sorted(set(self.members()) - {self.self_id})
         pushes = {peer: asyncio.create_task(self.push(peer, key, data, deadline), name=f"sparseloco-push-{key.round}")
                   for peer in expected}
         unreachable: set[str] = set()
-        if on_sent is not None:
-            if pushes:
-                await asyncio.wait(list(pushes.values()), timeout=max(0.0, deadline - time.monotonic()))
-            on_sent()
         try:
             while True:
                 for peer, task in pushes.items():
@@ -229,8 +222,7 @@ class StoreTransport:
             raise asyncio.TimeoutError()
         return await asyncio.wait_for(asyncio.to_thread(fn, *args), left)
 
-    async def exchange(self, key: RoundKey, data: bytes, deadline: float,
-                       on_sent: Optional[Callable[[], None]] = None) -> Exchanged:
+    async def exchange(self, key: RoundKey, data: bytes, deadline: float) -> Exchanged:
         path = posixpath.join(self._dir(key), f"{self.self_id}.frag")
         sent = 0
         try:
@@ -240,8 +232,6 @@ class StoreTransport:
         except Exception as exc:  # noqa: BLE001 - the store is an edge: log, count, go on without it
             self.errors += 1
             logger.warning("round %d fragment %d: could not upload to the store (%s)", key.round, key.fragment, exc)
-        if on_sent is not None:
-            on_sent()
         expected = sorted(set(self.members()) - {self.self_id})
         received: dict[str, bytes] = {}
         refused: set[str] = set()

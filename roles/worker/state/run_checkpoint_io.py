@@ -38,7 +38,7 @@ STORE_PARALLEL_READS = 4
 
 class RunCheckpointWriter:
     def __init__(self, store: CheckpointStore, *, stage: int, writer: str, optimizer, layout: FlatLayout,
-                 every_steps: int, keep: int, may_write: Callable[[], bool], upload_delay_s: float = 0.0):
+                 every_steps: int, keep: int, may_write: Callable[[], bool]):
         self.store = store
         self.stage = stage
         self.writer = writer
@@ -47,7 +47,6 @@ class RunCheckpointWriter:
         self.every_steps = every_steps
         self.keep = keep
         self.may_write = may_write
-        self.upload_delay_s = upload_delay_s
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_step: Optional[int] = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-upload")
@@ -91,8 +90,6 @@ class RunCheckpointWriter:
     def _upload(self, step: int, path: Path) -> None:
         started = time.monotonic()
         try:
-            if self.upload_delay_s:
-                time.sleep(self.upload_delay_s)  # TESTS ONLY: an upload slow enough to be killed
             manifest = self.store.write_stage(step, self.stage, self.writer, path)
             if manifest is not None:
                 self.store.prune(self.keep)

@@ -16,9 +16,6 @@ second it uploads to joiners (`sync.donor_upload_mbps`), and at most
 `sync.donor_max_concurrent_chunks` chunk requests are served at once; one beyond that is answered
 OVERLOADED at once (the joiner asks another donor) rather than queued. Every request is validated
 field by field (protocol/state_messages.py), refusals are typed and counted by code.
-
-`chunk_delay_s` (tests only, the worker's `test_state_chunk_delay_s`) pauses before each chunk, so
-that a joiner's download lasts long enough to be interrupted.
 """
 
 from __future__ import annotations
@@ -90,8 +87,7 @@ class StateDonor:
     """Serves frozen snapshots of one stage's state; `counters` go to `agora/v1/info` and the summary."""
 
     def __init__(self, optimizer, layout: FlatLayout, *, run_id: str, stage: int, serving: Callable[[], bool],
-                 chunk_bytes: int, upload_mbps: float, max_concurrent_chunks: int, snapshot_ttl_s: float,
-                 chunk_delay_s: float = 0.0):
+                 chunk_bytes: int, upload_mbps: float, max_concurrent_chunks: int, snapshot_ttl_s: float):
         self.optimizer = optimizer
         self.layout = layout
         self.run_id = run_id
@@ -101,7 +97,6 @@ class StateDonor:
         self.bucket = TokenBucket(upload_mbps * 1e6 / 8, burst_bytes=chunk_bytes)
         self.max_concurrent_chunks = max_concurrent_chunks
         self.snapshot_ttl_s = snapshot_ttl_s
-        self.chunk_delay_s = chunk_delay_s
         self.counters: collections.Counter[str] = collections.Counter()
         self._snapshot: Optional[_Snapshot] = None
         self._freezing = asyncio.Lock()
@@ -162,8 +157,6 @@ class StateDonor:
         try:
             snapshot.last_used = time.monotonic()
             start, end = snapshot.manifest.chunk_range(request.index)
-            if self.chunk_delay_s:
-                await asyncio.sleep(self.chunk_delay_s)
             waited = await self.bucket.take(end - start)
             self.counters["donor_throttled_ms"] += int(waited * 1000)
             data = bytes(memoryview(snapshot.blob)[start:end])

@@ -6,9 +6,6 @@ taken from one snapshot (a snapshot would double the stage's memory for the whol
 a step between two chunks hands the joiner a mix of two adjacent steps, a difference far below
 the drift between replicas that the joiner's averaging absorbs anyway. A replica in weight sync
 holds stale weights and refuses, naming the reason.
-
-`chunk_delay_s` (tests only, the worker's `test_state_chunk_delay_s`) pauses before each chunk,
-so that a joiner's download lasts long enough to be interrupted.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ from roles.worker.layout import FlatLayout, ParameterStore
 
 class StateServer:
     def __init__(self, store: ParameterStore, layout: FlatLayout, *, run_id: str, stage: int,
-                 step: Callable[[], int], serving: Callable[[], bool], max_chunk_elements: int,
-                 chunk_delay_s: float = 0.0):
+                 step: Callable[[], int], serving: Callable[[], bool], max_chunk_elements: int):
         self.store = store
         self.layout = layout
         self.run_id = run_id
@@ -36,7 +32,6 @@ class StateServer:
         self.step = step
         self.serving = serving
         self.max_chunk_elements = max_chunk_elements
-        self.chunk_delay_s = chunk_delay_s
         self.counters: collections.Counter[str] = collections.Counter()
 
     def _read(self, offset: int, count: int):
@@ -54,8 +49,6 @@ class StateServer:
             raise ProtocolError(f"offset {request.offset} is past the stage's {self.layout.numel} parameters",
                                 ErrorCode.INVALID_REQUEST)
         count = min(request.count, self.max_chunk_elements, self.layout.numel - request.offset)
-        if self.chunk_delay_s:
-            await asyncio.sleep(self.chunk_delay_s)
         step, data = await asyncio.to_thread(self._read, request.offset, count)
         self.counters["state_chunks_served"] += 1
         self.counters["state_bytes_served"] += 4 * count

@@ -361,14 +361,6 @@ class StageOptimizer:
         if self._on_cuda:
             torch.cuda.synchronize(self._device)
 
-    def poison_gradients(self) -> None:
-        """TESTS ONLY: make the open step's accumulated gradients NaN (a fault a broken device or
-        a numerically unstable stage produces), so the self-termination rule can be exercised."""
-        with self.lock, torch.no_grad():
-            for p in self._params:
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
-
     def _clear_grads(self) -> None:
         for p in self._params:
             p.grad = None
