@@ -4,6 +4,10 @@ compute thread, results back, and the replicas of a stage talking to each other 
 role and SparseLoCo; the state and health rooms never import it (tests/unit/test_layers.py).
 
     runtime.py           the compute loop: owns the model, optimizer, queues and ledger, runs batches
+    request_checks.py    the checks every request passes before it is queued
+    step_decision.py     when the compute thread takes the stage's step, between two batches
+    batches.py           what one forward or backward batch does to the stage model
+    compute_stats.py     what the compute thread records: forwards in flight, staleness, balance, fingerprints
     queues.py            task queues and batch coalescing between the handlers and the compute thread
     kept_activations.py  forward activations kept for the backward within a memory budget
     handlers.py          the `agora/v1/*` handlers: parse, validate, queue, await, reply

@@ -12,4 +12,5 @@ It builds only on the worker's own base (layout.py, errors.py), never on the ser
     stage_checkpoint.py   stage checkpoints in a directory, written by designated nodes
     run_checkpoint_io.py  a worker's part in run checkpoints: write at agreed steps, load from the store
     sync_phase.py         a joiner's catch-up: weight sync, then optimizer sync, then full participation
+    joining.py            the join: the state sources in order (donors, peers, checkpoint, store, seed)
 """
