@@ -213,7 +213,7 @@ def open_corpus(location: str):
 
 def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_samples: int, replicas: int,
               churn: bool = False, lanes: int = LANES, prefixes: Optional[dict[str, list[str]]] = None,
-              skip_stage: bool = False,
+              skip_stage: bool = False, depart_at_samples: Optional[int] = None,
               node_args: Optional[Callable[[str], list[str]]] = None,
               on_tick: Optional[Callable[[Any, float], None]] = None) -> dict:
     """Train `total_samples` with a local swarm of `replicas` workers per stage; return its sample
@@ -222,6 +222,8 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
     With `churn`, one replica is killed mid-run and restarted (`Churn`); "churn" says how it went.
     With `skip_stage`, every replica of the churned stage is killed together and restarted: the
     trainers skip the stage meanwhile (run.skipping); "churn" is then a list, one entry a replica.
+    With `depart_at_samples`, the replica `churn` would kill is killed once the logs hold that many
+    samples and never restarted (a worker that leaves for good); "churn" says how it went.
     For other benchmarks (scripts/bench_trust.py): `prefixes` runs the named nodes through another
     command (an altered worker), `node_args(name)` adds arguments to a node's command line (its
     authorizer and account), and `on_tick(swarm, seconds since the trainers started)` is called
@@ -278,8 +280,11 @@ def run_swarm(run, config_path: str, workdir: str, setting: Setting, total_sampl
         train_started = time.monotonic()
         victims = ([n for n in workers if n.stage == CHURN_STAGE] if skip_stage
                    else [n for n in workers if n.name == f"worker-s{CHURN_STAGE}-r1"] if churn else [])
-        churners = [Churn(swarm, victim, worker_args[victim.name], math.ceil(CHURN_AT_SHARE * total_samples),
-                          train_started) for victim in victims]
+        if depart_at_samples is not None:
+            victims = [n for n in workers if n.name == f"worker-s{CHURN_STAGE}-r1"]
+        at_samples = math.ceil(CHURN_AT_SHARE * total_samples) if depart_at_samples is None else depart_at_samples
+        churners = [Churn(swarm, victim, worker_args[victim.name], at_samples, train_started,
+                          restart=depart_at_samples is None) for victim in victims]
         deadline = train_started + 300 + total_samples / 4
         last_report = train_started
         while any(t.proc.poll() is None for t in trainers):
@@ -332,11 +337,12 @@ CHURN_STAGE = STAGES // 2
 class Churn:
     """Kills `victim` (SIGKILL, then its process group: a crashed machine) once the sample logs
     hold `at_samples`, and CHURN_RESTART_AFTER_S later starts the same command again under the
-    name `<victim>-restart`; `tick` advances it from the trainers' wait loop. Times are seconds
-    since `t0`, the trainers' start."""
+    name `<victim>-restart` (without `restart`, never: a departure); `tick` advances it from the
+    trainers' wait loop. Times are seconds since `t0`, the trainers' start."""
 
-    def __init__(self, swarm, victim, args: list[str], at_samples: int, t0: float):
+    def __init__(self, swarm, victim, args: list[str], at_samples: int, t0: float, restart: bool = True):
         self.swarm, self.victim, self.args, self.at_samples, self.t0 = swarm, victim, list(args), at_samples, t0
+        self.restart = restart
         self.killed_at: Optional[float] = None
         self.killed_at_samples: Optional[int] = None
         self.kill_exit_code: Optional[int] = None
@@ -348,7 +354,7 @@ class Churn:
 
     @property
     def pending(self) -> bool:
-        return self.restarted is None
+        return self.killed_at is None or (self.restart and self.restarted is None)
 
     def tick(self, logs: list[str]):
         """Kill or restart when due; returns the restarted node on the tick that started it."""
@@ -363,6 +369,8 @@ class Churn:
             # (hivemind's DHT process and p2pd, which would otherwise keep its peer id alive).
             self.kill_exit_code = self.swarm.stop(self.victim, sig=signal.SIGKILL, timeout_s=30)
             self.killed_at = time.monotonic()
+            return None
+        if not self.restart:
             return None
         if now - self.killed_at < CHURN_RESTART_AFTER_S:
             return None
@@ -389,6 +397,13 @@ class Churn:
         def since(t: Optional[float]) -> Optional[float]:
             return None if t is None else round(t - self.t0, 1)
 
+        how = ("seconds since the trainers started; the killed worker got SIGKILL, then its process "
+               "group; the restart ran the same command (stage, --identity, --checkpoint-dir, ...) "
+               f"{CHURN_RESTART_AFTER_S:.0f}s later; restart_ready_s: from its start to its readiness "
+               "line (null if it never printed one before the trainers finished)")
+        if not self.restart:
+            how = ("seconds since the trainers started; the killed worker got SIGKILL, then its process group, "
+                   "and was never restarted (a departure)")
         return {
             "killed": self.victim.name if self.killed_at is not None else None,
             "killed_at_samples": self.killed_at_samples,
@@ -399,15 +414,14 @@ class Churn:
             "restart_ready_s": rounded(self.ready_after, 1),
             "restarted_name": self.restarted.name if self.restarted is not None else None,
             "restart_error": self.restart_error,
-            "how_to_read": "seconds since the trainers started; the killed worker got SIGKILL, then its process "
-                           "group; the restart ran the same command (stage, --identity, --checkpoint-dir, ...) "
-                           f"{CHURN_RESTART_AFTER_S:.0f}s later; restart_ready_s: from its start to its readiness "
-                           "line (null if it never printed one before the trainers finished)",
+            "how_to_read": how,
         }
 
     def errors(self) -> list[str]:
         if self.killed_at is None:
             return [f"churn: the trainers finished before {self.at_samples} samples were logged; nothing was killed"]
+        if not self.restart:
+            return []
         if self.restarted is None:
             return [f"churn: the trainers finished before {self.victim.name} was restarted"]
         if self.restart_error is not None:
@@ -649,11 +663,26 @@ def _parameter_counts(run) -> dict[str, Optional[int]]:
     return {"ours": ours, "plain": plain, "anchor_rank_nearest": nearest}
 
 
+def committed_steps(logged: dict, applied: Optional[int]) -> dict:
+    """The logged steps (`read_sample_logs`) below `applied`, the step every final checkpoint
+    reached (None: all of them): steps the workers did not apply before they stopped are not in
+    the swarm's weights."""
+    return {s: samples for s, samples in logged.items() if applied is None or s < applied}
+
+
+def step_order(swarm_steps: dict) -> list[list[int]]:
+    """Each step's stream positions, in step order: what the swarm-order reference trains on."""
+    return [[index for index, _, _ in samples] for samples in swarm_steps.values()]
+
+
 def _gap(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return None if a is None or b is None else round((a - b) / b, 4)
 
 
-def _trained(trainer, steps, bank, held_out, label: str) -> dict:
+def train_reference(trainer, steps, bank, held_out, label: str) -> dict:
+    """Train `trainer` on `steps` (lists of stream positions, tokens from `bank`) and evaluate it
+    on `held_out`: its loss figures, held-out loss and wall seconds (scripts/bench_trust.py's
+    own-order reference too)."""
     from _fidelity_reference import evaluate, loss_figures
 
     started = time.monotonic()
@@ -701,7 +730,7 @@ def _order_noise(run, steps: list[list[int]], bank, held_out, runs: int, base: d
             for step in window:
                 shuffled.append(pool[:len(step)])
                 pool = pool[len(step):]
-        values.append(_trained(OneProcessTrainer.for_stages(run), shuffled, bank, held_out,
+        values.append(train_reference(OneProcessTrainer.for_stages(run), shuffled, bank, held_out,
                                f"reference, order noise {seed}")["held_out_loss"])
     mean = statistics.fmean(values)
     return {"held_out_losses": values, "relative_std": round(statistics.stdev(values) / mean, 4),
@@ -844,8 +873,7 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     if len(mean_stages) < STAGES:
         errors.append(f"no replica has a final checkpoint of stage(s) "
                       f"{sorted(set(range(STAGES)) - set(mean_stages))}; no swarm held-out loss")
-    # Steps the workers did not apply before they stopped are not in the swarm's weights.
-    swarm_steps = {s: samples for s, samples in logged.items() if applied is None or s < applied}
+    swarm_steps = committed_steps(logged, applied)
     unapplied = sum(len(v) for s, v in logged.items() if s not in swarm_steps)
     step_sizes = [len(v) for v in swarm_steps.values()]
     history = [StepRecord(len(v), statistics.fmean(loss for _, loss, _ in v)) for v in swarm_steps.values()]
@@ -917,8 +945,8 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
     reference: dict[str, Any] = {"swarm_order": None}
     try:
         if swarm_steps:
-            order = [[index for index, _, _ in v] for v in swarm_steps.values()]
-            reference["swarm_order"] = _trained(OneProcessTrainer.for_stages(run), order, bank, held_out,
+            order = step_order(swarm_steps)
+            reference["swarm_order"] = train_reference(OneProcessTrainer.for_stages(run), order, bank, held_out,
                                                 "reference, swarm order")
         reference["swarm_replay"] = None
         if not versioned:
@@ -932,10 +960,10 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
                 reference["swarm_replay_missing"] = f"the replay failed: {exc}"
                 errors.append(f"swarm replay: {exc}")
         sequential = bank.sequential_steps(samples, run.target_batch_size)
-        reference["sequential"] = _trained(OneProcessTrainer.for_stages(run), sequential, bank, held_out,
+        reference["sequential"] = train_reference(OneProcessTrainer.for_stages(run), sequential, bank, held_out,
                                            "reference, sequential order")
         plain = PlainModel(run)
-        out["unconstrained"] = _trained(OneProcessTrainer(plain, plain.stage_parameters(run), run),
+        out["unconstrained"] = train_reference(OneProcessTrainer(plain, plain.stage_parameters(run), run),
                                         order if swarm_steps else sequential, bank, held_out,
                                         "unconstrained plain Llama")
         out["unconstrained"]["order"] = "swarm" if swarm_steps else "sequential"

@@ -30,6 +30,15 @@ For each attack, with the checks on (the run config's `verification`, spot check
   there at the end (a revoked attacker's last checkpoint is from when it left), and its gap to the
   honest run of the same invocation; also the mean of all replicas, as bench_fidelity takes it,
   and each replica's own model;
+- the gap to its own order: the held-out loss against bench_fidelity's swarm-order reference
+  trained on this run's own committed steps (the samples each step took, from the trainers'
+  sample logs; same init, optimizers, held-out set), `own_order_reference_held_out_loss` and
+  `gap_to_own_order`. Another run's sample order moves the held-out loss by about 1.4% at batch
+  64, so only this gap shows 1%; the honest runs' gaps are its floor (`own_order.honest_floor`).
+  The reference trains honestly on the samples the swarm committed: an attacked run's gap is what
+  the lies cost the model (samples it dropped are missing from both);
+- which mechanism struck an honest worker (`honest_strikes_by_mechanism`), and each trainer's
+  `spot_checks` summary as it reported it;
 - tokens/s from the trainers' start to their end.
 
 `--authorizer` admits every node through a real authorizer (honouring --stage, one account per
@@ -45,8 +54,9 @@ through `--honest-variants` (default all but plain): `churn` (replica 1 of stage
 of the samples and restarted), `workers` (routing.path workers: samples hop worker to worker),
 `mixed` (replica 1 of every stage runs its blocks under bfloat16 autocast, `--compute-dtype
 bfloat16`, beside float32 replicas 0), `skipping` (both replicas of stage 1 killed at 40% and
-restarted: the trainers skip the stage meanwhile) and `sparseloco` (averaging with SparseLoCo at 3
-replicas a stage, at least); each counts accusations. `--off` adds an honest run with the checks
+restarted: the trainers skip the stage meanwhile), `sparseloco` (averaging with SparseLoCo at 3
+replicas a stage, at least) and `early_departure` (replica 1 of stage 1 killed once one step's
+samples are logged, never restarted); each counts accusations. `--off` adds an honest run with the checks
 off: the overhead is its tokens/s against the honest runs' with them on, in the same invocation. `--overhead-pairs
 N` adds N honest runs with the checks off, each followed by one with them on (`pair_ratios`: the
 machine's drift cancels within a pair). Bytes added per sample are computed from the reply fields
@@ -93,7 +103,7 @@ SPARSELOCO_ATTACKS = ("sloco_scale:100",)
 """Attacks on averaging: the run averages with SparseLoCo, at `SPARSELOCO_REPLICAS` replicas a stage."""
 SPARSELOCO_REPLICAS = 3
 """Fragment evidence needs two witnesses besides the accused (protocol/fragment_evidence.py)."""
-HONEST_VARIANTS = ("plain", "churn", "workers", "mixed", "skipping", "sparseloco")
+HONEST_VARIANTS = ("plain", "churn", "workers", "mixed", "skipping", "sparseloco", "early_departure")
 MIXED_ARGS = ["--compute-dtype", "bfloat16"]
 """The `mixed` variant: replica 1 of every stage computes in bfloat16 beside replica 0's float32."""
 SIGNATURE_BYTES, FINGERPRINT_BYTES = 64, 8
@@ -192,6 +202,8 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
         swarm = bench_fidelity.run_swarm(run, config_path, workdir, bench_fidelity.SETTINGS[args.setting], total,
                                          replicas, churn=variant == "churn", prefixes=prefixes,
                                          skip_stage=variant == "skipping",
+                                         **({"depart_at_samples": run.target_batch_size}
+                                            if variant == "early_departure" else {}),
                                          node_args=_with_variant(node_args, variant), on_tick=on_tick)
         out.update(_figures(run, swarm, liars, total))
         if revocation is not None:
@@ -212,7 +224,9 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
     if not out.get("errors") and not args.keep_logs:
         shutil.rmtree(workdir, ignore_errors=True)
     log(f"[{label}] held-out {out.get('held_out_loss')}, samples to exclusion {out.get('samples_to_exclusion')}, "
-        f"false accusations {out.get('false_accusations')}, {out.get('tokens_per_s')} tokens/s, {out['wall_s']:.0f}s")
+        f"gap to own order {out.get('gap_to_own_order')}, false accusations {out.get('false_accusations')}, "
+        f"honest strikes {out.get('honest_strikes_by_mechanism')}, {out.get('tokens_per_s')} tokens/s, "
+        f"{out['wall_s']:.0f}s")
     return out
 
 
@@ -266,12 +280,22 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
     peer_of = swarm.get("peer_ids", {})
     attackers = {peer_of.get(name) for name in liars} - {None}
     trainers = {name: s or {} for name, s in summaries.items() if name.startswith("trainer-")}
+    name_of = {peer: name for name, peer in peer_of.items() if peer}
     per_trainer, accused, honest_strikes = {}, set(), 0
+    by_mechanism: dict[str, int] = {}
+    struck_honest: dict[str, int] = {}
     for name, summary in trainers.items():
         checks = summary.get("spot_checks") or {}
         excluded = checks.get("excluded") or {}
         accused |= set(excluded)
         honest_strikes += sum(n for peer, n in (checks.get("strikes") or {}).items() if peer not in attackers)
+        for dispute in checks.get("disputes") or []:
+            struck = dispute.get("struck")
+            if struck and struck not in attackers:
+                mechanism = strike_mechanism(dispute)
+                by_mechanism[mechanism] = by_mechanism.get(mechanism, 0) + 1
+                who = name_of.get(struck, struck[-8:])
+                struck_honest[who] = struck_honest.get(who, 0) + 1
         served = {peer: n for stage in (summary.get("served") or {}).values() for peer, n in stage.items()}
         per_trainer[name] = {
             "excluded": {p[-8:]: why for p, why in excluded.items()},
@@ -286,6 +310,7 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
             "dropped": summary.get("dropped"),
             "discovery_empty_reads": summary.get("discovery_empty_reads", 0),
             "samples_skipping_a_stage": summary.get("samples_skipping_a_stage", 0),
+            "spot_checks": checks,
         }
     samples_to_exclusion: dict[str, Optional[int]] = {}
     for name, peer in ((n, peer_of.get(n)) for n in sorted(liars)):
@@ -294,10 +319,10 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
     false = sorted(p[-8:] for p in accused - attackers if p)
     completed = sum((t.get("samples_completed") or 0) for t in trainers.values())
     wall = swarm.get("train_wall_s")
-    held_out, held_out_all, per_replica, written = None, None, [], []
+    held_out, held_out_all, per_replica, written, tokens = None, None, [], [], None
     try:
-        found = [bench_fidelity.read_checkpoints(run, d) for d in swarm["checkpoint_dirs"]]
         tokens = held_out_tokens(run, bench_fidelity.HELD_OUT_SAMPLES)
+        found = [bench_fidelity.read_checkpoints(run, d) for d in swarm["checkpoint_dirs"]]
         replicas = [stages for stages, _ in found]
         written = [steps for _, steps in found]
         held_out = bench_fidelity.held_out_of(bench_fidelity.mean_of_replicas(run, _survivors(replicas, written)),
@@ -310,13 +335,22 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
         errors.append("no held-out loss: a stage has no final checkpoint")
     if completed < total:
         errors.append(f"{completed} of {total} samples completed")
+    own = own_order_reference(run, swarm.get("sample_logs", []), written, tokens, errors)
+    attributed = sum(by_mechanism.values())
     return {
         "attacker_peer_ids": {n: (peer_of.get(n) or "")[-8:] for n in sorted(liars)},
         "samples_to_exclusion": samples_to_exclusion,
         "excluded_by_every_trainer": bool(liars) and all(v is not None for v in samples_to_exclusion.values()),
         "false_accusations": false,
         "honest_strikes": honest_strikes,
+        "honest_strikes_by_mechanism": {**dict(sorted(by_mechanism.items())),
+                                        **({"unattributed": honest_strikes - attributed}
+                                           if honest_strikes > attributed else {})},
+        "honest_workers_struck": dict(sorted(struck_honest.items())),
         "held_out_loss": held_out,
+        "own_order_reference_held_out_loss": own.get("held_out_loss"),
+        "gap_to_own_order": relative_gap(held_out, own.get("held_out_loss")),
+        "own_order_reference": own,
         "held_out_loss_mean_of_all_replicas": held_out_all,
         "held_out_loss_per_replica": per_replica,
         "checkpoint_steps_per_replica": written,
@@ -327,6 +361,78 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
         "churn": swarm.get("churn"),
         "errors": errors,
     }
+
+
+STRIKE_MECHANISMS = {
+    "arbiter": "a third replica's re-execution matched one side only",
+    "self_contradiction": "asked again, the struck side's second answer contradicted its first",
+    "tally": "the tally of disputes within the loss margin (sign test over a pair's close disputes)",
+    "loss": "an output dispute: the struck side's output carried the clearly worse loss through the later stages",
+    "slope": "a gradient or tail-loss dispute: the struck side's slope error was the larger",
+}
+"""How a spot-check dispute was decided (roles/trainer/spot_checks.py), by the fields its summary keeps."""
+
+
+def strike_mechanism(dispute: dict) -> str:
+    """Which of `STRIKE_MECHANISMS` decided a dispute of a trainer summary's `spot_checks.disputes`."""
+    if dispute.get("arbiter"):
+        return "arbiter"
+    if dispute.get("self_contradiction"):
+        return "self_contradiction"
+    if dispute.get("sign_test"):
+        return "tally"
+    return "loss" if dispute.get("kind", "output") == "output" else "slope"
+
+
+def own_order_reference(run, sample_logs: list[str], written: list[dict], held_out, errors: list[str]) -> dict:
+    """bench_fidelity's swarm-order reference on this run's own committed steps: the one-process
+    model (same seeded init, stage-wise optimizers and schedule) trained, honestly, on exactly the
+    samples each step of the swarm committed per the trainers' sample logs, in the swarm's step
+    order, then evaluated on the held-out set the swarm's model was. A step counts once the stages'
+    surviving replicas all wrote a final checkpoint past it (a replica that left early is no part
+    of the model, `_survivors`). Samples the trainers dropped or never completed (a reply screened
+    out, an excluded worker's in-flight samples) are in no step's log, so the reference lacks them
+    as the swarm does. Failures go to `errors`; the figures are then {}."""
+    import bench_fidelity
+    from _fidelity_reference import OneProcessTrainer, SampleBank
+
+    if held_out is None:
+        return {}
+    try:
+        logged, bad = bench_fidelity.read_sample_logs(sample_logs)
+        applied = _applied_step(written)
+        steps = bench_fidelity.committed_steps(logged, applied)
+        if not steps:
+            errors.append("own-order reference: the trainers logged no committed step")
+            return {}
+        sizes = [len(v) for v in steps.values()]
+        figures = bench_fidelity.train_reference(OneProcessTrainer.for_stages(run), bench_fidelity.step_order(steps),
+                                                 SampleBank(run), held_out, "own-order reference")
+    except Exception as exc:  # noqa: BLE001 - the swarm's own figures stand without it
+        errors.append(f"own-order reference: {type(exc).__name__}: {exc}")
+        log(traceback.format_exc())
+        return {}
+    return {"held_out_loss": figures["held_out_loss"], "final_train_loss": figures["final_train_loss"],
+            "steps": len(sizes), "samples": sum(sizes), "samples_per_step_min": min(sizes),
+            "samples_per_step_max": max(sizes), "applied_step": applied,
+            "samples_in_unapplied_steps": sum(len(v) for s, v in logged.items() if s not in steps),
+            "unreadable_log_lines": bad, "wall_s": figures["wall_s"]}
+
+
+def _applied_step(written: list[dict]) -> Optional[int]:
+    """The step every stage reached: per stage the latest final checkpoint over its replicas (a
+    replica that left early wrote an older one, or none), the least of those over the stages."""
+    last: dict[int, int] = {}
+    for steps in written:
+        for stage, step in steps.items():
+            if step is not None:
+                last[stage] = max(last.get(stage, step), step)
+    return min(last.values()) if last else None
+
+
+def relative_gap(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """(a - b) / b, to 4 places; None when either is missing."""
+    return None if a is None or b is None or not b else round((a - b) / b, 4)
 
 
 def _survivors(replicas: list[dict], written: list[dict]) -> list[dict]:
@@ -370,8 +476,9 @@ def bytes_per_sample(run) -> dict:
 
 def summarize(runs: list[dict], baseline: Optional[dict], sparseloco_baseline: Optional[dict] = None) -> dict:
     """Per attack and checks on/off: samples to exclusion (median, max over runs), held-out gap to
-    the honest baseline (an attack on SparseLoCo's: to the first honest SparseLoCo run, if any),
-    revocation seconds."""
+    the honest baseline (an attack on SparseLoCo's: to the first honest SparseLoCo run, if any) and
+    to each run's own-order reference (median, max), revocation seconds, honest strikes by how
+    they were decided."""
     table: dict[str, dict] = {}
     for r in runs:
         if r.get("attack") is None:
@@ -379,7 +486,8 @@ def summarize(runs: list[dict], baseline: Optional[dict], sparseloco_baseline: O
         base = ((sparseloco_baseline if r.get("averaging") == "sparseloco" else baseline) or {}).get("held_out_loss")
         row = table.setdefault(r["attack"], {}).setdefault("on" if r["checks"] else "off", {
             "runs": 0, "samples_to_exclusion": [], "never_excluded": 0, "held_out_gaps": [],
-            "revoked_after_s": [], "false_accusations": 0, "honest_strikes": 0})
+            "revoked_after_s": [], "false_accusations": 0, "honest_strikes": 0, "own_order_gaps": [],
+            "honest_strikes_by_mechanism": {}})
         row["runs"] += 1
         for n in (r.get("samples_to_exclusion") or {}).values():
             if n is None:
@@ -387,7 +495,11 @@ def summarize(runs: list[dict], baseline: Optional[dict], sparseloco_baseline: O
             else:
                 row["samples_to_exclusion"].append(n)
         if base and r.get("held_out_loss") is not None:
-            row["held_out_gaps"].append(round((r["held_out_loss"] - base) / base, 4))
+            row["held_out_gaps"].append(relative_gap(r["held_out_loss"], base))
+        if r.get("gap_to_own_order") is not None:
+            row["own_order_gaps"].append(r["gap_to_own_order"])
+        for mechanism, n in (r.get("honest_strikes_by_mechanism") or {}).items():
+            row["honest_strikes_by_mechanism"][mechanism] = row["honest_strikes_by_mechanism"].get(mechanism, 0) + n
         row["revoked_after_s"] += [s for s in (r.get("revoked_after_s") or {}).values() if s is not None]
         row["false_accusations"] += len(r.get("false_accusations") or [])
         row["honest_strikes"] += r.get("honest_strikes") or 0
@@ -396,7 +508,42 @@ def summarize(runs: list[dict], baseline: Optional[dict], sparseloco_baseline: O
             found = row["samples_to_exclusion"]
             row["samples_to_exclusion_median"] = statistics.median(found) if found else None
             row["samples_to_exclusion_max"] = max(found) if found else None
+            row.update(_median_max("own_order_gap", row["own_order_gaps"]))
     return table
+
+
+def _median_max(name: str, values: list[float]) -> dict:
+    return {f"{name}_median": statistics.median(values) if values else None,
+            f"{name}_max": max(values) if values else None}
+
+
+def honest_floor(honest: list[dict]) -> dict:
+    """The honest runs' gaps to their own-order references, per variant and over the runs with the
+    checks on: what a gap of an attacked run is read against."""
+    by_variant: dict[str, list[float]] = {}
+    for r in honest:
+        if r.get("gap_to_own_order") is not None:
+            by_variant.setdefault(f"{r['variant']}{'' if r['checks'] else ' (checks off)'}", []).append(
+                r["gap_to_own_order"])
+    on = [r["gap_to_own_order"] for r in honest if r["checks"] and r.get("gap_to_own_order") is not None]
+    return {"by_variant": by_variant, **_median_max("own_order_gap", on),
+            "own_order_gap_max_abs": max((abs(g) for g in on), default=None)}
+
+
+OWN_ORDER_HOW_TO_READ = (
+    "gap_to_own_order (per run) = held_out_loss / own_order_reference_held_out_loss - 1. The reference is "
+    "scripts/bench_fidelity.py's swarm-order reference trained on that run's own steps: the same seeded init, "
+    "stage-wise optimizers and schedule, the same 256 held-out samples, and per step exactly the samples the "
+    "trainers' sample logs say the step committed (a sample counts in the step it was logged with; steps past "
+    "the last one every stage's surviving replicas checkpointed are left out, as the swarm's weights lack them). "
+    "Samples the swarm dropped or excluded (a screened-out reply, an excluded or departed worker's in-flight "
+    "samples) are in no step's log, so the reference lacks them too: it trains honestly on what the swarm "
+    "committed, and an attacked run's gap is what the lies cost the model beyond the samples it lost, while "
+    "held_out_gaps against the honest run also carry order noise (about 1.4% relative std at batch 64) and the "
+    "lost samples. The honest runs' own-order gaps (honest_floor) are the floor: what the pipeline itself "
+    "costs, which bench_fidelity measures at 0.0%. honest_strikes_by_mechanism: how each dispute resolved "
+    "against an honest worker was decided (see strike_mechanisms), from the last 16 disputes each trainer's "
+    "summary keeps; 'unattributed' counts strikes whose dispute scrolled out of that list.")
 
 
 def _pair_ratios(honest: list[dict]) -> list[float]:
@@ -507,6 +654,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                            "fields add to one sample's replies on the wire",
         }
         out["attacks"] = summarize(runs, baseline, sparseloco_baseline)
+        out["own_order"] = {"honest_floor": honest_floor(honest), "strike_mechanisms": STRIKE_MECHANISMS,
+                            "how_to_read": OWN_ORDER_HOW_TO_READ}
         out["runs"] = runs
         out["errors"] = errors + [f"{r.get('attack') or r['variant']} ({'on' if r['checks'] else 'off'}): {e}"
                                   for r in [*honest, *runs] for e in r.get("errors", [])]

@@ -1,5 +1,6 @@
 """scripts/bench_trust.py's reading of a finished run: who excluded the attacker after how many
-samples, who else was accused, and the table over runs (the swarm itself is stood in for)."""
+samples, who else was accused and by which mechanism, the own-order reference, and the table over
+runs (the swarm itself is stood in for)."""
 
 from __future__ import annotations
 
@@ -146,7 +147,88 @@ def test_an_attack_on_sparseloco_runs_at_three_replicas_and_is_held_against_a_sp
 
 
 def test_the_honest_variants_can_be_chosen():
-    assert bench_trust.parse_args([]).honest_variants == ["churn", "workers", "mixed", "skipping", "sparseloco"]
+    assert bench_trust.parse_args([]).honest_variants == ["churn", "workers", "mixed", "skipping", "sparseloco",
+                                                           "early_departure"]
+    assert bench_trust.parse_args(["--honest-variants", "plain,early_departure"]).honest_variants == [
+        "plain", "early_departure"]
     assert bench_trust.parse_args(["--honest-variants", "sparseloco"]).honest_variants == ["sparseloco"]
     with pytest.raises(SystemExit):
         bench_trust.parse_args(["--honest-variants", "tidy"])
+
+
+def _reference_swarm(tmp_path, run, trainers: dict) -> dict:
+    """A swarm that trained exactly like the one-process reference, 3 steps of 4 samples, with its
+    sample logs and final checkpoints; replica 1 of stage 1 left after step 1 (an early checkpoint)
+    and a last step was logged that no stage applied."""
+    import json
+
+    from _fidelity_reference import OneProcessTrainer, SampleBank
+    from roles.worker.layout import FlatLayout
+    from roles.worker.stage_checkpoint import checkpoint_path, write_checkpoint
+
+    bank, trainer = SampleBank(run), OneProcessTrainer.for_stages(run)
+    logs = [str(tmp_path / f"samples-{k}.jsonl") for k in range(2)]
+    directories = [tmp_path / "r0", tmp_path / "r1"]
+
+    def checkpoint(directory, stages, step: int) -> None:
+        for stage in stages:
+            names = FlatLayout.of_module(stage).names
+            write_checkpoint(checkpoint_path(directory, run.run_id, stage.stage_index),
+                             {n: p.detach().clone() for n, p in zip(names, stage.trainable_parameters())},
+                             {"step": str(step)})
+
+    steps = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 10, 11], [12, 13]]  # sample 9 dropped; the last step unapplied
+    with open(logs[0], "w") as a, open(logs[1], "w") as b:
+        for number, indices in enumerate(steps):
+            if number < 3:
+                trainer.step(bank.tokens(indices))
+            if number == 0:
+                checkpoint(directories[1], trainer.model.stages[1:2], 1)
+            for index in indices:
+                (a if index % 2 == 0 else b).write(json.dumps({
+                    "sample_id": f"s{index % 2}-{index}", "step": number, "loss": 2.0}) + "\n")
+    checkpoint(directories[0], trainer.model.stages, 3)
+    checkpoint(directories[1], [trainer.model.stages[0], trainer.model.stages[2]], 3)
+    return {**_swarm(tmp_path, trainers), "sample_logs": logs}
+
+
+def test_a_run_that_trained_like_its_own_order_reference_has_no_gap_to_it(monkeypatch, tmp_path, run):
+    import bench_fidelity
+
+    monkeypatch.setattr(bench_fidelity, "HELD_OUT_SAMPLES", 16)  # the held-out evaluations dominate the time
+    honest_dispute = {"stage": 1, "worker": HONEST, "checker": ATTACKER, "kind": "output", "struck": HONEST,
+                      "arbiter": None, "self_contradiction": False, "sign_test": [9, 10]}
+    trainers = {"trainer-0": _trainer({ATTACKER: "3 disputes"}, {ATTACKER: 5}, {ATTACKER: 6, HONEST: 7}, [ATTACKER]),
+                "trainer-1": _trainer({ATTACKER: "3 disputes"}, {ATTACKER: 3}, {ATTACKER: 4, HONEST: 9}, [ATTACKER])}
+    checks = trainers["trainer-1"]["spot_checks"]
+    checks["strikes"][HONEST] = 2
+    checks["disputes"] = [*checks["disputes"], honest_dispute,
+                          {**honest_dispute, "kind": "gradient", "sign_test": None}]
+    figures = bench_trust._figures(run, _reference_swarm(tmp_path, run, trainers), {"worker-s1-r1": ["noise:1"]}, 12)
+    own = figures["own_order_reference"]
+    assert (own["steps"], own["samples"], own["applied_step"], own["samples_in_unapplied_steps"]) == (3, 11, 3, 2)
+    assert figures["held_out_loss"] == pytest.approx(figures["own_order_reference_held_out_loss"], abs=2e-4)
+    assert figures["gap_to_own_order"] == pytest.approx(0.0, abs=2e-4)
+    assert not [e for e in figures["errors"] if "own-order" in e or "held-out" in e]
+    # who struck the honest worker, and how; each trainer's spot_checks as reported
+    assert figures["honest_strikes"] == 2
+    assert figures["honest_strikes_by_mechanism"] == {"slope": 1, "tally": 1}
+    assert figures["honest_workers_struck"] == {"worker-s1-r0": 2}
+    assert figures["trainers"]["trainer-1"]["spot_checks"]["strikes"][HONEST] == 2
+
+    table = bench_trust.summarize([{"attack": "noise:1", "checks": True, **figures}], {"held_out_loss": 2.0})
+    row = table["noise:1"]["on"]
+    assert row["own_order_gaps"] == [figures["gap_to_own_order"]]
+    assert row["own_order_gap_median"] == row["own_order_gap_max"] == figures["gap_to_own_order"]
+    assert row["honest_strikes_by_mechanism"] == {"slope": 1, "tally": 1}
+
+
+def test_the_honest_floor_is_the_honest_runs_gaps_to_their_own_order():
+    honest = [{"variant": "plain", "checks": True, "gap_to_own_order": 0.001},
+              {"variant": "early_departure", "checks": True, "gap_to_own_order": -0.004},
+              {"variant": "plain", "checks": False, "gap_to_own_order": 0.02},
+              {"variant": "churn", "checks": True, "gap_to_own_order": None}]
+    floor = bench_trust.honest_floor(honest)
+    assert floor["by_variant"] == {"plain": [0.001], "early_departure": [-0.004], "plain (checks off)": [0.02]}
+    assert (floor["own_order_gap_max"], floor["own_order_gap_max_abs"]) == (0.001, 0.004)
+    assert bench_trust.relative_gap(2.02, 2.0) == 0.01 and bench_trust.relative_gap(None, 2.0) is None
