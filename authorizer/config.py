@@ -29,7 +29,7 @@ from pydantic import ConfigDict, Field, SecretStr, field_validator
 from authorizer.policy import CHECK_NAMES
 from protocol.errors import ConfigError
 from protocol.files import atomic_write
-from roles.settings_base import LoggingSettings
+from roles.settings_base import LoggingSettings, check_multiaddrs
 
 DEFAULT_PORT = 8000
 STORED_SETTINGS_FILE = "authorizer.json"
@@ -172,6 +172,11 @@ class AuthorizerConfig(LoggingSettings):
     sqlite_synchronous: Literal["full", "normal"] = Field(
         default="full", description="full: a commit survives power loss; normal: survives a process crash"
     )
+
+    @field_validator("monitor_host_maddrs")
+    @classmethod
+    def _monitor_multiaddrs(cls, values: list[str]) -> list[str]:
+        return check_multiaddrs(values)
 
     @field_validator("stage_capacity", "checks", mode="before")
     @classmethod

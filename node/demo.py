@@ -38,6 +38,9 @@ def demo_parser() -> argparse.ArgumentParser:
     return p
 
 
+DEMO_EVALUATION_SAMPLES = 128
+
+
 def demo_run_config(stages: int, steps: int) -> dict:
     """Overrides that cut the tiny preset into `stages` stages of one or more blocks each."""
     from protocol.run_config import load_run_config
@@ -50,6 +53,9 @@ def demo_run_config(stages: int, steps: int) -> dict:
         "model": {"n_layers": layers},
         "stages": [{"first_layer": bounds[i], "last_layer": bounds[i + 1]} for i in range(stages)],
         "optimizer": {"total_steps": max(steps * 2, base.optimizer.warmup_steps + 1)},
+        # The synthetic grammar's samples differ little from each other: 128 keep the held-out
+        # loss's standard error under 1% (real text needs the default 512), at a quarter of the cost.
+        "evaluation": {"samples": DEMO_EVALUATION_SAMPLES},
     }
 
 

@@ -550,9 +550,10 @@ class EvaluationConfig(BaseModel):
         description="Evaluate when the stages have taken this many more steps; 0 turns evaluation off.",
     )
     samples: int = Field(
-        default=32, ge=1, le=4096,
-        description="Held-out samples per evaluation: spread evenly over the held-out split (corpus/heldout.py), "
-                    "the same every time.",
+        default=512, ge=1, le=4096,
+        description="Held-out samples per evaluation (fewer if the held-out split holds fewer): spread evenly "
+                    "over the split (corpus/heldout.py), the same every time. 512 keeps the loss's standard error "
+                    "under 1% on real text at 64 tokens a sample.",
     )
 
 

@@ -82,8 +82,15 @@ two walks round-robin), and every held-out loss is taken on HELD_OUT_SAMPLES sam
 evenly over the corpus's held-out split (corpus/heldout.py, the selection the trainers' own
 evaluation uses). `config.data` says
 which corpus (path, manifest hash, vocabulary, training tokens) and `swarm.train_split_epochs` how
-much of it the run read. scripts/make_text_corpus.py makes a small corpus from documentation
-already on the machine, for tests and quick runs.
+much of it the run read. `--data text` (or `text:MB`) needs no corpus at hand: the bench makes one
+of real text from the documentation already on the machine (scripts/make_text_corpus.py, 10 MB by
+default), prepares it once as a user would (a 4,096-token BPE, shards of 65,536 tokens, the
+default 1% held out) and reuses it from `~/.cache/agora-node/bench-fidelity/`.
+
+`swarm.evaluation` is the run's own held-out curve as trainer 0 measured it during the run
+(roles/trainer/evaluation.py, `evaluation.samples` per point, `--evaluation-samples N` to change
+it): each point with its standard error beside the swarm's training loss just before it, and what
+the evaluations cost (their forward passes against the training's, their seconds).
 
 At a large vocabulary the stage anchors (one [vocab, d_model] table per stage) outweigh the
 rest of the tiny model; `--anchor-rank K` factors them (`model.anchor_rank`). `unconstrained`
@@ -102,9 +109,11 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -115,10 +124,18 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a file: find the helpers
-from _bench_common import emit_report, log, machine_info, rounded  # noqa: E402
+from _bench_common import REPO_ROOT, emit_report, log, machine_info, rounded  # noqa: E402
 
 SAMPLE_LOG_ENV = "AGORA_SAMPLE_LOG"
 HELD_OUT_SAMPLES = 256
+TEXT_DATA = re.compile(r"text(?::(\d+(?:\.\d+)?))?")
+"""`--data text[:MB]`: real text the bench makes and prepares itself."""
+TEXT_DATA_MB = 10.0
+TEXT_DATA_VOCAB = 4096
+TEXT_DATA_SHARD_TOKENS = 65536
+"""Small shards: each of the two trainers reads every other one, so both read every kind of text."""
+TRAIN_LOSS_WINDOW = 10
+"""Steps of training loss averaged before each in-run held-out point (swarm.evaluation)."""
 STAGES, TRAINERS, LANES = 3, 2, 4
 CHURN_AT_SHARE = 0.4
 """--churn: kill the replica once the sample logs hold this share of the run's samples."""
@@ -197,7 +214,28 @@ def fidelity_run_config(name: str, setting: Setting, steps: int, args: argparse.
         model["anchor_rank"] = args.anchor_rank
     if model:
         overrides["model"] = model
+    if getattr(args, "evaluation_samples", None):
+        overrides["evaluation"] = {"samples": args.evaluation_samples}
     return load_run_config("tiny", overrides)
+
+
+def prepared_text_corpus(megabytes: float) -> str:
+    """A real-text corpus prepared as a user would (`agora-node data prepare --train-tokenizer`), made
+    from the documentation on this machine and kept in a cache directory: the same text and shards
+    every time on one machine, and no download. Returns the prepared directory."""
+    from make_text_corpus import make_text_corpus
+
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "agora-node",
+                         "bench-fidelity", f"text-{megabytes:g}mb-bpe{TEXT_DATA_VOCAB}")
+    prepared = os.path.join(cache, "prepared")
+    if os.path.isfile(os.path.join(prepared, "manifest.json")):
+        return prepared
+    made = make_text_corpus(Path(cache) / "raw", megabytes)
+    log(f"preparing {made['bytes']:,} bytes of text ({made['documents']} documents) into {prepared}")
+    command = [sys.executable, "-m", "node.cli", "data", "prepare", "--output", prepared, "--train-tokenizer",
+               str(TEXT_DATA_VOCAB), "--shard-tokens", str(TEXT_DATA_SHARD_TOKENS), "--quiet", made["path"]]
+    subprocess.run(command, check=True, cwd=REPO_ROOT, stdout=sys.stderr)  # stdout is the JSON report's
+    return prepared
 
 
 def open_corpus(location: str):
@@ -748,6 +786,46 @@ def _log_staleness(swarm_steps: dict, stages: int) -> dict:
     return out
 
 
+def evaluation_curve(summaries: dict[str, Optional[dict]], swarm_steps: dict, train_wall_s: Optional[float]
+                     ) -> Optional[dict]:
+    """The run's own held-out curve, as trainer 0 measured it during the run (roles/trainer/evaluation.py):
+    each point with its standard error, beside the swarm's training loss over the steps just
+    before it (so one can see the curve fall where training falls), and what the evaluations cost."""
+    points = next((s["eval"] for n, s in sorted(summaries.items()) if n.startswith("trainer") and s and s.get("eval")),
+                  None)
+    if not points:
+        return None
+    curve = []
+    for point in points:
+        recent = [loss for step, samples in swarm_steps.items() if point["step"] - TRAIN_LOSS_WINDOW <= step
+                  < point["step"] for _, loss, _ in samples]
+        stderr = point.get("stderr")
+        curve.append({"step": point["step"], "held_out_loss": point["loss"], "stderr": stderr,
+                      "relative_stderr": rounded(stderr / point["loss"], 4) if stderr is not None and point["loss"]
+                      else None,
+                      "train_loss_before": rounded(statistics.fmean(recent)) if recent else None,
+                      "samples": point["samples"], "seconds": point["seconds"]})
+    trained = sum(len(v) for v in swarm_steps.values())
+    evaluated = sum(p["samples"] + p.get("dropped", 0) for p in points)
+    seconds = sum(p["seconds"] for p in points)
+    later = [c for c in curve if c["step"] > 0]
+    return {
+        "curve": curve,
+        "samples_per_evaluation": max(p["samples"] + p.get("dropped", 0) for p in points),
+        "relative_stderr_max_after_step_0": max((c["relative_stderr"] for c in later
+                                                 if c["relative_stderr"] is not None), default=None),
+        "evaluations": len(points), "forward_samples": evaluated,
+        "compute_share": rounded(evaluated / (evaluated + 3 * trained), 4) if trained else None,
+        "seconds": rounded(seconds, 1),
+        "seconds_share_of_training": rounded(seconds / train_wall_s, 4) if train_wall_s else None,
+        "how_to_read": "curve: trainer 0's held-out evaluations during the run (relative_stderr = stderr / loss; "
+                       f"train_loss_before: the swarm's mean training loss over the {TRAIN_LOSS_WINDOW} steps before "
+                       "the point); compute_share: the evaluations' forward passes against the training samples' "
+                       "counted as three forwards each (forward and backward); seconds_share_of_training: the "
+                       "evaluations' wall time (they overlap training) against the trainers' wall time",
+    }
+
+
 def _accounting(trainers: dict[str, Optional[dict]], target: int, step_sizes: list[int], batch: int) -> dict:
     """Every sample the trainers were asked for, completed or dropped (from their summaries), and
     what the log's short steps lack, to set against the drops."""
@@ -925,6 +1003,7 @@ def _bench_setting(name: str, args: argparse.Namespace, workdir: str) -> dict:
                                  "the previous weights; churn: 'killed' or 'restarted' for the processes --churn "
                                  "stopped and started (a killed one reports no summary: its figures are null)",
         "trainers": {n: s for n, s in swarm.get("summaries", {}).items() if n.startswith("trainer")},
+        "evaluation": evaluation_curve(swarm.get("summaries", {}), swarm_steps, swarm.get("train_wall_s")),
         "accounting": _accounting({n: s for n, s in swarm.get("summaries", {}).items() if n.startswith("trainer")},
                                   math.ceil(total / TRAINERS) * TRAINERS, step_sizes, run.target_batch_size),
         "churn": swarm.get("churn"),
@@ -1072,9 +1151,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="reshuffled reference runs that measure order noise (default 3, 0 with --quick)")
     p.add_argument("--routing", choices=("trainer", "workers"), default="trainer",
                    help="run config routing.path: the trainer calls each stage (default), or worker to worker")
-    p.add_argument("--data", metavar="PREPARED_DIR",
+    p.add_argument("--data", metavar="PREPARED_DIR|text[:MB]",
                    help="train on a corpus made by `agora-node data prepare` (with at least 2 training shards) "
-                        "instead of the synthetic grammar; model.vocab_size becomes its tokenizer's")
+                        "instead of the synthetic grammar; model.vocab_size becomes its tokenizer's. `text` or "
+                        f"`text:MB`: real text from the documentation on this machine (scripts/make_text_corpus.py, "
+                        f"default {TEXT_DATA_MB:g} MB), prepared once with a {TEXT_DATA_VOCAB}-token BPE into a cache "
+                        "directory and reused")
+    p.add_argument("--evaluation-samples", type=int, metavar="N",
+                   help="run config evaluation.samples: held-out samples of trainer 0's in-run evaluations "
+                        "(default: the run config's); swarm.evaluation reports their curve and cost")
     p.add_argument("--anchor-rank", type=int, metavar="K",
                    help="run config model.anchor_rank: factor the stage anchors at rank K (default: full tables), "
                         "e.g. to bring the trained parameters near the plain Llama's at a large vocabulary")
@@ -1089,7 +1174,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--churn needs --workers-per-stage 2 or more, so the killed replica's stage keeps a live one")
     if args.anchor_rank is not None and args.anchor_rank < 1:
         p.error("--anchor-rank must be at least 1")
-    if args.data is not None and not os.path.isfile(os.path.join(args.data, "manifest.json")):
+    if args.data is not None and TEXT_DATA.fullmatch(args.data):
+        megabytes = TEXT_DATA.fullmatch(args.data).group(1)
+        args.data = prepared_text_corpus(float(megabytes) if megabytes else TEXT_DATA_MB)
+    elif args.data is not None and not os.path.isfile(os.path.join(args.data, "manifest.json")):
         p.error(f"--data {args.data} holds no prepared corpus (no manifest.json); make one with "
                 "`agora-node data prepare ... --train-tokenizer 4096 --shard-tokens 16384`")
     if args.noise_runs is None:

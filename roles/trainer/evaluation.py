@@ -119,6 +119,7 @@ class HeldOutEvaluator:
         if config.every_steps < 1:
             raise ValueError("evaluation is off (every_steps 0): build no evaluator")
         self.every_steps = config.every_steps
+        self.samples_wanted = config.samples
         self.driver = driver
         self._load = load
         self.on_result = on_result
@@ -253,6 +254,10 @@ class HeldOutEvaluator:
             samples = await asyncio.to_thread(self._load)
             if not samples:
                 raise HeldOutUnavailable("the held-out data gave no sample")
+            if len(samples) < self.samples_wanted:
+                logger.info("held-out evaluation: the held-out split holds %d samples, fewer than "
+                            "evaluation.samples (%d); every evaluation uses all of them", len(samples),
+                            self.samples_wanted)
             self._samples = samples
         return self._samples
 

@@ -74,7 +74,7 @@ def _check_catalogue(families: dict, catalogue: dict, node, run_id: str) -> None
 
 @pytest.mark.timeout(360)
 def test_every_node_exposes_the_catalogue_and_it_moves_with_training(make_swarm, run_config_path):
-    config = run_config_path(target_batch_size=8, averaging={"average_every": 2}, evaluation={"every_steps": 20})
+    config = run_config_path(target_batch_size=8, averaging={"average_every": 2}, evaluation={"every_steps": 20, "samples": 16})
     run_id = config.rsplit("/", 1)[-1].removesuffix(".yaml")
     swarm = make_swarm(config)
     metrics = ["--metrics-port", "0"]

@@ -25,7 +25,7 @@ def status(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_status_reads_an_open_runs_dht(make_swarm, run_config_path):
-    config = run_config_path(stages=TWO_STAGES, evaluation={"every_steps": 20})
+    config = run_config_path(stages=TWO_STAGES, evaluation={"every_steps": 20, "samples": 16})
     swarm = make_swarm(config, common_args=["--announce-period-s", "2"])
     head = swarm.start("worker", stage=0, args=["--max-batch", "8"])
     swarm.start("worker", stage=1, args=["--max-batch", "8"])

@@ -6,6 +6,7 @@ fail, and is cancelled at once on stop."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import statistics
 import time
@@ -261,3 +262,21 @@ def test_conclude_takes_a_last_evaluation_at_the_last_step_seen():
         return steps, [r.step for r in evaluator.results]
 
     assert asyncio.run(scenario()) == ([0, 42], [0, 42])
+
+
+def test_a_split_smaller_than_the_count_is_used_whole_and_said_once(caplog):
+    driver = FakeDriver()
+
+    async def scenario():
+        evaluator = HeldOutEvaluator(EvaluationConfig(every_steps=1, samples=512), driver, lambda: _samples(3))
+        evaluator.saw_step(0)
+        await _settle(evaluator)
+        evaluator.saw_step(1)
+        await _settle(evaluator)
+        return [r.samples for r in evaluator.results]
+
+    with caplog.at_level(logging.INFO, logger="roles.trainer.evaluation"):
+        assert asyncio.run(scenario()) == [3, 3]
+    said = [r.getMessage() for r in caplog.records if "fewer than evaluation.samples" in r.getMessage()]
+    assert said == ["held-out evaluation: the held-out split holds 3 samples, fewer than evaluation.samples (512); "
+                    "every evaluation uses all of them"]

@@ -159,3 +159,34 @@ def test_bench_with_data_reads_a_swarm_that_trained_like_the_reference(monkeypat
     assert plain["trained_parameters_ours"] == result["config"]["trained_parameters"]
     assert 0 < plain["trained_parameters"] and plain["anchor_rank_nearest_in_parameters"] >= 1
     assert 0 < result["swarm"]["train_split_epochs"] < 1
+
+
+def test_the_in_run_curve_is_reported_with_its_error_beside_training_and_its_cost():
+    import bench_fidelity
+
+    points = [{"step": 0, "loss": 8.0, "stderr": 0.01, "samples": 4, "dropped": 0, "seconds": 1.0},
+              {"step": 2, "loss": 6.0, "stderr": 0.09, "samples": 3, "dropped": 1, "seconds": 2.0}]
+    summaries = {"trainer-1": {"eval": []}, "trainer-0": {"eval": points}, "worker-s0-r0": None}
+    swarm_steps = {0: [(0, 7.0, None), (1, 7.0, None)], 1: [(2, 6.5, None), (3, 6.5, None)]}
+    curve = bench_fidelity.evaluation_curve(summaries, swarm_steps, train_wall_s=10.0)
+    assert [c["step"] for c in curve["curve"]] == [0, 2]
+    assert curve["curve"][0]["train_loss_before"] is None and curve["curve"][1]["train_loss_before"] == 6.75
+    assert curve["curve"][1]["relative_stderr"] == 0.015 and curve["relative_stderr_max_after_step_0"] == 0.015
+    # 8 forwards against 4 training samples counted as three forwards each
+    assert curve["forward_samples"] == 8 and curve["compute_share"] == round(8 / (8 + 12), 4)
+    assert curve["seconds"] == 3.0 and curve["seconds_share_of_training"] == 0.3
+    assert bench_fidelity.evaluation_curve({"trainer-0": {"eval": []}}, swarm_steps, 10.0) is None
+
+
+def test_data_text_makes_and_prepares_a_corpus_once(tmp_path, monkeypatch):
+    import bench_fidelity
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = bench_fidelity.parse_args(["--quick", "--data", "text:0.3"]).data
+    manifest = Path(first) / "manifest.json"
+    assert json.loads(manifest.read_text())["tokenizer"]["vocab_size"] == bench_fidelity.TEXT_DATA_VOCAB
+    made = manifest.stat().st_mtime_ns
+    assert bench_fidelity.parse_args(["--data", "text:0.3"]).data == first
+    assert manifest.stat().st_mtime_ns == made, "a prepared corpus is reused, not prepared again"
+    with pytest.raises(SystemExit):
+        bench_fidelity.parse_args(["--data", str(tmp_path / "nothing-here")])

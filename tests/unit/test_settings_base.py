@@ -144,3 +144,9 @@ def test_help_shows_no_default_for_a_secret():
     for parser in (node_parser(), relay_parser(), monitor_parser()):
         text = parser.format_help()
         assert "--account-token" in text and "(default: **" not in text and "(default: )" not in text
+
+
+def test_the_authorizer_checks_its_monitors_addresses_as_multiaddrs():
+    with pytest.raises(ValueError, match="not a multiaddr"):
+        AuthorizerConfig(monitor_host_maddrs=["127.0.0.1:4001"])
+    assert AuthorizerConfig(monitor_host_maddrs=[MADDR]).monitor_host_maddrs == [MADDR]
