@@ -289,13 +289,11 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
         excluded = checks.get("excluded") or {}
         accused |= set(excluded)
         honest_strikes += sum(n for peer, n in (checks.get("strikes") or {}).items() if peer not in attackers)
-        for dispute in checks.get("disputes") or []:
-            struck = dispute.get("struck")
-            if struck and struck not in attackers:
-                mechanism = strike_mechanism(dispute)
-                by_mechanism[mechanism] = by_mechanism.get(mechanism, 0) + 1
+        for struck, mechanism, n in strikes_by_mechanism(checks):
+            if struck not in attackers:
+                by_mechanism[mechanism] = by_mechanism.get(mechanism, 0) + n
                 who = name_of.get(struck, struck[-8:])
-                struck_honest[who] = struck_honest.get(who, 0) + 1
+                struck_honest[who] = struck_honest.get(who, 0) + n
         served = {peer: n for stage in (summary.get("served") or {}).values() for peer, n in stage.items()}
         per_trainer[name] = {
             "excluded": {p[-8:]: why for p, why in excluded.items()},
@@ -371,6 +369,15 @@ STRIKE_MECHANISMS = {
     "slope": "a gradient or tail-loss dispute: the struck side's slope error was the larger",
 }
 """How a spot-check dispute was decided (roles/trainer/spot_checks.py), by the fields its summary keeps."""
+
+
+def strikes_by_mechanism(checks: dict) -> list[tuple[str, str, int]]:
+    """(struck worker, mechanism, strikes) from a trainer summary's `spot_checks`: its count of every
+    strike by mechanism, or, from a trainer without it, its last disputes (older strikes unattributed)."""
+    counted = checks.get("strikes_by_mechanism")
+    if counted is not None:
+        return [(peer, mechanism, n) for peer, by in counted.items() for mechanism, n in by.items()]
+    return [(d["struck"], strike_mechanism(d), 1) for d in checks.get("disputes") or [] if d.get("struck")]
 
 
 def strike_mechanism(dispute: dict) -> str:
@@ -542,7 +549,8 @@ OWN_ORDER_HOW_TO_READ = (
     "held_out_gaps against the honest run also carry order noise (about 1.4% relative std at batch 64) and the "
     "lost samples. The honest runs' own-order gaps (honest_floor) are the floor: what the pipeline itself "
     "costs, which bench_fidelity measures at 0.0%. honest_strikes_by_mechanism: how each dispute resolved "
-    "against an honest worker was decided (see strike_mechanisms), from the last 16 disputes each trainer's "
+    "against an honest worker was decided (see strike_mechanisms), from each trainer's count of every strike by "
+    "mechanism (spot_checks.strikes_by_mechanism), or from a trainer without that count, the last 16 disputes its "
     "summary keeps; 'unattributed' counts strikes whose dispute scrolled out of that list.")
 
 

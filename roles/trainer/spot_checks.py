@@ -117,6 +117,18 @@ class Dispute:
     signed: Optional[tuple["_Hop", "SignedResult"]] = field(default=None, repr=False, compare=False)
     """The hop and the checker's signed result: two-replica evidence, should the verdict exclude."""
 
+    @property
+    def mechanism(self) -> str:
+        """What decided it: `arbiter`, `self_contradiction`, `tally`, `loss` (an output's loss
+        through the later stages) or `slope` (a gradient's or a tail loss's slope error)."""
+        if self.arbiter:
+            return "arbiter"
+        if self.self_contradiction:
+            return "self_contradiction"
+        if self.sign_test:
+            return "tally"
+        return "loss" if self.kind == "output" else "slope"
+
 
 @dataclass
 class SpotCheckStats:
@@ -132,6 +144,10 @@ class SpotCheckStats:
     disputes: list[Dispute] = field(default_factory=list)
     strikes: collections.Counter = field(default_factory=collections.Counter)
     """Disputes resolved against each worker."""
+    strikes_by_mechanism: dict[str, collections.Counter] = field(
+        default_factory=lambda: collections.defaultdict(collections.Counter))
+    """Worker -> strikes by what decided them (`Dispute.mechanism`): the disputes list keeps only the
+    latest, this counts them all."""
     favoured: collections.Counter = field(default_factory=collections.Counter)
     """Disputes resolved in each worker's favour."""
     excluded: dict[str, str] = field(default_factory=dict)
@@ -150,7 +166,9 @@ class SpotCheckStats:
                                                          "failed", "targeted", "diverged", "outlier",
                                                          "tallied", "probation")},
                 "resolved": sum(self.strikes.values()), "largest_agreed_distance": self.largest_agreed,
-                "strikes": dict(self.strikes), "excluded": dict(self.excluded),
+                "strikes": dict(self.strikes),
+                "strikes_by_mechanism": {peer: dict(by) for peer, by in self.strikes_by_mechanism.items()},
+                "excluded": dict(self.excluded),
                 "served_before_exclusion": dict(self.served_before_exclusion),
                 "evidence": dict(self.evidence), "parted": dict(self.parted),
                 "disputes": [{"stage": d.stage, "worker": d.worker, "checker": d.checker, "version": d.version,
@@ -605,6 +623,7 @@ class SpotChecks:
         spared = dispute.checker if struck == dispute.worker else dispute.worker
         dispute.struck = struck
         self.stats.strikes[struck] += 1
+        self.stats.strikes_by_mechanism[struck][dispute.mechanism] += 1
         self.stats.favoured[spared] += 1
         strikes, favoured = self.stats.strikes[struck], self.stats.favoured[struck]
         if (strikes >= self.strikes_to_exclude and 3 * favoured < strikes and struck not in self.stats.excluded):

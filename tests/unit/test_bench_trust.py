@@ -164,7 +164,7 @@ def _reference_swarm(tmp_path, run, trainers: dict) -> dict:
 
     from _fidelity_reference import OneProcessTrainer, SampleBank
     from roles.worker.layout import FlatLayout
-    from roles.worker.stage_checkpoint import checkpoint_path, write_checkpoint
+    from roles.worker.state.stage_checkpoint import checkpoint_path, write_checkpoint
 
     bank, trainer = SampleBank(run), OneProcessTrainer.for_stages(run)
     logs = [str(tmp_path / f"samples-{k}.jsonl") for k in range(2)]
@@ -232,3 +232,10 @@ def test_the_honest_floor_is_the_honest_runs_gaps_to_their_own_order():
     assert floor["by_variant"] == {"plain": [0.001], "early_departure": [-0.004], "plain (checks off)": [0.02]}
     assert (floor["own_order_gap_max"], floor["own_order_gap_max_abs"]) == (0.001, 0.004)
     assert bench_trust.relative_gap(2.02, 2.0) == 0.01 and bench_trust.relative_gap(None, 2.0) is None
+
+
+def test_strikes_are_attributed_from_the_trainers_count_before_its_last_disputes():
+    counted = {"strikes_by_mechanism": {HONEST: {"tally": 2, "loss": 1}}, "disputes": [{"struck": HONEST}]}
+    assert sorted(bench_trust.strikes_by_mechanism(counted)) == [(HONEST, "loss", 1), (HONEST, "tally", 2)]
+    older = {"disputes": [{"struck": HONEST, "kind": "gradient"}, {"struck": None}, {"struck": HONEST, "arbiter": "x"}]}
+    assert sorted(bench_trust.strikes_by_mechanism(older)) == [(HONEST, "arbiter", 1), (HONEST, "slope", 1)]

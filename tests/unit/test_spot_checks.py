@@ -140,6 +140,7 @@ def test_the_loss_puts_the_liar_in_the_wrong_whichever_side_it_is_on_and_exclude
     checks, excluded = asyncio.run(main())
     assert dict(checks.stats.strikes) == {"liar": 3} and excluded == [(1, "liar")]
     assert "3 spot-check disputes on stage 1" in checks.stats.excluded["liar"]
+    assert checks.stats.summary()["strikes_by_mechanism"] == {"liar": {"loss": 3}}
     assert [d.struck for d in checks.stats.disputes] == ["liar"] * 3
 
 
@@ -279,6 +280,7 @@ def test_a_lie_worse_by_less_than_the_margin_every_time_is_struck_by_the_tally_a
     assert "worse loss in 10 of 10 close disputes" in checks.stats.excluded["liar"]
     assert checks.stats.outcomes["unresolved"] == 27 and checks.stats.favoured["honest"] == 3
     assert checks.stats.summary()["tallied"] == 3
+    assert checks.stats.summary()["strikes_by_mechanism"] == {"liar": {"tally": 3}}
     # a lie that costs nothing: which side is worse is a coin, and nobody is struck in 40 disputes
     coin = random.Random(3)
     fair = lambda claimed: [2.0, 2.0 + coin.choice((-0.005, 0.005))]  # noqa: E731
