@@ -85,7 +85,8 @@ which corpus (path, manifest hash, vocabulary, training tokens) and `swarm.train
 much of it the run read. `--data text` (or `text:MB`) needs no corpus at hand: the bench makes one
 of real text from the documentation already on the machine (scripts/make_text_corpus.py, 10 MB by
 default), prepares it once as a user would (a 4,096-token BPE, shards of 65,536 tokens, the
-default 1% held out) and reuses it from `~/.cache/agora-node/bench-fidelity/`.
+default 1% held out, more for a corpus under 10 MB so the held-out split holds the 256 samples the
+references are evaluated on) and reuses it from `~/.cache/agora-node/bench-fidelity/`.
 
 `swarm.evaluation` is the run's own held-out curve as trainer 0 measured it during the run
 (roles/trainer/evaluation.py, `evaluation.samples` per point, `--evaluation-samples N` to change
@@ -232,8 +233,12 @@ def prepared_text_corpus(megabytes: float) -> str:
         return prepared
     made = make_text_corpus(Path(cache) / "raw", megabytes)
     log(f"preparing {made['bytes']:,} bytes of text ({made['documents']} documents) into {prepared}")
+    # 1% held out, as `data prepare` does by default, once the corpus is large enough for that to
+    # hold the HELD_OUT_SAMPLES windows the references are evaluated on; a small one holds out more.
+    heldout_fraction = min(0.2, max(0.01, 0.1 / megabytes))
     command = [sys.executable, "-m", "node.cli", "data", "prepare", "--output", prepared, "--train-tokenizer",
-               str(TEXT_DATA_VOCAB), "--shard-tokens", str(TEXT_DATA_SHARD_TOKENS), "--quiet", made["path"]]
+               str(TEXT_DATA_VOCAB), "--shard-tokens", str(TEXT_DATA_SHARD_TOKENS),
+               "--heldout-fraction", f"{heldout_fraction:g}", "--quiet", made["path"]]
     subprocess.run(command, check=True, cwd=REPO_ROOT, stdout=sys.stderr)  # stdout is the JSON report's
     return prepared
 
