@@ -424,7 +424,10 @@ def test_a_worker_with_another_index_set_is_reported_and_leaves_its_stage(make_s
     assert not log_has(outsider, "node: worker failed"), "a rule exit is no bug: " + outsider.log_tail(60)
     probe = DhtProbe(good[0].maddrs, run.run_id, run.num_stages)
     try:
-        assert outsider.peer_id not in probe.records(workers_key(run.run_id, 0), WorkerRecord), "records withdrawn"
+        # Withdrawn as it left; on a loaded machine the tombstone's store can time out, and the
+        # record then lapses by itself within its TTL (three announce periods: 3 s here).
+        poll_until(lambda: outsider.peer_id not in probe.records(workers_key(run.run_id, 0), WorkerRecord), 10,
+                   "the outsider's record withdrawn or lapsed", period_s=0.5)
         reported = poll_until(lambda: [s for r in rounds_of(probe, run.run_id, 0).values() for s in r.recent
                                        if outsider.peer_id in s.mismatched_peers], 20,
                               "a round that names the outsider's index set", period_s=0.5)

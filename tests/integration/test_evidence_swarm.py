@@ -55,9 +55,13 @@ def test_a_cheater_a_third_replica_convicts_is_revoked_by_the_authorizer_and_lea
         assert summary["samples_completed"] == 240, summary
         assert set(checks["excluded"]) == {cheater.peer_id} and checks["evidence"] == {"upheld": 1}, checks
         decided = [d for d in checks["disputes"] if d["struck"]]
-        # in full: a failure must say who was struck and by what (the summary is cut short by pytest)
-        assert decided and all(d["struck"] == cheater.peer_id and d["arbiter"] for d in decided), (
-            f"cheater {cheater.peer_id}; decided disputes: {json.dumps(decided)}")
+        # Every verdict falls on the cheater, and a third replica's re-execution gives some of them.
+        # Not all: a tail-loss dispute whose third replica is busy is decided by each tail's losses
+        # against its own gradient (the slope test), which puts the same liar in the wrong.
+        # In full: a failure must say who was struck and by what (the summary is cut short by pytest).
+        assert decided and all(d["struck"] == cheater.peer_id for d in decided) and any(
+            d["arbiter"] for d in decided), f"cheater {cheater.peer_id}; decided disputes: {json.dumps(decided)}"
+        assert set(checks["strikes_by_mechanism"]) == {cheater.peer_id}, checks["strikes_by_mechanism"]
 
         # the authorizer's own record: upheld against the cheater, reported by the trainer
         listed = httpx.get(f"{authorizer.url}/v1/admin/evidence", headers={"Authorization": f"Bearer {ADMIN}"},
