@@ -164,12 +164,13 @@ def demo_main(argv: list[str]) -> int:
 
 
 def _held_out(summary: dict) -> str:
-    """", held-out loss 5.541 -> 2.210 (steps 0 -> 59)", or nothing when no evaluation ran."""
+    """", held-out loss 5.541 -> 2.210 +- 0.013 (steps 0 -> 59)", or nothing when no evaluation ran."""
     first, last = summary.get("first_eval_loss"), summary.get("last_eval_loss")
     if first is None or last is None:
         return ""
-    return (f", held-out loss {first:.3f} -> {last:.3f} "
-            f"(steps {summary['first_eval_step']} -> {summary['last_eval_step']})")
+    stderr = summary.get("last_eval_stderr")
+    return (f", held-out loss {first:.3f} -> {last:.3f}" + (f" +- {stderr:.3f}" if stderr is not None else "")
+            + f" (steps {summary['first_eval_step']} -> {summary['last_eval_step']})")
 
 
 def _summary_of(node, wait_s: float = 3.0) -> Optional[dict]:
@@ -217,6 +218,7 @@ def combine_summaries(summaries: list[dict]) -> dict:
         "last_eval_loss": evaluations[-1]["loss"] if evaluations else None,
         "first_eval_step": evaluations[0]["step"] if evaluations else None,
         "last_eval_step": evaluations[-1]["step"] if evaluations else None,
+        "last_eval_stderr": evaluations[-1].get("stderr") if evaluations else None,
         "tokens_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
         "samples_completed": sum(s["samples_completed"] for s in summaries),
         "samples_dropped": sum(s["samples_dropped"] for s in summaries),

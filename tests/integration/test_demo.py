@@ -30,4 +30,5 @@ def test_demo_trains_and_leaves_nothing_behind():
     # trainer 0 evaluated at the start (step 0) and once more at its last step
     assert summary["first_eval_step"] == 0 and summary["last_eval_step"] > 0, summary
     assert summary["last_eval_loss"] < summary["first_eval_loss"], summary
+    assert 0 < summary["last_eval_stderr"] < 0.05 * summary["last_eval_loss"], summary  # 128 samples a point
     assert processes_with_marker(marker) == []
