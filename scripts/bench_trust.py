@@ -289,11 +289,12 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
         excluded = checks.get("excluded") or {}
         accused |= set(excluded)
         honest_strikes += sum(n for peer, n in (checks.get("strikes") or {}).items() if peer not in attackers)
-        for struck, mechanism, n in strikes_by_mechanism(checks):
+        for struck, by in (checks.get("strikes_by_mechanism") or {}).items():
             if struck not in attackers:
-                by_mechanism[mechanism] = by_mechanism.get(mechanism, 0) + n
+                for mechanism, n in by.items():
+                    by_mechanism[mechanism] = by_mechanism.get(mechanism, 0) + n
                 who = name_of.get(struck, struck[-8:])
-                struck_honest[who] = struck_honest.get(who, 0) + n
+                struck_honest[who] = struck_honest.get(who, 0) + sum(by.values())
         served = {peer: n for stage in (summary.get("served") or {}).values() for peer, n in stage.items()}
         per_trainer[name] = {
             "excluded": {p[-8:]: why for p, why in excluded.items()},
@@ -334,16 +335,13 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
     if completed < total:
         errors.append(f"{completed} of {total} samples completed")
     own = own_order_reference(run, swarm.get("sample_logs", []), written, tokens, errors)
-    attributed = sum(by_mechanism.values())
     return {
         "attacker_peer_ids": {n: (peer_of.get(n) or "")[-8:] for n in sorted(liars)},
         "samples_to_exclusion": samples_to_exclusion,
         "excluded_by_every_trainer": bool(liars) and all(v is not None for v in samples_to_exclusion.values()),
         "false_accusations": false,
         "honest_strikes": honest_strikes,
-        "honest_strikes_by_mechanism": {**dict(sorted(by_mechanism.items())),
-                                        **({"unattributed": honest_strikes - attributed}
-                                           if honest_strikes > attributed else {})},
+        "honest_strikes_by_mechanism": dict(sorted(by_mechanism.items())),
         "honest_workers_struck": dict(sorted(struck_honest.items())),
         "held_out_loss": held_out,
         "own_order_reference_held_out_loss": own.get("held_out_loss"),
@@ -368,27 +366,7 @@ STRIKE_MECHANISMS = {
     "loss": "an output dispute: the struck side's output carried the clearly worse loss through the later stages",
     "slope": "a gradient or tail-loss dispute: the struck side's slope error was the larger",
 }
-"""How a spot-check dispute was decided (roles/trainer/spot_checks.py), by the fields its summary keeps."""
-
-
-def strikes_by_mechanism(checks: dict) -> list[tuple[str, str, int]]:
-    """(struck worker, mechanism, strikes) from a trainer summary's `spot_checks`: its count of every
-    strike by mechanism, or, from a trainer without it, its last disputes (older strikes unattributed)."""
-    counted = checks.get("strikes_by_mechanism")
-    if counted is not None:
-        return [(peer, mechanism, n) for peer, by in counted.items() for mechanism, n in by.items()]
-    return [(d["struck"], strike_mechanism(d), 1) for d in checks.get("disputes") or [] if d.get("struck")]
-
-
-def strike_mechanism(dispute: dict) -> str:
-    """Which of `STRIKE_MECHANISMS` decided a dispute of a trainer summary's `spot_checks.disputes`."""
-    if dispute.get("arbiter"):
-        return "arbiter"
-    if dispute.get("self_contradiction"):
-        return "self_contradiction"
-    if dispute.get("sign_test"):
-        return "tally"
-    return "loss" if dispute.get("kind", "output") == "output" else "slope"
+"""How a spot-check dispute was decided (roles/trainer/spot_checks.py `Dispute.mechanism`)."""
 
 
 def own_order_reference(run, sample_logs: list[str], written: list[dict], held_out, errors: list[str]) -> dict:
@@ -550,8 +528,7 @@ OWN_ORDER_HOW_TO_READ = (
     "lost samples. The honest runs' own-order gaps (honest_floor) are the floor: what the pipeline itself "
     "costs, which bench_fidelity measures at 0.0%. honest_strikes_by_mechanism: how each dispute resolved "
     "against an honest worker was decided (see strike_mechanisms), from each trainer's count of every strike by "
-    "mechanism (spot_checks.strikes_by_mechanism), or from a trainer without that count, the last 16 disputes its "
-    "summary keeps; 'unattributed' counts strikes whose dispute scrolled out of that list.")
+    "mechanism (spot_checks.strikes_by_mechanism).")
 
 
 def _pair_ratios(honest: list[dict]) -> list[float]:

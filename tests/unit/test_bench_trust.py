@@ -19,7 +19,8 @@ ATTACKER, HONEST = "12D3KooWattacker00000000", "12D3KooWhonest000000000"
 def _trainer(excluded: dict, served_before: dict, served: dict, struck=()) -> dict:
     return {"samples_completed": 80, "served": {"1": served},
             "spot_checks": {"excluded": excluded, "served_before_exclusion": served_before,
-                            "strikes": {p: 3 for p in struck}, "disputes": [{"struck": p} for p in struck]}}
+                            "strikes": {p: 3 for p in struck}, "disputes": [{"struck": p} for p in struck],
+                            "strikes_by_mechanism": {p: {"arbiter": 3} for p in struck}}}
 
 
 def _swarm(tmp_path, trainers: dict) -> dict:
@@ -204,6 +205,7 @@ def test_a_run_that_trained_like_its_own_order_reference_has_no_gap_to_it(monkey
     checks["strikes"][HONEST] = 2
     checks["disputes"] = [*checks["disputes"], honest_dispute,
                           {**honest_dispute, "kind": "gradient", "sign_test": None}]
+    checks["strikes_by_mechanism"][HONEST] = {"tally": 1, "slope": 1}
     figures = bench_trust._figures(run, _reference_swarm(tmp_path, run, trainers), {"worker-s1-r1": ["noise:1"]}, 12)
     own = figures["own_order_reference"]
     assert (own["steps"], own["samples"], own["applied_step"], own["samples_in_unapplied_steps"]) == (3, 11, 3, 2)
@@ -233,9 +235,3 @@ def test_the_honest_floor_is_the_honest_runs_gaps_to_their_own_order():
     assert (floor["own_order_gap_max"], floor["own_order_gap_max_abs"]) == (0.001, 0.004)
     assert bench_trust.relative_gap(2.02, 2.0) == 0.01 and bench_trust.relative_gap(None, 2.0) is None
 
-
-def test_strikes_are_attributed_from_the_trainers_count_before_its_last_disputes():
-    counted = {"strikes_by_mechanism": {HONEST: {"tally": 2, "loss": 1}}, "disputes": [{"struck": HONEST}]}
-    assert sorted(bench_trust.strikes_by_mechanism(counted)) == [(HONEST, "loss", 1), (HONEST, "tally", 2)]
-    older = {"disputes": [{"struck": HONEST, "kind": "gradient"}, {"struck": None}, {"struck": HONEST, "arbiter": "x"}]}
-    assert sorted(bench_trust.strikes_by_mechanism(older)) == [(HONEST, "arbiter", 1), (HONEST, "slope", 1)]
