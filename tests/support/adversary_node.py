@@ -51,7 +51,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from tests.support.adversary import install, parse_attack
 
@@ -97,8 +97,10 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return own, command[3:]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = _parser()
+def run_node(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]],
+             install_from: Callable[[argparse.Namespace], None]) -> int:
+    """Parse our options before '--', install what they ask for in this process, then run the
+    node's command line after it here (shared with tests/support/faults_node.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv and {"-h", "--help"} & set(argv):
         parser.parse_args(argv)  # prints the help and exits
@@ -106,11 +108,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         own, node_argv = split_argv(argv)
     except ValueError as exc:
         parser.error(str(exc))
-    specs = parser.parse_args(own).attack
-    install([parse_attack(spec) for spec in specs])
+    install_from(parser.parse_args(own))
     from node import cli
 
     return cli.main(node_argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_node(_parser(), argv, lambda options: install([parse_attack(spec) for spec in options.attack]))
 
 
 if __name__ == "__main__":

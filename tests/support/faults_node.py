@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from tests.support.adversary_node import REPO_ROOT, split_argv
+from tests.support.adversary_node import REPO_ROOT, run_node
 from tests.support.faults import install, parse_fault
 
 
@@ -46,17 +46,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      usage="%(prog)s --fault NAME=VALUE [--fault ...] -- PYTHON -m node.cli ARGS...",
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fault", action="append", required=True, type=_fault_spec, metavar="NAME=VALUE")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv and {"-h", "--help"} & set(argv):
-        parser.parse_args(argv)  # prints the help and exits
-    try:
-        own, node_argv = split_argv(argv)
-    except ValueError as exc:
-        parser.error(str(exc))
-    install(parser.parse_args(own).fault)
-    from node import cli
-
-    return cli.main(node_argv)
+    return run_node(parser, argv, lambda options: install(options.fault))
 
 
 if __name__ == "__main__":

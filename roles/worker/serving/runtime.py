@@ -295,14 +295,21 @@ class StageRuntime(StepDecision, BatchCompute):
         if not rest:
             return
         self.counters["tag_waits"] += 1
+        if not self._put_back(rest):
+            return
+        if not grants:
+            self._stop.wait(0.01)  # nothing could be tagged: let the stage step before asking again
+
+    def _put_back(self, rest: list[Task]) -> bool:
+        """Requeue tasks this pass could not run; False (each answered with the error) once the
+        queues have closed."""
         try:
             self.queues.requeue(rest)
         except QueueClosed as exc:
             for task in rest:
                 task.on_done(None, exc)
-            return
-        if not grants:
-            self._stop.wait(0.01)  # nothing could be tagged: let the stage step before asking again
+            return False
+        return True
 
     def _run_gated(self, batch: list[Task]) -> None:
         """Head with replicas: run as many forwards as the stage's gate grants (step_tagger.py
@@ -311,13 +318,7 @@ class StageRuntime(StepDecision, BatchCompute):
         if granted:
             self._run(batch[:granted], self._forward_batch)
         rest = batch[granted:]
-        if not rest:
-            return
-        try:
-            self.queues.requeue(rest)
-        except QueueClosed as exc:
-            for task in rest:
-                task.on_done(None, exc)
+        if not rest or not self._put_back(rest):
             return
         if not granted:
             self.counters["forward_gate_waits"] += 1
