@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from protocol.readiness import parse_ready_line
 
@@ -117,7 +117,10 @@ class PostgresServer:
 class AuthorizerProcess:
     """`agora-node --role authorizer` in its own process group, with its URL from the readiness line."""
 
-    def __init__(self, args: list[str], *, log_path: str, env: Optional[dict] = None):
+    def __init__(self, args: list[str], *, log_path: str, env: Optional[dict] = None,
+                 popen: Callable[..., subprocess.Popen] = subprocess.Popen):
+        """`popen` starts the process (subprocess.Popen's signature; node/launcher.py says why another)."""
+        self.popen = popen
         self.args = list(args)
         self.log_path = log_path
         self.env = env
@@ -130,7 +133,7 @@ class AuthorizerProcess:
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("OMP_NUM_THREADS", "1")
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
+            self.proc = self.popen(
                 [sys.executable, "-m", "node.cli", "--role", "authorizer", *self.args], stdout=subprocess.PIPE, stderr=log,
                 text=True, env=env, start_new_session=True,
             )

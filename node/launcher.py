@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import psutil
 
@@ -106,8 +106,11 @@ class LocalSwarm:
 
     def __init__(self, workdir: str, config: Optional[str], *, torch_threads: int = 1,
                  extra_env: Optional[dict[str, str]] = None, common_args: Sequence[str] = (),
-                 initial_peers: Sequence[str] = ()):
+                 initial_peers: Sequence[str] = (), popen: Callable[..., subprocess.Popen] = subprocess.Popen):
+        """`popen` starts each node (subprocess.Popen's signature); the tests pass one that forks
+        nodes from an interpreter that has done their imports already (tests/support/node_zygote.py)."""
         self.workdir = workdir
+        self.popen = popen
         self.config = config
         self.torch_threads = torch_threads
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(torch_threads),
@@ -166,7 +169,7 @@ class LocalSwarm:
         log_path = os.path.join(self.workdir, f"{name}.log")
         log = open(log_path, "w")
         started_at = time.time()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
+        proc = self.popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
                                 env={**self.env, **(env or {})}, start_new_session=True)
         log.close()
         node = NodeProcess(name=name, role=role, stage=stage, proc=proc, log_path=log_path, started_at=started_at)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import uuid
 
@@ -34,12 +35,30 @@ with contextlib.suppress(ImportError):
 _swarms: list[LocalSwarm] = []
 
 
+@pytest.fixture(scope="session")
+def node_popen():
+    """How the tests start nodes: forked from an interpreter that has done a node's imports
+    (tests/support/node_zygote.py: 4-5 s of CPU less for each of the suite's hundreds of nodes),
+    or, with AGORA_TEST_FORK_NODES=0, each as a fresh `python -m node.cli` like the CLI tests'."""
+    if os.environ.get("AGORA_TEST_FORK_NODES", "1") == "0":
+        yield subprocess.Popen
+        return
+    from tests.support.node_zygote import NodeZygote
+
+    zygote = NodeZygote({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        yield zygote.popen
+    finally:
+        zygote.close()
+
+
 @pytest.fixture
-def make_swarm(tmp_path):
+def make_swarm(tmp_path, node_popen):
     """Build LocalSwarms for a test; every node they start is stopped and reaped afterwards."""
     created: list[LocalSwarm] = []
 
     def factory(config: str, **kwargs) -> LocalSwarm:
+        kwargs.setdefault("popen", node_popen)
         swarm = LocalSwarm(str(tmp_path / f"swarm{len(created)}"), config, **kwargs)
         created.append(swarm)
         _swarms.append(swarm)

@@ -10,6 +10,7 @@ a fresh database in it.
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 
 import pytest
@@ -33,8 +34,9 @@ def db_url(request, tmp_path):
 class Starter:
     """Starts authorizers (`starter(*extra_args, db=..., data_dir=...)`) and reaps them all."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, popen=subprocess.Popen):
         self.tmp_path = tmp_path
+        self.popen = popen
         self.started: list[AuthorizerProcess] = []
 
     def __call__(self, *args: str, db: str | None = None, data_dir: str | None = None, run_config: str = "tiny",
@@ -47,7 +49,8 @@ class Starter:
             argv += ["--port", port]
         if db is not None:
             argv += ["--db", db]
-        process = AuthorizerProcess(argv, log_path=str(self.tmp_path / f"authorizer-{len(self.started)}.log"))
+        process = AuthorizerProcess(argv, log_path=str(self.tmp_path / f"authorizer-{len(self.started)}.log"),
+                                     popen=self.popen)
         self.started.append(process)
         _all.append(process)
         return process.start(timeout_s=timeout_s)
@@ -58,16 +61,16 @@ class Starter:
 
 
 @pytest.fixture
-def start_authorizer(tmp_path):
-    starter = Starter(tmp_path)
+def start_authorizer(tmp_path, node_popen):
+    starter = Starter(tmp_path, node_popen)
     yield starter
     starter.stop_all()
 
 
 @pytest.fixture(scope="module")
-def module_starter(tmp_path_factory):
+def module_starter(tmp_path_factory, node_popen):
     """Like start_authorizer, for one authorizer shared by a module's tests."""
-    starter = Starter(tmp_path_factory.mktemp("authorizer"))
+    starter = Starter(tmp_path_factory.mktemp("authorizer"), node_popen)
     yield starter
     starter.stop_all()
 

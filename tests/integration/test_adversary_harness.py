@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 
 import psutil
 import pytest
@@ -34,7 +35,7 @@ def test_a_worker_started_through_the_prefix_serves_scaled_outputs_and_logs_its_
 
     config = run_config_path()
     run = load_run_config(config)
-    swarm = make_swarm(config)
+    swarm = make_swarm(config, popen=subprocess.Popen)  # started as a script would, not forked by the tests' zygote
     worker = swarm.start("worker", stage=STAGE, prefix=adversary_prefix("scale:3"))
     assert "tests.support.adversary_node" in psutil.Process(worker.pid).cmdline()  # env exec'd: one process
 

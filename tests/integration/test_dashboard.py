@@ -29,7 +29,7 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / ".artifacts"
 
 
 @pytest.fixture(scope="module")
-def live_run(tmp_path_factory):
+def live_run(tmp_path_factory, node_popen):
     """(authorizer, swarm, workers by stage, trainer, run config path), stopped and reaped after the module."""
     from protocol.run_config import dump_run_config, load_run_config
 
@@ -39,8 +39,8 @@ def live_run(tmp_path_factory):
     authorizer = AuthorizerProcess(
         ["--run-config", config, "--data-dir", str(tmp / "authorizer"), "--port", "0", "--credential-ttl-s", "600",
          "--admin-token", "test-admin-token-0123456789", "--monitor-interval-s", "2"],
-        log_path=str(tmp / "authorizer.log"))
-    swarm = LocalSwarm(str(tmp / "swarm"), None, common_args=["--announce-period-s", "2"])
+        log_path=str(tmp / "authorizer.log"), popen=node_popen)
+    swarm = LocalSwarm(str(tmp / "swarm"), None, common_args=["--announce-period-s", "2"], popen=node_popen)
     try:
         authorizer.start()
         node_args = ["--authorizer", authorizer.url]

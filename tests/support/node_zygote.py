@@ -1,0 +1,254 @@
+"""A Python that has already imported what a node imports, and forks `agora-node` processes from
+there, for the integration tests.
+
+A node's imports (torch, torch._dynamo, hivemind, scipy, the role's own modules) cost 4-5 s of
+CPU, most of a worker's start; the suite starts some hundreds of nodes on two cores. Forked
+from this process a node skips them and runs exactly what `python -m MODULE ARGS` runs from
+there on (`runpy`, the same `__main__`, the same exit), in its own session, with its own
+environment, working directory, stdout and stderr: it is still a real node process with its
+own pid, signals and children. Only plain `PYTHON -m MODULE ...` commands (optionally behind
+`env VAR=VALUE ...`) are forked; anything else (`ip netns exec ...`) runs as before.
+
+    python -m tests.support.node_zygote SOCKET_PATH
+
+serves one SOCK_SEQPACKET request per connection: a JSON message {argv, env, cwd} with the
+node's stdout and stderr as SCM_RIGHTS file descriptors. It answers {"pid": N} at once and
+{"returncode": N} when the node has exited (Popen's convention: -SIGNAL when killed), then
+closes. It is single-threaded, so forking is safe, and leaves when its stdin closes (the test
+process ended).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Optional, Sequence
+
+PRELOADED = ("node.cli", "node.daemon", "roles.worker.role", "roles.trainer.role", "roles.relay.role",
+             "torch._dynamo", "authorizer.app")
+"""What the nodes of the tests import; a module missing here is imported by the node itself."""
+MAX_REQUEST_BYTES = 1 << 20
+
+
+class ZygoteChild:
+    """The part of `subprocess.Popen` the launcher uses, for a node forked by the zygote."""
+
+    def __init__(self, conn: socket.socket, pid: int, stdout):
+        self.pid = pid
+        self.stdout = stdout
+        self.returncode: Optional[int] = None
+        self.args = None
+        self._conn = conn
+        self._exited = threading.Event()
+        threading.Thread(target=self._await_exit, name=f"zygote-child-{pid}", daemon=True).start()
+
+    def _await_exit(self) -> None:
+        try:
+            message = self._conn.recv(4096)
+            code = json.loads(message)["returncode"] if message else -signal.SIGKILL
+        except (OSError, ValueError, KeyError):
+            code = -signal.SIGKILL  # the zygote died: its children died with it or are orphans
+        finally:
+            self._conn.close()
+        self.returncode = int(code)
+        self._exited.set()
+
+    def poll(self) -> Optional[int]:
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class NodeZygote:
+    """Starts the zygote server and forks nodes through it (`popen`, in place of subprocess.Popen)."""
+
+    def __init__(self, env: Optional[dict[str, str]] = None):
+        self._dir = tempfile.mkdtemp(prefix="agora-zygote-")
+        self.path = os.path.join(self._dir, "zygote.sock")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.node_zygote", self.path],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"the node zygote did not start: {line!r}")
+
+    @staticmethod
+    def forkable(cmd: Sequence[str]) -> Optional[tuple[list[str], dict[str, str]]]:
+        """(argv as `python -m` sets it, extra environment) for a command the zygote can run."""
+        cmd, extra = list(cmd), {}
+        if cmd and cmd[0] == "env":
+            cmd = cmd[1:]
+            while cmd and "=" in cmd[0] and not cmd[0].startswith("-"):
+                name, _, value = cmd.pop(0).partition("=")
+                extra[name] = value
+        if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m":
+            return None
+        return [cmd[2], *cmd[3:]], extra
+
+    def popen(self, cmd: Sequence[str], *, stdout, stderr, env: dict[str, str], **kwargs):
+        """subprocess.Popen(cmd, stdout=PIPE, stderr=FILE, text=True, env=..., start_new_session=True),
+        forked from the zygote where `cmd` allows, else started as before."""
+        forkable = self.forkable(cmd) if self.proc.poll() is None else None
+        if forkable is None or stdout != subprocess.PIPE:
+            return subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, **kwargs)
+        argv, extra = forkable
+        read_end, write_end = os.pipe()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.connect(self.path)
+            request = json.dumps({"argv": argv, "env": {**env, **extra}, "cwd": os.getcwd()}).encode()
+            socket.send_fds(conn, [request], [write_end, stderr.fileno()])
+            pid = json.loads(conn.recv(4096))["pid"]
+        except (OSError, ValueError, KeyError):
+            conn.close()
+            os.close(read_end)
+            return subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, **kwargs)
+        finally:
+            os.close(write_end)
+        return ZygoteChild(conn, pid, os.fdopen(read_end, "r", encoding="utf-8", errors="replace"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        try:
+            os.unlink(self.path)
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+
+def _run_child(request: dict, fds: list[int]) -> None:
+    """In the forked child: become the node `python -m MODULE ARGS` would be, run it, exit."""
+    import atexit
+    import io
+    import runpy
+    import traceback
+
+    code = 1
+    try:
+        os.setsid()
+        out, err = fds
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        for fd, target in ((devnull, 0), (out, 1), (err, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.stdin = open(0, encoding="utf-8", closefd=False)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=True,
+                                      write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                      errors="backslashreplace", line_buffering=True, write_through=True)
+        module, *args = request["argv"]
+        sys.argv = [module, *args]
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            if exc.code is None:
+                code = 0
+            elif isinstance(exc.code, int):
+                code = exc.code
+            else:
+                print(exc.code, file=sys.stderr)
+                code = 1
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            code = -signal.SIGINT
+        except BaseException:  # noqa: BLE001 - as the interpreter would: print it, exit 1
+            traceback.print_exc()
+        threading._shutdown()  # as the interpreter does at exit: wait for non-daemon threads
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code & 0xFF)
+
+
+def serve(path: str) -> None:
+    """Import PRELOADED, then fork a node for each request until stdin closes."""
+    import importlib
+
+    for name in PRELOADED:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the node's own import reports it where it belongs
+            pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    children: dict[int, socket.socket] = {}
+    print("ready", flush=True)
+    while True:
+        readable, _, _ = select.select([listener, sys.stdin], [], [], 0.05)
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
+            return
+        if listener in readable:
+            conn, _ = listener.accept()
+            try:
+                message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 2)
+                request = json.loads(message)
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                for other in children.values():
+                    other.close()
+                conn.close()
+                _run_child(request, fds)
+            for fd in fds:
+                os.close(fd)
+            conn.send(json.dumps({"pid": pid}).encode())
+            children[pid] = conn
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.send(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
+                except OSError:
+                    pass
+                conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
