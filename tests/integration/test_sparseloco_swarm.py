@@ -114,8 +114,14 @@ def test_replicas_killed_before_and_after_sending_and_a_poisoner(make_swarm, run
         assert workers[key].proc.wait(timeout=10) == -signal.SIGKILL, workers[key].log_tail()
     summaries = {}
     for key in ((0, 0), (0, 1), (0, 2), (1, 0)):
-        assert swarm.stop(workers[key], signal.SIGTERM) == 0, workers[key].log_tail()
+        code = swarm.stop(workers[key], signal.SIGTERM)
         summaries[key] = workers[key].summary()
+        if key == (0, 2) and code == 3:
+            # The poisoner fails the rounds it parts in while the others average: when that is 2
+            # of its last 3 before the run ends, the averaging rule sends it away, as it should.
+            assert summaries[key]["terminated_by"]["rule"] == "averaging", workers[key].log_tail()
+            continue
+        assert code == 0, workers[key].log_tail()
 
     survivor = summaries[(1, 0)]["sparseloco"]
     rounds = {r["round"]: r for r in survivor["recent"]}
