@@ -110,6 +110,36 @@ def run_config_path(tmp_path):
     return write
 
 
+LONGEST_FIRST = (
+    "tests/integration/test_averaging.py",
+    "tests/integration/test_credentials_lifecycle.py",
+    "tests/integration/test_home_router.py",
+    "tests/integration/test_export.py",
+    "tests/integration/test_stage_skipping.py",
+    "tests/integration/test_evidence_swarm.py",
+    "tests/integration/test_netlab_scenario.py",
+    "tests/integration/test_sparseloco_swarm.py",
+    "tests/integration/test_spot_checks.py",
+    "tests/integration/test_dashboard.py",
+    "tests/integration/test_health_monitor.py",
+    "tests/integration/test_node_lifecycle.py",
+)
+"""The test files that took longest in a clean-clone scripts/test, longest first. scripts/test
+hands files to its pytest workers in collection order (--no-loadscope-reorder): these first, then
+the other integration and authorizer files, then the unit tests, so that no long file starts last
+and runs alone while the other workers have finished."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        if path in LONGEST_FIRST:
+            return 0, LONGEST_FIRST.index(path)
+        return (2 if path.startswith("tests/unit/") else 1), 0
+
+    items.sort(key=rank)  # stable: the order within a file, and among the rest, stays
+
+
 def pytest_runtest_logreport(report):
     """With AGORA_TEST_FINISHED_LOG set (scripts/test), the controlling process writes down each
     test that finished (and each that failed), so the tests a pytest worker never finished can be

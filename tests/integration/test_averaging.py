@@ -304,8 +304,14 @@ def test_a_joiner_passes_weight_sync_then_optimizer_sync_then_becomes_active(mak
     assert optimizer_sync["backward_requests"] > 0, "in optimizer sync it serves batches"
     assert optimizer_sync["to_step"] - optimizer_sync["from_step"] >= 12
     # no trainer request and no replica's gradients were turned away (a tag ask from a replica the
-    # joiner has not read yet is refused, and the asker reads the stage's records again: not counted)
+    # joiner has not read yet is refused, and the asker reads the stage's records again: not counted).
+    # Right after joining, the joiner's open step trails the stage by the steps taken since it read
+    # the stage's progress; a replica's contribution more than two steps ahead of it is refused then
+    # (the replica steps on without it, the joiner catches up): counted apart, as refused_ahead.
     refused = {call: n for call, n in summary["rejected_calls"].items() if "tags" not in call}
+    ahead = (summary.get("gradient_exchange") or {}).get("refused_ahead", 0)
+    if ahead and refused.get("agora/v1/step_gradients invalid_request", 0) <= ahead:
+        refused.pop("agora/v1/step_gradients invalid_request")
     assert refused == {}, (summary["requests"], summary["rejected_calls"], joiner.log_tail())
     weights = {r["weight"] for r in summary["averaging"]["rounds"] if r["status"] != "skipped"}
     print(f"joiner phases {seen}; round weights seen {sorted(weights)}; spans {summary['sync_phases']}")

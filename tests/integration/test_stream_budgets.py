@@ -320,7 +320,7 @@ class _HonestProbe:
             try:
                 info = await self.info()
                 served += 1
-                samples.append((time.monotonic(), info["counters"]["backward_requests"], info["counters"]))
+                samples.append((time.monotonic(), info["counters"].get("backward_requests", 0), info["counters"]))
             except Exception as exc:  # noqa: BLE001 - what the issue saw: refused honest streams
                 failed.append(f"{type(exc).__name__}: {exc}")
             if time.monotonic() >= deadline:
@@ -334,7 +334,7 @@ async def _slowloris_scenario(worker, authorizer_url, tmp_path) -> list[tuple[st
     """Quiet, attacked from one address, quiet, attacked from six, quiet: each window's report."""
     windows = []
     async with _HonestProbe(worker, authorizer_url, str(tmp_path / "probe.key")) as probe:
-        while (await probe.info())["counters"]["backward_requests"] < 20:  # the trainer is training
+        while (await probe.info())["counters"].get("backward_requests", 0) < 20:  # the trainer is training
             await asyncio.sleep(1.0)
         windows.append(("quiet", await probe.window(), {}))
         for label, addresses in (("one address", ["127.0.0.2"]),
@@ -523,7 +523,7 @@ async def _flood_scenario(worker, authorizer_url, tmp_path, flood: _FloodChild) 
     processes = {"worker": [head], "worker's children": head.children(recursive=True),
                  "flood": [psutil.Process(flood.proc.pid)], "flood's daemons": flood.descendants}
     async with _HonestProbe(worker, authorizer_url, str(tmp_path / "probe.key")) as probe:
-        while (await probe.info())["counters"]["backward_requests"] < 20:  # the trainer is training
+        while (await probe.info())["counters"].get("backward_requests", 0) < 20:  # the trainer is training
             await asyncio.sleep(1.0)
         before, t0 = _cpu_s(processes), time.monotonic()
         quiet = await _window(probe, QUIET_S)

@@ -170,6 +170,8 @@ def _run_child(request: dict, fds: list[int]) -> None:
                                       errors="backslashreplace", line_buffering=True, write_through=True)
         module, *args = request["argv"]
         sys.argv = [module, *args]
+        # As under `python -m`, the module runs as __main__ only; an import of it by name loads it apart.
+        sys.modules.pop(module, None)
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
