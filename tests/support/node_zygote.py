@@ -9,13 +9,13 @@ environment, working directory, stdout and stderr: it is still a real node proce
 own pid, signals and children. Only plain `PYTHON -m MODULE ...` commands (optionally behind
 `env VAR=VALUE ...`) are forked; anything else (`ip netns exec ...`) runs as before.
 
-    python -m tests.support.node_zygote SOCKET_PATH
+    python -m tests.support.node_zygote SOCKET_PATH [MODULE ...]
 
-serves one SOCK_SEQPACKET request per connection: a JSON message {argv, env, cwd} with the
-node's stdout and stderr as SCM_RIGHTS file descriptors. It answers {"pid": N} at once and
-{"returncode": N} when the node has exited (Popen's convention: -SIGNAL when killed), then
-closes. It is single-threaded, so forking is safe, and leaves when its stdin closes (the test
-process ended).
+imports the MODULEs (NodeZygote passes PRELOADED), then serves one SOCK_SEQPACKET request per
+connection: a JSON message {argv, env, cwd} with the node's stdout and stderr as SCM_RIGHTS file
+descriptors. It answers {"pid": N} at once and {"returncode": N} when the node has exited
+(Popen's convention: -SIGNAL when killed), then closes. It is single-threaded, so forking is
+safe, and leaves when its stdin closes (the test process ended).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import tempfile
 import threading
 from typing import Optional, Sequence
 
-PRELOADED = ("node.cli", "node.daemon", "roles.worker.role", "roles.trainer.role", "roles.relay.role",
-             "torch._dynamo", "authorizer.app")
-"""What the nodes of the tests import; a module missing here is imported by the node itself."""
+PRELOADED = ("node.cli", "node.daemon", "roles.worker.role", "roles.trainer.role", "roles.relay.service",
+             "torch._dynamo", "authorizer.main", "authorizer.app")
+"""What the nodes of the tests import (tests/unit/test_node_zygote.py checks that each exists)."""
 MAX_REQUEST_BYTES = 1 << 20
 
 
@@ -82,10 +82,10 @@ class ZygoteChild:
 class NodeZygote:
     """Starts the zygote server and forks nodes through it (`popen`, in place of subprocess.Popen)."""
 
-    def __init__(self, env: Optional[dict[str, str]] = None):
+    def __init__(self, env: Optional[dict[str, str]] = None, preload: Sequence[str] = PRELOADED):
         self._dir = tempfile.mkdtemp(prefix="agora-zygote-")
         self.path = os.path.join(self._dir, "zygote.sock")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.node_zygote", self.path],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.node_zygote", self.path, *preload],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})})
         line = self.proc.stdout.readline()
@@ -106,18 +106,19 @@ class NodeZygote:
             return None
         return [cmd[2], *cmd[3:]], extra
 
-    def popen(self, cmd: Sequence[str], *, stdout, stderr, env: dict[str, str], **kwargs):
+    def popen(self, cmd: Sequence[str], *, stdout=None, stderr=None, env: Optional[dict[str, str]] = None, **kwargs):
         """subprocess.Popen(cmd, stdout=PIPE, stderr=FILE, text=True, env=..., start_new_session=True),
         forked from the zygote where `cmd` allows, else started as before."""
         forkable = self.forkable(cmd) if self.proc.poll() is None else None
-        if forkable is None or stdout != subprocess.PIPE:
+        if forkable is None or stdout != subprocess.PIPE or not hasattr(stderr, "fileno"):
             return subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, **kwargs)
         argv, extra = forkable
         read_end, write_end = os.pipe()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             conn.connect(self.path)
-            request = json.dumps({"argv": argv, "env": {**env, **extra}, "cwd": os.getcwd()}).encode()
+            request = json.dumps({"argv": argv, "env": {**(os.environ if env is None else env), **extra},
+                                  "cwd": os.fspath(kwargs.get("cwd") or os.getcwd())}).encode()
             socket.send_fds(conn, [request], [write_end, stderr.fileno()])
             pid = json.loads(conn.recv(4096))["pid"]
         except (OSError, ValueError, KeyError):
@@ -199,11 +200,11 @@ def _run_child(request: dict, fds: list[int]) -> None:
         os._exit(code & 0xFF)
 
 
-def serve(path: str) -> None:
-    """Import PRELOADED, then fork a node for each request until stdin closes."""
+def serve(path: str, preload: Sequence[str]) -> None:
+    """Import `preload`, then fork a node for each request until stdin closes."""
     import importlib
 
-    for name in PRELOADED:
+    for name in preload:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the node's own import reports it where it belongs
@@ -253,4 +254,4 @@ def serve(path: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,73 @@
+"""The tests' node zygote (tests/support/node_zygote.py): a forked child behaves as the process
+`python -m MODULE ARGS` would, as far as the launcher can see: its stdout, stderr, environment,
+working directory, exit code and death by signal."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.node_zygote import PRELOADED, NodeZygote, ZygoteChild
+from tests.support.polling import poll_until
+
+
+def test_every_preloaded_module_exists():
+    assert [name for name in PRELOADED if importlib.util.find_spec(name) is None] == []
+
+
+def test_only_plain_module_runs_are_forked():
+    python = sys.executable
+    assert NodeZygote.forkable([python, "-m", "node.cli", "--role", "worker"]) == (["node.cli", "--role", "worker"], {})
+    assert NodeZygote.forkable(["env", "PYTHONPATH=/x", "A=b=c", python, "-m", "m", "--", python]) == \
+        (["m", "--", python], {"PYTHONPATH": "/x", "A": "b=c"})
+    assert NodeZygote.forkable(["ip", "netns", "exec", "ns1", python, "-m", "node.cli"]) is None
+    assert NodeZygote.forkable(["/usr/bin/python3", "-m", "node.cli"]) is None
+    assert NodeZygote.forkable([python, "script.py"]) is None
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    zygote = NodeZygote(preload=())
+    yield zygote
+    zygote.close()
+
+
+def _run(zygote, tmp_path, args: list[str], env: dict[str, str] | None = None) -> tuple[ZygoteChild, str]:
+    err_path = tmp_path / "stderr.log"
+    with open(err_path, "w") as err:
+        child = zygote.popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=err, text=True,
+                             env={**os.environ, **(env or {})}, start_new_session=True)
+    assert isinstance(child, ZygoteChild), "forked, not started afresh"
+    return child, str(err_path)
+
+
+def test_a_forked_run_has_its_own_output_environment_and_exit_code(zygote, tmp_path):
+    code = "import os, sys; print(os.environ['PROBE'], os.getcwd(), os.getpgid(0) == os.getpid()); sys.exit(7)"
+    child, err = _run(zygote, tmp_path, ["tests.support.zygote_probe", code], env={"PROBE": "seen"})
+    assert child.wait(30) == 7
+    out = child.stdout.read().split()
+    assert out[:3] == ["seen", os.getcwd(), "True"], out  # its environment, our directory, its own session
+    assert child.pid != os.getpid() and child.poll() == 7
+
+
+def test_an_uncaught_exception_prints_a_traceback_and_exits_1(zygote, tmp_path):
+    child, err = _run(zygote, tmp_path, ["tests.support.zygote_probe", "raise ValueError('boom')"])
+    assert child.wait(30) == 1
+    with open(err) as f:
+        assert "ValueError: boom" in f.read()
+
+
+def test_a_signal_ends_it_as_popen_reports(zygote, tmp_path):
+    code = "import time; print('up', flush=True); time.sleep(60)"
+    child, _ = _run(zygote, tmp_path, ["tests.support.zygote_probe", code])
+    assert child.stdout.readline().strip() == "up"
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(0.1)
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(30) == -signal.SIGTERM
+    poll_until(lambda: not os.path.exists(f"/proc/{child.pid}"), 10, "the child reaped")
