@@ -143,6 +143,22 @@ class NodeZygote:
             pass
 
 
+def _own_process_state() -> None:
+    """Give the child what a fresh interpreter has of its own but a fork shares with the zygote and
+    every other node forked from it: hivemind's process-wide locks, created when it is imported.
+    Shared, one node SIGKILLed while holding one (the tests kill nodes) left every other node's
+    DHT process waiting on it for good."""
+    if "hivemind" not in sys.modules:
+        return
+    import multiprocessing as mp
+
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()  # MPFuture's two locks and SharedBytes' lock
+    _AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
+
+
 def _run_child(request: dict, fds: list[int]) -> None:
     """In the forked child: become the node `python -m MODULE ARGS` would be, run it, exit."""
     import atexit
@@ -169,6 +185,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
                                       write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                       errors="backslashreplace", line_buffering=True, write_through=True)
+        _own_process_state()
         module, *args = request["argv"]
         sys.argv = [module, *args]
         # As under `python -m`, the module runs as __main__ only; an import of it by name loads it apart.

@@ -71,3 +71,22 @@ def test_a_signal_ends_it_as_popen_reports(zygote, tmp_path):
     child.send_signal(signal.SIGTERM)
     assert child.wait(30) == -signal.SIGTERM
     poll_until(lambda: not os.path.exists(f"/proc/{child.pid}"), 10, "the child reaped")
+
+
+def test_each_child_has_its_own_hivemind_locks(tmp_path):
+    """hivemind creates process-wide locks at import; forked children of one zygote must not share
+    them, or one node killed while holding one blocks every other (as it did before the reset)."""
+    zygote = NodeZygote(preload=("hivemind",))
+    try:
+        hold = ("from hivemind.utils.mpfuture import MPFuture; import time; MPFuture._update_lock.acquire(); "
+                "print('held', flush=True); time.sleep(60)")
+        holder, _ = _run(zygote, tmp_path, ["tests.support.zygote_probe", hold])
+        assert holder.stdout.readline().strip() == "held"
+        take = ("from hivemind.utils.mpfuture import MPFuture; import sys; "
+                "sys.exit(0 if MPFuture._update_lock.acquire(timeout=5) else 9)")
+        taker, _ = _run(zygote, tmp_path, ["tests.support.zygote_probe", take])
+        assert taker.wait(60) == 0, "the second child waited on the first child's lock"
+        holder.kill()
+        assert holder.wait(30) == -signal.SIGKILL
+    finally:
+        zygote.close()
