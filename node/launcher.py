@@ -170,7 +170,7 @@ class LocalSwarm:
         log = open(log_path, "w")
         started_at = time.time()
         proc = self.popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
-                                env={**self.env, **(env or {})}, start_new_session=True)
+                          env={**self.env, **(env or {})}, start_new_session=True)
         log.close()
         node = NodeProcess(name=name, role=role, stage=stage, proc=proc, log_path=log_path, started_at=started_at)
         threading.Thread(target=_pump_stdout, args=(node,), daemon=True).start()
