@@ -9,13 +9,14 @@ environment, working directory, stdout and stderr: it is still a real node proce
 own pid, signals and children. Only plain `PYTHON -m MODULE ...` commands (optionally behind
 `env VAR=VALUE ...`) are forked; anything else (`ip netns exec ...`) runs as before.
 
-    python -m tests.support.node_zygote SOCKET_PATH [MODULE ...]
+    python -m tests.support.node_zygote SOCKET_NAME [MODULE ...]
 
-imports the MODULEs (NodeZygote passes PRELOADED), then serves one SOCK_SEQPACKET request per
-connection: a JSON message {argv, env, cwd} with the node's stdout and stderr as SCM_RIGHTS file
-descriptors. It answers {"pid": N} at once and {"returncode": N} when the node has exited
-(Popen's convention: -SIGNAL when killed), then closes. It is single-threaded, so forking is
-safe, and leaves when its stdin closes (the test process ended).
+imports the MODULEs (NodeZygote passes PRELOADED), then serves, on the abstract Unix socket
+SOCKET_NAME, one SOCK_SEQPACKET request per connection: a JSON message {argv, env, cwd} with the
+node's stdout and stderr as SCM_RIGHTS file descriptors. It answers {"pid": N} at once and
+{"returncode": N} when the node has exited (Popen's convention: -SIGNAL when killed), then
+closes. It is single-threaded, so forking is safe, and leaves when its stdin closes (the test
+process ended).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
+import uuid
 from typing import Optional, Sequence
 
 PRELOADED = ("node.cli", "node.daemon", "roles.worker.role", "roles.trainer.role", "roles.relay.service",
@@ -83,9 +84,11 @@ class NodeZygote:
     """Starts the zygote server and forks nodes through it (`popen`, in place of subprocess.Popen)."""
 
     def __init__(self, env: Optional[dict[str, str]] = None, preload: Sequence[str] = PRELOADED):
-        self._dir = tempfile.mkdtemp(prefix="agora-zygote-")
-        self.path = os.path.join(self._dir, "zygote.sock")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.node_zygote", self.path, *preload],
+        # An abstract socket (Linux): no file, so nothing a test could take for a node's leftover
+        # (a child holds the listener for an instant after its fork).
+        name = f"agora-zygote-{uuid.uuid4().hex}"
+        self.path = "\0" + name
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.node_zygote", name, *preload],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})})
         line = self.proc.stdout.readline()
@@ -136,11 +139,6 @@ class NodeZygote:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        try:
-            os.unlink(self.path)
-            os.rmdir(self._dir)
-        except OSError:
-            pass
 
 
 def _own_process_state() -> None:
@@ -217,17 +215,17 @@ def _run_child(request: dict, fds: list[int]) -> None:
         os._exit(code & 0xFF)
 
 
-def serve(path: str, preload: Sequence[str]) -> None:
+def serve(name: str, preload: Sequence[str]) -> None:
     """Import `preload`, then fork a node for each request until stdin closes."""
     import importlib
 
-    for name in preload:
+    for module in preload:
         try:
-            importlib.import_module(name)
+            importlib.import_module(module)
         except Exception:  # noqa: BLE001 - the node's own import reports it where it belongs
             pass
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
+    listener.bind("\0" + name)
     listener.listen(64)
     children: dict[int, socket.socket] = {}
     print("ready", flush=True)
