@@ -66,7 +66,6 @@ that carry signatures and weight fingerprints (protocol/evidence.py), spot-check
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import signal

@@ -237,8 +237,16 @@ def serve(name: str, preload: Sequence[str]) -> None:
             conn, _ = listener.accept()
             try:
                 message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 2)
+            except OSError:
+                conn.close()
+                continue
+            try:
                 request = json.loads(message)
-            except (OSError, ValueError):
+                if len(fds) != 2:
+                    raise ValueError(f"{len(fds)} file descriptors, not stdout and stderr")
+            except ValueError:
+                for fd in fds:
+                    os.close(fd)
                 conn.close()
                 continue
             pid = os.fork()
