@@ -13,9 +13,10 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from node.launcher import LocalSwarm, NodeProcess
 
@@ -42,14 +43,16 @@ class LabSwarm:
     host of a node has the node's name."""
 
     def __init__(self, lab, workdir: str, run_config_path: str, *, torch_threads: int = 1,
-                 announce_period_s: float = 2.0, monitor: bool = False):
+                 announce_period_s: float = 2.0, monitor: bool = False,
+                 popen: Callable[..., subprocess.Popen] = subprocess.Popen):
+        """`popen` starts each node (see LocalSwarm)."""
         self.lab = lab
         self.workdir = workdir
         self.run_config_path = run_config_path
         self.admin_token = secrets.token_hex(16)
         self.monitor = monitor
         self.announce_period_s = announce_period_s
-        self.local = LocalSwarm(workdir, None, torch_threads=torch_threads)
+        self.local = LocalSwarm(workdir, None, torch_threads=torch_threads, popen=popen)
         self.specs: dict[str, NodeSpec] = {}
         self.processes: dict[str, NodeProcess] = {}
         """The newest process of each node (a restarted node replaces its killed one)."""

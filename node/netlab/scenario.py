@@ -258,11 +258,14 @@ class ScenarioRunner:
     it ends (the lab's own teardown, then the nodes')."""
 
     def __init__(self, scenario: Scenario, base_dir: Path, out_dir: str,
-                 say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)):
+                 say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+                 popen: Callable[..., subprocess.Popen] = subprocess.Popen):
+        """`popen` starts each node (subprocess.Popen's signature; see LocalSwarm)."""
         self.scenario = scenario
         self.base_dir = base_dir
         self.out_dir = out_dir
         self.say = say
+        self.popen = popen
         self.swarm: Optional[LabSwarm] = None
         self.timeline: list[dict[str, Any]] = []
         self.scrapes: list[dict[str, Any]] = []
@@ -316,7 +319,7 @@ class ScenarioRunner:
                          f"{link['nominal_rtt_ms']}), {link['throughput_mbit']:.1f} Mbit/s (nominal {link['nominal_mbit']})")
             counters_before = lab.counters()
             self.swarm = LabSwarm(lab, self.out_dir, run_config_path, torch_threads=sc.torch_threads,
-                                  announce_period_s=sc.announce_period_s)
+                                  announce_period_s=sc.announce_period_s, popen=self.popen)
             try:
                 result.update(self._play(lab))
             except BaseException:

@@ -39,7 +39,7 @@ def _log(node) -> str:
 class HomeRun:
     """The lab, its run config and the nodes, started the way the docs tell people to."""
 
-    def __init__(self, lab, workdir: str):
+    def __init__(self, lab, workdir: str, popen):
         from node.launcher import LocalSwarm
         from protocol.run_presets import PRESETS
 
@@ -51,7 +51,7 @@ class HomeRun:
         self.config_path = os.path.join(workdir, "run.yaml")
         with open(self.config_path, "w") as f:
             yaml.safe_dump(config, f)
-        self.swarm = LocalSwarm(workdir, None)
+        self.swarm = LocalSwarm(workdir, None, popen=popen)
         self.url = f"http://{lab.addresses['auth']}:8000"
 
     def authorizer(self):
@@ -90,7 +90,7 @@ class HomeRun:
 
 
 @pytest.fixture
-def home_lab(tmp_path):
+def home_lab(tmp_path, node_popen):
     from node.netlab.cleanup import cleanup_stale
     from node.netlab.natlab import PREFIX, NatLab, Site
 
@@ -102,7 +102,7 @@ def home_lab(tmp_path):
              Site("home3", router=True), Site("w1c", behind="home3"),
              Site("home4", router=True), Site("w1d", behind="home4")]
     with NatLab(sites) as lab:
-        run = HomeRun(lab, str(tmp_path))
+        run = HomeRun(lab, str(tmp_path), node_popen)
         try:
             yield run
         finally:

@@ -162,13 +162,14 @@ def nat_lab():
 
 @pytest.mark.solo
 @pytest.mark.timeout(500)
-def test_workers_behind_nat_train_and_average_through_the_relays_and_survive_a_relay_dying(nat_lab, tmp_path):
+def test_workers_behind_nat_train_and_average_through_the_relays_and_survive_a_relay_dying(nat_lab, tmp_path,
+                                                                                         node_popen):
     """Two stage-1 workers behind real masquerading routers (nftables; one behind two levels, a
     stand-in for carrier-grade NAT) that nothing outside can connect to: the authorizer cannot
     dial them back and admits them as relayed; they reserve slots on both of the run's relays,
     train with a public worker and a trainer, and average with the public replica of their stage.
     One relay is killed mid-run: the other carries them on, and every sample is accounted for."""
-    swarm = LabSwarm(nat_lab, str(tmp_path), _relay_run_config(tmp_path))
+    swarm = LabSwarm(nat_lab, str(tmp_path), _relay_run_config(tmp_path), popen=node_popen)
     try:
         swarm.start_authorizer(NodeSpec("auth", "authorizer"), stage_capacity=[2, 3])
         swarm.start_relay(NodeSpec("ra", "relay"))

@@ -23,7 +23,7 @@ def _lab_missing() -> str | None:
 
 
 @pytest.mark.timeout(400)
-def test_smoke_scenario_is_shaped_survives_a_preemption_and_leaves_nothing(tmp_path):
+def test_smoke_scenario_is_shaped_survives_a_preemption_and_leaves_nothing(tmp_path, node_popen):
     missing = _lab_missing()
     if missing:
         pytest.skip(missing)
@@ -31,7 +31,7 @@ def test_smoke_scenario_is_shaped_survives_a_preemption_and_leaves_nothing(tmp_p
     from node.netlab.plan import PREFIX, lab_id_of
 
     scenario, base = load_scenario(SMOKE, {"subnet": "10.171.0.0/16"})  # beside a lab someone runs on 10.77
-    result = ScenarioRunner(scenario, base, str(tmp_path / "out")).run()
+    result = ScenarioRunner(scenario, base, str(tmp_path / "out"), popen=node_popen).run()
 
     link = result["links"][0]
     assert abs(link["rtt_ms"] - link["nominal_rtt_ms"]) <= 0.2 * link["nominal_rtt_ms"], link

@@ -6,14 +6,16 @@ CPU, most of a worker's start; the suite starts some hundreds of nodes on two co
 from this process a node skips them and runs exactly what `python -m MODULE ARGS` runs from
 there on (`runpy`, the same `__main__`, the same exit), in its own session, with its own
 environment, working directory, stdout and stderr: it is still a real node process with its
-own pid, signals and children. Only plain `PYTHON -m MODULE ...` commands (optionally behind
-`env VAR=VALUE ...`) are forked; anything else (`ip netns exec ...`) runs as before.
+own pid, signals and children. Only plain `PYTHON -m MODULE ...` commands are forked, optionally
+behind `env VAR=VALUE ...` or `ip netns exec NAME` (the network lab's hosts: the child enters the
+namespace with setns(2), as `ip netns exec` does, but without its private mount of /sys, which no
+node reads); anything else runs as before.
 
     python -m tests.support.node_zygote SOCKET_NAME [MODULE ...]
 
 imports the MODULEs (NodeZygote passes PRELOADED), then serves, on the abstract Unix socket
-SOCKET_NAME, one SOCK_SEQPACKET request per connection: a JSON message {argv, env, cwd} with the
-node's stdout and stderr as SCM_RIGHTS file descriptors. It answers {"pid": N} at once and
+SOCKET_NAME, one SOCK_SEQPACKET request per connection: a JSON message {argv, env, cwd, netns}
+with the node's stdout and stderr as SCM_RIGHTS file descriptors. It answers {"pid": N} at once and
 {"returncode": N} when the node has exited (Popen's convention: -SIGNAL when killed), then
 closes. It is single-threaded, so forking is safe, and leaves when its stdin closes (the test
 process ended).
@@ -30,12 +32,23 @@ import subprocess
 import sys
 import threading
 import uuid
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 PRELOADED = ("node.cli", "node.daemon", "roles.worker.role", "roles.trainer.role", "roles.relay.service",
              "torch._dynamo", "authorizer.main", "authorizer.app")
 """What the nodes of the tests import (tests/unit/test_node_zygote.py checks that each exists)."""
 MAX_REQUEST_BYTES = 1 << 20
+NETNS_DIR = "/run/netns"
+"""Where `ip netns add` keeps a named network namespace (bind-mounted /proc/PID/ns/net)."""
+_CLONE_NEWNET = 0x40000000
+
+
+class Forkable(NamedTuple):
+    """A command the zygote can run: `python -m` argv, extra environment, network namespace."""
+
+    argv: list[str]
+    env: dict[str, str]
+    netns: Optional[str] = None
 
 
 class ZygoteChild:
@@ -97,9 +110,11 @@ class NodeZygote:
             raise RuntimeError(f"the node zygote did not start: {line!r}")
 
     @staticmethod
-    def forkable(cmd: Sequence[str]) -> Optional[tuple[list[str], dict[str, str]]]:
-        """(argv as `python -m` sets it, extra environment) for a command the zygote can run."""
-        cmd, extra = list(cmd), {}
+    def forkable(cmd: Sequence[str]) -> Optional[Forkable]:
+        """What the zygote runs for `cmd`, or None when it cannot run it."""
+        cmd, extra, netns = list(cmd), {}, None
+        if cmd[:3] == ["ip", "netns", "exec"] and len(cmd) > 3 and "/" not in cmd[3]:
+            netns, cmd = cmd[3], cmd[4:]
         if cmd and cmd[0] == "env":
             cmd = cmd[1:]
             while cmd and "=" in cmd[0] and not cmd[0].startswith("-"):
@@ -107,7 +122,7 @@ class NodeZygote:
                 extra[name] = value
         if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m":
             return None
-        return [cmd[2], *cmd[3:]], extra
+        return Forkable([cmd[2], *cmd[3:]], extra, netns)
 
     def popen(self, cmd: Sequence[str], *, stdout=None, stderr=None, env: Optional[dict[str, str]] = None, **kwargs):
         """subprocess.Popen(cmd, stdout=PIPE, stderr=FILE, text=True, env=..., start_new_session=True),
@@ -115,13 +130,14 @@ class NodeZygote:
         forkable = self.forkable(cmd) if self.proc.poll() is None else None
         if forkable is None or stdout != subprocess.PIPE or not hasattr(stderr, "fileno"):
             return subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, **kwargs)
-        argv, extra = forkable
         read_end, write_end = os.pipe()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             conn.connect(self.path)
-            request = json.dumps({"argv": argv, "env": {**(os.environ if env is None else env), **extra},
-                                  "cwd": os.fspath(kwargs.get("cwd") or os.getcwd())}).encode()
+            request = json.dumps({"argv": forkable.argv,
+                                  "env": {**(os.environ if env is None else env), **forkable.env},
+                                  "cwd": os.fspath(kwargs.get("cwd") or os.getcwd()),
+                                  "netns": forkable.netns}).encode()
             socket.send_fds(conn, [request], [write_end, stderr.fileno()])
             pid = json.loads(conn.recv(4096))["pid"]
         except (OSError, ValueError, KeyError):
@@ -157,6 +173,20 @@ def _own_process_state() -> None:
     _AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
 
 
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into the named network namespace, as `ip netns exec` does."""
+    import ctypes
+
+    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into network namespace {name!r}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
 def _run_child(request: dict, fds: list[int]) -> None:
     """In the forked child: become the node `python -m MODULE ARGS` would be, run it, exit."""
     import atexit
@@ -184,6 +214,12 @@ def _run_child(request: dict, fds: list[int]) -> None:
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                       errors="backslashreplace", line_buffering=True, write_through=True)
         _own_process_state()
+        if request.get("netns"):
+            try:
+                _enter_netns(request["netns"])
+            except OSError as exc:
+                print(f"node zygote: {exc}", file=sys.stderr)
+                raise
         module, *args = request["argv"]
         sys.argv = [module, *args]
         # As under `python -m`, the module runs as __main__ only; an import of it by name loads it apart.

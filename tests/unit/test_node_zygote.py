@@ -1,14 +1,16 @@
 """The tests' node zygote (tests/support/node_zygote.py): a forked child behaves as the process
 `python -m MODULE ARGS` would, as far as the launcher can see: its stdout, stderr, environment,
-working directory, exit code and death by signal."""
+working directory, network namespace, exit code and death by signal."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -22,10 +24,12 @@ def test_every_preloaded_module_exists():
 
 def test_only_plain_module_runs_are_forked():
     python = sys.executable
-    assert NodeZygote.forkable([python, "-m", "node.cli", "--role", "worker"]) == (["node.cli", "--role", "worker"], {})
+    assert NodeZygote.forkable([python, "-m", "node.cli", "--role", "worker"]) == \
+        (["node.cli", "--role", "worker"], {}, None)
     assert NodeZygote.forkable(["env", "PYTHONPATH=/x", "A=b=c", python, "-m", "m", "--", python]) == \
-        (["m", "--", python], {"PYTHONPATH": "/x", "A": "b=c"})
-    assert NodeZygote.forkable(["ip", "netns", "exec", "ns1", python, "-m", "node.cli"]) is None
+        (["m", "--", python], {"PYTHONPATH": "/x", "A": "b=c"}, None)
+    assert NodeZygote.forkable(["ip", "netns", "exec", "ns1", python, "-m", "node.cli"]) == (["node.cli"], {}, "ns1")
+    assert NodeZygote.forkable(["ip", "netns", "exec", "ns1", "sh", "-c", "x"]) is None
     assert NodeZygote.forkable(["/usr/bin/python3", "-m", "node.cli"]) is None
     assert NodeZygote.forkable([python, "script.py"]) is None
 
@@ -90,3 +94,31 @@ def test_each_child_has_its_own_hivemind_locks(tmp_path):
         assert holder.wait(30) == -signal.SIGKILL
     finally:
         zygote.close()
+
+
+@pytest.fixture
+def netns():
+    """A network namespace of its own (`ip netns add`), deleted afterwards."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    name = f"agora-zt-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    yield name
+    subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+def test_a_run_behind_ip_netns_exec_is_forked_into_that_namespace(zygote, tmp_path, netns):
+    code = "import os; print(os.stat('/proc/self/ns/net').st_ino)"
+    with open(tmp_path / "stderr.log", "w") as err:
+        child = zygote.popen(["ip", "netns", "exec", netns, sys.executable, "-m", "tests.support.zygote_probe", code],
+                             stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    assert isinstance(child, ZygoteChild), "forked, not started afresh"
+    assert child.wait(30) == 0
+    assert int(child.stdout.read()) == os.stat(f"/run/netns/{netns}").st_ino != os.stat("/proc/self/ns/net").st_ino
+
+    with open(tmp_path / "stderr.log", "w") as err:
+        missing = zygote.popen(["ip", "netns", "exec", netns + "-gone", sys.executable, "-m",
+                                "tests.support.zygote_probe", "print('ran')"],
+                               stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    assert missing.wait(30) == 1 and missing.stdout.read() == ""
+    assert f"{netns}-gone" in (tmp_path / "stderr.log").read_text()
