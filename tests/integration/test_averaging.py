@@ -614,7 +614,15 @@ def test_a_worker_whose_averaging_stalls_leaves_its_stage_and_the_others_keep_av
             return f.read().count("complete, group 2/2")
 
     before = [completed(w) for w in good]
-    poll_until(lambda: all(completed(w) > b for w, b in zip(good, before)), 30,
-               "both others to complete a round after it left", period_s=0.3)
+    try:
+        poll_until(lambda: all(completed(w) > b for w, b in zip(good, before)), 30,
+                   "both others to complete a round after it left", period_s=0.3)
+    except AssertionError as exc:  # once beside other tests in a clean-clone run: say what the rounds did
+        rounds = []
+        for worker in good:
+            with open(worker.log_path, errors="replace") as f:
+                lines = [line for line in f.read().splitlines() if "round" in line][-8:]
+            rounds.append(f"--- {worker.name} (exit {worker.proc.poll()}) ---\n" + "\n".join(lines))
+        raise AssertionError(f"{exc}\n" + "\n".join(rounds)) from None
     for worker in good:
         assert swarm.stop(worker, signal.SIGTERM) == 0, worker.log_tail()
