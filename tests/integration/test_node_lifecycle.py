@@ -257,7 +257,10 @@ def test_sigkill_leaves_nothing_and_the_same_command_serves_again(make_swarm, ru
         fragments = (fragments,) if isinstance(fragments, str) else fragments
         duplicate = swarm.start("worker", stage=1, args=args, wait_ready=False, name=f"duplicate-{len(swarm.nodes)}")
         tree = Tree(duplicate.pid)  # noted until it exits: an error exit leaves nothing behind either
-        poll_until(lambda: tree.note() and duplicate.proc.poll() is not None, 60, f"{duplicate.name} to exit")
+        try:
+            poll_until(lambda: tree.note() and duplicate.proc.poll() is not None, 60, f"{duplicate.name} to exit")
+        except AssertionError as exc:  # once beside other tests (the copied key): say where it got to
+            raise AssertionError(f"{exc}; its log:\n{duplicate.log_tail(40)}") from None
         code = duplicate.proc.returncode
         errors = [line for line in duplicate.log_tail(400).splitlines() if line.startswith("agora-node: error:")]
         assert code == 2 and len(errors) == 1 and any(f in errors[0] for f in fragments), duplicate.log_tail()
