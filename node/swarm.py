@@ -35,6 +35,11 @@ from roles.periodic import wait_any
 
 logger = logging.getLogger(__name__)
 
+JOIN_GRACE_S = 10.0
+"""How long past its bootstrap timeout one join attempt may take (the DHT process's own start
+included) before it is given up: hivemind's timeouts run inside that process, and a DHT whose
+initial peer dialled our peer id back and reached another process with the same key was seen
+waiting for good (a copied key, on a loaded machine)."""
 LIVE_PROBE_TIMEOUT_S = 3.0
 """How long to try dialing an address our own peer id was announced at: a live process answers
 in milliseconds, a dead one never."""
@@ -224,15 +229,20 @@ async def _join_once(*, identity: Identity, run_id: str, num_stages: int, initia
     threading.Thread(target=wait_until_ready, name="dht-bootstrap", daemon=True).start()
     loop.add_reader(dht.sentinel, settle, RuntimeError("the DHT process died during bootstrap"))
     stopping = asyncio.ensure_future(stop.wait())
+    limit_s = bootstrap_timeout_s + JOIN_GRACE_S
     try:
-        await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({ready, stopping}, timeout=limit_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopping.cancel()
         loop.remove_reader(dht.sentinel)
-    if not ready.done() or stop.is_set():
+    if stop.is_set():
         await asyncio.to_thread(kill_tree, dht.pid)
         dht.join(1)
         raise StopRequested("while joining the swarm")
+    if not ready.done():
+        await asyncio.to_thread(kill_tree, dht.pid)
+        dht.join(1)
+        raise _BootstrapFailed(TimeoutError(f"the DHT process did not finish joining within {limit_s:.0f}s"))
     error = ready.result()
     if error is not None:
         await asyncio.to_thread(kill_tree, dht.pid)
