@@ -236,19 +236,17 @@ async def _join_once(*, identity: Identity, run_id: str, num_stages: int, initia
         stopping.cancel()
         loop.remove_reader(dht.sentinel)
     if stop.is_set():
-        await asyncio.to_thread(kill_tree, dht.pid)
-        dht.join(1)
-        raise StopRequested("while joining the swarm")
-    if not ready.done():
-        await asyncio.to_thread(kill_tree, dht.pid)
-        dht.join(1)
-        raise _BootstrapFailed(TimeoutError(f"the DHT process did not finish joining within {limit_s:.0f}s"))
-    error = ready.result()
-    if error is not None:
-        await asyncio.to_thread(kill_tree, dht.pid)
-        dht.join(1)
-        raise _BootstrapFailed(error)
-    return _membership(dht, validator, own_maddrs)
+        error: Optional[BaseException] = StopRequested("while joining the swarm")
+    elif not ready.done():
+        error = _BootstrapFailed(TimeoutError(f"the DHT process did not finish joining within {limit_s:.0f}s"))
+    else:
+        failure = ready.result()
+        error = None if failure is None else _BootstrapFailed(failure)
+    if error is None:
+        return _membership(dht, validator, own_maddrs)
+    await asyncio.to_thread(kill_tree, dht.pid)
+    dht.join(1)
+    raise error
 
 
 # ---- duplicate identity ----

@@ -23,6 +23,7 @@ process ended).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import select
@@ -177,12 +178,14 @@ def _enter_netns(name: str) -> None:
     """Move this (single-threaded) process into the named network namespace, as `ip netns exec` does."""
     import ctypes
 
+    if name in ("", ".", "..") or "/" in name:  # a name, not a path out of NETNS_DIR
+        raise OSError(errno.EINVAL, f"no network namespace name: {name!r}")
     fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.setns(fd, _CLONE_NEWNET) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"setns into network namespace {name!r}: {os.strerror(errno)}")
+            code = ctypes.get_errno()
+            raise OSError(code, f"setns into network namespace {name!r}: {os.strerror(code)}")
     finally:
         os.close(fd)
 
