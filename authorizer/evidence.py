@@ -29,6 +29,13 @@ of other accounts at least); in a run that does not average with SparseLoCo it i
 The stored record's `kind` is `fragment`, its `version` the round, its first distance the
 accused's norm over the witnesses' median.
 
+An AsyncSPARTA reducer reports part evidence (protocol/part_evidence.py): the accused's sealed
+all-reduce part of one group and part index against two to four other senders' of the same,
+checked with the run config's `averaging.max_norm_ratio`. The same party rules hold, and evidence
+that holds bans at once; in a run that does not average with AsyncSPARTA it is `wrong_run`. The
+stored record's `kind` is `part`, its `version` the reporter's round number (not signed), its first
+distance the accused's norm over the witnesses' median.
+
 A report passes the cheap gates first, each with its typed error and nothing stored: the body's
 size (413, authorizer.app, before anything is read) and its source's rate (429), its shape (400),
 the reporter's signature time (401), a live credential of the reporter (403), its signature (401)
@@ -58,6 +65,7 @@ from protocol.evidence import EvidenceRejected, check_evidence
 from protocol.evidence_report import AnyEvidence, EvidenceReport, parse_evidence_report, report_signing_bytes
 from protocol.fragment_evidence import FragmentEvidence
 from protocol.identity import verify_signature
+from protocol.part_evidence import PartEvidence, check_part_evidence
 from protocol.run_config import RunConfig
 from roles.worker.sparseloco.evidence import check_fragment_evidence
 
@@ -104,7 +112,7 @@ class EvidenceDesk:
     def _quorum(self, evidence: AnyEvidence, reporter: tuple[str, str]) -> tuple[Optional[int], str]:
         """How many reporters' accounts a ban on this evidence waits for (None: none), and how the
         ban's words name who proved it."""
-        if isinstance(evidence, FragmentEvidence):
+        if isinstance(evidence, (FragmentEvidence, PartEvidence)):
             return None, f"{len(evidence.witnesses)} replicas of other accounts"
         if len(evidence.witnesses) == 2:
             return None, "two replicas of other accounts"
@@ -158,6 +166,9 @@ class EvidenceDesk:
         if isinstance(evidence, FragmentEvidence):
             what = (f"stage {evidence.stage} SparseLoCo fragment {evidence.fragment} of round {evidence.round} "
                     f"whose norm is {gaps[0]:.3g}x the median of {by_whom}")
+        elif isinstance(evidence, PartEvidence):
+            what = (f"stage {evidence.stage} AsyncSPARTA all-reduce part {evidence.part_index} (round "
+                    f"{evidence.round}) whose norm is {gaps[0]:.3g}x the median of {by_whom}")
         else:
             what = (f"stage {evidence.stage} {evidence.kind} at version {evidence.version} contradicted by {by_whom} "
                     f"(distance{'s' if len(gaps) > 1 else ''} {', '.join(f'{g:.4g}' for g in gaps)})")
@@ -206,7 +217,13 @@ def _parse(body: bytes, run_id: str) -> tuple[EvidenceReport, AnyEvidence, bytes
 
 def _check(evidence: AnyEvidence, run: RunConfig) -> tuple[float, ...]:
     """What the evidence proves by itself (EvidenceRejected if nothing): a spot check's, the
-    accused's distances from its witnesses; a fragment's, its norm over the witnesses' median."""
+    accused's distances from its witnesses; a fragment's or a part's, its norm over the witnesses'
+    median."""
+    if isinstance(evidence, PartEvidence):
+        if run.averaging.method != "asyncsparta":
+            raise EvidenceRejected(EvidenceReason.WRONG_RUN.value, f"run {run.run_id!r} averages with "
+                                   f"{run.averaging.method}, not AsyncSPARTA: no all-reduce part is evidence here")
+        return (check_part_evidence(evidence, run_id=run.run_id, max_norm_ratio=run.averaging.max_norm_ratio).ratio,)
     if not isinstance(evidence, FragmentEvidence):
         return check_evidence(evidence, run_id=run.run_id, tolerance=run.verification.tolerance)
     if run.averaging.method != "sparseloco":
@@ -243,7 +260,7 @@ def _record(evidence: AnyEvidence, reporter: tuple[str, str], workers: dict, rec
                 accused_peer_id=evidence.accused.peer_id,
                 accused_account_id=accused.account_id if accused else None,
                 witness_peer_ids=[w.peer_id for w in evidence.witnesses], stage=evidence.stage,
-                version=evidence.round if isinstance(evidence, FragmentEvidence) else evidence.version,
+                version=evidence.round if isinstance(evidence, (FragmentEvidence, PartEvidence)) else evidence.version,
                 kind=evidence.kind, reason=None, distance_1=None, distance_2=None, message="",
                 body_sha256=body_sha256)
 

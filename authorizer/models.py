@@ -160,13 +160,14 @@ class EvidenceRecordOut(BaseModel):
     stage: int
     version: int
     kind: str = Field(description="output, gradient or loss; fragment: a SparseLoCo fragment, whose round is "
-                                  "`version`")
+                                  "`version`; part: an AsyncSPARTA all-reduce part, whose round (the reporter's "
+                                  "word) is `version`")
     verdict: Literal["upheld", "already_revoked", "rejected", "pending"]
     reason: Optional[str] = Field(description="an EvidenceReason value, for rejected evidence")
     distances: Optional[list[Optional[float]]] = Field(
         description="the accused's relative L2 distance from each witness, for evidence that holds (null: "
-                    "infinite, different shapes or non-finite values); for a fragment, one number: the accused's "
-                    "norm over its witnesses' median")
+                    "infinite, different shapes or non-finite values); for a fragment or a part, one number: the "
+                    "accused's norm over its witnesses' median")
     message: str = Field(description="what was decided and done")
     body_sha256: str
 

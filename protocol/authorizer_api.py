@@ -273,6 +273,7 @@ class EvidenceReason(str, enum.Enum):
     SAME_ACCOUNT = "same_account"  # a witness is on the accused's account
     WITNESSES_SAME_ACCOUNT = "witnesses_same_account"  # two witnesses are on one account: one party's word
     MISMATCHED_FRAGMENT = "mismatched_fragment"  # a fragment not of the evidence's round, fragment, layout, chunking
+    MISMATCHED_PART = "mismatched_part"  # all-reduce parts not of one shape, or not float32 uncompressed
 
 
 class EvidenceOut(BaseModel):

@@ -112,7 +112,8 @@ class Evidence(WireModel):
 class EvidenceRejected(AgoraError):
     """Evidence that does not prove what it claims (`reason`: an EvidenceReason value,
     protocol.authorizer_api: bad_signature, witnesses_disagree, accused_agrees, wrong_run,
-    duplicate_party, and for fragment evidence also mismatched_fragment)."""
+    duplicate_party, for fragment evidence also mismatched_fragment, for part evidence also
+    mismatched_part)."""
 
     code = ErrorCode.INVALID_REQUEST
 

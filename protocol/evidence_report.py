@@ -1,8 +1,9 @@
 """How a node reports evidence to the authorizer (`POST /v1/evidence`): the signed body both
 sides build from this module. A trainer reports a spot check's evidence (protocol/evidence.py), a
-SparseLoCo replica a poisoned fragment's (protocol/fragment_evidence.py); the evidence map's `kind`
-tells them apart (`fragment` for the second; a spot check's `output`, `gradient` or `loss` parses
-exactly as before the second kind existed).
+SparseLoCo replica a poisoned fragment's (protocol/fragment_evidence.py), an AsyncSPARTA reducer a
+poisoned all-reduce part's (protocol/part_evidence.py); the evidence map's `kind` tells them apart
+(`fragment` for the second, `part` for the third; a spot check's `output`, `gradient` or `loss`
+parses exactly as before the other kinds existed).
 
 The body is msgpack, not JSON: evidence carries tensors (the input and three results) or signed
 fragments, which travel as the one tensor encoding (protocol.codec) or as bytes, and base64 would
@@ -28,6 +29,7 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.evidence import EVIDENCE_MAX_BYTES, Evidence
 from protocol.fragment_evidence import FRAGMENT_KIND, FragmentEvidence
 from protocol.identity import Identity
+from protocol.part_evidence import PART_KIND, PartEvidence
 from protocol.messages import PeerIdText, WireModel, parse_model, to_body
 
 EVIDENCE_PATH = "/v1/evidence"
@@ -36,7 +38,7 @@ EVIDENCE_CONTENT_TYPE = "application/msgpack"
 __all__ = ["EVIDENCE_CONTENT_TYPE", "EVIDENCE_MAX_BYTES", "EVIDENCE_PATH", "AnyEvidence", "EvidenceReport",
            "evidence_report_body", "parse_evidence", "parse_evidence_report", "report_signing_bytes"]
 
-AnyEvidence = Union[Evidence, FragmentEvidence]
+AnyEvidence = Union[Evidence, FragmentEvidence, PartEvidence]
 
 
 class EvidenceReport(WireModel):
@@ -75,6 +77,8 @@ def parse_evidence(wire: dict) -> AnyEvidence:
     the field) if it is malformed."""
     if wire.get("kind") == FRAGMENT_KIND:
         return parse_model(FragmentEvidence, wire)
+    if wire.get("kind") == PART_KIND:
+        return parse_model(PartEvidence, wire)
     return parse_model(Evidence, wire)
 
 

@@ -1,7 +1,7 @@
 """The one module that touches hivemind's private API, so that a hivemind upgrade that moves it
 breaks here, loudly, and nowhere else.
 
-agora-node needs six things hivemind does not expose publicly:
+agora-node needs seven things hivemind does not expose publicly:
 
 - dial a peer at the addresses it announced (`P2P._client.connect`/`disconnect`): a first call
   must not depend on the DHT having introduced the two peers, and the authorizer's reachability
@@ -26,7 +26,11 @@ agora-node needs six things hivemind does not expose publicly:
 - screen each averaged part before it enters the average: `HoldingReducer` replaces the runner's
   `TensorPartReducer`, which adds each part to the sum as it arrives, with one that holds a part
   index's parts until every current sender's is in, so a part can be compared with the others
-  and left out.
+  and left out;
+- seal every part a peer sends and check the seal of every part it reduces (the two ends of the
+  part stream, overridden), so a refused part is evidence (protocol/part_evidence.py): the seal
+  rides in each `AveragingData` message's `peer_id` bytes, which hivemind sets on no part message
+  and reads on none.
 
 `AdaptedAverager`, `AdaptedRunner` and `HoldingReducer` expose those under public names with
 hooks; everything
@@ -69,6 +73,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.multiaddr import Multiaddr
 
 from protocol.errors import AgoraError
+from protocol.part_evidence import PartProof, PartSigning, encoding_refusal, seal_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +127,12 @@ PRIVATE_API: tuple[PrivateName, ...] = (
     PrivateName("DecentralizedAverager", "_averaging_alpha", "averager process", "apply the averaged delta"),
     PrivateName("DecentralizedAverager", "serializer", "averager process", "decode the gathered metadata"),
     PrivateName("DecentralizedAverager", "total_size", "averager process", "load balancing"),
-    PrivateName("AllReduceRunner", "_generate_input_for_peer", "class", "overridden: a hook per part sent"),
-    PrivateName("AllReduceRunner", "_accumulate_parts_streaming", "class", "overridden: a hook per part reduced"),
+    PrivateName("AllReduceRunner", "_generate_input_for_peer", "class",
+                "overridden: a hook per part sent; each part's seal in its message's unread peer_id bytes"),
+    PrivateName("AllReduceRunner", "_accumulate_parts_streaming", "class",
+                "overridden: a hook per part reduced; each part's seal checked as it is read"),
+    PrivateName("AllReduceRunner", "group_id", "instance", "bound into each part's seal"),
+    PrivateName("AllReduceRunner", "weight", "instance", "this peer's weight, in its own part's seal"),
     PrivateName("AllReduceRunner", "should_delay_results", "class",
                 "overridden: a client-mode sender reads results while it sends (a dead reducer fails fast)"),
     PrivateName("AllReduceRunner", "reducer_timeout", "instance",
@@ -139,6 +148,7 @@ PRIVATE_API: tuple[PrivateName, ...] = (
     PrivateName("TensorPartContainer", "register_failed_reducer", "class", "wrapped: count fallen-back values"),
     PrivateName("TensorPartContainer", "failed_size", "instance", "values that fell back"),
     PrivateName("TensorPartReducer", "part_shapes", "instance", "values per part"),
+    PrivateName("TensorPartReducer", "num_parts", "instance", "parts of the slice: a seal is kept for those only"),
     PrivateName("TensorPartReducer", "num_parts_received", "instance", "parts each sender delivered"),
     PrivateName("TensorPartReducer", "sender_failed_after", "instance", "where a banned sender stopped counting"),
     PrivateName("DecentralizedAverager", "add_p2p_handlers", "class",
@@ -384,10 +394,14 @@ class HeldPart(NamedTuple):
     tensor: torch.Tensor
     weight: float
     """The weight the sender chose for it (`AveragingData.weight`)."""
+    proof: Optional[PartProof] = None
+    """What the sender signed for it, as it arrived (None: its own part, or a sender that does not sign)."""
 
 
 Screen = Callable[[int, Sequence[HeldPart]], dict[int, str]]
 """(part index, held parts) -> {sender index: why its part is rejected}."""
+Screened = Callable[[int, Sequence[HeldPart], dict[int, str]], None]
+"""(part index, every held part, {sender index: why rejected}), once a part index is decided."""
 
 
 class HoldingReducer(TensorPartReducer):
@@ -408,11 +422,17 @@ class HoldingReducer(TensorPartReducer):
     one hivemind's reducer returns. Holding costs no memory: hivemind keeps each received part
     alive until the average comes back anyway, to send the sender its difference."""
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, screen: Optional[Screen] = None):
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, screen: Optional[Screen] = None,
+                 screened: Optional[Screened] = None):
         self._held: list[HeldPart] = []
         self.screen = screen
+        self.screened = screened
         self.rejected: dict[int, str] = {}
         """Senders left out, by sender index, with the reason."""
+        self.arrived: dict[tuple[int, int], tuple[Optional[PartProof], Optional[str]]] = {}
+        """(sender, part index) -> what the part stream saw of a part before hivemind decoded it: its
+        proof and why it is refused (AdaptedRunner._accumulate_parts_streaming). A stream reads at
+        most hivemind's prefetch ahead of the parts accumulated, so this stays small."""
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
@@ -438,7 +458,10 @@ class HoldingReducer(TensorPartReducer):
             raise BannedException(f"sender {sender_index} was banned in background")
         assert part_index == self.current_part_index
         current_part_future = self.current_part_future
-        self._held.append(HeldPart(sender_index, tensor_part, float(weight)))
+        proof, refusal = self.arrived.pop((sender_index, part_index), (None, None))
+        self._held.append(HeldPart(sender_index, tensor_part, float(weight), proof))
+        if refusal is not None:
+            self.refuse(sender_index, part_index, refusal)
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
         average = await current_part_future
@@ -452,22 +475,35 @@ class HoldingReducer(TensorPartReducer):
             return
         held, part_index = self._held, self.current_part_index
         shape = self.part_shapes[part_index]
-        rejected = {part.sender: f"a part of shape {tuple(part.tensor.shape)}, expected {tuple(shape)}"
-                    for part in held if part.tensor.shape != shape}
+        # refused on arrival (a signing sender's part without a valid seal, or encoded otherwise)
+        rejected = {part.sender: self.rejected[part.sender] for part in held
+                    if self.sender_failed_after[part.sender] <= part_index and part.sender in self.rejected}
+        rejected.update((part.sender, f"a part of shape {tuple(part.tensor.shape)}, expected {tuple(shape)}")
+                        for part in held if part.sender not in rejected and part.tensor.shape != shape)
         if self.screen is not None:
             screened = self.screen(part_index, [part for part in held if part.sender not in rejected])
             rejected.update((sender, why) for sender, why in screened.items() if sender not in rejected)
         for sender, why in rejected.items():
-            self.rejected.setdefault(sender, why)
-            self.sender_failed_after[sender] = min(self.sender_failed_after[sender], part_index)
+            self.refuse(sender, part_index, why)
         for part in held:
             if part.sender not in rejected:
                 self.accumulator.add_(part.tensor, alpha=part.weight)
                 self.denominator += part.weight
+        if self.screened is not None and rejected:
+            self.screened(part_index, held, rejected)
         self.current_part_future.set_result(self.accumulator.div_(self.denominator))
         self.reset_accumulators()
 
+    def refuse(self, sender_index: int, part_index: int, why: str) -> None:
+        """Leave `sender_index` out from `part_index` on, for `why`."""
+        self.rejected.setdefault(sender_index, why)
+        self.sender_failed_after[sender_index] = min(self.sender_failed_after[sender_index], part_index)
+        for key in [key for key in self.arrived if key[0] == sender_index and key[1] > part_index]:
+            del self.arrived[key]
+
     def on_sender_failed(self, sender_index: int) -> None:
+        for key in [key for key in self.arrived if key[0] == sender_index]:
+            del self.arrived[key]
         if self.sender_failed_after[sender_index] != float("inf"):
             return  # out already (rejected): not counted out of the current part a second time
         super().on_sender_failed(sender_index)
@@ -480,9 +516,20 @@ class AdaptedRunner(AllReduceRunner):
 
     Subclasses override `after_part_sent`, `after_part_reduced` (awaited once per part, in the
     averager process), `on_reducer_failed` (values of a reducer's slice that fell back to local
-    values) and `screen_parts` (which senders' parts to leave out of an average)."""
+    values), `screen_parts` (which senders' parts to leave out of an average) and `parts_screened`
+    (what was left out of a part index, with every held part and its proof).
 
-    def __init__(self, **kwargs):
+    With `signing`, every part this peer sends is sealed (protocol/part_evidence.py: the seal
+    travels in the part message's `peer_id` bytes, which hivemind never reads on this stream), and
+    as a reducer it refuses a part of a sender in `signers` (base58 peer ids: those that announced
+    they seal) whose seal does not verify, or that is not float32 uncompressed. Other senders'
+    parts are averaged unchecked, as hivemind does, and counted in `unsigned_parts`."""
+
+    def __init__(self, *, signing: Optional[PartSigning] = None, signers: frozenset[str] = frozenset(), **kwargs):
+        self.signing = signing
+        self.signers = signers
+        self.unsigned_parts: collections.Counter[str] = collections.Counter()
+        """Parts received from senders that do not sign, by base58 peer id."""
         super().__init__(**kwargs)
         container = _private(self, "tensor_part_container", "AllReduceRunner")
         original = _private(container, "register_failed_reducer", "TensorPartContainer")
@@ -501,7 +548,8 @@ class AdaptedRunner(AllReduceRunner):
             self.reducer_timeout = None
         # No part has arrived yet (the round starts when the runner is iterated): swap the reducer.
         stock = _private(self, "tensor_part_reducer", "AllReduceRunner")
-        self.tensor_part_reducer = HoldingReducer(stock.part_shapes, stock.num_senders, screen=self.screen_parts)
+        self.tensor_part_reducer = HoldingReducer(stock.part_shapes, stock.num_senders, screen=self.screen_parts,
+                                                  screened=self.parts_screened)
         stock.finished.set()  # finalize() of an unused reducer would warn that it received 0% of its parts
 
     def should_delay_results(self, peer_id: Any) -> bool:
@@ -532,6 +580,22 @@ class AdaptedRunner(AllReduceRunner):
         `local_sender`) whose parts to leave out, with the reason. Called in the averager process's
         event loop with every current sender's part; keep it cheap."""
         return {}
+
+    def parts_screened(self, part_index: int, held: Sequence[HeldPart], rejected: dict[int, str]) -> None:
+        """As a reducer, once part `part_index` is averaged and something was left out: every held
+        part (with its proof where its sender signs) and why each rejected one was. Called on the
+        averager process's event loop; keep it cheap, and do not keep the tensors beyond the round."""
+
+    def own_proof(self, part_index: int, tensor: torch.Tensor) -> Optional[PartProof]:
+        """This peer's own part `part_index` (which it never sends itself) sealed as it would send it
+        (None without `signing`)."""
+        if self.signing is None:
+            return None
+        values = tensor.detach().to(torch.float32).contiguous()
+        buffer = values.numpy().tobytes()
+        shape = tuple(values.shape)
+        seal = self.signing.seal(self.group_id, part_index, self.weight, 0, "float32", shape, buffer)
+        return PartProof(0, "float32", shape, buffer, float(self.weight), seal)
 
     def map_outgoing_parts(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Send `fn(copy of part)` instead of each part this peer sends to other reducers; its own
@@ -597,14 +661,53 @@ class AdaptedRunner(AllReduceRunner):
     # overrides of hivemind's private methods
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[Any]:
+        part_index = 0
         async for message in super()._generate_input_for_peer(peer_index):
+            if self.signing is not None:
+                part = message.tensor_part
+                message.peer_id = self.signing.seal(self.group_id, part_index, message.weight, part.compression,
+                                                    part.dtype, tuple(part.size), part.buffer)
+            part_index += 1
             yield message
             await self.after_part_sent()
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int) -> AsyncIterator[Any]:
-        async for message in super()._accumulate_parts_streaming(stream, sender_index):
+        async for message in super()._accumulate_parts_streaming(self._opened(stream, sender_index), sender_index):
             yield message
             await self.after_part_reduced()
+
+    async def _opened(self, stream: AsyncIterator[Any], sender_index: int) -> AsyncIterator[Any]:
+        """The sender's part stream as hivemind reads it, each part's seal checked on the way in
+        (its verdict waits in the reducer's `arrived` for the part's accumulation)."""
+        sender = self.sender_peer_ids[sender_index].to_base58()
+        signs = self.signing is not None and sender in self.signers
+        reducer = self.tensor_part_reducer
+        part_index = 0
+        loop = asyncio.get_running_loop()
+        async for message in stream:
+            if not signs:
+                self.unsigned_parts[sender] += 1
+            elif isinstance(reducer, HoldingReducer) and part_index < reducer.num_parts:
+                reducer.arrived[sender_index, part_index] = await loop.run_in_executor(
+                    None, self._open_part, message, sender, part_index)
+            part_index += 1
+            yield message
+
+    def _open_part(self, message: Any, sender: str, part_index: int) -> tuple[Optional[PartProof], Optional[str]]:
+        """A signing sender's part message: its proof, and why it is refused (None: it is not)."""
+        assert self.signing is not None
+        part = message.tensor_part
+        compression, dtype, shape, buffer = int(part.compression), str(part.dtype), tuple(part.size), part.buffer
+        seal = bytes(message.peer_id)
+        why = seal_refusal(seal, run_id=self.signing.run_id, stage=self.signing.stage, sender=sender,
+                           group_id=self.group_id, part_index=part_index, weight=message.weight,
+                           compression=compression, dtype=dtype, shape=shape, buffer=buffer)
+        if why is not None:
+            return None, why
+        why = encoding_refusal(compression, dtype)
+        if why is not None:
+            return None, why
+        return PartProof(compression, dtype, shape, buffer, float(message.weight), seal), None
 
 
 # ---- averaging: who may call the averager ----

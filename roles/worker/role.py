@@ -26,7 +26,7 @@ from protocol.auth_state import SharedAuthState
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import Phase, WorkerRecord, workers_key
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.fragment_evidence import FragmentEvidence
+from protocol.evidence_report import AnyEvidence
 from protocol.identity import Identity
 from protocol.messages import InfoReply
 from protocol.run_config import RunConfig
@@ -84,9 +84,9 @@ class WorkerRole:
     def __init__(self, config: WorkerConfig, run: RunConfig, swarm: SwarmDHT, p2p: P2P, maddrs: list[str],
                  authenticator: Optional[PeerAuthenticator] = None, auth_state: Optional[SharedAuthState] = None,
                  identity: Optional[Identity] = None,
-                 report_evidence: Optional[Callable[[FragmentEvidence], Awaitable[str]]] = None):
-        """`report_evidence` sends a poisoned SparseLoCo fragment's evidence to the run's authorizer
-        and answers the verdict (node/daemon.py; None in an open run)."""
+                 report_evidence: Optional[Callable[[AnyEvidence], Awaitable[str]]] = None):
+        """`report_evidence` sends a poisoned SparseLoCo fragment's or AsyncSPARTA part's evidence
+        to the run's authorizer and answers the verdict (node/daemon.py; None in an open run)."""
         self.config = config
         self.run_config = run
         self.swarm = swarm
@@ -99,7 +99,7 @@ class WorkerRole:
         self._tasks: list[asyncio.Task] = []
         self._build_compute()
         self._build_serving(authenticator, auth_state, identity)
-        self._build_averaging(auth_state)
+        self._build_averaging(auth_state, identity, report_evidence)
         self._build_sparseloco(identity, report_evidence)
         self._build_state(authenticator)
         self._probe_client: Optional[RpcClient] = None
@@ -164,8 +164,10 @@ class WorkerRole:
         )
         self.replicas.refresh_members = self.progress.read_soon
 
-    def _build_averaging(self, auth_state: Optional[SharedAuthState]) -> None:
-        """AsyncSPARTA's service (switched off under SparseLoCo, which averages instead)."""
+    def _build_averaging(self, auth_state: Optional[SharedAuthState], identity: Optional[Identity],
+                         report_evidence: Optional[Callable[[AnyEvidence], Awaitable[str]]]) -> None:
+        """AsyncSPARTA's service (switched off under SparseLoCo, which averages instead); its parts
+        are sealed with `identity`, and a poisoned part it refuses goes to `report_evidence`."""
         config, run = self.config, self.run_config
         self.averaging = AveragingService(
             run.averaging.model_copy(update={"enabled": False}) if run.averaging.method == "sparseloco"
@@ -176,13 +178,14 @@ class WorkerRole:
             samples_processed=lambda: self.runtime.counters["backward_requests"], on_round=self._on_round,
             announce_period_s=config.announce_period_s, stepped=self.runtime.stepped, auth_state=auth_state,
             preempt=self.preempt, on_divergent=self._resync,
+            sign=None if identity is None else identity.sign, report_evidence=report_evidence,
         )
         self.averaging.health = averaging_health(run.termination)  # the averaging rule's thresholds
         self.averaging.gradients_exchanged = self.replicas.exchange is not None
         self.runtime.after_step.append(self.averaging.after_step)
 
     def _build_sparseloco(self, identity: Optional[Identity],
-                          report_evidence: Optional[Callable[[FragmentEvidence], Awaitable[str]]]) -> None:
+                          report_evidence: Optional[Callable[[AnyEvidence], Awaitable[str]]]) -> None:
         """SparseLoCo's lifecycle, under `averaging.method: sparseloco` (its step hooks run after
         AsyncSPARTA's and before the run checkpoint writer's)."""
         config, run = self.config, self.run_config

@@ -15,11 +15,17 @@ class that defines them reaches every runtime, including one built before `insta
 Not altered: what else a worker sends that is not a sample's result. The weight version in its
 replies stays the one the honest forward saw (a `stale:N` worker claims its current weights),
 and its state served to joining replicas and its averaging and gradient-exchange contributions
-are its honest training state, but for the one attack on averaging: `sloco_scale:K` sends, in
+are its honest training state, but for the two attacks on averaging: `sloco_scale:K` sends, in
 every SparseLoCo round, its pseudo-gradient fragment times K, compressed and signed as the honest
 one would be (the capture, roles/worker/sparseloco/outer.py `SparseLoCoState.capture`, is wrapped
 to compress the scaled lie beside the honest fragment, and the service's `encode_fragment` signs
 the lie in its place). Its own anchor, error buffer and applied update stay honest.
+`spart_scale:K` sends, in every AsyncSPARTA round, each all-reduce part it sends another reducer
+times K, sealed as the honest one would be (the averager process's runner,
+roles/worker/averaging/allreduce.py `InstrumentedRunner`, is wrapped to scale its outgoing parts
+before the round starts; the seal covers what is sent). The slice it reduces itself, and the
+average it applies, stay honest. It counts rounds, in the averager process (whose log lines go to
+the node's log; the total at stop is the worker process's, which never counts them).
 
 The alterations are out of place: a forward's output rows can share storage with the graph kept
 for its backward, and must not change under it.
@@ -42,10 +48,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FORWARD, GRAD, LOSS, FRAGMENT = "forward", "grad", "loss", "fragment"
+FORWARD, GRAD, LOSS, FRAGMENT, PART = "forward", "grad", "loss", "fragment", "part"
 """Directions: forward outputs (and held-out coordinates), input gradients sent backwards,
 losses reported by the tail (in backward replies and held-out evaluations), SparseLoCo fragments
-sent to the stage's other replicas."""
+sent to the stage's other replicas, AsyncSPARTA all-reduce parts sent to its reducers."""
 
 NOISE_SEED = 0x5EED
 BIAS_SEED = 0xB1A5
@@ -233,6 +239,23 @@ class FragmentScale(Attack):
         return lie
 
 
+class PartScale(Attack):
+    """AsyncSPARTA: every all-reduce part sent to another reducer, times K (then sealed)."""
+
+    direction = PART
+
+    def __init__(self, spec: str, k: float, **modifiers):
+        super().__init__(spec, **modifiers)
+        self.k = k
+
+    def before_round(self, runner) -> None:
+        """Scale the parts `runner` (a new round's InstrumentedRunner) will send, if this round is chosen."""
+        if self.chosen(1)[0]:
+            k = self.k
+            runner.map_outgoing_parts(lambda part: part.mul_(k))
+            self.count(1)
+
+
 def _number(name: str, value: Optional[str], cast: Callable = float, positive: bool = False):
     what = "an integer" if cast is int else "a number"
     if value is None:
@@ -279,6 +302,7 @@ def _parse(spec: str) -> Attack:
         "loss": lambda: LossAttack(spec, factor=_number(kind, value), **modifiers),
         "loss_const": lambda: LossAttack(spec, const=_number(kind, value), **modifiers),
         "sloco_scale": lambda: FragmentScale(spec, _number(kind, value, positive=True), **modifiers),
+        "spart_scale": lambda: PartScale(spec, _number(kind, value, positive=True), **modifiers),
     }
     if kind not in builders:
         raise ValueError(f"unknown attack '{kind}'; one of {', '.join(builders)}")
@@ -481,12 +505,20 @@ def _encode_fragment(c, envelope, identity):
     return _ORIGINALS["service.encode_fragment"](c, envelope, identity)
 
 
+def _runner_init(self, *args, **kwargs):
+    _ORIGINALS["InstrumentedRunner.__init__"](self, *args, **kwargs)
+    for attack in _ATTACKS:
+        if attack.direction == PART:
+            attack.before_round(self)
+
+
 _PATCHES = {"_forward_batch": _forward_batch, "_backward_batch": _backward_batch,
             "_backward_through": _backward_through, "evaluate": _evaluate, "stop": _stop}
 
 
 def _targets() -> list[tuple[object, str, str, Callable]]:
     """(owner, attribute, key in _ORIGINALS, patch) of every patch."""
+    from roles.worker.averaging.allreduce import InstrumentedRunner
     from roles.worker.serving.batches import BatchCompute
     from roles.worker.serving.runtime import StageRuntime
     from roles.worker.sparseloco import service
@@ -496,12 +528,14 @@ def _targets() -> list[tuple[object, str, str, Callable]]:
               "evaluate": StageRuntime, "stop": StageRuntime}
     return [*((owners[name], name, name, patch) for name, patch in _PATCHES.items()),
             (SparseLoCoState, "capture", "SparseLoCoState.capture", _capture),
-            (service, "encode_fragment", "service.encode_fragment", _encode_fragment)]
+            (service, "encode_fragment", "service.encode_fragment", _encode_fragment),
+            (InstrumentedRunner, "__init__", "InstrumentedRunner.__init__", _runner_init)]
 
 
 def install(attacks: Sequence[Attack]) -> None:
-    """Wrap StageRuntime's result-producing methods, SparseLoCo's capture and the SparseLoCo
-    service's fragment encoding with `attacks`, applied in order."""
+    """Wrap StageRuntime's result-producing methods, SparseLoCo's capture, the SparseLoCo
+    service's fragment encoding and the AsyncSPARTA runner's construction with `attacks`, applied
+    in order."""
     if _ORIGINALS:
         raise RuntimeError("the adversary is already installed; uninstall it first")
     targets = _targets()

@@ -34,6 +34,9 @@ training state (weights, accumulated gradients, kept activations, step counts) s
   SparseLoCo fragments (averaging.method sparseloco): what it sends its stage's other replicas:
     sloco_scale:K  its pseudo-gradient fragment times K before compression, signed as usual (its own
                    anchor, error buffer and applied update stay honest); `every:N` counts rounds
+  AsyncSPARTA all-reduce parts (averaging.method asyncsparta): what it sends its stage's reducers:
+    spart_scale:K  every part it sends another reducer times K, sealed as usual (the slice it
+                   reduces and the average it applies stay honest); `every:N` counts rounds
 
 Modifiers, after a comma:
     every:N        cheat on one sample in N only: the 1st, N+1th, ... of the attack's direction,

@@ -5,7 +5,7 @@ the stage averages one buffer of `ceil(numel / segments)` float32 values, which 
 from that round's index set. It runs in a forked process and must be started before the node
 starts threads of its own (docs/architecture.md, 'Processes and threads').
 
-`SpartaAverager` changes four things in the child process and nothing else (the hooks it
+`SpartaAverager` changes five things in the child process and nothing else (the hooks it
 uses are protocol/hivemind_adapter.py's, the one place that touches hivemind's private API):
 - the all-reduce runs through `InstrumentedRunner`, which screens the parts it reduces, and a
   step returns what it saw;
@@ -15,7 +15,10 @@ uses are protocol/hivemind_adapter.py's, the one place that touches hivemind's p
   soon as everyone is in instead of at the end of the matchmaking window;
 - in an authenticated run, only credentialed workers of the stage get an answer, and a group
   with anyone else in it is refused (access.py); each round's gathered metadata carries the
-  replica's credential for that.
+  replica's credential for that;
+- every part the replica sends is sealed with its node's key, and the gathered metadata says so
+  (`PART_SIGNING_KEY`): its reducers refuse its parts without a valid seal, and a refused poisoned
+  part of anyone's becomes evidence (protocol/part_evidence.py, evidence.py).
 Reducers (`--reducer`) run in hivemind's node mode; contributors in client mode only send
 [report 3.3.1.8].
 """
@@ -27,12 +30,13 @@ import contextlib
 import logging
 import signal
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from hivemind.utils import MPFuture, get_dht_time
 
 from protocol.hivemind_adapter import AdaptedAverager
+from protocol.part_evidence import PART_SEAL_VERSION, PART_SIGNING_KEY, PartSigning
 from protocol.run_config import AveragingConfig
 from roles.worker.averaging.access import (
     CREDENTIAL_KEY, GROUP_REFUSED, AveragingAccess, AveragingRefused, Refusal,
@@ -51,8 +55,13 @@ class SpartaAverager(AdaptedAverager):
 
     def __init__(self, buffer: torch.Tensor, dht, *, access: Optional[AveragingAccess] = None,
                  screen: Optional[PartScreen] = None, admission_wait_s: float = 5.0,
-                 preempt: Optional[PreemptSwitch] = None, **kwargs):
+                 preempt: Optional[PreemptSwitch] = None, signing: Optional[PartSigning] = None,
+                 collect_evidence: bool = False, **kwargs):
         self.preempt = preempt
+        self.signing = signing
+        """Seals this peer's parts and checks its signing senders' (protocol/part_evidence.py)."""
+        self.collect_evidence = collect_evidence
+        """Whether rounds build evidence of refused parts (an authenticated run: someone to tell)."""
         self.access = access
         self.screen = screen
         self.admission_wait_s = admission_wait_s
@@ -73,7 +82,12 @@ class SpartaAverager(AdaptedAverager):
     def make_runner(self, gathered: dict[str, Any], **runner_kwargs) -> InstrumentedRunner:
         own = gathered.get(self.peer_id.to_base58()) or {}
         label = f"{own.get('kind', '?')} round {own.get('round', '?')}"
-        return InstrumentedRunner(label=label, screen=self.screen, preempt=self.preempt, **runner_kwargs)
+        round_id = own.get("round") if isinstance(own, dict) else None
+        signers = frozenset(peer for peer, data in gathered.items()
+                            if isinstance(data, dict) and data.get(PART_SIGNING_KEY) == PART_SEAL_VERSION)
+        return InstrumentedRunner(label=label, screen=self.screen, preempt=self.preempt, signing=self.signing,
+                                  signers=signers, round_id=round_id if isinstance(round_id, int) else 0,
+                                  collect_evidence=self.collect_evidence, **runner_kwargs)
 
     def round_result(self, gathered: dict[str, Any], runner: InstrumentedRunner) -> dict[str, Any]:
         plain = {peer: {k: v for k, v in data.items() if k != CREDENTIAL_KEY} if isinstance(data, dict) else data
@@ -160,15 +174,21 @@ class StageAverager:
 
     def __init__(self, dht, buffer_size: int, *, run_id: str, stage: int, reducer: bool,
                  config: AveragingConfig, access: Optional[AveragingAccess] = None,
-                 preempt: Optional[PreemptSwitch] = None):
+                 preempt: Optional[PreemptSwitch] = None, sign: Optional[Callable[[bytes], bytes]] = None,
+                 peer_id: str = "", collect_evidence: bool = False):
+        """`sign`: the node identity's signature (its libp2p key, `peer_id`), which seals every part
+        this replica sends (None: it sends unsealed parts, as an older build did)."""
         self.config = config
         self.reducer = reducer
         self.access = access
+        self.signing = None if sign is None else PartSigning(run_id, stage, peer_id, sign)
         self.buffer = torch.zeros(max(1, buffer_size), dtype=torch.float32)
         self._process_kwargs = dict(
             access=access,
             screen=PartScreen(config.max_norm_ratio, config.max_sender_weight),
             preempt=preempt,
+            signing=self.signing,
+            collect_evidence=collect_evidence and self.signing is not None,
             admission_wait_s=config.sender_timeout_s,
             prefix=averaging_prefix(run_id, stage),
             client_mode=not reducer,
@@ -285,6 +305,8 @@ class StageAverager:
             if not credential:
                 raise AveragingError("this node has no credential to average with (the trust directory lost it)")
             gather = {**gather, CREDENTIAL_KEY: credential}
+        if self.signing is not None:
+            gather = {**gather, PART_SIGNING_KEY: PART_SEAL_VERSION}
         window = self.config.matchmaking_time_s if leader_window_s is None else leader_window_s
         return self.process.step(weight=float(weight), gather=gather, scheduled_time=get_dht_time() + window,
                                  timeout=self.matchmaking_deadline_s(), allow_retries=False, require_trigger=True,

@@ -1,8 +1,9 @@
 """What a finished averaging round tells its replica [report 3.3.1.6, 5.7]: it is counted,
-logged and published (`_finish`), fed to the self-protection rule (roles/worker/health/
-round_health.py, resolved against what the other replicas report: `_resolve_health`) and to the
-divergence watch (divergence.py: the stage's outlier rejoins through weight sync), and checked
-against the index-set digests the other replicas announce (`_check_index_sets`).
+logged and published (`_finish`), its evidence of poisoned parts reported (`_report_parts`), fed
+to the self-protection rule (roles/worker/health/round_health.py, resolved against what the other
+replicas report: `_resolve_health`) and to the divergence watch (divergence.py: the stage's
+outlier rejoins through weight sync), and checked against the index-set digests the other replicas
+announce (`_check_index_sets`).
 
 `RoundVerdicts` is a part of `AveragingService` (service.py), kept apart from the scheduling and
 the rounds themselves: it reads the service's counters, history, schedule, health, divergence
@@ -109,6 +110,9 @@ class RoundVerdicts:
         self._counts[f"rounds_{outcome.status.value}"] += 1
         if outcome.rejected_senders:
             self._counts["senders_rejected"] += len(outcome.rejected_senders)
+        found, outcome.part_evidence = outcome.part_evidence, []  # its part bytes are not kept in the history
+        if found:
+            self._report_parts(found)
         self.recent.append(outcome)
         self.history.append(outcome)
         if outcome.status != RoundStatus.SKIPPED:

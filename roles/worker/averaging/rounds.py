@@ -114,6 +114,9 @@ class RoundOutcome:
     """Tensor payload this replica sent and received in the all-reduce, from the slice sizes and
     what came back (4 bytes a value: the round buffer is float32, uncompressed); hivemind's own
     framing is not counted."""
+    part_evidence: list[dict] = field(default_factory=list)
+    """Evidence of poisoned parts this reducer refused (protocol/part_evidence.py wire maps, from
+    the averager process); the service takes it for reporting, the outcome does not keep it."""
     finished_at: float = field(default_factory=time.time)
 
     @property
@@ -355,6 +358,7 @@ class SegmentRound:
             averaging_success=averaging_success, failure_reason="; ".join(reasons), failed_slices=failed_slices,
             banned_senders=banned, rejected_senders=rejected, mismatched_peers=mismatched, delivered_senders=delivered,
             allreduce_s=telemetry.get("allreduce_s"), bytes_sent=sent, bytes_received=received,
+            part_evidence=list(telemetry.get("part_evidence") or []),
         )
 
 

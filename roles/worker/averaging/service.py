@@ -11,7 +11,9 @@ is active (so an idle stage still averages), and 0 in a sync phase [report 3.3.1
 outcome goes to the log, to the `{run}/stage/{s}/averaging` record (with the last rounds and
 counters), to the self-protection rule (health/round_health.py) and to the divergence watch (divergence.py:
 the stage's outlier rejoins through weight sync). In an authenticated run only the stage's credentialed workers
-may average with the replica (access.py); the requests and groups it refused are counted.
+may average with the replica (access.py); the requests and groups it refused are counted. Every part
+the replica sends is sealed with its node's key, and a part it refused as a reducer for its norm is
+reported to the authorizer as evidence when the round's other parts prove it (evidence.py).
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from protocol.auth_state import SharedAuthState
 from protocol.dht import SwarmDHT
+from protocol.errors import ProtocolError
+from protocol.messages import parse_model
+from protocol.part_evidence import PartEvidence
 from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, WorkerRecord, averaging_key, workers_key
 from protocol.stats import Distribution
 from roles.announcer import Announcer
@@ -37,6 +42,7 @@ from roles.worker.averaging.access import AveragingAccess
 from roles.worker.averaging.averager import StageAverager
 from roles.worker.averaging.divergence import DivergenceWatch
 from roles.worker.averaging.election import Candidate, elect
+from roles.worker.averaging.evidence import PartReporter
 from roles.worker.health.round_health import RoundHealth
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.round_verdicts import RoundVerdicts
@@ -97,8 +103,16 @@ class AveragingService(RoundVerdicts):
                  on_round: Callable[[RoundOutcome], None] = lambda outcome: None,
                  announce_period_s: float = 5.0, stepped: Optional[Signal] = None,
                  auth_state: Optional[SharedAuthState] = None,
-                 preempt: Optional[PreemptSwitch] = None, on_divergent: Callable[[str], None] = lambda reason: None):
+                 preempt: Optional[PreemptSwitch] = None, on_divergent: Callable[[str], None] = lambda reason: None,
+                 sign: Optional[Callable[[bytes], bytes]] = None,
+                 report_evidence: Optional[Callable[[PartEvidence], Awaitable[str]]] = None):
+        """`sign`: the node identity's signature, which seals every part this replica sends;
+        `report_evidence`: sends a poisoned part's evidence to the run's authorizer and answers the
+        verdict (node/daemon.py; None in an open run)."""
         self.config = config
+        self.sign = sign
+        self.parts_reporter = None if report_evidence is None or sign is None else PartReporter(
+            run_id=run_id, max_norm_ratio=config.max_norm_ratio, report=report_evidence)
         self.on_divergent = on_divergent
         """Called when this replica is the stage's outlier (divergence.py): it must resync."""
         self.divergence = DivergenceWatch(config.max_divergence, config.divergence_rounds)
@@ -163,7 +177,8 @@ class AveragingService(RoundVerdicts):
             return
         self.averager = StageAverager(dht, self.index_sets.buffer_size, run_id=self.run_id, stage=self.stage,
                                       reducer=self.reducer, config=self.config, access=self.access,
-                                      preempt=self.preempt)
+                                      preempt=self.preempt, sign=self.sign, peer_id=self.swarm.peer_id,
+                                      collect_evidence=self.parts_reporter is not None)
         self.averager.start()
         self.rounds = SegmentRound(self.store, self.index_sets, self.averager)
         self._thread = _SerialThread(f"stage{self.stage}-averaging")
@@ -199,6 +214,8 @@ class AveragingService(RoundVerdicts):
         await self.announcer.withdraw()
         if self._round_task is not None and not self._round_task.done():
             self._round_task.cancel()
+        if self.parts_reporter is not None:
+            await self.parts_reporter.close()
         if self.averager is not None:
             await asyncio.to_thread(self.averager.shutdown)
         if self._thread is not None:
@@ -440,6 +457,19 @@ class AveragingService(RoundVerdicts):
 
     # ---- reporting ----
 
+    def _report_parts(self, found: list[dict]) -> None:
+        """Hand a round's evidence of poisoned parts to the reporter (event loop; it reports in
+        the background and never raises)."""
+        if self.parts_reporter is None:
+            return
+        parsed = []
+        for wire in found:
+            try:
+                parsed.append(parse_model(PartEvidence, wire))
+            except ProtocolError as exc:  # our own averager process built it: a bug, not an attack
+                logger.warning("the averager's evidence of a refused part does not parse: %s", exc)
+        self.parts_reporter.submit(parsed)
+
     def refusals(self) -> dict[str, int]:
         """Averaging requests and groups the averager process refused, by reason (access.py)."""
         return self.access.refusals() if self.access is not None else {}
@@ -470,6 +500,7 @@ class AveragingService(RoundVerdicts):
             "elected": self.elected,
             "counters": dict(self.counters),
             "refused": self.refusals(),
+            "evidence": {} if self.parts_reporter is None else dict(self.parts_reporter.counts),
             "rounds": [{**outcome.to_record().model_dump(mode="json"), "rejected_senders": outcome.rejected_senders}
                        for outcome in self.history],
         }
