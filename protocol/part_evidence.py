@@ -10,9 +10,9 @@ reducer decodes, so the signature covers the values averaged and nothing a reduc
 
 Where the signature travels: hivemind's `AveragingData` has no spare field, but its `peer_id`
 bytes are never read on the part stream (the reducer knows its sender from the libp2p stream), and
-both ends of that stream are our overrides (AdaptedRunner._generate_input_for_peer and
-_accumulate_parts_streaming). So each part message carries its own seal there: `seal_part` is one
-version byte and the 64-byte signature. Sealing every message, rather than sending a trailing
+both ends of that stream are our overrides (protocol/hivemind_adapter.py `AdaptedRunner`: the
+part generator and the part accumulator). So each part message carries its own seal there
+(`PartSigning.seal`): one version byte and the 64-byte signature. Sealing every message, rather than sending a trailing
 message, keeps each part self-contained (a reducer judges it when it holds it, before it is
 averaged; a stream cut short leaves nothing half-signed) and leaves hivemind's message count,
 which its runner checks, unchanged. A sender announces that it seals (`PART_SIGNING_KEY` in the
