@@ -406,9 +406,9 @@ async def _run_role(settings, run, stage, device, identity, trust, membership, s
 
 
 def _evidence_reporter(client, identity):
-    """How a trainer (a spot check's evidence) or a SparseLoCo worker (a poisoned fragment's) hands
-    signed evidence to the run's authorizer: the verdict, or `rejected` with its reason logged (None
-    in an open run: there is nobody to tell)."""
+    """How a trainer (a spot check's evidence) or a worker (a poisoned SparseLoCo fragment's or
+    AsyncSPARTA part's) hands signed evidence to the run's authorizer: the verdict, or `rejected`
+    with its reason logged (None in an open run: there is nobody to tell)."""
     if client is None:
         return None
     from node.admission import EvidenceRefused
