@@ -490,7 +490,10 @@ class HoldingReducer(TensorPartReducer):
                 self.accumulator.add_(part.tensor, alpha=part.weight)
                 self.denominator += part.weight
         if self.screened is not None and rejected:
-            self.screened(part_index, held, rejected)
+            try:
+                self.screened(part_index, held, rejected)
+            except Exception:  # noqa: BLE001 - a hook's failure must not leave the part's senders waiting
+                logger.exception("the hook on part %d's left-out senders failed", part_index)
         self.current_part_future.set_result(self.accumulator.div_(self.denominator))
         self.reset_accumulators()
 
@@ -662,11 +665,13 @@ class AdaptedRunner(AllReduceRunner):
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[Any]:
         part_index = 0
+        loop = asyncio.get_running_loop()
         async for message in super()._generate_input_for_peer(peer_index):
-            if self.signing is not None:
+            if self.signing is not None:  # off the loop: a part's SHA-256 takes about a millisecond
                 part = message.tensor_part
-                message.peer_id = self.signing.seal(self.group_id, part_index, message.weight, part.compression,
-                                                    part.dtype, tuple(part.size), part.buffer)
+                message.peer_id = await loop.run_in_executor(
+                    None, self.signing.seal, self.group_id, part_index, message.weight, part.compression, part.dtype,
+                    tuple(part.size), part.buffer)
             part_index += 1
             yield message
             await self.after_part_sent()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, RoundSummaryRecord, WorkerRecord
+from protocol.messages import to_body
 from protocol.run_config import AveragingConfig
 from roles.worker.averaging.index_sets import SegmentIndexSets
 from roles.worker.averaging.rounds import RoundOutcome, RoundPlan
@@ -464,3 +465,36 @@ def test_a_repair_counts_in_a_reducer_whose_slice_timed_out_here_but_whose_part_
     assert service._repair_plan(unseen) is None
     only_a = RoundOutcome(plan, "d", RoundStatus.PARTIAL, group=["a", "b", "me"], failed_slices=failed[:1])
     assert service._repair_plan(only_a).expected_group_size == 2
+
+
+def test_a_round_s_part_evidence_is_reported_once_and_not_kept_in_the_history():
+    """What the averager process found against a poisoning sender goes to the reporter, once per
+    accused and round, off the round's path; the outcome kept in the history drops its bytes."""
+    from tests.unit.test_part_evidence import _evidence, _identity, _signed
+
+    liar, a, b = (_identity() for _ in range(3))
+    evidence = _evidence(_signed(liar, 1000.0), _signed(a, seed=1), _signed(b, seed=2))
+    sent = []
+
+    async def report(found):
+        sent.append(found)
+        return "upheld"
+
+    service = AveragingService(
+        AveragingConfig(), swarm=FakeSwarm(), run_id="run-p", stage=0, store=Store(),
+        index_sets=SegmentIndexSets(FlatLayout(["w"], [(40,)]), 4, seed=0, stage=0), reducer=True,
+        local_step=lambda: 0, phase=lambda: Phase.ACTIVE, samples_processed=lambda: 0,
+        sign=a.sign, report_evidence=report)
+    async def rounds():
+        for kind in ("clock", "repair"):  # the round's repair finds the liar again: not reported twice
+            service._finish(RoundOutcome(RoundPlan(kind, 11, 1, 1.0, 3, "active"), "d", RoundStatus.PARTIAL,
+                                         rejected_senders={evidence.accused.peer_id: "norm"}, unsigned_parts=2,
+                                         part_evidence=[to_body(evidence)]))
+        await service.parts_reporter.close()
+
+    asyncio.run(rounds())
+    assert sent == [evidence] and service.summary()["evidence"] == {"upheld": 1}
+    assert all(outcome.part_evidence == [] for outcome in service.history)
+    assert service.counters["parts_unsigned"] == 4
+    unsigned, _ = _service(FakeSwarm())
+    assert unsigned.parts_reporter is None and unsigned.summary()["evidence"] == {}, "an open run reports nothing"

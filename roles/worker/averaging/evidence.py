@@ -12,7 +12,7 @@ data, at most `ROUND_EVIDENCE_MAX` of them and `ROUND_EVIDENCE_MAX_BYTES` in all
 
 `PartReporter` is the worker's side (service.py hands it every round's evidence): it checks each
 with `check_part_evidence` off the event loop, as the authorizer will, and reports it through the
-node's authorizer client in the background, at most once per accused per group. A failure to check
+node's authorizer client in the background, at most once per accused per round. A failure to check
 or send is logged and counted, never raised: a report is a courtesy to the run, the round is over.
 The reducer cannot know its peers' accounts: the authorizer rejects witnesses on the accused's
 account or on one account twice, and flags this reporter for it.
@@ -42,7 +42,7 @@ round is no lone liar, and the next round may report the rest)."""
 ROUND_EVIDENCE_MAX_BYTES = 32 << 20
 """Part bytes of one round's evidence that cross to the worker process."""
 REPORTED_KEPT = 1024
-"""(accused, group) pairs remembered so that each is reported once."""
+"""(accused, round) pairs remembered so that each is reported once."""
 
 
 def _norm(tensor: torch.Tensor) -> float:
@@ -76,7 +76,11 @@ def part_evidence(*, run_id: str, stage: int, round_id: int, group_id: bytes, pa
         proof = own_proof(part) if part.sender == own else part.proof
         if proof is None:
             return []
-        witnesses.append(SignedPart.of(peer, proof))
+        try:
+            witnesses.append(SignedPart.of(peer, proof))
+        except ValueError as exc:  # pydantic's ValidationError: a part too large for evidence
+            logger.warning("part %d cannot be evidence (part_size_bytes too large?): %s", part_index, exc)
+            return []
     median = statistics.median(norms[peer] for peer in chosen)
     shape = witnesses[0].shape
     out = []
@@ -109,13 +113,14 @@ class PartReporter:
         self.max_norm_ratio = max_norm_ratio
         self.report = report
         self.counts: collections.Counter[str] = collections.Counter()
-        self._reported: collections.OrderedDict[tuple[str, bytes], None] = collections.OrderedDict()
+        self._reported: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
 
     def submit(self, found: Sequence[PartEvidence]) -> None:
-        """Report `found` in the background (event loop), once per accused and group."""
+        """Report `found` in the background (event loop), once per accused and round (a round's
+        repair, another group, finds the same liar again)."""
         for evidence in found:
-            key = (evidence.accused.peer_id, evidence.group_id)
+            key = (evidence.accused.peer_id, evidence.round)
             if key in self._reported:
                 continue
             self._reported[key] = None

@@ -110,6 +110,8 @@ class RoundVerdicts:
         self._counts[f"rounds_{outcome.status.value}"] += 1
         if outcome.rejected_senders:
             self._counts["senders_rejected"] += len(outcome.rejected_senders)
+        if outcome.unsigned_parts:
+            self._counts["parts_unsigned"] += outcome.unsigned_parts
         found, outcome.part_evidence = outcome.part_evidence, []  # its part bytes are not kept in the history
         if found:
             self._report_parts(found)

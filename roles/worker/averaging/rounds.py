@@ -114,6 +114,8 @@ class RoundOutcome:
     """Tensor payload this replica sent and received in the all-reduce, from the slice sizes and
     what came back (4 bytes a value: the round buffer is float32, uncompressed); hivemind's own
     framing is not counted."""
+    unsigned_parts: int = 0
+    """Parts this reducer averaged unchecked from senders that do not seal theirs (older builds)."""
     part_evidence: list[dict] = field(default_factory=list)
     """Evidence of poisoned parts this reducer refused (protocol/part_evidence.py wire maps, from
     the averager process); the service takes it for reporting, the outcome does not keep it."""
@@ -359,6 +361,7 @@ class SegmentRound:
             banned_senders=banned, rejected_senders=rejected, mismatched_peers=mismatched, delivered_senders=delivered,
             allreduce_s=telemetry.get("allreduce_s"), bytes_sent=sent, bytes_received=received,
             part_evidence=list(telemetry.get("part_evidence") or []),
+            unsigned_parts=sum((view or {}).get("unsigned", {}).values()),
         )
 
 
