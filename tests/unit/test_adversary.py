@@ -254,7 +254,7 @@ def test_counts_are_logged_first_then_per_hundred_and_in_all_at_stop(caplog):
 
 @pytest.mark.parametrize("spec", ["scale", "scale:x", "noise:0", "stale:1.5", "stale:0", "swap:2", "flip_grad:1",
                                   "foo:1", "scale:3,every:0", "scale:3,bogus:1", "scale:inf", "loss_const",
-                                  "sloco_scale:0", "sloco_scale"])
+                                  "sloco_scale:0", "sloco_scale", "spart_scale:-1", "spart_scale"])
 def test_bad_specs_are_refused_with_a_reason(spec):
     with pytest.raises(ValueError) as refused:
         parse_attack(spec)
@@ -307,3 +307,33 @@ def test_sloco_scale_signs_a_scaled_pseudo_gradient_and_keeps_its_own_state_hone
     # what it keeps and applies is what an honest replica would
     assert torch.equal(state.error, honest_state.error) and cap.own_norm == honest_cap.own_norm
     assert service.encode_fragment.__module__ == "roles.worker.sparseloco.codec"  # uninstalled
+
+
+def test_spart_scale_scales_the_parts_sent_to_other_reducers_and_keeps_its_own_slice_honest():
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+
+    from roles.worker.averaging.allreduce import InstrumentedRunner
+
+    me, other = (PeerID.from_base58(p) for p in ("QmRnvt8BjCaCdpVzTFsKVCH4Dt5Q3NYVdVWmdvTovVxaBs",
+                                                  "QmWQx2UQvKbRmvPKcDTyvW3PqUBK4crX9XrJfVUVqUkJ6S"))
+    values = torch.arange(32, dtype=torch.float32)
+
+    def parts(runner):
+        sent = runner.tensor_part_container._input_parts_by_peer  # tests may look: what the round will send
+        runner.tensor_part_reducer.finished.set()  # never run: not a reducer that lost its parts
+        return [torch.cat([part for part, _ in sent[index]]) for index in range(2)]
+
+    def runner():
+        return InstrumentedRunner(p2p=SimpleNamespace(peer_id=me), servicer_type=InstrumentedRunner, prefix=None,
+                                  group_id=b"g", tensors=[values.clone()], ordered_peer_ids=[me, other],
+                                  peer_fractions=(0.5, 0.5), part_size_bytes=64)
+
+    honest = parts(runner())
+    with installed("spart_scale:1000,every:2") as [attack]:
+        lying, second = parts(runner()), parts(runner())
+    assert torch.equal(lying[1], honest[1] * 1000) and torch.equal(lying[0], honest[0]), "its own slice is honest"
+    assert torch.equal(second[1], honest[1]), "every:2 - the second round is sent honestly"
+    assert attack.altered == 1
+    assert InstrumentedRunner.__init__.__module__ == "roles.worker.averaging.allreduce"  # uninstalled
