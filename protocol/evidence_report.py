@@ -5,8 +5,8 @@ poisoned all-reduce part's (protocol/part_evidence.py); the evidence map's `kind
 (`fragment` for the second, `part` for the third; a spot check's `output`, `gradient` or `loss`
 parses exactly as before the other kinds existed).
 
-The body is msgpack, not JSON: evidence carries tensors (the input and three results) or signed
-fragments, which travel as the one tensor encoding (protocol.codec) or as bytes, and base64 would
+The body is msgpack, not JSON: evidence carries tensors (the input and three results), signed
+fragments or sealed parts, which travel as the one tensor encoding (protocol.codec) or as bytes, and base64 would
 add a third to bodies of up to `EVIDENCE_MAX_BYTES`. It is a map
 `{evidence, reporter, signed_at, signature}`: the evidence as its wire map (`protocol.messages.to_body`), the reporter's peer id, and the reporter's Ed25519
 signature over `report_signing_bytes`. The signature binds the report to the run and to a moment,

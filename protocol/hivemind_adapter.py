@@ -420,7 +420,13 @@ class HoldingReducer(TensorPartReducer):
     The accepted parts are summed into hivemind's accumulator in arrival order with their weights
     and divided by the sum of the weights: with nothing rejected, the average is bit for bit the
     one hivemind's reducer returns. Holding costs no memory: hivemind keeps each received part
-    alive until the average comes back anyway, to send the sender its difference."""
+    alive until the average comes back anyway, to send the sender its difference. A sealed part's
+    proof (its bytes as they arrived, for evidence) is held beside it until its index is decided,
+    which adds at most a part per sender and part index held or read ahead.
+
+    A part refused on arrival (`arrived`: a sealing sender's part whose seal does not verify, or
+    that is encoded otherwise, AdaptedRunner's part stream) is held like the others and left out
+    like a rejected one; `screened` then hears of every part index that left a sender out."""
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, screen: Optional[Screen] = None,
                  screened: Optional[Screened] = None):
