@@ -13,6 +13,8 @@ import logging
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric import ed25519
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from protocol.codec import pack, unpack
@@ -311,3 +313,28 @@ def test_a_run_that_does_not_average_with_asyncsparta_takes_no_part_evidence(cas
     with pytest.raises(EvidenceRejected) as caught:
         _check(evidence, sloco)
     assert caught.value.reason == "wrong_run" and "not AsyncSPARTA" in str(caught.value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seal=st.binary(max_size=80), weight=st.floats(allow_nan=True, allow_infinity=True),
+       compression=st.integers(-2, 10), dtype=st.text(max_size=20),
+       shape=st.lists(st.integers(-5, 1 << 40), max_size=9), buffer=st.binary(max_size=64),
+       part_index=st.integers(0, 1 << 40))
+def test_any_seal_off_the_wire_is_judged_never_raises(seal, weight, compression, dtype, shape, buffer, part_index):
+    why = seal_refusal(seal, run_id=RUN, stage=STAGE, sender="12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq",
+                       group_id=GROUP, part_index=part_index, weight=weight, compression=compression, dtype=dtype,
+                       shape=shape, buffer=buffer)
+    assert isinstance(why, str)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["kind", "run_id", "stage", "round", "group_id", "part_index", "accused",
+                                        "witnesses", "peer_id", "buffer", "seal", "shape"]),
+                       st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.binary(max_size=70)
+                                    | st.text(max_size=10), lambda inner: st.lists(inner, max_size=5)
+                                    | st.dictionaries(st.text(max_size=8), inner, max_size=5), max_leaves=20)))
+def test_any_part_evidence_map_parses_or_is_a_protocol_error(wire):
+    try:
+        parse_evidence({**wire, "kind": "part"})
+    except ProtocolError:
+        pass
