@@ -180,8 +180,12 @@ def _averaging(a: Any) -> str:
     parts = [f"{rounds[k]} {k}" for k in order if k in rounds]
     parts += [f"{v} {k}" for k, v in rounds.items() if k not in order]
     total = sum(rounds.values())
-    return f"averaging: {total} round{'s' if total != 1 else ''} ({', '.join(parts)})" + (
+    text = f"averaging: {total} round{'s' if total != 1 else ''} ({', '.join(parts)})" + (
         ", as a reducer" if a.get("reducer") else "")
+    evidence = {k: v for k, v in (a.get("evidence") or {}).items() if isinstance(v, int) and v}
+    if evidence:
+        text += ", evidence reported: " + ", ".join(f"{v} {k}" for k, v in sorted(evidence.items()))
+    return text
 
 
 def _staleness(st: Any) -> str:

@@ -90,6 +90,10 @@ def test_worker_summary_counts_averaging_rounds_and_rejections():
     summary["rejected_calls"] = {"agora/v1/tags not_ready": 1, "agora/v1/forward malformed": 2}
     text = human_summary("worker", summary)
     assert "  rejected requests: 2 forward malformed, 1 tags not_ready, 1 expired" in text.splitlines()
+    summary["averaging"]["evidence"] = {"upheld": 1, "already_revoked": 2, "failed": 0}
+    text = human_summary("worker", summary)
+    assert ("  averaging: 6 rounds (3 complete, 1 failed, 2 skipped), as a reducer, evidence reported: "
+            "2 already_revoked, 1 upheld") in text.splitlines()
 
 
 @pytest.mark.parametrize("role, summary", [
