@@ -166,8 +166,9 @@ class PartEvidence(WireModel):
     kind: Literal["part"] = PART_KIND
     run_id: str = Field(min_length=1, max_length=128)
     stage: int = Field(ge=0, le=4096)
-    round: int = Field(ge=0)
-    """The reporter's round number (not signed: the group id binds the parts; for the record)."""
+    round: int = Field(ge=0, le=1 << 62)
+    """The reporter's round number (not signed: the group id binds the parts; for the record, whose
+    `version` column is a signed 64-bit integer)."""
     group_id: bytes = Field(min_length=1, max_length=MAX_GROUP_ID_BYTES)
     part_index: int = Field(ge=0, le=1 << 32)
     accused: SignedPart

@@ -199,6 +199,7 @@ def test_hostile_bodies_are_refused_by_shape_and_size(cast):
         {**good, "group_id": b"g" * 65},
         {**good, "group_id": "text, not bytes"},
         {**good, "part_index": -1},
+        {**good, "round": 1 << 63},
         {**good, "part_index": "3"},
         {**good, "stage": 5000},
         {**good, "accused": {**accused, "buffer": "not bytes"}},
