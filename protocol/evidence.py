@@ -33,6 +33,8 @@ the same hardware), so that proves the lie by itself.
 from __future__ import annotations
 
 import hashlib
+import math
+import statistics
 import struct
 from typing import Literal, Optional
 
@@ -46,6 +48,8 @@ from protocol.messages import Attestation, Fingerprint, PeerIdText, WireModel, W
 RESULT_KINDS = ("output", "gradient", "loss")
 EVIDENCE_MAX_BYTES = 64 << 20
 """The largest evidence body accepted (the input and three results, at the largest stage widths)."""
+MAX_WITNESSES = 4
+"""Witnesses one averaging evidence (a SparseLoCo fragment's, an AsyncSPARTA part's) carries at most."""
 
 
 def tensor_digest(tensor: Optional[torch.Tensor]) -> bytes:
@@ -153,3 +157,21 @@ def check_evidence(evidence: Evidence, *, run_id: str, tolerance: float) -> tupl
     if min(gaps) <= tolerance:
         raise EvidenceRejected("accused_agrees", "the accused's result is within tolerance of a witness's")
     return gaps
+
+
+def choose_witnesses(norms: dict[str, float], *, ratio: float, own: str, limit: int = MAX_WITNESSES) -> list[str]:
+    """The largest group of `norms`' senders within `ratio` of each other (ties: the one with `own`,
+    then the one of smaller norms), cut to `own` and those nearest to its norm (or to the group's
+    median without it); at most `limit`, maybe fewer than two."""
+    finite = sorted((n, p) for p, n in norms.items() if n > 0 and math.isfinite(n))
+    best: list[tuple[float, str]] = []
+    for i, (low, _) in enumerate(finite):
+        group = [entry for entry in finite[i:] if entry[0] <= low * ratio]
+        if len(group) > len(best) or (len(group) == len(best) and own in {p for _, p in group}
+                                      and own not in {p for _, p in best}):
+            best = group
+    if not best:
+        return []
+    centre = next((n for n, p in best if p == own), statistics.median(n for n, _ in best))
+    best.sort(key=lambda entry: (entry[1] != own, abs(math.log(entry[0] / centre)), entry[1]))
+    return [p for _, p in best[:limit]]

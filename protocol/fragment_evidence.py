@@ -29,12 +29,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from protocol.evidence import EVIDENCE_MAX_BYTES
+from protocol.evidence import EVIDENCE_MAX_BYTES, MAX_WITNESSES
 from protocol.messages import PeerIdText, WireModel
 
 FRAGMENT_KIND = "fragment"
 """The value of `kind` in a report's evidence map that says it is a FragmentEvidence."""
-MAX_WITNESSES = 4
 FRAGMENT_MAX_BYTES = EVIDENCE_MAX_BYTES // (MAX_WITNESSES + 2)
 """The largest fragment one evidence may carry (five fit one body with room for the rest). A stage
 whose fragments are larger (some 300M parameters at the default 64 of 4,096 kept, 2 bits, one

@@ -49,7 +49,7 @@ from typing import Annotated, Callable, Literal, NamedTuple, Optional, Sequence
 import torch
 from pydantic import Field
 
-from protocol.evidence import EVIDENCE_MAX_BYTES, EvidenceRejected
+from protocol.evidence import EVIDENCE_MAX_BYTES, MAX_WITNESSES, EvidenceRejected
 from protocol.identity import verify_peer_signature
 from protocol.messages import PeerIdText, WireModel
 
@@ -61,7 +61,6 @@ its value is `PART_SEAL_VERSION`."""
 PART_SEAL_VERSION = 1
 SEAL_BYTES = 65
 """A seal: the version byte, then the Ed25519 signature."""
-MAX_WITNESSES = 4
 PART_MAX_BYTES = EVIDENCE_MAX_BYTES // (MAX_WITNESSES + 2)
 """The largest part one evidence may carry (six fit one body with room for the rest); the run
 config's part_size_bytes is far below it (hivemind's default is 512 KiB)."""

@@ -25,7 +25,8 @@ from protocol.run_config import SparseLoCoConfig
 from roles.worker.layout import FlatLayout
 from roles.worker.sparseloco.chunks import plan_fragments
 from roles.worker.sparseloco.codec import Envelope, compress, compressed_norm, decompress, encode_fragment
-from roles.worker.sparseloco.evidence import FragmentReporter, check_fragment_evidence, choose_witnesses
+from protocol.evidence import choose_witnesses
+from roles.worker.sparseloco.evidence import FragmentReporter, check_fragment_evidence
 from tests.unit.test_evidence import _evidence as spot_check_evidence
 
 RUN, STAGE, ROUND = "run-f", 1, 15

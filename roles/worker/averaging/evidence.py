@@ -29,10 +29,9 @@ from typing import Awaitable, Callable, Optional, Sequence
 
 import torch
 
-from protocol.evidence import EvidenceRejected
+from protocol.evidence import MAX_WITNESSES, EvidenceRejected, choose_witnesses
 from protocol.hivemind_adapter import HeldPart
-from protocol.part_evidence import MAX_WITNESSES, PartEvidence, PartProof, SignedPart, check_part_evidence
-from roles.worker.sparseloco.evidence import choose_witnesses
+from protocol.part_evidence import PartEvidence, PartProof, SignedPart, check_part_evidence
 
 logger = logging.getLogger(__name__)
 

@@ -25,15 +25,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import statistics
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional
 
 from protocol.authorizer_api import EvidenceReason
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.evidence import EvidenceRejected
-from protocol.fragment_evidence import MAX_WITNESSES, FragmentEvidence, SignedFragment
+from protocol.evidence import EvidenceRejected, choose_witnesses
+from protocol.fragment_evidence import FragmentEvidence, SignedFragment
 from protocol.run_config import SparseLoCoConfig
 from roles.worker.layout import FlatLayout
 from roles.worker.sparseloco.chunks import plan_fragments
@@ -110,24 +109,6 @@ def check_fragment_evidence(evidence: FragmentEvidence, *, run_id: str, config: 
         raise _rejected(EvidenceReason.ACCUSED_AGREES,
                         f"the accused's norm {accused:.4g} is within {ratio:g}x of the witnesses' median {median:.4g}")
     return FragmentNorms(accused, witnesses)
-
-
-def choose_witnesses(norms: dict[str, float], *, ratio: float, own: str, limit: int = MAX_WITNESSES) -> list[str]:
-    """The largest group of `norms`' senders within `ratio` of each other (ties: the one with `own`,
-    then the one of smaller norms), cut to `own` and those nearest to its norm (or to the group's
-    median without it); at most `limit`, maybe fewer than two."""
-    finite = sorted((n, p) for p, n in norms.items() if n > 0 and math.isfinite(n))
-    best: list[tuple[float, str]] = []
-    for i, (low, _) in enumerate(finite):
-        group = [entry for entry in finite[i:] if entry[0] <= low * ratio]
-        if len(group) > len(best) or (len(group) == len(best) and own in {p for _, p in group}
-                                      and own not in {p for _, p in best}):
-            best = group
-    if not best:
-        return []
-    centre = next((n for n, p in best if p == own), statistics.median(n for n, _ in best))
-    best.sort(key=lambda entry: (entry[1] != own, abs(math.log(entry[0] / centre)), entry[1]))
-    return [p for _, p in best[:limit]]
 
 
 class FragmentReporter:
