@@ -13,7 +13,11 @@ adjacent stages (replica 1 of stages 0 and 1, both adding noise as large as thei
 stage (at least), and replica 1 of stage 1 signs its pseudo-gradient fragments times 100 while its
 replies stay honest; its replicas refuse the fragments and, with `--authorizer`, report them as
 fragment evidence (protocol/fragment_evidence.py). Its held-out gap is taken against the first
-honest `sparseloco` run of the invocation (none: no gap).
+honest `sparseloco` run of the invocation (none: no gap). `spart_scale:100` is the same lie in
+AsyncSPARTA's all-reduce (the run's default averaging, at 3 replicas a stage): replica 1 of stage 1
+sends its sealed parts times 100, and its reducers refuse them and report them as part evidence
+(protocol/part_evidence.py); its gap is taken against its own order only (the honest baseline has
+another number of replicas).
 
 For each attack, with the checks on (the run config's `verification`, spot checks at
 `--spot-check-rate`, default 1%) and, with `--off`, with spot checks and the screen's checks at 0:
@@ -96,12 +100,16 @@ ATTACKS: dict[str, dict[str, list[str]]] = {
     "loss:3": {"worker-s2-r1": ["loss:3"]},
     "collude": {"worker-s0-r1": ["noise:1"], "worker-s1-r1": ["noise:1"]},
     "sloco_scale:100": {"worker-s1-r1": ["sloco_scale:100"]},
+    "spart_scale:100": {"worker-s1-r1": ["spart_scale:100"]},
 }
 DEFAULT_ATTACKS = tuple(ATTACKS)
 SPARSELOCO_ATTACKS = ("sloco_scale:100",)
 """Attacks on averaging: the run averages with SparseLoCo, at `SPARSELOCO_REPLICAS` replicas a stage."""
+AVERAGING_ATTACKS = (*SPARSELOCO_ATTACKS, "spart_scale:100")
+"""Attacks on averaging, run at `SPARSELOCO_REPLICAS` replicas a stage (at least)."""
 SPARSELOCO_REPLICAS = 3
-"""Fragment evidence needs two witnesses besides the accused (protocol/fragment_evidence.py)."""
+"""Fragment and part evidence need two witnesses besides the accused (protocol/fragment_evidence.py,
+protocol/part_evidence.py)."""
 HONEST_VARIANTS = ("plain", "churn", "workers", "mixed", "skipping", "sparseloco", "early_departure")
 MIXED_ARGS = ["--compute-dtype", "bfloat16"]
 """The `mixed` variant: replica 1 of every stage computes in bfloat16 beside replica 0's float32."""
@@ -109,12 +117,14 @@ SIGNATURE_BYTES, FINGERPRINT_BYTES = 64, 8
 
 
 def trust_run_config(args: argparse.Namespace, steps: int, *, checks: bool, routing: str = "trainer",
-                     sparseloco: bool = False):
+                     sparseloco: bool = False, witnesses: bool = False):
     """bench_fidelity's demo run config at R replicas, with verification on or off; averaging with
-    SparseLoCo (bench_fidelity's `--averaging-method sparseloco`) at `replicas_for` replicas."""
+    SparseLoCo (bench_fidelity's `--averaging-method sparseloco`), or with `witnesses` (evidence
+    from averaging), at `replicas_for` replicas."""
     import bench_fidelity
 
-    fargs = bench_fidelity.parse_args(["--workers-per-stage", str(replicas_for(args, sparseloco)), "--routing", routing,
+    replicas = replicas_for(args, sparseloco or witnesses)
+    fargs = bench_fidelity.parse_args(["--workers-per-stage", str(replicas), "--routing", routing,
                                        *(["--averaging-method", "sparseloco"] if sparseloco else [])])
     run = bench_fidelity.fidelity_run_config("trust", bench_fidelity.SETTINGS[args.setting], steps, fargs)
     verification = run.verification.model_copy(update={
@@ -123,8 +133,10 @@ def trust_run_config(args: argparse.Namespace, steps: int, *, checks: bool, rout
     return run.model_copy(update={"verification": verification, "seed": args.seed})
 
 
-def replicas_for(args: argparse.Namespace, sparseloco: bool) -> int:
-    return max(args.workers_per_stage, SPARSELOCO_REPLICAS) if sparseloco else args.workers_per_stage
+def replicas_for(args: argparse.Namespace, witnesses: bool) -> int:
+    """Replicas a stage: `--workers-per-stage`, at least `SPARSELOCO_REPLICAS` where averaging
+    evidence needs witnesses (SparseLoCo, an attack on averaging)."""
+    return max(args.workers_per_stage, SPARSELOCO_REPLICAS) if witnesses else args.workers_per_stage
 
 
 class Revocation:
@@ -178,9 +190,10 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
     total = steps * bench_fidelity.SETTINGS[args.setting].target_batch_size
     workdir = tempfile.mkdtemp(prefix=f"agora-trust-{label.replace(':', '').replace(',', '-')}-")
     sparseloco = attack in SPARSELOCO_ATTACKS or variant == "sparseloco"
-    replicas = replicas_for(args, sparseloco)
+    witnesses = sparseloco or attack in AVERAGING_ATTACKS
+    replicas = replicas_for(args, witnesses)
     run = trust_run_config(args, steps, checks=checks, routing="workers" if variant == "workers" else "trainer",
-                           sparseloco=sparseloco)
+                           sparseloco=sparseloco, witnesses=witnesses)
     run = run.model_copy(update={"run_id": f"trust-{os.getpid()}-{label.replace(':', '').replace(',', '-')}"})
     config_path = os.path.join(workdir, "run.yaml")
     dump_run_config(run, config_path)
@@ -467,7 +480,10 @@ def summarize(runs: list[dict], baseline: Optional[dict], sparseloco_baseline: O
     for r in runs:
         if r.get("attack") is None:
             continue
-        base = ((sparseloco_baseline if r.get("averaging") == "sparseloco" else baseline) or {}).get("held_out_loss")
+        reference = sparseloco_baseline if r.get("averaging") == "sparseloco" else baseline
+        if reference is not None and reference.get("workers_per_stage") != r.get("workers_per_stage"):
+            reference = None  # another number of replicas: only the run's own order compares
+        base = (reference or {}).get("held_out_loss")
         row = table.setdefault(r["attack"], {}).setdefault("on" if r["checks"] else "off", {
             "runs": 0, "samples_to_exclusion": [], "never_excluded": 0, "held_out_gaps": [],
             "revoked_after_s": [], "false_accusations": 0, "honest_strikes": 0, "own_order_gaps": [],

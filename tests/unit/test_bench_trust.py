@@ -134,7 +134,7 @@ def test_overhead_pairs_divide_each_checks_on_run_by_the_checks_off_run_before_i
 
 def test_an_attack_on_sparseloco_runs_at_three_replicas_and_is_held_against_a_sparseloco_baseline():
     args = bench_trust.parse_args(["--attacks", "sloco_scale:100", "--steps", "20"])
-    assert bench_trust.replicas_for(args, sparseloco=True) == 3 and bench_trust.replicas_for(args, False) == 2
+    assert bench_trust.replicas_for(args, witnesses=True) == 3 and bench_trust.replicas_for(args, False) == 2
     run = bench_trust.trust_run_config(args, 20, checks=True, sparseloco=True)
     assert run.averaging.method == "sparseloco" and run.averaging.enabled
     assert bench_trust.trust_run_config(args, 20, checks=True).averaging.method == "asyncsparta"
@@ -145,6 +145,17 @@ def test_an_attack_on_sparseloco_runs_at_three_replicas_and_is_held_against_a_sp
     table = bench_trust.summarize(runs, {"held_out_loss": 2.0}, {"held_out_loss": 3.0})
     assert table["sloco_scale:100"]["on"]["held_out_gaps"] == [0.1] and table["scale:3"]["on"]["held_out_gaps"] == [0.1]
     assert bench_trust.summarize(runs[:1], {"held_out_loss": 2.0})["sloco_scale:100"]["on"]["held_out_gaps"] == []
+
+
+def test_an_attack_on_asyncsparta_runs_at_three_replicas_and_compares_only_with_its_own_order():
+    args = bench_trust.parse_args(["--attacks", "spart_scale:100", "--steps", "20"])
+    run = bench_trust.trust_run_config(args, 20, checks=True, witnesses=True)
+    assert run.averaging.method == "asyncsparta" and run.averaging.enabled
+    assert bench_trust.replicas_for(args, witnesses="spart_scale:100" in bench_trust.AVERAGING_ATTACKS) == 3
+    runs = [{"attack": "spart_scale:100", "checks": True, "averaging": "asyncsparta", "workers_per_stage": 3,
+             "held_out_loss": 2.2, "samples_to_exclusion": {}, "revoked_after_s": {"w": 3.0}}]
+    table = bench_trust.summarize(runs, {"held_out_loss": 2.0, "workers_per_stage": 2})
+    assert table["spart_scale:100"]["on"]["held_out_gaps"] == []  # two replicas against three: no gap
 
 
 def test_the_honest_variants_can_be_chosen():
