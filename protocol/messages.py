@@ -14,7 +14,7 @@ Construction validates too: on a model built from local tensors it costs about a
 
 from __future__ import annotations
 
-from typing import Annotated, Any, NamedTuple, Optional
+from typing import Annotated, Any, Literal, NamedTuple, Optional
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError
@@ -92,6 +92,14 @@ Attestation = Annotated[bytes, Field(min_length=64, max_length=64)]
 """An Ed25519 signature over a result (protocol/evidence.py result_signing_bytes)."""
 Fingerprint = Annotated[bytes, Field(min_length=8, max_length=8)]
 """Names the weights a result was computed with (roles/worker/serving/compute_stats.py weights_fingerprint)."""
+Digest = Annotated[bytes, Field(min_length=32, max_length=32)]
+"""A SHA-256 of a tensor as it travels (protocol/evidence.py tensor_digest); 32 zero bytes for none."""
+
+
+def sample_owner_prefix(trainer_peer_id: str) -> str:
+    """How a trainer's sample ids begin: the last 8 characters of its peer id and a dash. A worker
+    hands what it kept of a chained sample only to the trainer whose prefix the id carries."""
+    return f"{trainer_peer_id[-8:]}-"
 
 
 class ForwardRequest(WireModel):
@@ -294,6 +302,26 @@ class ChainHop(WireModel):
     run's `skipping:` rules, as the trainer applies them)."""
 
 
+class SignedHop(WireModel):
+    """A worker's signature over one result it passed along a chain, with what the signature covers
+    beside the result itself (protocol/evidence.py result_signing_bytes): so that whoever holds the
+    result and the sample's tokens can check it, and a trainer can hand the hop to a spot check
+    (roles/trainer/chain_checks.py). The kind (output, gradient, loss) is the field it travels in."""
+
+    peer_id: PeerIdText
+    """The signer: the worker that computed the result."""
+    stage: int = Field(ge=0, le=4096)
+    version: int = Field(ge=0)
+    """The weight version the result was computed at."""
+    weights: Optional[Fingerprint] = None
+    coords_digest: Digest
+    """The digest of the input coordinates the signer was given (zero bytes at the head)."""
+    grad_output_digest: Digest
+    """The digest of the output gradient it was given (zero bytes for an output, a loss, the tail)."""
+    attestation: Optional[Attestation] = None
+    """None from a worker that does not sign (it still says its version)."""
+
+
 class ChainRequest(WireModel):
     """Worker-to-worker routing: run this stage's part of a training sample and pass
     its output on to the next stage of `route` yourself. A body or the head forwards, sends its
@@ -308,6 +336,9 @@ class ChainRequest(WireModel):
     coords: Optional[WireTensor] = None
     route: list[ChainHop] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
     budget_s: float = Field(gt=0, le=3600)
+    signed: Optional[SignedHop] = None
+    """The previous stage's worker's signature over `coords`, its forward output (None from the
+    trainer, at the head, and from a worker that predates it)."""
 
 
 class ChainStage(WireModel):
@@ -341,6 +372,33 @@ class ChainReply(WireModel):
     unreached: list[ChainHop] = Field(default_factory=list, max_length=MAX_CHAIN_STAGES)
     """Of a dropped sample with a step tag: the stages (and workers) whose backward it never
     reached, to be told with an abandon notice; the tail is never among them."""
+    signed_grad: Optional[SignedHop] = None
+    """The replying stage's signature over `grad_input` (None from a worker that predates it)."""
+    signed_loss: Optional[SignedHop] = None
+    """The tail's signature over `loss` (protocol/evidence.py loss_tensor), passed back unchanged
+    by every stage before it."""
+
+
+HOP_RECORD_KINDS = ("coords_received", "coords_sent", "gradient_received", "gradient_sent")
+"""What a worker keeps of a chained sample (roles/worker/serving/hop_records.py): the coordinates
+it got and passed on, the gradient it got back and sent back."""
+
+
+class HopRecordRequest(WireModel):
+    """A trainer asks a worker what it kept of one of its chained samples: one record, by kind,
+    for a spot check of the worker before or after it on the chain (roles/trainer/chain_checks.py)."""
+
+    run_id: str = Field(min_length=1, max_length=128)
+    stage: int = Field(ge=0, le=4096)
+    sample_id: SampleId
+    which: Literal["coords_received", "coords_sent", "gradient_received", "gradient_sent"]
+
+
+class HopRecordReply(WireModel):
+    """The kept tensor and its signer's signature over it (None: a signer that does not sign)."""
+
+    tensor: WireTensor
+    signed: Optional[SignedHop] = None
 
 
 class InfoRequest(WireModel):

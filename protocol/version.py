@@ -13,6 +13,9 @@ BACKWARD = HANDLER_PREFIX + "backward"
 INFO = HANDLER_PREFIX + "info"
 CHAIN = HANDLER_PREFIX + "chain"
 """A training sample routed worker to worker (protocol/messages.py ChainRequest, roles/worker/serving/chain.py)."""
+HOP_RECORD = HANDLER_PREFIX + "hop_record"
+"""What a worker kept of a chained sample, asked by the sample's trainer for a spot check of the
+worker before or after it (roles/worker/serving/hop_records.py)."""
 STATE = HANDLER_PREFIX + "state"
 """A stage replica's parameters, served in chunks to a joining worker [report 3.3.1.1]; the
 fallback for donors without STATE_MANIFEST."""

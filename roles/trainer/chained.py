@@ -34,8 +34,9 @@ from hivemind.p2p import PeerID
 
 from protocol import version
 from protocol.errors import NoWorkersError, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
-from protocol.messages import ChainHop, ChainReply, ChainRequest
+from protocol.messages import ChainHop, ChainReply, ChainRequest, HopRecordReply, HopRecordRequest
 from protocol.run_config import RoutingConfig
+from roles.trainer.chain_checks import ChainChecks
 from roles.trainer.pipeline import _RETRYABLE_CODES, PipelineDriver, SampleDropped, SampleResult, _run_before
 
 logger = logging.getLogger(__name__)
@@ -49,9 +50,11 @@ class ChainedRouting:
     """`train_sample` for `routing.path: workers`, on the driver's balancers, skipping and client."""
 
     def __init__(self, driver: PipelineDriver, config: RoutingConfig,
-                 describe_worker: Optional[Callable[[int, str], Optional[str]]] = None):
+                 describe_worker: Optional[Callable[[int, str], Optional[str]]] = None, *, run_id: str = ""):
         self.driver = driver
         self.config = config
+        self.checks = ChainChecks(driver.spot_checks, self._hop_record, run_id=run_id, num_stages=driver.num_stages)
+        """Spot checks of the chained samples' hops, with what the workers kept (roles/trainer/chain_checks.py)."""
         self.describe_worker = describe_worker or (lambda stage, peer: None)
         """(stage, peer) -> None for a worker that serves chains, else its version for the log."""
         self.fallbacks = 0
@@ -167,8 +170,16 @@ class ChainedRouting:
                 driver.skipping.served(done.stage)
         skipped = sorted(skipped + passed)
         driver.skipping.sample_done(skipped)
+        self.checks.on_sample(sample_id, tokens, reply)
         return SampleResult(loss=reply.loss, route=route, elapsed_s=time.perf_counter() - started, step=reply.step,
                             versions=versions, skipped=skipped, abandon_to=driver.abandon_targets(skipped))
+
+    async def _hop_record(self, stage: int, peer: str, request: HopRecordRequest) -> HopRecordReply:
+        """What a worker kept of one of this trainer's chained samples (no balancer charge: it is
+        no sample's work)."""
+        await self.driver.connect(peer)
+        return await self.driver.client.request(PeerID.from_base58(peer), version.HOP_RECORD, request, HopRecordReply,
+                                                timeout_s=self.driver.timeout_s)
 
     def _settle(self, hops: list[ChainHop], failed_heads: list[str], reply: ChainReply | None = None) -> list[str]:
         """Tell the balancers what the chain saw: each stage's worker and its time, the candidates

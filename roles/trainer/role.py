@@ -18,6 +18,7 @@ from protocol.auth import PeerAuthenticator
 from protocol.dht import SwarmDHT
 from protocol.dht_schema import TrainerRecord, trainers_key
 from protocol.evidence import Evidence
+from protocol.messages import sample_owner_prefix
 from protocol.transport import RpcClient, dial
 from roles.announcer import Announcer
 from roles.event_log import EventAggregator
@@ -75,14 +76,15 @@ class TrainerRole:
         self.skipping = StageSkipping(run.num_stages, run.skipping)
         """Body stages routed around while they have no reachable worker (run config `skipping:`)."""
         self.driver = PipelineDriver(
-            self.client, self.balancers, connect=self._connect, id_prefix=f"{swarm.peer_id[-8:]}-",
+            self.client, self.balancers, connect=self._connect, id_prefix=sample_owner_prefix(swarm.peer_id),
             max_attempts=config.max_attempts, timeout_s=config.request_timeout_s,
             on_no_workers=self.discovery.request_refresh, skipping=self.skipping, reconnect=self._reconnect,
             verification=run.verification, exclude=self.discovery.exclude,
             equal_replicas=lambda stage: gradient_exchange_on(run, stage), run_id=run.run_id,
             report_evidence=report_evidence,
         )
-        self.chained = (ChainedRouting(self.driver, run.routing, describe_worker=self._worker_without_chain)
+        self.chained = (ChainedRouting(self.driver, run.routing, describe_worker=self._worker_without_chain,
+                                       run_id=run.run_id)
                         if run.routing.path == "workers" else None)
         """Worker-to-worker routing (run config `routing.path: workers`); None: the trainer calls each stage."""
         self.stream = make_sample_stream(
@@ -353,7 +355,8 @@ class TrainerRole:
             "forward_retries": self.driver.stats.forward_retries,
             "reconnected": self.driver.stats.reconnected,
             "backward_fallbacks": self.driver.stats.backward_fallbacks,
-            "spot_checks": self.driver.spot_checks.summary(),
+            "spot_checks": {**self.driver.spot_checks.summary(),
+                            **({"chain": self.chained.checks.summary()} if self.chained is not None else {})},
             "served": served,
             "eval": self.evaluator.summary() if self.evaluator is not None else [],
             **self.skipping.summary(),
@@ -367,6 +370,8 @@ class TrainerRole:
         self._flush_events()
         if self.evaluator is not None:
             await self.evaluator.close()
+        if self.chained is not None:
+            await self.chained.checks.close()
         await self.driver.spot_checks.close()
         for task in self._tasks:
             task.cancel()

@@ -138,7 +138,9 @@ class SpotCheckStats:
     tallied: strikes decided by the tally of disputes within the loss margin; probation: checks drawn
     at the suspect rate among a worker's first hops (`PROBATION_HOPS`);
     diverged: the replica answered at the same version with other weights (replicas that parted
-    after a step one of them took without some gradients)."""
+    after a step one of them took without some gradients); on the workers path
+    (roles/trainer/chain_checks.py) also not_kept: a neighbour no longer held what the check
+    needed, and unbound: the worker's signature did not bind what its neighbours kept."""
     largest_agreed: float = 0.0
     """The largest distance among the agreed checks: how close honest replicas are."""
     disputes: list[Dispute] = field(default_factory=list)
@@ -164,7 +166,7 @@ class SpotCheckStats:
     def summary(self) -> dict:
         return {**{k: self.outcomes.get(k, 0) for k in ("agreed", "disputed", "unresolved", "stale", "unchecked", "busy",
                                                          "failed", "targeted", "diverged", "outlier",
-                                                         "tallied", "probation")},
+                                                         "tallied", "probation", "not_kept", "unbound")},
                 "resolved": sum(self.strikes.values()), "largest_agreed_distance": self.largest_agreed,
                 "strikes": dict(self.strikes),
                 "strikes_by_mechanism": {peer: dict(by) for peer, by in self.strikes_by_mechanism.items()},

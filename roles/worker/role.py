@@ -314,6 +314,7 @@ class WorkerRole:
             "staleness": self.runtime.staleness.summary(),
             "kept_activations": self.runtime.kept.summary(),
             "chained": dict(self.chain.counters),
+            "hop_records": dict(self.chain.records.counters),
             "mean_batch_size": round(stats.mean_batch_size, 3),
             "joined": self.join.joined,
             "sync_phases": self.sync.summary(),
@@ -346,9 +347,15 @@ class WorkerRole:
         await self.server.add_handler(version.ABANDON, self.handlers.abandon, roles=frozenset({"trainer"}))
         # A chained sample comes from a trainer (at the head) or from the previous stage's worker.
         await self.server.add_handler(version.CHAIN, self.chain.chain, roles=frozenset({"trainer", "worker"}))
+        # What this worker kept of a chained sample goes to the sample's trainer only (hop_records.py).
+        await self.server.add_handler(version.HOP_RECORD, self._hop_record, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.INFO, self.handlers.info)
         self.state = WorkerState.ONLINE
         await self.announcer.announce_now()
+
+    async def _hop_record(self, peer_id, body: dict):
+        return await self.handlers._counted("hop_record", self.chain.records.handle(
+            peer_id, body, stage=self.config.stage, run_id=self.run_config.run_id))
 
     def _resync(self, reason: str) -> None:
         """The averaging found this replica to be its stage's outlier: back to weight sync, hidden

@@ -19,6 +19,7 @@ from roles.trainer.balancer import StageBalancer, WorkerView
 from roles.trainer.chained import ChainedRouting
 from roles.trainer.pipeline import PipelineDriver, SampleDropped
 from roles.worker.serving.chain import ChainHandler, StageDirectory
+from roles.worker.serving.compute_stats import RecentSamples
 
 TOKENS = torch.arange(8, dtype=torch.int64)
 _PEER = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
@@ -153,6 +154,8 @@ class _QueueingRuntime:
     def __init__(self, withdrawable: bool):
         self.withdrawable = withdrawable
         self.submitted, self.forgotten, self.abandoned = [], [], []
+        self.forwarded = RecentSamples()
+        self.fingerprints = {}
 
     def check_forward(self, request):
         pass
@@ -188,7 +191,7 @@ def test_a_tagged_sample_whose_caller_left_before_its_backward_ran_is_abandoned_
         handlers = WorkerHandlers(runtime, info=lambda: None, serving=lambda: True)
         handler = ChainHandler(handlers, client=None, p2p=None, directory=None, peer_id="me", num_stages=2)
 
-        async def tail_answers(request, route, coords, *, deadline):
+        async def tail_answers(request, route, coords, *, deadline, signed=None):
             return ChainReply(stages=[ChainStage(stage=1, worker="t", version=0, elapsed_s=0.1)], loss=1.0, step=7,
                               grad_input=torch.zeros(8, 4))
 

@@ -35,9 +35,20 @@ from hivemind.p2p import PeerID
 from protocol import version
 from protocol.dht_schema import Phase, WorkerRecord, workers_key
 from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
-from protocol.messages import BackwardRequest, ChainHop, ChainReply, ChainRequest, ChainStage, ForwardRequest, parse_model
+from protocol.evidence import loss_tensor, tensor_digest
+from protocol.messages import (
+    BackwardRequest,
+    ChainHop,
+    ChainReply,
+    ChainRequest,
+    ChainStage,
+    ForwardRequest,
+    SignedHop,
+    parse_model,
+)
 from protocol.transport import RpcClient, dial
 from roles.worker.serving.handlers import WorkerHandlers
+from roles.worker.serving.hop_records import HopRecords
 from roles.worker.serving.queues import TaskKind
 
 logger = logging.getLogger(__name__)
@@ -94,8 +105,11 @@ class ChainHandler:
     to the next stage's worker."""
 
     def __init__(self, handlers: WorkerHandlers, client: RpcClient, p2p, directory: StageDirectory, *,
-                 peer_id: str, num_stages: int):
+                 peer_id: str, num_stages: int, records: Optional[HopRecords] = None):
         self.handlers = handlers
+        self.records = records if records is not None else HopRecords()
+        """What this worker sent and got of its chained samples, signed, for the trainers' spot
+        checks of its neighbours (roles/worker/serving/hop_records.py)."""
         self.runtime = handlers.runtime
         self.client = client
         self.p2p = p2p
@@ -129,20 +143,31 @@ class ChainHandler:
             backward = BackwardRequest(stage=request.stage, sample_id=request.sample_id, tokens=request.tokens,
                                        coords=request.coords)
             self.runtime.check_backward(backward)
+            self.records.keep(request.sample_id, "coords_received", request.coords, request.signed)
             result = await self.handlers._run(TaskKind.BACKWARD, backward, caller)
             self.counters["completed"] += 1
+            version = None if result.version is None else int(result.version)
+            loss = None if result.loss is None else float(result.loss)
+            signed_grad = self._signed(version, "gradient", request, None, result.grad_input)
+            self.records.keep(request.sample_id, "gradient_sent", result.grad_input, signed_grad)
             return ChainReply(
-                stages=[ChainStage(stage=request.stage, worker=self.peer_id, version=result.version,
+                stages=[ChainStage(stage=request.stage, worker=self.peer_id, version=version,
                                    elapsed_s=time.monotonic() - started)],
-                loss=None if result.loss is None else float(result.loss),
-                step=None if result.step is None else int(result.step), grad_input=result.grad_input)
+                loss=loss, step=None if result.step is None else int(result.step), grad_input=result.grad_input,
+                signed_grad=signed_grad,
+                signed_loss=self._signed(version, "loss", request, None, None if loss is None else loss_tensor(loss)))
         forward = ForwardRequest(stage=request.stage, sample_id=request.sample_id, tokens=request.tokens,
                                  coords=request.coords)
         self.runtime.check_forward(forward)
+        if request.stage > 0:
+            self.records.keep(request.sample_id, "coords_received", request.coords, request.signed)
         coords = await self.handlers._run(TaskKind.FORWARD, forward, caller)
+        signed = self._signed(self.runtime.forwarded.peek(request.sample_id), "output", request, None, coords)
+        self.records.keep(request.sample_id, "coords_sent", coords, signed)
         passed_at = time.monotonic()
         try:
-            later = await self._pass_on(request, list(request.route), coords, deadline=started + request.budget_s)
+            later = await self._pass_on(request, list(request.route), coords, deadline=started + request.budget_s,
+                                        signed=signed)
         except BaseException:
             self.runtime.forget_forward(request.sample_id)  # our caller left, or we stop
             raise
@@ -173,8 +198,27 @@ class ChainHandler:
             return self._drop(request, "backward_failed", f"stage {request.stage}: {exc}", later.step,
                               [me(), *later.stages])
         self.counters["completed"] += 1
+        self.records.keep(request.sample_id, "gradient_received", later.grad_input, later.signed_grad)
+        if request.stage == 0:
+            return ChainReply(stages=[me(result.version), *later.stages], loss=later.loss, step=later.step,
+                              signed_loss=later.signed_loss)
+        version = None if result.version is None else int(result.version)
+        signed_grad = self._signed(version, "gradient", request, later.grad_input, result.grad_input)
+        self.records.keep(request.sample_id, "gradient_sent", result.grad_input, signed_grad)
         return ChainReply(stages=[me(result.version), *later.stages], loss=later.loss, step=later.step,
-                          grad_input=result.grad_input if request.stage > 0 else None)
+                          grad_input=result.grad_input, signed_grad=signed_grad, signed_loss=later.signed_loss)
+
+    def _signed(self, version: Optional[int], kind: str, request: ChainRequest, grad_output, result) -> Optional[SignedHop]:
+        """This worker's signature over a result it passes along the chain, as it would sign it in a
+        ForwardReply or BackwardReply (protocol/evidence.py), with what it covers; None when the
+        result or its version is missing."""
+        if version is None or result is None:
+            return None
+        weights = self.runtime.fingerprints.get(version)
+        return SignedHop(peer_id=self.peer_id, stage=request.stage, version=version, weights=weights,
+                         coords_digest=tensor_digest(request.coords), grad_output_digest=tensor_digest(grad_output),
+                         attestation=self.handlers._attest(version, weights, kind, request.tokens, request.coords,
+                                                           grad_output, result))
 
     def _drop(self, request: ChainRequest, reason: str, detail: str, step: Optional[int],
               stages: list[ChainStage]) -> ChainReply:
@@ -188,7 +232,8 @@ class ChainHandler:
         if step is not None:
             self.runtime.abandon(step, sample_id)
 
-    async def _pass_on(self, request: ChainRequest, route: list[ChainHop], coords, *, deadline: float) -> ChainReply:
+    async def _pass_on(self, request: ChainRequest, route: list[ChainHop], coords, *, deadline: float,
+                       signed: Optional[SignedHop] = None) -> ChainReply:
         """Call the route's next stage, candidate after candidate, until one takes the sample;
         its reply, with the candidates that failed named on its stage. When none did: a
         `dropped` reply, or, if the stage may be skipped and every candidate was unreachable,
@@ -208,7 +253,7 @@ class ChainHandler:
                 last = f"{peer[-8:]} is no worker of stage {hop.stage}"
                 continue
             onward = ChainRequest(stage=hop.stage, sample_id=request.sample_id, tokens=request.tokens, coords=coords,
-                                  route=rest, budget_s=budget)
+                                  route=rest, budget_s=budget, signed=signed)
             try:
                 await self._dial(peer, addresses)
                 reply = await self.client.request(PeerID.from_base58(peer), version.CHAIN, onward, ChainReply,
@@ -243,7 +288,7 @@ class ChainHandler:
             self.counters["skipped"] += 1
             if rest[0].skippable:
                 rest = [rest[0].model_copy(update={"skippable": False}), *rest[1:]]
-            later = await self._pass_on(request, rest, coords, deadline=deadline)
+            later = await self._pass_on(request, rest, coords, deadline=deadline, signed=signed)
             passed = ChainStage(stage=hop.stage, elapsed_s=0.0, failed=failed[:8], skipped=True)
             return later.model_copy(update={"stages": [passed, *later.stages]})
         return self._failed_hop(hop, failed, "worker_failures",
