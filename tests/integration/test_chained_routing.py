@@ -28,7 +28,9 @@ def _summaries(swarm):
 
 @pytest.mark.timeout(240)
 def test_samples_pass_worker_to_worker_and_every_stage_steps_on_the_same_samples(make_swarm, run_config_path):
-    config = run_config_path(stages=THREE_STAGES, target_batch_size=8, routing=WORKERS)
+    # spot checks on: an honest chain's hops, checked through what the workers kept, all agree
+    config = run_config_path(stages=THREE_STAGES, target_batch_size=8, routing=WORKERS,
+                             verification={"spot_check_rate": 0.2})
     swarm = make_swarm(config)
     heads = [swarm.start("worker", stage=0, args=["--max-batch", "8"], wait_ready=i == 0) for i in range(2)]
     body = swarm.start("worker", stage=1, args=["--max-batch", "8"], wait_ready=False)
@@ -44,6 +46,9 @@ def test_samples_pass_worker_to_worker_and_every_stage_steps_on_the_same_samples
     assert summary["last_loss"] < summary["first_loss"] * 0.9, summary
     assert set(summary["served"]["0"]) == {h.peer_id for h in heads}, "both heads take samples"
     assert summary["served"]["1"] == {body.peer_id: 160} and summary["served"]["2"] == {tail.peer_id: 160}
+    checks = summary["spot_checks"]
+    assert checks["agreed"] >= 1 and checks["disputed"] == 0 and not checks["strikes"], checks
+    assert checks["chain"]["handed"] >= 1 and checks["unbound"] == checks["not_kept"] == 0, checks
 
     for node in (*heads, body, tail):
         assert swarm.stop(node, signal.SIGTERM) == 0, node.log_tail()
