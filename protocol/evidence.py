@@ -76,11 +76,19 @@ def result_signing_bytes(run_id: str, stage: int, version: int, kind: str, token
     """What a worker signs for one result: `kind` is `output` (a forward's coordinates),
     `gradient` (a backward's input gradient, given `grad_output`, or at the tail none) or `loss`
     (the tail's loss, `loss_tensor`); `weights`, the fingerprint of the weights it used."""
+    return digest_signing_bytes(run_id, stage, version, kind, tensor_digest(tokens), tensor_digest(coords),
+                                tensor_digest(grad_output), tensor_digest(result), weights)
+
+
+def digest_signing_bytes(run_id: str, stage: int, version: int, kind: str, tokens: bytes, coords: bytes,
+                         grad_output: bytes, result: bytes, weights: Optional[bytes] = None) -> bytes:
+    """`result_signing_bytes` from the tensors' digests: how a neighbour on a chain that holds only
+    some of the tensors checks a signature (roles/worker/serving/chain_signatures.py)."""
     if kind not in RESULT_KINDS:
         raise ValueError(f"unknown result kind {kind!r}")
     return b"".join([b"agora-result-v1\0", run_id.encode(), b"\0", struct.pack("<qq", stage, version),
-                     kind.encode(), b"\0", (weights or bytes(8)).ljust(8, b"\0")[:8], tensor_digest(tokens),
-                     tensor_digest(coords), tensor_digest(grad_output), tensor_digest(result)])
+                     kind.encode(), b"\0", (weights or bytes(8)).ljust(8, b"\0")[:8], tokens,
+                     coords, grad_output, result])
 
 
 class SignedResult(WireModel):

@@ -318,6 +318,9 @@ class SignedHop(WireModel):
     """The digest of the input coordinates the signer was given (zero bytes at the head)."""
     grad_output_digest: Digest
     """The digest of the output gradient it was given (zero bytes for an output, a loss, the tail)."""
+    result_digest: Digest
+    """The digest of the result (a loss as protocol/evidence.py loss_tensor): what a neighbour that
+    never held the result checks the signature with."""
     attestation: Optional[Attestation] = None
     """None from a worker that does not sign (it still says its version)."""
 
@@ -339,6 +342,10 @@ class ChainRequest(WireModel):
     signed: Optional[SignedHop] = None
     """The previous stage's worker's signature over `coords`, its forward output (None from the
     trainer, at the head, and from a worker that predates it)."""
+    signed_input: Optional[SignedHop] = None
+    """The signature that came with the sender's own input (its previous stage's, over its forward
+    output): it binds `signed.coords_digest`, so a sender cannot sign its output over an input it
+    was not given (None when the sender is the head)."""
 
 
 class ChainStage(WireModel):
@@ -374,6 +381,12 @@ class ChainReply(WireModel):
     reached, to be told with an abandon notice; the tail is never among them."""
     signed_grad: Optional[SignedHop] = None
     """The replying stage's signature over `grad_input` (None from a worker that predates it)."""
+    signed_output: Optional[SignedHop] = None
+    """The replying stage's signature over the forward output it passed on (not at the tail): the
+    caller, which knows that stage's input, checks it names that input."""
+    signed_grad_output: Optional[SignedHop] = None
+    """The signature of the stage after the replying one over the gradient it sent back: binds
+    `signed_grad.grad_output_digest` to what that stage signed (not at the tail)."""
     signed_loss: Optional[SignedHop] = None
     """The tail's signature over `loss` (protocol/evidence.py loss_tensor), passed back unchanged
     by every stage before it."""

@@ -80,9 +80,11 @@ class ChainChecks:
         self._tasks: set[asyncio.Task] = set()
         self.counters: collections.Counter[str] = collections.Counter()
         """drawn (hops), fetched and fetch_<reason> (records asked of neighbours), handed (hops
-        handed to the spot checks), not_kept, unbound, busy."""
+        handed to the spot checks), not_kept, unbound, unsigned, busy."""
         self.unbound: collections.Counter[str] = collections.Counter()
         """Worker -> its checked hops whose signature did not bind its neighbours' records."""
+        self.unsigned: collections.Counter[str] = collections.Counter()
+        """Worker -> its drawn hops that came with no signature (nor version): not checked."""
 
     def on_sample(self, sample_id: str, tokens: torch.Tensor, reply: ChainReply) -> None:
         """A chained sample completed (`reply` covers its route): draw its hops, and check the
@@ -175,7 +177,9 @@ class ChainChecks:
             got = await record(hop.before, "gradient_received")
             result, signed = got.tensor, got.signed
             grad_output = None if hop.after is None else (await record(hop.after, "gradient_sent")).tensor
-        if signed is None:  # a worker that says neither its version nor its weights: nothing to compare with
+        if signed is None:  # a worker older than signed chains: no version to compare at
+            self.counters["unsigned"] += 1
+            self.unsigned[hop.worker] += 1
             self.spot_checks.stats.outcomes["unchecked"] += 1
             return
         if not self._binds(hop, signed, tokens, coords, grad_output, result):
@@ -203,12 +207,13 @@ class ChainChecks:
                grad_output: Optional[torch.Tensor], result) -> bool:
         """Whether W's signed result names the stage, W, and the input and output gradient its
         neighbours kept, and (when W signs) its signature over them verifies."""
+        tensor = loss_tensor(result) if hop.kind == "loss" else result
         if (signed.peer_id != hop.worker or signed.stage != hop.stage or signed.coords_digest != tensor_digest(coords)
-                or signed.grad_output_digest != tensor_digest(grad_output)):
+                or signed.grad_output_digest != tensor_digest(grad_output)
+                or signed.result_digest != tensor_digest(tensor)):
             return False
         if signed.attestation is None:
             return True  # checked all the same; a dispute is then no evidence (SpotChecks counts it `unsigned`)
-        tensor = loss_tensor(result) if hop.kind == "loss" else result
         signed_bytes = result_signing_bytes(self.run_id, hop.stage, signed.version, hop.kind, tokens, coords,
                                             grad_output, tensor, signed.weights)
         try:
@@ -218,7 +223,8 @@ class ChainChecks:
 
     def summary(self) -> dict:
         """The trainer summary's `spot_checks.chain`."""
-        return {**dict(self.counters), "unbound_by_worker": dict(self.unbound)}
+        return {**dict(self.counters), "unbound_by_worker": dict(self.unbound),
+                "unsigned_by_worker": dict(self.unsigned)}
 
     async def close(self) -> None:
         for task in list(self._tasks):

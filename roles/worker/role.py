@@ -151,7 +151,8 @@ class WorkerRole:
         self.chain_client = RpcClient(p2p, timeout_s=run.staleness.forward_gate_timeout_s, authenticator=authenticator)
         """Calls to the next stage's workers for chained samples (routing.path `workers`)."""
         self.chain = ChainHandler(self.handlers, self.chain_client, p2p, StageDirectory(swarm.get, run.run_id),
-                                  peer_id=swarm.peer_id, num_stages=run.num_stages)
+                                  peer_id=swarm.peer_id, num_stages=run.num_stages, run_id=run.run_id,
+                                  sign=None if identity is None else identity.sign)
         self.announcer = Announcer(
             swarm, workers_key(run.run_id, config.stage), self._record, period_s=config.announce_period_s
         )

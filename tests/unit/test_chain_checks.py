@@ -41,7 +41,7 @@ def _hop(identity, stage, kind, coords, grad_output, result) -> SignedHop:
     signature = identity.sign(result_signing_bytes(RUN, stage, VERSION, kind, TOKENS, coords, grad_output, result))
     return SignedHop(peer_id=identity.peer_id.to_base58(), stage=stage, version=VERSION,
                      coords_digest=tensor_digest(coords), grad_output_digest=tensor_digest(grad_output),
-                     attestation=signature)
+                     result_digest=tensor_digest(result), attestation=signature)
 
 
 class _Chain:

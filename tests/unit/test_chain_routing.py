@@ -191,7 +191,7 @@ def test_a_tagged_sample_whose_caller_left_before_its_backward_ran_is_abandoned_
         handlers = WorkerHandlers(runtime, info=lambda: None, serving=lambda: True)
         handler = ChainHandler(handlers, client=None, p2p=None, directory=None, peer_id="me", num_stages=2)
 
-        async def tail_answers(request, route, coords, *, deadline, signed=None):
+        async def tail_answers(request, route, coords, *, deadline, **signatures):
             return ChainReply(stages=[ChainStage(stage=1, worker="t", version=0, elapsed_s=0.1)], loss=1.0, step=7,
                               grad_input=torch.zeros(8, 4))
 

@@ -19,7 +19,7 @@ OTHER_TRAINER = PeerID.from_base58("QmVhJVRSYHNSHgR9dJNbDxu6G7GPPqJAeiJoVRvcexGN
 MINE = sample_owner_prefix(TRAINER.to_base58())
 RUN = "run-h"
 SIGNED = SignedHop(peer_id="w", stage=0, version=2, coords_digest=bytes(32), grad_output_digest=bytes(32),
-                   attestation=bytes(64))
+                   result_digest=bytes(32), attestation=bytes(64))
 
 
 class _Clock:

@@ -35,7 +35,7 @@ from hivemind.p2p import PeerID
 from protocol import version
 from protocol.dht_schema import Phase, WorkerRecord, workers_key
 from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
-from protocol.evidence import loss_tensor, tensor_digest
+from protocol.evidence import loss_tensor
 from protocol.messages import (
     BackwardRequest,
     ChainHop,
@@ -47,6 +47,7 @@ from protocol.messages import (
     parse_model,
 )
 from protocol.transport import RpcClient, dial
+from roles.worker.serving.chain_signatures import check_reply, check_request, sign_hop
 from roles.worker.serving.handlers import WorkerHandlers
 from roles.worker.serving.hop_records import HopRecords
 from roles.worker.serving.queues import TaskKind
@@ -105,8 +106,12 @@ class ChainHandler:
     to the next stage's worker."""
 
     def __init__(self, handlers: WorkerHandlers, client: RpcClient, p2p, directory: StageDirectory, *,
-                 peer_id: str, num_stages: int, records: Optional[HopRecords] = None):
+                 peer_id: str, num_stages: int, records: Optional[HopRecords] = None, run_id: str = "",
+                 sign: Optional[Callable[[bytes], bytes]] = None):
         self.handlers = handlers
+        self.run_id = run_id
+        self._sign = sign
+        """This node's identity key, signing what it passes along a chain (chain_signatures.py)."""
         self.records = records if records is not None else HopRecords()
         """What this worker sent and got of its chained samples, signed, for the trainers' spot
         checks of its neighbours (roles/worker/serving/hop_records.py)."""
@@ -139,6 +144,12 @@ class ChainHandler:
         request = parse_model(ChainRequest, body)
         self._check_route(request)
         caller = peer_id
+        refused = check_request(request, caller.to_base58(), self.run_id)
+        if refused is not None:
+            self.counters["refused_bad_signature"] += 1
+            return ChainReply(stages=[ChainStage(stage=request.stage, worker=self.peer_id,
+                                                 elapsed_s=time.monotonic() - started)],
+                              dropped="bad_signature", detail=refused)
         if self.runtime.kind == "tail":
             backward = BackwardRequest(stage=request.stage, sample_id=request.sample_id, tokens=request.tokens,
                                        coords=request.coords)
@@ -167,7 +178,7 @@ class ChainHandler:
         passed_at = time.monotonic()
         try:
             later = await self._pass_on(request, list(request.route), coords, deadline=started + request.budget_s,
-                                        signed=signed)
+                                        signed=signed, signed_input=request.signed)
         except BaseException:
             self.runtime.forget_forward(request.sample_id)  # our caller left, or we stop
             raise
@@ -182,6 +193,10 @@ class ChainHandler:
         if later.grad_input is None or later.step is None:
             return self._drop(request, "bad_reply", f"stage {request.route[0].stage} sent no gradient or step tag",
                               later.step, [me(), *later.stages])
+        callee = next((done.worker for done in later.stages if done.worker and not done.skipped), "")
+        refused = check_reply(later, callee, coords, request.tokens, self.run_id)
+        if refused is not None:
+            return self._drop(request, "bad_signature", refused, later.step, [me(), *later.stages])
         backward = BackwardRequest(stage=request.stage, sample_id=request.sample_id, tokens=request.tokens,
                                    coords=request.coords, grad_output=later.grad_input, step=later.step)
         try:
@@ -206,19 +221,15 @@ class ChainHandler:
         signed_grad = self._signed(version, "gradient", request, later.grad_input, result.grad_input)
         self.records.keep(request.sample_id, "gradient_sent", result.grad_input, signed_grad)
         return ChainReply(stages=[me(result.version), *later.stages], loss=later.loss, step=later.step,
-                          grad_input=result.grad_input, signed_grad=signed_grad, signed_loss=later.signed_loss)
+                          grad_input=result.grad_input, signed_grad=signed_grad, signed_loss=later.signed_loss,
+                          signed_output=signed, signed_grad_output=later.signed_grad)
 
     def _signed(self, version: Optional[int], kind: str, request: ChainRequest, grad_output, result) -> Optional[SignedHop]:
         """This worker's signature over a result it passes along the chain, as it would sign it in a
-        ForwardReply or BackwardReply (protocol/evidence.py), with what it covers; None when the
-        result or its version is missing."""
-        if version is None or result is None:
-            return None
-        weights = self.runtime.fingerprints.get(version)
-        return SignedHop(peer_id=self.peer_id, stage=request.stage, version=version, weights=weights,
-                         coords_digest=tensor_digest(request.coords), grad_output_digest=tensor_digest(grad_output),
-                         attestation=self.handlers._attest(version, weights, kind, request.tokens, request.coords,
-                                                           grad_output, result))
+        ForwardReply or BackwardReply (protocol/evidence.py), with what it covers."""
+        weights = None if version is None else self.runtime.fingerprints.get(version)
+        return sign_hop(self._sign, self.run_id, self.peer_id, request.stage, version, weights, kind,
+                        request.tokens, request.coords, grad_output, result)
 
     def _drop(self, request: ChainRequest, reason: str, detail: str, step: Optional[int],
               stages: list[ChainStage]) -> ChainReply:
@@ -233,7 +244,7 @@ class ChainHandler:
             self.runtime.abandon(step, sample_id)
 
     async def _pass_on(self, request: ChainRequest, route: list[ChainHop], coords, *, deadline: float,
-                       signed: Optional[SignedHop] = None) -> ChainReply:
+                       signed: Optional[SignedHop] = None, signed_input: Optional[SignedHop] = None) -> ChainReply:
         """Call the route's next stage, candidate after candidate, until one takes the sample;
         its reply, with the candidates that failed named on its stage. When none did: a
         `dropped` reply, or, if the stage may be skipped and every candidate was unreachable,
@@ -253,7 +264,7 @@ class ChainHandler:
                 last = f"{peer[-8:]} is no worker of stage {hop.stage}"
                 continue
             onward = ChainRequest(stage=hop.stage, sample_id=request.sample_id, tokens=request.tokens, coords=coords,
-                                  route=rest, budget_s=budget, signed=signed)
+                                  route=rest, budget_s=budget, signed=signed, signed_input=signed_input)
             try:
                 await self._dial(peer, addresses)
                 reply = await self.client.request(PeerID.from_base58(peer), version.CHAIN, onward, ChainReply,
@@ -288,7 +299,8 @@ class ChainHandler:
             self.counters["skipped"] += 1
             if rest[0].skippable:
                 rest = [rest[0].model_copy(update={"skippable": False}), *rest[1:]]
-            later = await self._pass_on(request, rest, coords, deadline=deadline, signed=signed)
+            later = await self._pass_on(request, rest, coords, deadline=deadline, signed=signed,
+                                        signed_input=signed_input)
             passed = ChainStage(stage=hop.stage, elapsed_s=0.0, failed=failed[:8], skipped=True)
             return later.model_copy(update={"stages": [passed, *later.stages]})
         return self._failed_hop(hop, failed, "worker_failures",
