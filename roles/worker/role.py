@@ -152,7 +152,8 @@ class WorkerRole:
         """Calls to the next stage's workers for chained samples (routing.path `workers`)."""
         self.chain = ChainHandler(self.handlers, self.chain_client, p2p, StageDirectory(swarm.get, run.run_id),
                                   peer_id=swarm.peer_id, num_stages=run.num_stages, run_id=run.run_id,
-                                  sign=None if identity is None else identity.sign)
+                                  sign=None if identity is None else identity.sign,
+                                  checked=run.verification.spot_check_rate > 0)
         self.announcer = Announcer(
             swarm, workers_key(run.run_id, config.stage), self._record, period_s=config.announce_period_s
         )

@@ -20,6 +20,13 @@ workers before it, which see it unavailable and drop the sample the same way; a 
 lost that way is closed short by its step's timeout, as for a sample that died with a trainer
 (roles/worker/steps/step_ledger.py). A worker only dials workers that the DHT lists for the route's
 stage (signed records), never an address a caller made up.
+
+Spot checks: every result passed on travels signed, as in a ForwardReply or BackwardReply; each
+worker checks that the signatures it gets bind what it knows before it uses them (a sample whose
+do not stops here, `bad_signature`: chain_signatures.py), and keeps what it sent and got for a
+short while (hop_records.py), so that the sample's trainer can check a worker's hops with what
+its neighbours kept (roles/trainer/chain_checks.py). With `verification.spot_check_rate: 0`
+nothing is kept or checked.
 """
 
 from __future__ import annotations
@@ -107,8 +114,11 @@ class ChainHandler:
 
     def __init__(self, handlers: WorkerHandlers, client: RpcClient, p2p, directory: StageDirectory, *,
                  peer_id: str, num_stages: int, records: Optional[HopRecords] = None, run_id: str = "",
-                 sign: Optional[Callable[[bytes], bytes]] = None):
+                 sign: Optional[Callable[[bytes], bytes]] = None, checked: bool = True):
         self.handlers = handlers
+        self.checked = checked
+        """Whether the run's trainers spot-check (`verification.spot_check_rate` > 0): only then is
+        anything kept for them, and the neighbours' signatures checked; results are signed always."""
         self.run_id = run_id
         self._sign = sign
         """This node's identity key, signing what it passes along a chain (chain_signatures.py)."""
@@ -144,7 +154,7 @@ class ChainHandler:
         request = parse_model(ChainRequest, body)
         self._check_route(request)
         caller = peer_id
-        refused = check_request(request, caller.to_base58(), self.run_id)
+        refused = check_request(request, caller.to_base58(), self.run_id) if self.checked else None
         if refused is not None:
             self.counters["refused_bad_signature"] += 1
             return ChainReply(stages=[ChainStage(stage=request.stage, worker=self.peer_id,
@@ -154,13 +164,13 @@ class ChainHandler:
             backward = BackwardRequest(stage=request.stage, sample_id=request.sample_id, tokens=request.tokens,
                                        coords=request.coords)
             self.runtime.check_backward(backward)
-            self.records.keep(request.sample_id, "coords_received", request.coords, request.signed)
+            self._keep(request.sample_id, "coords_received", request.coords, request.signed)
             result = await self.handlers._run(TaskKind.BACKWARD, backward, caller)
             self.counters["completed"] += 1
             version = None if result.version is None else int(result.version)
             loss = None if result.loss is None else float(result.loss)
             signed_grad = self._signed(version, "gradient", request, None, result.grad_input)
-            self.records.keep(request.sample_id, "gradient_sent", result.grad_input, signed_grad)
+            self._keep(request.sample_id, "gradient_sent", result.grad_input, signed_grad)
             return ChainReply(
                 stages=[ChainStage(stage=request.stage, worker=self.peer_id, version=version,
                                    elapsed_s=time.monotonic() - started)],
@@ -171,10 +181,10 @@ class ChainHandler:
                                  coords=request.coords)
         self.runtime.check_forward(forward)
         if request.stage > 0:
-            self.records.keep(request.sample_id, "coords_received", request.coords, request.signed)
+            self._keep(request.sample_id, "coords_received", request.coords, request.signed)
         coords = await self.handlers._run(TaskKind.FORWARD, forward, caller)
         signed = self._signed(self.runtime.forwarded.peek(request.sample_id), "output", request, None, coords)
-        self.records.keep(request.sample_id, "coords_sent", coords, signed)
+        self._keep(request.sample_id, "coords_sent", coords, signed)
         passed_at = time.monotonic()
         try:
             later = await self._pass_on(request, list(request.route), coords, deadline=started + request.budget_s,
@@ -194,7 +204,7 @@ class ChainHandler:
             return self._drop(request, "bad_reply", f"stage {request.route[0].stage} sent no gradient or step tag",
                               later.step, [me(), *later.stages])
         callee = next((done.worker for done in later.stages if done.worker and not done.skipped), "")
-        refused = check_reply(later, callee, coords, request.tokens, self.run_id)
+        refused = check_reply(later, callee, coords, request.tokens, self.run_id) if self.checked else None
         if refused is not None:
             return self._drop(request, "bad_signature", refused, later.step, [me(), *later.stages])
         backward = BackwardRequest(stage=request.stage, sample_id=request.sample_id, tokens=request.tokens,
@@ -213,16 +223,20 @@ class ChainHandler:
             return self._drop(request, "backward_failed", f"stage {request.stage}: {exc}", later.step,
                               [me(), *later.stages])
         self.counters["completed"] += 1
-        self.records.keep(request.sample_id, "gradient_received", later.grad_input, later.signed_grad)
+        self._keep(request.sample_id, "gradient_received", later.grad_input, later.signed_grad)
         if request.stage == 0:
             return ChainReply(stages=[me(result.version), *later.stages], loss=later.loss, step=later.step,
                               signed_loss=later.signed_loss)
         version = None if result.version is None else int(result.version)
         signed_grad = self._signed(version, "gradient", request, later.grad_input, result.grad_input)
-        self.records.keep(request.sample_id, "gradient_sent", result.grad_input, signed_grad)
+        self._keep(request.sample_id, "gradient_sent", result.grad_input, signed_grad)
         return ChainReply(stages=[me(result.version), *later.stages], loss=later.loss, step=later.step,
                           grad_input=result.grad_input, signed_grad=signed_grad, signed_loss=later.signed_loss,
                           signed_output=signed, signed_grad_output=later.signed_grad)
+
+    def _keep(self, sample_id: str, which: str, tensor, signed: Optional[SignedHop]) -> None:
+        if self.checked:
+            self.records.keep(sample_id, which, tensor, signed)
 
     def _signed(self, version: Optional[int], kind: str, request: ChainRequest, grad_output, result) -> Optional[SignedHop]:
         """This worker's signature over a result it passes along the chain, as it would sign it in a
