@@ -5,13 +5,17 @@ the next stage did not send, or a tail's loss over another input, is refused."""
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from protocol.evidence import loss_tensor
 from protocol.identity import Identity
-from protocol.messages import ChainReply, ChainRequest, ChainStage
+from protocol.messages import ChainReply, ChainRequest, ChainStage, to_body
+from roles.worker.serving.chain import ChainHandler
 from roles.worker.serving.chain_signatures import check_reply, check_request, sign_hop
+from tests.unit.test_chain_routing import _Handlers
 
 RUN = "run-s"
 TOKENS = torch.arange(8)
@@ -117,3 +121,13 @@ def test_a_reply_whose_signatures_do_not_bind_the_callers_output_is_refused():
     }
     for what, (reply, callee, sent) in cases.items():
         assert check_reply(reply, callee, sent, TOKENS, RUN) is not None, what
+
+
+def test_a_worker_refuses_a_chained_sample_whose_signatures_do_not_bind_before_it_computes():
+    handlers = _Handlers(2, "tail")  # computing anything would fail: the stand-in runtime cannot
+    handler = ChainHandler(handlers, client=None, p2p=None, directory=None, peer_id=_id(TAIL), num_stages=3,
+                           run_id=RUN)
+    lie = _request_to_tail(signed=_sign(BODY, 1, "output", torch.zeros(8, 4), None, Y))  # over an input never sent
+    reply = asyncio.run(handler._chain(BODY.peer_id, to_body(lie)))
+    assert reply.dropped == "bad_signature" and reply.stages[0].worker == _id(TAIL), reply
+    assert handler.counters["refused_bad_signature"] == 1 and len(handler.records) == 0
