@@ -142,6 +142,9 @@ class ChainChecks:
                 except _NotKept:
                     self.counters["not_kept"] += 1
                     self.spot_checks.stats.outcomes["not_kept"] += 1
+                except Exception:  # noqa: BLE001 - a bug costs this check, counted, not the others
+                    self.spot_checks.stats.outcomes["failed"] += 1
+                    logger.exception("chain spot check of stage %d worker %s failed", hop.stage, hop.worker[-8:])
         finally:
             for future in kept.values():
                 future.cancel()
