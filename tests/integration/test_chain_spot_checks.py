@@ -1,7 +1,8 @@
 """Spot checks on the workers path (`routing.path: workers`) with real processes: a body worker
-that noises its outputs (tests/support/adversary_node.py) passes them straight to the tail, never
-through the trainer; its neighbours keep what it sent them, signed, the trainer checks it on the
-other replica of its stage, and excludes it from its routes. Honest workers get no strike."""
+that noises its outputs, or flips the gradients it sends back (tests/support/adversary_node.py),
+passes them straight to its neighbours, never through the trainer; they keep what it sent them,
+signed, the trainer checks it on the other replica of its stage, and excludes it from its routes.
+Honest workers get no strike."""
 
 from __future__ import annotations
 
@@ -19,15 +20,16 @@ SAMPLES = 120
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("attack,kind", [("noise:1", "output"), ("flip_grad", "gradient")])
 def test_a_lying_body_worker_on_the_workers_path_is_checked_through_its_neighbours_and_excluded(
-        make_swarm, run_config_path):
+        make_swarm, run_config_path, attack, kind):
     config = run_config_path(stages=THREE_STAGES, routing={"path": "workers"},
                              verification={"spot_check_rate": 0.3})
     swarm = make_swarm(config)
     first = swarm.start("worker", stage=0)
     honest = [swarm.start("worker", stage=stage, wait_ready=False) for stage in (0, 1, 2, 2)]
-    # its outputs get fresh noise as large as themselves, also in the checks it is asked to run
-    liar = swarm.start("worker", stage=1, wait_ready=False, prefix=adversary_prefix("noise:1"))
+    # it lies in the checks it is asked to run too (held-out evaluations are altered as well)
+    liar = swarm.start("worker", stage=1, wait_ready=False, prefix=adversary_prefix(attack))
     for node in [*honest, liar]:
         swarm.wait_ready(node, timeout_s=180)
     trainer = swarm.start("trainer", args=["--lanes", "4", "--max-samples", str(SAMPLES),
@@ -43,6 +45,7 @@ def test_a_lying_body_worker_on_the_workers_path_is_checked_through_its_neighbou
     assert set(checks["strikes"]) == {liar.peer_id}, "honest workers get no strike"
     for dispute in checks["disputes"]:
         assert dispute["stage"] == 1 and liar.peer_id in (dispute["worker"], dispute["checker"]), dispute
+        assert dispute["kind"] == kind, dispute
     # The honest pairs (stages 0 and 2) agree to the last bit, through their neighbours' records too.
     assert checks["agreed"] >= 5 and checks["largest_agreed_distance"] == 0.0, checks
     served = summary["served"]["1"]
