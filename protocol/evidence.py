@@ -43,7 +43,7 @@ from pydantic import Field
 
 from protocol.errors import AgoraError, ErrorCode
 from protocol.identity import verify_peer_signature
-from protocol.messages import Attestation, Fingerprint, PeerIdText, WireModel, WireTensor
+from protocol.messages import Attestation, Fingerprint, PeerIdText, SignedHop, WireModel, WireTensor
 
 RESULT_KINDS = ("output", "gradient", "loss")
 EVIDENCE_MAX_BYTES = 64 << 20
@@ -89,6 +89,36 @@ def digest_signing_bytes(run_id: str, stage: int, version: int, kind: str, token
     return b"".join([b"agora-result-v1\0", run_id.encode(), b"\0", struct.pack("<qq", stage, version),
                      kind.encode(), b"\0", (weights or bytes(8)).ljust(8, b"\0")[:8], tokens,
                      coords, grad_output, result])
+
+
+NO_TENSOR = bytes(32)
+"""The digest of no tensor (`tensor_digest(None)`): a head's input, an output's output gradient."""
+
+
+def sign_hop(sign, run_id: str, peer_id: str, stage: int, version: Optional[int], weights: Optional[bytes],
+             kind: str, tokens: torch.Tensor, coords: Optional[torch.Tensor], grad_output: Optional[torch.Tensor],
+             result: Optional[torch.Tensor]) -> Optional[SignedHop]:
+    """A worker's signature over one result it passes along a chain, with the digests it covers
+    (protocol/messages.py SignedHop); None without a result or a version. `sign` is the worker's
+    identity key (None: a worker that does not sign, which still says its version)."""
+    if version is None or result is None:
+        return None
+    digests = tensor_digest(tokens), tensor_digest(coords), tensor_digest(grad_output), tensor_digest(result)
+    attestation = None if sign is None else sign(digest_signing_bytes(run_id, stage, version, kind, *digests, weights))
+    return SignedHop(peer_id=peer_id, stage=stage, version=version, weights=weights, coords_digest=digests[1],
+                     grad_output_digest=digests[2], result_digest=digests[3], attestation=attestation)
+
+
+def hop_holds(run_id: str, kind: str, tokens_digest: bytes, hop: SignedHop) -> bool:
+    """Whether `hop`'s signature verifies over what it names (one without a signature holds nothing)."""
+    if hop.attestation is None or kind not in RESULT_KINDS:
+        return False
+    signed = digest_signing_bytes(run_id, hop.stage, hop.version, kind, tokens_digest, hop.coords_digest,
+                                  hop.grad_output_digest, hop.result_digest, hop.weights)
+    try:
+        return verify_peer_signature(hop.peer_id, signed, hop.attestation)
+    except Exception:  # noqa: BLE001 - a peer id that names no key verifies nothing
+        return False
 
 
 class SignedResult(WireModel):

@@ -38,10 +38,8 @@ from typing import Awaitable, Callable, Optional
 import torch
 
 from protocol.errors import ErrorCode, RemoteError
-from protocol.evidence import loss_tensor, result_signing_bytes, tensor_digest
-from protocol.identity import verify_peer_signature
+from protocol.evidence import hop_holds, loss_tensor, tensor_digest
 from protocol.messages import ChainReply, HopRecordReply, HopRecordRequest, SignedHop
-from roles.trainer.screening import loss_size
 from roles.trainer.spot_checks import CHECKS_IN_FLIGHT_MAX, SpotChecks
 
 logger = logging.getLogger(__name__)
@@ -99,7 +97,7 @@ class ChainChecks:
         tail = self.num_stages - 1
         drawn: list[_Drawn] = []
         for i, (stage, worker) in enumerate(ran):
-            checks._drop_unlisted(stage)
+            checks.drop_unlisted(stage)
             before = ran[i - 1] if i > 0 else None
             after = ran[i + 1] if i + 1 < len(ran) else None
             if stage != tail and after is not None:
@@ -108,9 +106,7 @@ class ChainChecks:
             elif stage == tail and reply.loss is not None:
                 # The loss is the one result of the chain this trainer sees: it is screened as on its own path.
                 version = None if reply.signed_loss is None else reply.signed_loss.version
-                outlier = checks.screening.stands_out(
-                    worker, checks.screening.observe(stage, "loss", worker, loss_size(reply.loss), version))
-                if checks.draw(stage, worker, outlier):
+                if checks.draw(stage, worker, checks.screen_loss(stage, worker, reply.loss, version)):
                     drawn.append(_Drawn("loss", stage, worker, before, after))
             if before is not None and checks.draw(stage, worker):
                 drawn.append(_Drawn("gradient", stage, worker, before, after))
@@ -215,14 +211,9 @@ class ChainChecks:
                 or signed.grad_output_digest != tensor_digest(grad_output)
                 or signed.result_digest != tensor_digest(tensor)):
             return False
-        if signed.attestation is None:
-            return True  # checked all the same; a dispute is then no evidence (SpotChecks counts it `unsigned`)
-        signed_bytes = result_signing_bytes(self.run_id, hop.stage, signed.version, hop.kind, tokens, coords,
-                                            grad_output, tensor, signed.weights)
-        try:
-            return verify_peer_signature(hop.worker, signed_bytes, signed.attestation)
-        except Exception:  # noqa: BLE001 - a worker id that names no key: it binds nothing
-            return False
+        # A worker that does not sign is checked all the same; a dispute is then no evidence
+        # (SpotChecks counts it `unsigned`).
+        return signed.attestation is None or hop_holds(self.run_id, hop.kind, tensor_digest(tokens), signed)
 
     def summary(self) -> dict:
         """The trainer summary's `spot_checks.chain`."""

@@ -305,7 +305,7 @@ class SpotChecks:
     def on_forward(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
                    reply: ForwardReply) -> None:
         if self.rate > 0:
-            self._drop_unlisted(stage)
+            self.drop_unlisted(stage)
             outlier = self.screening.stands_out(
                 worker, self.screening.observe(stage, "output", worker, reply_size(reply.coords), reply.version),
                 self._observe_coherence(stage, "output_coherence", worker, coords, reply.coords, reply.version))
@@ -316,10 +316,8 @@ class SpotChecks:
     def on_tail(self, stage: int, worker: str, tokens: torch.Tensor, coords: Optional[torch.Tensor],
                 reply: BackwardReply) -> None:
         if self.rate > 0:
-            self._drop_unlisted(stage)
-            outlier = self.screening.stands_out(
-                worker, self.screening.observe(stage, "loss", worker, loss_size(reply.loss), reply.version))
-            if self.draw(stage, worker, outlier):
+            self.drop_unlisted(stage)
+            if self.draw(stage, worker, self.screen_loss(stage, worker, reply.loss, reply.version)):
                 self.check_loss(stage, worker, tokens, coords, reply.loss, reply.version, reply.loss_attestation,
                                 reply.weights)
             if stage > 0:
@@ -337,13 +335,18 @@ class SpotChecks:
                 self.check_backward(stage, worker, tokens, coords, grad_output, reply.grad_input, reply.version,
                                     reply.attestation, reply.weights)
 
+    def screen_loss(self, stage: int, worker: str, loss: float, version: Optional[int]) -> bool:
+        """Note a tail's loss in the screen; whether it stands out by itself (an outlier to check)."""
+        return self.screening.stands_out(
+            worker, self.screening.observe(stage, "loss", worker, loss_size(loss), version))
+
     def _observe_coherence(self, stage: int, kind: str, worker: str, given: Optional[torch.Tensor],
                            answer: Optional[torch.Tensor], version: Optional[int]) -> float:
         """The reply's coherence score (`Screening.observe`), 0.0 where there is none to take."""
         value = coherence(given, answer)
         return 0.0 if value is None else self.screening.observe(stage, kind, worker, value, version)
 
-    def _drop_unlisted(self, stage: int) -> None:
+    def drop_unlisted(self, stage: int) -> None:
         """Every `LISTING_EVERY` replies, drop from the screen the workers of this stage that
         discovery no longer lists (one revoked on another trainer's evidence, one that left): its
         replicas are no longer held against its old replies, and stay no suspects because of them."""

@@ -147,7 +147,8 @@ def test_a_lie_passed_along_the_chain_becomes_evidence_the_authorizer_can_check(
     chain.records[(2, "coords_received")] = (lie, _hop(chain.body, 1, "output", X, None, lie))
     checks, _, handed = _checks(chain, draw=lambda stage, worker, outlier=False: (stage, worker) == (1, chain.ids[1]))
     _run(checks, chain)
-    [(_, stage, worker, tokens, coords, output, version, attestation, weights)] = [h for h in handed if h[0] == "output"]
+    [(_, stage, worker, tokens, coords, output, version, attestation, weights)] = [
+        h for h in handed if h[0] == "output"]
     replica = _identity()
     honest = replica.sign(result_signing_bytes(RUN, 1, VERSION, "output", TOKENS, X, None, Y))
     evidence = Evidence(run_id=RUN, stage=1, version=VERSION, weights=weights, kind="output", tokens=tokens,

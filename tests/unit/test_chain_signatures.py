@@ -10,11 +10,11 @@ import asyncio
 import torch
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from protocol.evidence import loss_tensor
+from protocol.evidence import loss_tensor, sign_hop
 from protocol.identity import Identity
 from protocol.messages import ChainReply, ChainRequest, ChainStage, to_body
 from roles.worker.serving.chain import ChainHandler
-from roles.worker.serving.chain_signatures import check_reply, check_request, sign_hop
+from roles.worker.serving.chain_signatures import check_reply, check_request
 from tests.unit.test_chain_routing import _Handlers
 
 RUN = "run-s"

@@ -42,7 +42,7 @@ from hivemind.p2p import PeerID
 from protocol import version
 from protocol.dht_schema import Phase, WorkerRecord, workers_key
 from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable, ProtocolError, RemoteError
-from protocol.evidence import loss_tensor
+from protocol.evidence import loss_tensor, sign_hop
 from protocol.messages import (
     BackwardRequest,
     ChainHop,
@@ -54,7 +54,7 @@ from protocol.messages import (
     parse_model,
 )
 from protocol.transport import RpcClient, dial
-from roles.worker.serving.chain_signatures import check_reply, check_request, sign_hop
+from roles.worker.serving.chain_signatures import check_reply, check_request
 from roles.worker.serving.handlers import WorkerHandlers
 from roles.worker.serving.hop_records import HopRecords
 from roles.worker.serving.queues import TaskKind
@@ -238,7 +238,8 @@ class ChainHandler:
         if self.checked:
             self.records.keep(sample_id, which, tensor, signed)
 
-    def _signed(self, version: Optional[int], kind: str, request: ChainRequest, grad_output, result) -> Optional[SignedHop]:
+    def _signed(self, version: Optional[int], kind: str, request: ChainRequest, grad_output,
+                result) -> Optional[SignedHop]:
         """This worker's signature over a result it passes along the chain, as it would sign it in a
         ForwardReply or BackwardReply (protocol/evidence.py), with what it covers."""
         weights = None if version is None else self.runtime.fingerprints.get(version)

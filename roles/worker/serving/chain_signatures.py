@@ -1,7 +1,7 @@
-"""What a worker signs of a chained sample, and what it checks of its neighbours' signatures.
+"""What a chained worker checks of its neighbours' signatures before it uses what they sent.
 
 Every result passed along a chain travels with its worker's signature, as it would in a
-ForwardReply or BackwardReply (protocol/evidence.py): the trainer's spot checks of the workers path
+ForwardReply or BackwardReply (protocol/evidence.py sign_hop): the trainer's spot checks of the workers path
 (roles/trainer/chain_checks.py) hand them to the authorizer as evidence. A signature names the
 input it was computed from only by digest, and a worker could sign its output over an input it
 was never given: its neighbours' records would then not bind the signature, and its hop would go
@@ -26,37 +26,8 @@ from typing import Optional
 
 import torch
 
-from protocol.evidence import digest_signing_bytes, loss_tensor, tensor_digest
-from protocol.identity import verify_peer_signature
-from protocol.messages import ChainReply, ChainRequest, SignedHop
-
-NO_TENSOR = bytes(32)
-"""The digest of no tensor (tensor_digest(None)): a head's input, an output's output gradient."""
-
-
-def sign_hop(sign, run_id: str, peer_id: str, stage: int, version: Optional[int], weights: Optional[bytes],
-             kind: str, tokens: torch.Tensor, coords: Optional[torch.Tensor], grad_output: Optional[torch.Tensor],
-             result: Optional[torch.Tensor]) -> Optional[SignedHop]:
-    """This worker's signature over one result it passes along the chain, with what it covers;
-    None without a result or a version. `sign` is None on a worker that does not sign."""
-    if version is None or result is None:
-        return None
-    digests = tensor_digest(tokens), tensor_digest(coords), tensor_digest(grad_output), tensor_digest(result)
-    attestation = None if sign is None else sign(digest_signing_bytes(run_id, stage, version, kind, *digests, weights))
-    return SignedHop(peer_id=peer_id, stage=stage, version=version, weights=weights, coords_digest=digests[1],
-                     grad_output_digest=digests[2], result_digest=digests[3], attestation=attestation)
-
-
-def holds(run_id: str, kind: str, tokens_digest: bytes, hop: SignedHop) -> bool:
-    """Whether `hop`'s signature verifies over what it names (a hop without one holds nothing)."""
-    if hop.attestation is None:
-        return False
-    signed = digest_signing_bytes(run_id, hop.stage, hop.version, kind, tokens_digest, hop.coords_digest,
-                                  hop.grad_output_digest, hop.result_digest, hop.weights)
-    try:
-        return verify_peer_signature(hop.peer_id, signed, hop.attestation)
-    except Exception:  # noqa: BLE001 - a peer id that names no key verifies nothing
-        return False
+from protocol.evidence import NO_TENSOR, hop_holds, loss_tensor, tensor_digest
+from protocol.messages import ChainReply, ChainRequest
 
 
 def check_request(request: ChainRequest, caller: str, run_id: str) -> Optional[str]:
@@ -68,14 +39,15 @@ def check_request(request: ChainRequest, caller: str, run_id: str) -> Optional[s
     tokens = tensor_digest(request.tokens)
     if signed.peer_id != caller or signed.stage >= request.stage:
         return f"the coordinates are signed by {signed.peer_id[-8:]} of stage {signed.stage}, not by the caller"
-    if signed.result_digest != tensor_digest(request.coords) or not holds(run_id, "output", tokens, signed):
+    if signed.result_digest != tensor_digest(request.coords) or not hop_holds(run_id, "output", tokens, signed):
         return f"stage {signed.stage} worker {caller[-8:]}'s signature does not cover the coordinates it sent"
     given = request.signed_input
     if signed.stage == 0:
         return None if signed.coords_digest == NO_TENSOR and given is None else "a head's output signed over an input"
     if given is None or given.result_digest != signed.coords_digest:
         return f"stage {signed.stage} worker {caller[-8:]} signed its output over an input no one signed as sent"
-    if given.peer_id == signed.peer_id or given.stage >= signed.stage or not holds(run_id, "output", tokens, given):
+    if (given.peer_id == signed.peer_id or given.stage >= signed.stage
+            or not hop_holds(run_id, "output", tokens, given)):
         return f"the signature over stage {signed.stage}'s input does not verify"
     return None
 
@@ -89,7 +61,7 @@ def check_reply(reply: ChainReply, callee: str, sent: torch.Tensor, tokens: torc
     tokens_digest, given = tensor_digest(tokens), tensor_digest(sent)
     if grad.peer_id != callee or grad.coords_digest != given or grad.result_digest != tensor_digest(reply.grad_input):
         return f"worker {callee[-8:]}'s gradient is signed over another input or by another worker"
-    if not holds(run_id, "gradient", tokens_digest, grad):
+    if not hop_holds(run_id, "gradient", tokens_digest, grad):
         return f"worker {callee[-8:]}'s signature over its gradient does not verify"
     output, sent_back = reply.signed_output, reply.signed_grad_output
     if output is None:  # the tail: its gradient was taken from the loss alone, and it signed the loss
@@ -98,13 +70,14 @@ def check_reply(reply: ChainReply, callee: str, sent: torch.Tensor, tokens: torc
             return f"tail worker {callee[-8:]} sent no signed loss, or a gradient signed over an output gradient"
         if (loss.peer_id != callee or loss.coords_digest != given
                 or loss.result_digest != tensor_digest(loss_tensor(reply.loss))
-                or not holds(run_id, "loss", tokens_digest, loss)):
+                or not hop_holds(run_id, "loss", tokens_digest, loss)):
             return f"tail worker {callee[-8:]}'s signature over its loss does not bind its input"
         return None
-    if output.peer_id != callee or output.coords_digest != given or not holds(run_id, "output", tokens_digest, output):
+    if (output.peer_id != callee or output.coords_digest != given
+            or not hop_holds(run_id, "output", tokens_digest, output)):
         return f"worker {callee[-8:]}'s output is signed over another input than the one it was sent"
     if (sent_back is None or sent_back.peer_id == callee or sent_back.coords_digest != output.result_digest
             or sent_back.result_digest != grad.grad_output_digest
-            or not holds(run_id, "gradient", tokens_digest, sent_back)):
+            or not hop_holds(run_id, "gradient", tokens_digest, sent_back)):
         return f"worker {callee[-8:]} signed its gradient over an output gradient the stage after it did not sign"
     return None

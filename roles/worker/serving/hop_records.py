@@ -31,7 +31,14 @@ import torch
 from hivemind.p2p import PeerID
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import HOP_RECORD_KINDS, HopRecordReply, HopRecordRequest, SignedHop, parse_model, sample_owner_prefix
+from protocol.messages import (
+    HOP_RECORD_KINDS,
+    HopRecordReply,
+    HopRecordRequest,
+    SignedHop,
+    parse_model,
+    sample_owner_prefix,
+)
 
 MAX_SAMPLES = 256
 """Chained samples kept at once: a few seconds of a busy worker, far more than a trainer's lanes
