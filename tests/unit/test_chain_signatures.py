@@ -12,9 +12,12 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from protocol.evidence import loss_tensor, sign_hop
 from protocol.identity import Identity
-from protocol.messages import ChainReply, ChainRequest, ChainStage, to_body
+from protocol.messages import ChainHop, ChainReply, ChainRequest, ChainStage, to_body
+from roles.worker.serving.batches import BackwardResult
 from roles.worker.serving.chain import ChainHandler
 from roles.worker.serving.chain_signatures import check_reply, check_request
+from roles.worker.serving.compute_stats import RecentSamples
+from roles.worker.serving.handlers import WorkerHandlers
 from tests.unit.test_chain_routing import _Handlers
 
 RUN = "run-s"
@@ -131,3 +134,65 @@ def test_a_worker_refuses_a_chained_sample_whose_signatures_do_not_bind_before_i
     reply = asyncio.run(handler._chain(BODY.peer_id, to_body(lie)))
     assert reply.dropped == "bad_signature" and reply.stages[0].worker == _id(TAIL), reply
     assert handler.counters["refused_bad_signature"] == 1 and len(handler.records) == 0
+
+
+class _BodyRuntime:
+    """Stands in for a body stage's StageRuntime: its forward gives Y, its backward G1, at once."""
+
+    stage, kind = 1, "body"
+
+    def __init__(self):
+        self.forwarded = RecentSamples()
+        self.fingerprints = {}
+
+    def check_forward(self, request):
+        pass
+
+    def check_backward(self, request):
+        pass
+
+    def submit(self, kind, request, on_done, caller):
+        if kind.value == "forward":
+            self.forwarded.add(request.sample_id, 3)
+            on_done(Y.clone(), None)
+        else:
+            on_done(BackwardResult(grad_input=G1.clone(), loss=None, step=0, version=3), None)
+        return kind
+
+
+def _body_handler() -> tuple[ChainHandler, list]:
+    handlers = WorkerHandlers(_BodyRuntime(), info=lambda: None, serving=lambda: True, run_id=RUN, sign=BODY.sign)
+    handler = ChainHandler(handlers, client=None, p2p=None, directory=None, peer_id=_id(BODY), num_stages=3,
+                           run_id=RUN, sign=BODY.sign)
+    return handler, []
+
+
+def _body_request(signed) -> dict:
+    return to_body(ChainRequest(stage=1, sample_id="t-1", tokens=TOKENS, coords=X, budget_s=5.0, signed=signed,
+                                route=[ChainHop(stage=2, workers=[_id(TAIL)])]))
+
+
+def test_a_worker_next_to_an_older_one_passes_on_unsigned_what_its_neighbour_could_not_bind():
+    """An older head signs nothing: the body's output goes on unsigned (the tail would refuse an
+    output signed over an input no one signed), and so does its gradient back to that head. An older
+    tail signs nothing: the body's gradient goes back unsigned (its caller could not bind the output
+    gradient). Those hops go unchecked."""
+    for head_signs, tail_signs in [(True, True), (False, True), (True, False)]:
+        handler, sent = _body_handler()
+
+        async def tail(request, route, coords, *, deadline, signed=None, signed_input=None):
+            onward = ChainRequest(stage=2, sample_id="t-1", tokens=TOKENS, coords=coords, budget_s=1.0,
+                                  signed=signed, signed_input=signed_input)
+            sent.append(onward)
+            return _tail_reply() if tail_signs else _tail_reply(signed_grad=None, signed_loss=None)
+
+        handler._pass_on = tail
+        head = _sign(HEAD, 0, "output", None, None, X) if head_signs else None
+        reply = asyncio.run(handler._chain(HEAD.peer_id, _body_request(head)))
+        assert reply.dropped is None, reply.detail
+        onward = sent[0]
+        assert (onward.signed is not None) == head_signs
+        if head_signs:
+            assert check_request(onward, _id(BODY), RUN) is None, "the tail takes it"
+        assert (reply.signed_grad is not None) == (head_signs and tail_signs)
+        assert check_reply(reply, _id(BODY), X, TOKENS, RUN) is None, "the head takes it"

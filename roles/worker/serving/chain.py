@@ -183,7 +183,10 @@ class ChainHandler:
         if request.stage > 0:
             self._keep(request.sample_id, "coords_received", request.coords, request.signed)
         coords = await self.handlers._run(TaskKind.FORWARD, forward, caller)
-        signed = self._signed(self.runtime.forwarded.peek(request.sample_id), "output", request, None, coords)
+        # Beside an older worker that sent its input unsigned, an output signature would bind
+        # nothing the next worker can check, and it would refuse it: the output goes unsigned.
+        signed = (self._signed(self.runtime.forwarded.peek(request.sample_id), "output", request, None, coords)
+                  if request.stage == 0 or request.signed is not None else None)
         self._keep(request.sample_id, "coords_sent", coords, signed)
         passed_at = time.monotonic()
         try:
@@ -228,7 +231,10 @@ class ChainHandler:
             return ChainReply(stages=[me(result.version), *later.stages], loss=later.loss, step=later.step,
                               signed_loss=later.signed_loss)
         version = None if result.version is None else int(result.version)
-        signed_grad = self._signed(version, "gradient", request, later.grad_input, result.grad_input)
+        # Likewise a gradient taken from an older worker's unsigned one (the caller could not bind
+        # it), or sent back to an older worker, which checks nothing (chain_signatures.py).
+        signed_grad = (self._signed(version, "gradient", request, later.grad_input, result.grad_input)
+                       if signed is not None and later.signed_grad is not None else None)
         self._keep(request.sample_id, "gradient_sent", result.grad_input, signed_grad)
         return ChainReply(stages=[me(result.version), *later.stages], loss=later.loss, step=later.step,
                           grad_input=result.grad_input, signed_grad=signed_grad, signed_loss=later.signed_loss,

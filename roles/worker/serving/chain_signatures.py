@@ -17,7 +17,10 @@ knows, and the sample stops there (`bad_signature`) when one does not:
 
 So a lie passes on only signed over the input the liar was given, and a check of it binds. A
 result with no signature at all (a worker older than these fields) is taken as before and its hop
-goes unchecked; the trainer counts such hops per worker.
+goes unchecked; the trainer counts such hops per worker. For the same reason a worker next to an
+older one passes on unsigned what its neighbour could not bind: its output after an unsigned input,
+its gradient after an unsigned output gradient (roles/worker/serving/chain.py). Leaving a signature
+out is therefore no lie anyone can prove; it only takes the hop out of the checks, visibly.
 """
 
 from __future__ import annotations
