@@ -22,9 +22,12 @@ again, or to the referee's measurements; strikes, exclusion and evidence to the 
 
 A check that cannot be made is counted, never a verdict: `not_kept` when a neighbour no longer
 holds the record (evicted, gone, or unreachable); `unbound` when the signature does not bind what
-the neighbours returned (W signed another input than the one it was sent, or a neighbour's record
-is false: one of the three lied, and this cannot tell which). `unbound` is also counted per worker
-checked: an honest chain never produces one.
+the neighbours returned. Each worker checks its neighbours' signatures before it uses what they
+sent (roles/worker/serving/chain_signatures.py), so W cannot have passed on a result signed over
+an input it was not given; an `unbound` hop says a neighbour's record is false, or that W and a
+neighbour lied together, and this cannot tell which. It is counted per worker checked: an honest
+chain never produces one. A hop that came unsigned (a worker older than signed chains, or next to
+one) is not checked, and counted per worker too.
 """
 
 from __future__ import annotations
