@@ -9,8 +9,10 @@ import asyncio
 import pytest
 import torch
 from hivemind.p2p import PeerID
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from protocol.errors import ErrorCode, ProtocolError
+from protocol.errors import AgoraError, ErrorCode, ProtocolError
 from protocol.messages import HopRecordReply, HopRecordRequest, SignedHop, parse_model, sample_owner_prefix, to_body
 from roles.worker.serving.hop_records import RECORD_OVERHEAD_BYTES, HopRecords
 
@@ -140,3 +142,25 @@ def test_another_trainers_sample_reads_as_not_kept_even_when_it_is():
         _ask(records, _body(sample_id=theirs))
     assert refused.value.code == ErrorCode.NOT_KEPT
     assert _ask(records, _body(sample_id=theirs), peer=OTHER_TRAINER).signed == SIGNED
+
+
+_KEPT = HopRecords()
+_KEPT.keep(f"{MINE}7", "coords_received", _coords(), SIGNED)
+_FUZZED = st.fixed_dictionaries({}, optional={
+    "run_id": st.one_of(st.just(RUN), st.text(max_size=140), st.integers(), st.none()),
+    "stage": st.one_of(st.integers(-3, 5), st.integers(), st.text(max_size=3), st.floats(), st.none()),
+    "sample_id": st.one_of(st.just(f"{MINE}7"), st.text(max_size=200), st.binary(max_size=20), st.integers()),
+    "which": st.one_of(st.sampled_from(["coords_received", "coords_sent", "gradient_received", "gradient_sent"]),
+                       st.text(max_size=20), st.lists(st.integers(), max_size=2)),
+})
+
+
+@given(body=st.one_of(_FUZZED, st.lists(st.integers(), max_size=3), st.text(max_size=5), st.none()))
+@settings(max_examples=200, deadline=None)
+def test_any_body_gets_a_record_or_a_typed_error(body):
+    try:
+        reply = _ask(_KEPT, body)
+    except AgoraError as exc:
+        assert isinstance(exc.code, ErrorCode)
+    else:
+        assert reply.signed == SIGNED
