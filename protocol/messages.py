@@ -14,7 +14,7 @@ Construction validates too: on a model built from local tensors it costs about a
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, NamedTuple, Optional
+from typing import Annotated, Any, Literal, NamedTuple, Optional, get_args
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError
@@ -392,7 +392,8 @@ class ChainReply(WireModel):
     by every stage before it."""
 
 
-HOP_RECORD_KINDS = ("coords_received", "coords_sent", "gradient_received", "gradient_sent")
+HopRecordKind = Literal["coords_received", "coords_sent", "gradient_received", "gradient_sent"]
+HOP_RECORD_KINDS = get_args(HopRecordKind)
 """What a worker keeps of a chained sample (roles/worker/serving/hop_records.py): the coordinates
 it got and passed on, the gradient it got back and sent back."""
 
@@ -404,7 +405,7 @@ class HopRecordRequest(WireModel):
     run_id: str = Field(min_length=1, max_length=128)
     stage: int = Field(ge=0, le=4096)
     sample_id: SampleId
-    which: Literal["coords_received", "coords_sent", "gradient_received", "gradient_sent"]
+    which: HopRecordKind
 
 
 class HopRecordReply(WireModel):
