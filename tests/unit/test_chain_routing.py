@@ -199,8 +199,11 @@ def test_a_tagged_sample_whose_caller_left_before_its_backward_ran_is_abandoned_
         request = to_body(ChainRequest(stage=0, sample_id="s-1", tokens=TOKENS, coords=None,
                                        route=[ChainHop(stage=1, workers=["t"])], budget_s=5.0))
         call = asyncio.ensure_future(handler.chain(_PEER, request))
-        while len(runtime.submitted) < 2:
-            await asyncio.sleep(0.001)
+        async def backward_queued():
+            while len(runtime.submitted) < 2 and not call.done():
+                await asyncio.sleep(0.001)
+        await asyncio.wait_for(backward_queued(), 10.0)
+        assert not call.done(), call.result() if not call.exception() else call.exception()
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
