@@ -45,6 +45,9 @@ For each attack, with the checks on (the run config's `verification`, spot check
   `spot_checks` summary as it reported it;
 - tokens/s from the trainers' start to their end.
 
+`--routing workers` routes every run worker to worker (routing.path: workers), where a trainer
+checks a worker's hops with what its neighbours kept (roles/trainer/chain_checks.py).
+
 `--authorizer` admits every node through a real authorizer (honouring --stage, one account per
 node, so the two trainers are on two accounts). A trainer whose check a third replica settles
 (`--workers-per-stage 3`) sends the three signed results; with two replicas, each trainer sends the
@@ -192,8 +195,8 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
     sparseloco = attack in SPARSELOCO_ATTACKS or variant == "sparseloco"
     witnesses = sparseloco or attack in AVERAGING_ATTACKS
     replicas = replicas_for(args, witnesses)
-    run = trust_run_config(args, steps, checks=checks, routing="workers" if variant == "workers" else "trainer",
-                           sparseloco=sparseloco, witnesses=witnesses)
+    routing = "workers" if variant == "workers" else args.routing
+    run = trust_run_config(args, steps, checks=checks, routing=routing, sparseloco=sparseloco, witnesses=witnesses)
     run = run.model_copy(update={"run_id": f"trust-{os.getpid()}-{label.replace(':', '').replace(',', '-')}"})
     config_path = os.path.join(workdir, "run.yaml")
     dump_run_config(run, config_path)
@@ -204,7 +207,7 @@ def one_run(label: str, args: argparse.Namespace, *, attack: Optional[str], chec
     authorizer = revocation = None
     node_args = on_tick = None
     out: dict[str, Any] = {"attack": attack, "checks": checks, "variant": variant, "attackers": sorted(liars),
-                           "averaging": run.averaging.method, "workers_per_stage": replicas}
+                           "averaging": run.averaging.method, "workers_per_stage": replicas, "routing": routing}
     started = time.monotonic()
     try:
         if args.authorizer:
@@ -581,6 +584,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, metavar="N",
                    help="optimizer steps per run (default: the setting's, 150 of 16 or 60 of 64 samples)")
     p.add_argument("--workers-per-stage", type=int, default=2, metavar="R", help="replicas of every stage (default 2)")
+    p.add_argument("--routing", choices=("trainer", "workers"), default="trainer",
+                   help="routing.path of every run: trainer (the trainer calls each stage) or workers (samples hop "
+                        "worker to worker; checked through each worker's neighbours); the honest `workers` "
+                        "variant routes worker to worker either way (default trainer)")
     p.add_argument("--spot-check-rate", type=float, default=0.01, help="verification.spot_check_rate (default 0.01)")
     p.add_argument("--authorizer", action="store_true",
                    help="admit every node through a real authorizer and time the revocation (needs 3 replicas a "
@@ -627,6 +634,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                       "trainers": 2, "lanes": 4, "setting": args.setting, "steps": args.steps,
                                       "samples": args.steps * bench_fidelity.SETTINGS[args.setting].target_batch_size,
                                       "spot_check_rate": args.spot_check_rate, "authorizer": args.authorizer,
+                                      "routing": args.routing,
                                       "seed": args.seed}}
     runs: list[dict] = []
     honest: list[dict] = []

@@ -246,3 +246,11 @@ def test_the_honest_floor_is_the_honest_runs_gaps_to_their_own_order():
     assert (floor["own_order_gap_max"], floor["own_order_gap_max_abs"]) == (0.001, 0.004)
     assert bench_trust.relative_gap(2.02, 2.0) == 0.01 and bench_trust.relative_gap(None, 2.0) is None
 
+
+
+def test_every_run_can_route_worker_to_worker():
+    args = bench_trust.parse_args(["--routing", "workers", "--steps", "10"])
+    assert args.routing == "workers" and bench_trust.parse_args([]).routing == "trainer"
+    assert bench_trust.trust_run_config(args, 10, checks=True, routing=args.routing).routing.path == "workers"
+    with pytest.raises(SystemExit):
+        bench_trust.parse_args(["--routing", "relay"])
