@@ -6,6 +6,7 @@ the attack installed: the weights do not move in between, so the two differ only
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import threading
@@ -325,14 +326,16 @@ def test_spart_scale_scales_the_parts_sent_to_other_reducers_and_keeps_its_own_s
         runner.tensor_part_reducer.finished.set()  # never run: not a reducer that lost its parts
         return [torch.cat([part for part, _ in sent[index]]) for index in range(2)]
 
-    def runner():
-        return InstrumentedRunner(p2p=SimpleNamespace(peer_id=me), servicer_type=InstrumentedRunner, prefix=None,
-                                  group_id=b"g", tensors=[values.clone()], ordered_peer_ids=[me, other],
-                                  peer_fractions=(0.5, 0.5), part_size_bytes=64)
+    async def round_parts():
+        """A runner is built inside a running loop, as the averager builds it: hivemind's parts
+        container makes futures, which need one (none is current once another test's loop closed)."""
+        return parts(InstrumentedRunner(p2p=SimpleNamespace(peer_id=me), servicer_type=InstrumentedRunner, prefix=None,
+                                        group_id=b"g", tensors=[values.clone()], ordered_peer_ids=[me, other],
+                                        peer_fractions=(0.5, 0.5), part_size_bytes=64))
 
-    honest = parts(runner())
+    honest = asyncio.run(round_parts())
     with installed("spart_scale:1000,every:2") as [attack]:
-        lying, second = parts(runner()), parts(runner())
+        lying, second = asyncio.run(round_parts()), asyncio.run(round_parts())
     assert torch.equal(lying[1], honest[1] * 1000) and torch.equal(lying[0], honest[0]), "its own slice is honest"
     assert torch.equal(second[1], honest[1]), "every:2 - the second round is sent honestly"
     assert attack.altered == 1
