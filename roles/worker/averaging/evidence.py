@@ -29,8 +29,10 @@ from typing import Awaitable, Callable, Optional, Sequence
 
 import torch
 
+from protocol.errors import ProtocolError
 from protocol.evidence import MAX_WITNESSES, EvidenceRejected, choose_witnesses
 from protocol.hivemind_adapter import HeldPart
+from protocol.messages import parse_model
 from protocol.part_evidence import PartEvidence, PartProof, SignedPart, check_part_evidence
 
 logger = logging.getLogger(__name__)
@@ -128,6 +130,16 @@ class PartReporter:
             task = asyncio.get_running_loop().create_task(self.send(evidence), name="report-part")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def submit_wire(self, found: Sequence[dict]) -> None:
+        """`submit` the evidence the averager process carried out as wire maps."""
+        parsed = []
+        for wire in found:
+            try:
+                parsed.append(parse_model(PartEvidence, wire))
+            except ProtocolError as exc:  # our own averager process built it: a bug, not an attack
+                logger.warning("the averager's evidence of a refused part does not parse: %s", exc)
+        self.submit(parsed)
 
     async def send(self, evidence: PartEvidence) -> Optional[str]:
         """Check `evidence` (in a thread) and report it; the verdict, or None if it was not sent."""

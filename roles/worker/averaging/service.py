@@ -30,8 +30,6 @@ from typing import Awaitable, Callable, Optional
 
 from protocol.auth_state import SharedAuthState
 from protocol.dht import SwarmDHT
-from protocol.errors import ProtocolError
-from protocol.messages import parse_model
 from protocol.part_evidence import PartEvidence
 from protocol.dht_schema import AveragingRecord, Phase, RoundStatus, WorkerRecord, averaging_key, workers_key
 from protocol.stats import Distribution
@@ -460,15 +458,8 @@ class AveragingService(RoundVerdicts):
     def _report_parts(self, found: list[dict]) -> None:
         """Hand a round's evidence of poisoned parts to the reporter (event loop; it reports in
         the background and never raises)."""
-        if self.parts_reporter is None:
-            return
-        parsed = []
-        for wire in found:
-            try:
-                parsed.append(parse_model(PartEvidence, wire))
-            except ProtocolError as exc:  # our own averager process built it: a bug, not an attack
-                logger.warning("the averager's evidence of a refused part does not parse: %s", exc)
-        self.parts_reporter.submit(parsed)
+        if self.parts_reporter is not None:
+            self.parts_reporter.submit_wire(found)
 
     def refusals(self) -> dict[str, int]:
         """Averaging requests and groups the averager process refused, by reason (access.py)."""
