@@ -111,3 +111,21 @@ def test_every_worker_module_is_in_a_room_or_the_base():
         elif entry.endswith(".py") and entry[:-3] not in WORKER_BASE | {"__init__", "role"}:
             loose.append(f"roles/worker/{entry} is neither in a room nor the role's own")
     assert not loose, "\n".join(loose)
+
+
+WORKER_MODULE_LINES_MAX = 500
+"""The worker is split into rooms so that a newcomer can read one module at a time: one that
+outgrows this is a second concept waiting for a module of its own."""
+
+
+def test_no_worker_module_outgrows_a_sitting():
+    long = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "roles", "worker")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    lines = sum(1 for _ in f)
+                if lines > WORKER_MODULE_LINES_MAX:
+                    long.append(f"{os.path.relpath(path, ROOT)}: {lines} lines")
+    assert not long, f"worker modules over {WORKER_MODULE_LINES_MAX} lines: {long}"
