@@ -15,4 +15,5 @@ never serving, steps or state (tests/unit/test_layers.py).
     stage_view.py  the stage as the DHT shows it before a round, and why a replica skips one
     service.py     with whom a round runs, at what weight, and how it is reported
     round_verdicts.py  what a finished round tells: counts, log, self-protection, divergence, digests
+    evidence.py    a part refused for its norm as evidence for the authorizer, and its reporter
 """

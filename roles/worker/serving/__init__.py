@@ -12,5 +12,7 @@ role and SparseLoCo; the state and health rooms never import it (tests/unit/test
     kept_activations.py  forward activations kept for the backward within a memory budget
     handlers.py          the `agora/v1/*` handlers: parse, validate, queue, await, reply
     chain.py             worker-to-worker routing: the `agora/v1/chain` handler
+    chain_signatures.py  the neighbours' signatures a chained worker checks before it uses what they sent
+    hop_records.py       what a worker keeps of its chained samples for the trainers' checks: `agora/v1/hop_record`
     replicas.py          the replicas' direct RPCs: step tags and the gradient exchange, wired into the runtime
 """
