@@ -36,6 +36,7 @@ import hashlib
 import math
 import statistics
 import struct
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
@@ -213,3 +214,21 @@ def choose_witnesses(norms: dict[str, float], *, ratio: float, own: str, limit: 
     centre = next((n for n, p in best if p == own), statistics.median(n for n, _ in best))
     best.sort(key=lambda entry: (entry[1] != own, abs(math.log(entry[0] / centre)), entry[1]))
     return [p for _, p in best[:limit]]
+
+
+@dataclass(frozen=True)
+class EvidenceNorms:
+    """What averaging evidence that holds shows (a SparseLoCo fragment's, an AsyncSPARTA part's):
+    the accused's norm against its witnesses'."""
+
+    accused: float
+    witnesses: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.witnesses)
+
+    @property
+    def ratio(self) -> float:
+        """The accused's norm over the witnesses' median (inf or nan for non-finite values)."""
+        return self.accused / self.median

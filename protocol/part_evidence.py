@@ -49,7 +49,7 @@ from typing import Annotated, Callable, Literal, NamedTuple, Optional, Sequence
 import torch
 from pydantic import Field
 
-from protocol.evidence import EVIDENCE_MAX_BYTES, MAX_WITNESSES, EvidenceRejected
+from protocol.evidence import EVIDENCE_MAX_BYTES, MAX_WITNESSES, EvidenceNorms, EvidenceRejected
 from protocol.identity import verify_peer_signature
 from protocol.messages import PeerIdText, WireModel
 
@@ -179,23 +179,6 @@ class PartEvidence(WireModel):
         return False
 
 
-@dataclass(frozen=True)
-class PartNorms:
-    """What part evidence that holds shows: the accused's norm against its witnesses'."""
-
-    accused: float
-    witnesses: tuple[float, ...]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.witnesses)
-
-    @property
-    def ratio(self) -> float:
-        """The accused's norm over the witnesses' median (inf or nan for non-finite values)."""
-        return self.accused / self.median
-
-
 def decode_part(part: SignedPart) -> torch.Tensor:
     """The values of an evidence part (ValueError if it is not float32, uncompressed, of its shape)."""
     refusal = encoding_refusal(part.compression, part.dtype)
@@ -213,7 +196,7 @@ def part_norm(values: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(values, dtype=torch.float64))
 
 
-def check_part_evidence(evidence: PartEvidence, *, run_id: str, max_norm_ratio: float) -> PartNorms:
+def check_part_evidence(evidence: PartEvidence, *, run_id: str, max_norm_ratio: float) -> EvidenceNorms:
     """Verify `evidence` by itself against the run's AsyncSPARTA `max_norm_ratio`; its norms if it
     holds, else EvidenceRejected with its reason (an EvidenceReason value)."""
     if evidence.run_id != run_id:
@@ -249,4 +232,4 @@ def check_part_evidence(evidence: PartEvidence, *, run_id: str, max_norm_ratio: 
         # a part of weight 0 adds nothing to the average (a replica in weight sync sends its own
         # stale values so): its norm is not held against it, as the screen does not
         raise EvidenceRejected("accused_agrees", "the accused sent its part with weight 0: it was never averaged")
-    return PartNorms(accused, witnesses)
+    return EvidenceNorms(accused, witnesses)

@@ -26,12 +26,11 @@ import asyncio
 import collections
 import logging
 import statistics
-from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional
 
 from protocol.authorizer_api import EvidenceReason
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.evidence import EvidenceRejected, choose_witnesses
+from protocol.evidence import EvidenceNorms, EvidenceRejected, choose_witnesses
 from protocol.fragment_evidence import FragmentEvidence, SignedFragment
 from protocol.run_config import SparseLoCoConfig
 from roles.worker.layout import FlatLayout
@@ -44,28 +43,11 @@ REPORTED_KEPT = 1024
 """(accused, round) pairs remembered so that each is reported once."""
 
 
-@dataclass(frozen=True)
-class FragmentNorms:
-    """What a fragment evidence that holds shows: the accused's norm against its witnesses'."""
-
-    accused: float
-    witnesses: tuple[float, ...]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.witnesses)
-
-    @property
-    def ratio(self) -> float:
-        """The accused's norm over the witnesses' median (inf for an infinite one)."""
-        return self.accused / self.median
-
-
 def _rejected(reason: EvidenceReason, message: str) -> EvidenceRejected:
     return EvidenceRejected(reason.value, message)
 
 
-def check_fragment_evidence(evidence: FragmentEvidence, *, run_id: str, config: SparseLoCoConfig) -> FragmentNorms:
+def check_fragment_evidence(evidence: FragmentEvidence, *, run_id: str, config: SparseLoCoConfig) -> EvidenceNorms:
     """Verify `evidence` by itself against the run's SparseLoCo settings; its norms if it holds,
     else EvidenceRejected with its reason."""
     if evidence.run_id != run_id:
@@ -108,7 +90,7 @@ def check_fragment_evidence(evidence: FragmentEvidence, *, run_id: str, config: 
     if median / ratio <= accused <= median * ratio:
         raise _rejected(EvidenceReason.ACCUSED_AGREES,
                         f"the accused's norm {accused:.4g} is within {ratio:g}x of the witnesses' median {median:.4g}")
-    return FragmentNorms(accused, witnesses)
+    return EvidenceNorms(accused, witnesses)
 
 
 class FragmentReporter:
