@@ -57,7 +57,7 @@ class FragmentEvidence(WireModel):
     kind: Literal["fragment"] = FRAGMENT_KIND
     run_id: str = Field(min_length=1, max_length=128)
     stage: int = Field(ge=0, le=4096)
-    round: int = Field(ge=0)
+    round: int = Field(ge=0, le=1 << 62)
     """The stage step after which the fragment was captured (the fragments' signed round)."""
     fragment: int = Field(ge=0, le=4096)
     tensor_names: list[TensorName] = Field(min_length=1, max_length=MAX_LAYOUT_TENSORS)

@@ -168,6 +168,8 @@ def test_sizes_are_bounded():
         _evidence(one, *[one] * 5)
     with pytest.raises(ValidationError):
         SignedFragment(peer_id="p", data=b"x" * (12 << 20))
+    with pytest.raises(ValidationError):  # the authorizer stores it in a signed 64-bit column
+        _evidence(one, one, one, round=1 << 63)
 
 
 def test_the_envelope_carries_either_kind_and_a_spot_check_s_as_before(cast):
