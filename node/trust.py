@@ -10,12 +10,15 @@ trusted; the node says so loudly.
 
 On disk an authenticated node keeps one directory, `agora-trust-<pid>-*` in the system temp
 directory (its credential and the revocation list, shared with hivemind's DHT process); `close()`
-removes it, and the pid in its name lets a crash clean-up find the one a dead node left.
+removes it, and the pid in its name lets a crash clean-up find the one a dead node left. Where
+that clean-up died too (a SIGKILL to the node's whole process group takes its watchdog with it),
+the next node to start on the machine removes the directories of pids no longer alive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
 import os
 import shutil
@@ -208,6 +211,21 @@ def remove_trust_dir(path: Optional[str]) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def remove_dead_nodes_trust_dirs(temp_dir: Optional[str] = None) -> int:
+    """Remove the trust directories whose node's pid is no longer alive; how many. A pid alive
+    again (reused) keeps its directory: it may be a node's."""
+    import psutil
+
+    removed = 0
+    for path in glob.glob(os.path.join(temp_dir or tempfile.gettempdir(), f"{TRUST_DIR_PREFIX}*-*")):
+        pid = os.path.basename(path)[len(TRUST_DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or psutil.pid_exists(int(pid)) or not os.path.isdir(path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed += not os.path.exists(path)
+    return removed
+
+
 async def _listen_for_probe(identity: Identity, settings: NodeSettings):
     """Listen with our identity while we wait for admission, so the authorizer's reachability
     probe dials a live node at the concrete addresses (ports) we announce; the DHT listens on the
@@ -259,6 +277,7 @@ async def establish_trust(settings: NodeSettings, identity: Identity, device: st
         if requested is not None and admission.stage is not None and requested != admission.stage:
             logger.warning("the authorizer placed this worker on stage %d, not the requested %d", admission.stage,
                            requested)
+        remove_dead_nodes_trust_dirs()
         trust_dir = tempfile.mkdtemp(prefix=trust_dir_prefix())
         auth_state = SharedAuthState(trust_dir, run_id=run.run_id, root_public_key=admission.root_public_key)
         auth_state.publish_credential(admission.credential)
