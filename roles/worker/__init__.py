@@ -12,4 +12,6 @@ import one way, lowest first (tests/unit/test_layers.py holds it):
     config.py   the worker's configuration model
     errors.py   the worker's exceptions
     layout.py   the flat parameter layout every room that moves parameters shares
+    evidence_reports.py   a replica's reports of poisoned averaging contributions: what the
+                averaging and sparseloco rooms' reporters share
 """

@@ -3,7 +3,7 @@ roles/ on both, authorizer/ on those, node/ (the CLI and process code) on everyt
 grain fails here with the file and line (docs/architecture.md, 'Layers').
 
 Within the worker (roles/worker/), its rooms point one way too: health, state and steps build only
-on the worker's base modules (errors.py, layout.py, config.py), averaging on health, serving on
+on the worker's base modules (errors.py, layout.py, config.py, evidence_reports.py), averaging on health, serving on
 steps, SparseLoCo on health, steps and serving, and only role.py on everything
 (roles/worker/__init__.py)."""
 
@@ -49,7 +49,7 @@ def test_imports_follow_the_layers():
 
 
 WORKER = "roles.worker"
-WORKER_BASE = {"errors", "layout", "config"}
+WORKER_BASE = {"errors", "layout", "config", "evidence_reports"}
 """The worker's own modules every room may import."""
 ROOMS = {
     "health": set(),

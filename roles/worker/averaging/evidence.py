@@ -21,7 +21,7 @@ account or on one account twice, and flags this reporter for it.
 from __future__ import annotations
 
 import asyncio
-import collections
+import functools
 import logging
 import math
 import statistics
@@ -30,10 +30,11 @@ from typing import Awaitable, Callable, Optional, Sequence
 import torch
 
 from protocol.errors import ProtocolError
-from protocol.evidence import MAX_WITNESSES, EvidenceRejected, choose_witnesses
+from protocol.evidence import MAX_WITNESSES, choose_witnesses
 from protocol.hivemind_adapter import HeldPart
 from protocol.messages import parse_model
 from protocol.part_evidence import PartEvidence, PartProof, SignedPart, check_part_evidence
+from roles.worker.evidence_reports import EvidenceReporter
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ ROUND_EVIDENCE_MAX = 4
 round is no lone liar, and the next round may report the rest)."""
 ROUND_EVIDENCE_MAX_BYTES = 32 << 20
 """Part bytes of one round's evidence that cross to the worker process."""
-REPORTED_KEPT = 1024
-"""(accused, round) pairs remembered so that each is reported once."""
 
 
 def _norm(tensor: torch.Tensor) -> float:
@@ -105,28 +104,27 @@ def evidence_bytes(evidence: PartEvidence) -> int:
     return sum(len(p.buffer) for p in (evidence.accused, *evidence.witnesses))
 
 
-class PartReporter:
-    """One worker's reports of poisoned all-reduce parts; `counts` by outcome (a verdict,
-    `unproven`, `failed`, `invalid`)."""
+class PartReporter(EvidenceReporter):
+    """One worker's reports of poisoned all-reduce parts (roles/worker/evidence_reports.py)."""
+
+    party = "sender"
 
     def __init__(self, *, run_id: str, max_norm_ratio: float, report: Callable[[PartEvidence], Awaitable[str]]):
+        super().__init__(check=functools.partial(check_part_evidence, run_id=run_id, max_norm_ratio=max_norm_ratio),
+                         report=report)
         self.run_id = run_id
         self.max_norm_ratio = max_norm_ratio
-        self.report = report
-        self.counts: collections.Counter[str] = collections.Counter()
-        self._reported: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
+
+    def describe(self, evidence: PartEvidence) -> str:
+        return f"averaging round {evidence.round} part {evidence.part_index}"
 
     def submit(self, found: Sequence[PartEvidence]) -> None:
         """Report `found` in the background (event loop), once per accused and round (a round's
         repair, another group, finds the same liar again)."""
         for evidence in found:
-            key = (evidence.accused.peer_id, evidence.round)
-            if key in self._reported:
+            if not self.first_report(evidence.accused.peer_id, evidence.round):
                 continue
-            self._reported[key] = None
-            while len(self._reported) > REPORTED_KEPT:
-                self._reported.popitem(last=False)
             task = asyncio.get_running_loop().create_task(self.send(evidence), name="report-part")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -140,32 +138,6 @@ class PartReporter:
             except ProtocolError as exc:  # our own averager process built it: a bug, not an attack
                 logger.warning("the averager's evidence of a refused part does not parse: %s", exc)
         self.submit(parsed)
-
-    async def send(self, evidence: PartEvidence) -> Optional[str]:
-        """Check `evidence` (in a thread) and report it; the verdict, or None if it was not sent."""
-        accused = evidence.accused.peer_id
-        try:
-            norms = await asyncio.to_thread(check_part_evidence, evidence, run_id=self.run_id,
-                                            max_norm_ratio=self.max_norm_ratio)
-        except EvidenceRejected as exc:
-            self.counts["unproven"] += 1
-            logger.warning("averaging round %d: no evidence against sender %s (%s): %s", evidence.round,
-                           accused[-8:], exc.reason, exc)
-            return None
-        try:
-            verdict = await self.report(evidence)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the authorizer unreachable: a later round may try again
-            self.counts["failed"] += 1
-            logger.warning("could not report the part of sender %s in averaging round %d to the authorizer: %s: %s",
-                           accused[-8:], evidence.round, type(exc).__name__, exc)
-            return None
-        self.counts[verdict] += 1
-        logger.warning("evidence against sender %s (averaging round %d part %d, norm %.3g, %.3gx the median of %d "
-                       "replicas) reported to the authorizer: %s", accused[-8:], evidence.round, evidence.part_index,
-                       norms.accused, norms.ratio, len(norms.witnesses), verdict)
-        return verdict
 
     async def close(self) -> None:
         """Wait briefly for the reports in flight, then cancel the rest."""

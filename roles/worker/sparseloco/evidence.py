@@ -22,26 +22,22 @@ witnesses on the accused's account or on one account twice, and flags this repor
 
 from __future__ import annotations
 
-import asyncio
-import collections
+import functools
 import logging
 import statistics
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable
 
 from protocol.authorizer_api import EvidenceReason
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.evidence import EvidenceNorms, EvidenceRejected, choose_witnesses
 from protocol.fragment_evidence import FragmentEvidence, SignedFragment
 from protocol.run_config import SparseLoCoConfig
+from roles.worker.evidence_reports import EvidenceReporter
 from roles.worker.layout import FlatLayout
 from roles.worker.sparseloco.chunks import plan_fragments
 from roles.worker.sparseloco.codec import Envelope, compressed_norm, decode_fragment
 
 logger = logging.getLogger(__name__)
-
-REPORTED_KEPT = 1024
-"""(accused, round) pairs remembered so that each is reported once."""
-
 
 def _rejected(reason: EvidenceReason, message: str) -> EvidenceRejected:
     return EvidenceRejected(reason.value, message)
@@ -93,20 +89,21 @@ def check_fragment_evidence(evidence: FragmentEvidence, *, run_id: str, config: 
     return EvidenceNorms(accused, witnesses)
 
 
-class FragmentReporter:
-    """One replica's reports of poisoned fragments; `counts` by outcome (a verdict, `unproven`,
-    `failed`)."""
+class FragmentReporter(EvidenceReporter):
+    """One replica's reports of poisoned fragments (roles/worker/evidence_reports.py)."""
 
     def __init__(self, *, run_id: str, stage: int, layout: FlatLayout, config: SparseLoCoConfig, self_id: str,
                  report: Callable[[FragmentEvidence], Awaitable[str]]):
+        super().__init__(check=functools.partial(check_fragment_evidence, run_id=run_id, config=config),
+                         report=report)
         self.run_id = run_id
         self.stage = stage
         self.layout = layout
         self.config = config
         self.self_id = self_id
-        self.report = report
-        self.counts: collections.Counter[str] = collections.Counter()
-        self._reported: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+
+    def describe(self, evidence: FragmentEvidence) -> str:
+        return f"sparseloco round {evidence.round} fragment {evidence.fragment}"
 
     def evidence(self, round_id: int, fragment: int, refused: dict[str, tuple[bytes, float]],
                  good: dict[str, tuple[bytes, float]]) -> list[FragmentEvidence]:
@@ -121,12 +118,8 @@ class FragmentReporter:
         ratio = self.config.max_norm_ratio
         out = []
         for accused, (data, norm) in sorted(refused.items()):
-            key = (accused, round_id)
-            if key in self._reported or median / ratio <= norm <= median * ratio:
+            if median / ratio <= norm <= median * ratio or not self.first_report(accused, round_id):
                 continue
-            self._reported[key] = None
-            while len(self._reported) > REPORTED_KEPT:
-                self._reported.popitem(last=False)
             try:
                 out.append(FragmentEvidence(
                     run_id=self.run_id, stage=self.stage, round=round_id, fragment=fragment,
@@ -137,28 +130,3 @@ class FragmentReporter:
                 self.counts["invalid"] += 1
                 logger.warning("the evidence against replica %s cannot be built: %s", accused[-8:], exc)
         return out
-
-    async def send(self, evidence: FragmentEvidence) -> Optional[str]:
-        """Check `evidence` (in a thread) and report it; the verdict, or None if it was not sent."""
-        accused = evidence.accused.peer_id
-        try:
-            norms = await asyncio.to_thread(check_fragment_evidence, evidence, run_id=self.run_id, config=self.config)
-        except EvidenceRejected as exc:  # e.g. a witness whose fragment the screen took but the check refuses
-            self.counts["unproven"] += 1
-            logger.warning("sparseloco round %d: no evidence against replica %s (%s): %s", evidence.round,
-                           accused[-8:], exc.reason, exc)
-            return None
-        try:
-            verdict = await self.report(evidence)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the authorizer unreachable: the next round may try again
-            self.counts["failed"] += 1
-            logger.warning("could not report the fragment of replica %s in sparseloco round %d to the authorizer: "
-                           "%s: %s", accused[-8:], evidence.round, type(exc).__name__, exc)
-            return None
-        self.counts[verdict] += 1
-        logger.warning("evidence against replica %s (sparseloco round %d fragment %d, norm %.3g, %.3gx the median of "
-                       "%d replicas) reported to the authorizer: %s", accused[-8:], evidence.round, evidence.fragment,
-                       norms.accused, norms.ratio, len(norms.witnesses), verdict)
-        return verdict
