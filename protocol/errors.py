@@ -33,7 +33,8 @@ class ErrorCode(enum.IntEnum):
     FRAME_TOO_LARGE = 11  # frame exceeds the handler's size limit
     RATE_LIMITED = 12  # the peer holds too many streams or buffered bytes; close idle streams or retry later
     STATE_GONE = 13  # the state snapshot a chunk was asked of is no longer held; fetch the manifest again
-    NOT_KEPT = 14  # the worker holds no record of that chained sample (evicted, never seen, or another trainer's)
+    NOT_KEPT = 14  # the worker holds no record of that chained sample (evicted, never seen, or another trainer's),
+    # or no longer holds the weights of that version
 
 
 class AgoraError(Exception):

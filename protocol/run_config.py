@@ -589,6 +589,11 @@ class VerificationConfig(BaseModel):
         description="Disputes resolved against a worker (and fewer than a third as many in its favour) after "
                     "which a trainer routes nothing more to it.",
     )
+    referee_max_bytes: int = Field(
+        default=256 << 20, ge=0,
+        description="Largest stage (its parameters, in bytes) whose weights a trainer fetches from both sides of "
+                    "a two-replica output dispute to re-execute the hop itself; 0 turns this referee off.",
+    )
 
 
 class CheckpointConfig(BaseModel):

@@ -11,6 +11,10 @@ The multi-donor download has records of its own below: a donor's manifest of one
 frozen snapshot of its state (parameters and optimizer state) and requests for its chunks, each
 checked against the SHA-256 the manifest lists. `agora/v1/state` stays the fallback for donors
 that do not serve them.
+
+`agora/v1/weights` (records at the end) hands a trainer the parameters a worker computed with at
+one weight version, so that the trainer can re-execute a disputed hop itself
+(roles/trainer/reexecution.py).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Annotated, Optional
 
 from pydantic import Field
 
-from protocol.messages import WireModel, WireTensor
+from protocol.messages import Fingerprint, WireModel, WireTensor
 
 MAX_STATE_CHUNK_ELEMENTS = 1 << 23
 """Largest chunk one request may ask for: 32 MiB of float32, half the default frame limit."""
@@ -94,3 +98,35 @@ class ChunkReply(WireModel):
     manifest_id: ManifestId
     index: int = Field(ge=0, lt=MAX_SNAPSHOT_CHUNKS)
     data: bytes = Field(min_length=1, max_length=MAX_SNAPSHOT_CHUNK_BYTES)
+
+
+# ---- a worker's weights at one version, for a trainer's referee (`agora/v1/weights`) ----------
+
+MAX_WEIGHTS_CHUNK_ELEMENTS = 1 << 22
+"""Largest chunk one request may ask for: 16 MiB of float32, a quarter of the default frame limit."""
+
+
+class WeightsRequest(WireModel):
+    """Ask for `count` of the parameters the worker computes with, flat from element `offset`, as
+    they were at weight `version`; `count` 0 asks for the description only."""
+
+    stage: int = Field(ge=0)
+    version: int = Field(ge=0)
+    offset: int = Field(ge=0)
+    count: int = Field(ge=0, le=MAX_WEIGHTS_CHUNK_ELEMENTS)
+
+
+class WeightsReply(WireModel):
+    """A chunk of the parameters at `version`, in the dtype the worker computes with. `weights` is
+    the fingerprint of the whole set when this chunk was read (roles/worker/serving/compute_stats.py
+    weights_fingerprint): a chunk read after the weights changed (a step the worker no longer keeps
+    the version of, an averaging round) names other weights or fails, so a caller never mixes two sets."""
+
+    run_id: str = Field(max_length=64)
+    stage: int = Field(ge=0)
+    version: int = Field(ge=0, description="the weight version this chunk was read at")
+    weights: Fingerprint
+    numel: int = Field(ge=0, description="parameters the stage computes with, in elements")
+    dtype: str = Field(max_length=16)
+    offset: int = Field(ge=0)
+    data: Optional[WireTensor] = None

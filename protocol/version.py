@@ -19,6 +19,9 @@ worker before or after it (roles/worker/serving/hop_records.py)."""
 STATE = HANDLER_PREFIX + "state"
 """A stage replica's parameters, served in chunks to a joining worker [report 3.3.1.1]; the
 fallback for donors without STATE_MANIFEST."""
+WEIGHTS = HANDLER_PREFIX + "weights"
+"""The parameters a worker computed with at one weight version, in chunks, for a trainer that
+re-executes a disputed hop itself (roles/worker/serving/weights_server.py)."""
 STATE_MANIFEST = HANDLER_PREFIX + "state_manifest"
 """A donor's manifest of one frozen snapshot of its stage state (parameters and optimizer state):
 fixed-size chunks, each with its SHA-256."""

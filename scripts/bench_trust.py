@@ -377,6 +377,8 @@ def _figures(run, swarm: dict, liars: dict, total: int) -> dict:
 STRIKE_MECHANISMS = {
     "arbiter": "a third replica's re-execution matched one side only",
     "self_contradiction": "asked again, the struck side's second answer contradicted its first",
+    "reexecuted": "the trainer re-executed the hop on the struck side's own weights (fetched at the hop's version) "
+                  "and got another output, or those weights did not carry the fingerprint it signed",
     "tally": "the tally of disputes within the loss margin (sign test over a pair's close disputes)",
     "loss": "an output dispute: the struck side's output carried the clearly worse loss through the later stages",
     "slope": "a gradient or tail-loss dispute: the struck side's slope error was the larger",

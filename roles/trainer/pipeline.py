@@ -47,10 +47,14 @@ from protocol.messages import (
     WireModel,
 )
 from protocol.evidence import Evidence
-from protocol.run_config import VerificationConfig
+from protocol.run_config import RunConfig, VerificationConfig
+from protocol.state_messages import WeightsReply, WeightsRequest
 from protocol.transport import RpcClient
 from roles.event_log import EventAggregator
+from roles.model.memory_plan import stage_parameter_count
+from roles.model.stage import build_stage_model
 from roles.trainer.balancer import StageBalancer
+from roles.trainer.reexecution import WeightsReferee
 from roles.trainer.referee import Referee
 from roles.trainer.skipping import StageSkipping, skippable
 from roles.trainer.spot_checks import SpotChecks
@@ -124,7 +128,8 @@ class PipelineDriver:
                  verification: Optional[VerificationConfig] = None,
                  exclude: Optional[Callable[[int, str, str], None]] = None,
                  equal_replicas: Callable[[int], bool] = lambda stage: True, run_id: str = "",
-                 report_evidence: Optional[Callable[[Evidence], Awaitable[str]]] = None):
+                 report_evidence: Optional[Callable[[Evidence], Awaitable[str]]] = None,
+                 run: Optional[RunConfig] = None):
         self.client = client
         self.balancers = balancers
         self.connect = connect
@@ -138,6 +143,13 @@ class PipelineDriver:
         self.stats = PipelineStats()
         verification = verification or VerificationConfig(spot_check_rate=0.0)
         referee = Referee(self._call, balancers)
+        weights_referee = None
+        if run is not None and verification.referee_max_bytes > 0 and run.model.kind != "surrogate":
+            weights_referee = WeightsReferee(  # roles/trainer/reexecution.py
+                self._fetch_weights, lambda stage: build_stage_model(run, stage),
+                size=lambda stage: stage_parameter_count(run, stage) * torch.empty((), dtype=getattr(
+                    torch, run.dtype)).element_size(),
+                max_bytes=verification.referee_max_bytes, tolerance=verification.tolerance)
         self.spot_checks = SpotChecks(
             verification.spot_check_rate, verification.tolerance,
             evaluate=lambda stage, peer, request: self._call(stage, peer, version.EVALUATE, request, EvaluateReply),
@@ -146,7 +158,8 @@ class PipelineDriver:
             loss_margin=verification.loss_margin, strikes_to_exclude=verification.strikes_to_exclude,
             exclude=self._excluder(exclude), equal_replicas=equal_replicas,
             suspect_rate=verification.suspect_check_rate, run_id=run_id, report_evidence=report_evidence,
-            route_around=lambda stage, peer: self.balancers[stage].report_failure(peer))
+            route_around=lambda stage, peer: self.balancers[stage].report_failure(peer),
+            weights_referee=weights_referee)
         """A fraction of the hops re-executed on another replica of the stage (roles/trainer/spot_checks.py)."""
         self.retries = EventAggregator(logger, "retried", "request", interval_s=10.0, level=logging.INFO)
         """Calls retried on another worker, by cause; the role flushes it with its progress line."""
@@ -183,6 +196,13 @@ class PipelineDriver:
             raise SampleDropped("bad_reply", f"stage {stage} worker {peer[-8:]}: {exc}") from exc
         self.balancers[stage].report_success(peer, 1.0, time.perf_counter() - started)
         return answer
+
+    async def _fetch_weights(self, stage: int, peer: str, request: WeightsRequest) -> WeightsReply:
+        """One chunk of a worker's weights for the weights referee (roles/trainer/reexecution.py):
+        not a hop, so its time says nothing of the worker's speed to the balancer."""
+        await self.connect(peer)
+        return await self.client.request(PeerID.from_base58(peer), version.WEIGHTS, request, WeightsReply,
+                                         timeout_s=self.timeout_s)
 
     async def _balanced(self, stage: int, handler: str, request: WireModel, reply: type[R], *,
                         give_up_unreachable: bool = False) -> tuple[str, R]:

@@ -81,7 +81,7 @@ class TrainerRole:
             on_no_workers=self.discovery.request_refresh, skipping=self.skipping, reconnect=self._reconnect,
             verification=run.verification, exclude=self.discovery.exclude,
             equal_replicas=lambda stage: gradient_exchange_on(run, stage), run_id=run.run_id,
-            report_evidence=report_evidence,
+            report_evidence=report_evidence, run=run,
         )
         self.chained = (ChainedRouting(self.driver, run.routing, describe_worker=self._worker_without_chain,
                                        run_id=run.run_id)

@@ -24,7 +24,10 @@ and the side it matches is right (honest replicas agree to the last bit); a thir
 both or neither decides nothing. Its verdict, with the three results signed by their workers, is
 evidence the run's authorizer can check by itself (protocol/evidence.py): the trainer reports it
 once per accused (`report_evidence`), and the authorizer bans the liar's account. With two
-replicas there is no majority, and measurements decide (roles/trainer/referee.py), each taken at
+replicas there is no majority: both sides are asked again (a side that contradicts itself lies);
+for an output the trainer then re-executes the hop itself on the weights each side computed with
+(roles/trainer/reexecution.py; a side its own weights contradict lies). Failing that,
+measurements decide (roles/trainer/referee.py), each taken at
 one set of weights along its route; their verdicts stay this trainer's. For an output, the loss:
 both outputs are carried through the later stages by the same workers to the sample's loss, and
 the output whose loss is worse by more than
@@ -114,17 +117,24 @@ class Dispute:
     self_contradiction: bool = False
     """Decided by asking both sides again: the struck one's second answer contradicted its first;
     `measures` are each side's distance between its two answers."""
+    reexecuted: bool = False
+    """Decided by the trainer's own re-execution on each side's weights (roles/trainer/reexecution.py):
+    `measures` are each side's distance from what its own weights compute (inf: weights that do not
+    carry their fingerprint; NaN: a side that could not be judged)."""
     signed: Optional[tuple["_Hop", "SignedResult"]] = field(default=None, repr=False, compare=False)
     """The hop and the checker's signed result: two-replica evidence, should the verdict exclude."""
 
     @property
     def mechanism(self) -> str:
-        """What decided it: `arbiter`, `self_contradiction`, `tally`, `loss` (an output's loss
-        through the later stages) or `slope` (a gradient's or a tail loss's slope error)."""
+        """What decided it: `arbiter`, `self_contradiction`, `reexecuted` (the trainer's own
+        re-execution on each side's weights), `tally`, `loss` (an output's loss through the later
+        stages) or `slope` (a gradient's or a tail loss's slope error)."""
         if self.arbiter:
             return "arbiter"
         if self.self_contradiction:
             return "self_contradiction"
+        if self.reexecuted:
+            return "reexecuted"
         if self.sign_test:
             return "tally"
         return "loss" if self.kind == "output" else "slope"
@@ -176,9 +186,9 @@ class SpotCheckStats:
                 "disputes": [{"stage": d.stage, "worker": d.worker, "checker": d.checker, "version": d.version,
                               "kind": d.kind,
                               "distance": round(d.distance, 6),
-                              "measures": None if d.measures is None else [round(x, 6) for x in d.measures],
+                              "measures": None if d.measures is None else [_rounded(x) for x in d.measures],
                               "struck": d.struck, "arbiter": d.arbiter,
-                              "self_contradiction": d.self_contradiction,
+                              "self_contradiction": d.self_contradiction, "reexecuted": d.reexecuted,
                               "sign_test": None if d.sign_test is None else list(d.sign_test)}
                              for d in self.disputes[-16:]]}
 
@@ -242,8 +252,12 @@ class SpotChecks:
                  equal_replicas: Callable[[int], bool] = lambda stage: True,
                  suspect_rate: Optional[float] = None, run_id: str = "",
                  report_evidence: Optional[Callable[[Evidence], Awaitable[str]]] = None,
-                 route_around: Optional[Callable[[int, str], None]] = None):
+                 route_around: Optional[Callable[[int, str], None]] = None,
+                 weights_referee: Optional[Any] = None):
         self.rate = rate
+        self._weights_referee = weights_referee
+        """roles/trainer/reexecution.py WeightsReferee: re-executes a two-replica output dispute on
+        each side's own weights (`judge`), before the loss is asked; None: off."""
         self._route_around = route_around
         """(stage, worker): stop routing to a replica that parted from its stage, for a while."""
         self._run_id = run_id
@@ -445,6 +459,8 @@ class SpotChecks:
             if await self._ask_again(dispute, hop, recomputed):
                 return
             dispute.signed = (hop, recomputed)
+            if hop.kind == "output" and await self._reexecute(dispute, hop, recomputed):
+                return
             if hop.kind == "gradient" and self._slopes is not None:
                 await self._resolve_gradient(dispute, hop.tokens, hop.coords, hop.claimed, recomputed.result)
             elif hop.kind == "output" and self._losses is not None:
@@ -489,6 +505,31 @@ class SpotChecks:
         dispute.measures, dispute.self_contradiction = (gaps[0], gaps[1]), True
         self._strike(dispute, first[liar].peer)
         self._report(hop, first[liar], [again[liar][0]])
+        return True
+
+    async def _reexecute(self, dispute: Dispute, hop: _Hop, recomputed: SignedResult) -> bool:
+        """The trainer re-executes the hop on the weights each side computed with at its version:
+        a side further than `tolerance` from what its own weights compute (or whose weights do not
+        carry the fingerprint it signed) lied. False (no verdict) when the referee is off, cannot
+        get or judge the weights, or both sides compute what they claim."""
+        referee = self._weights_referee
+        if referee is None or not referee.enabled or not isinstance(hop.claimed, torch.Tensor):
+            return False
+        from roles.trainer.reexecution import Side
+
+        gaps = await referee.judge(hop.stage, hop.version, hop.tokens, hop.coords,
+                                   [Side(hop.worker, hop.claimed, hop.weights),
+                                    Side(recomputed.peer, recomputed.result, recomputed.weights)])
+        if gaps is None:
+            return False
+        liars = [side for side, gap in zip((hop.worker, recomputed.peer), gaps)
+                 if gap is not None and not gap <= self.tolerance]
+        if not liars:
+            return False
+        dispute.reexecuted = True
+        dispute.measures = tuple(float("nan") if gap is None else gap for gap in gaps)
+        for liar in liars:  # both, if both lied: neither is then in the right
+            self._strike(dispute, liar, favour=len(liars) == 1)
         return True
 
     async def _find_parted(self, hop: _Hop, checker: SignedResult, thirds: list[str]) -> None:
@@ -624,21 +665,26 @@ class SpotChecks:
             return
         self._strike(dispute, dispute.worker if errors[0] > errors[1] else dispute.checker)
 
-    def _strike(self, dispute: Dispute, struck: str) -> None:
+    def _strike(self, dispute: Dispute, struck: str, favour: bool = True) -> None:
         spared = dispute.checker if struck == dispute.worker else dispute.worker
         dispute.struck = struck
         self.stats.strikes[struck] += 1
         self.stats.strikes_by_mechanism[struck][dispute.mechanism] += 1
-        self.stats.favoured[spared] += 1
+        if favour:
+            self.stats.favoured[spared] += 1
         strikes, favoured = self.stats.strikes[struck], self.stats.favoured[struck]
         if (strikes >= self.strikes_to_exclude and 3 * favoured < strikes and struck not in self.stats.excluded):
             what = ("distance from a third replica" if dispute.arbiter
                     else "distance between its own two answers" if dispute.self_contradiction
+                    else "distance from what its own weights compute" if dispute.reexecuted
                     else f"worse loss in {dispute.sign_test[0]} of {dispute.sign_test[1]} close disputes, last"
                     if dispute.sign_test else "loss" if dispute.kind == "output" else "slope error")
+            mine, other = dispute.measures[::1 if struck == dispute.worker else -1]
+            if not dispute.reexecuted:
+                mine, other = max(dispute.measures), min(dispute.measures)
             why = (f"{strikes} spot-check disputes on stage {dispute.stage} resolved against it "
-                   f"({favoured} in its favour); last: {what} {max(dispute.measures):.4g} against "
-                   f"{min(dispute.measures):.4g} at version {dispute.version}")
+                   f"({favoured} in its favour); last: {what} {mine:.4g} against "
+                   f"{other:.4g} at version {dispute.version}")
             self.stats.excluded[struck] = why
             self.screening.forget(dispute.stage, struck)
             logger.warning("excluding worker %s: %s", struck[-8:], why)
@@ -650,14 +696,21 @@ class SpotChecks:
                 self._exclude(dispute.stage, struck, why)
 
     def summary(self) -> dict:
-        """The trainer summary's `spot_checks`: the checks' counts and verdicts, and the screen's."""
-        return {**self.stats.summary(), "screening": self.screening.summary()}
+        """The trainer summary's `spot_checks`: the checks' counts and verdicts, and the screen's
+        (and the weights referee's, where there is one)."""
+        referee = {} if self._weights_referee is None else {"referee": self._weights_referee.summary()}
+        return {**self.stats.summary(), "screening": self.screening.summary(), **referee}
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
+
+
+def _rounded(x: float):
+    """A measure for the summary (JSON): rounded, or None for NaN and a string for infinity."""
+    return None if math.isnan(x) else "inf" if math.isinf(x) else round(x, 6)
 
 
 def _binomial_tail(k: int, n: int) -> float:

@@ -52,6 +52,7 @@ from roles.worker.serving.kept_activations import kept_activations_budget
 from roles.worker.serving.queues import TaskQueues
 from roles.worker.serving.replicas import StageReplicas
 from roles.worker.serving.runtime import StageRuntime, autocast_dtype
+from roles.worker.serving.weights_server import WeightsServer
 from roles.worker.sparseloco.lifecycle import SparseLoCoLifecycle
 from roles.worker.sparseloco.service import SparseLoCoService
 from roles.worker.state.joining import StageJoin
@@ -208,6 +209,8 @@ class WorkerRole:
             step=lambda: self.optimizer.local_step, serving=self._serving_batches,
             max_chunk_elements=run.sync.state_chunk_elements,
         )
+        self.weights_server = WeightsServer(self.optimizer, run_id=run.run_id, stage=config.stage,
+                                            serving=self._serving_batches)
         self.donor = StateDonor(
             self.optimizer, self.layout, run_id=run.run_id, stage=config.stage, serving=self._serving_batches,
             chunk_bytes=run.sync.state_chunk_bytes, upload_mbps=run.sync.donor_upload_mbps,
@@ -282,6 +285,7 @@ class WorkerRole:
         counters.update(self.averaging.counters)
         counters.update(self.state_server.counters)
         counters.update(self.donor.counters)
+        counters.update(self.weights_server.counters)
         counters.update({f"kept_activations_{k}": v for k, v in self.runtime.kept.counters.items()})
         if self.checkpoints is not None:
             counters["checkpoints_written"] = self.checkpoints.written
@@ -346,6 +350,7 @@ class WorkerRole:
         await self.server.add_handler(version.FORWARD, self.handlers.forward, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.BACKWARD, self.handlers.backward, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.EVALUATE, self.handlers.evaluate, roles=frozenset({"trainer"}))
+        await self.server.add_handler(version.WEIGHTS, self.weights_server.handle, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.ABANDON, self.handlers.abandon, roles=frozenset({"trainer"}))
         # A chained sample comes from a trainer (at the head) or from the previous stage's worker.
         await self.server.add_handler(version.CHAIN, self.chain.chain, roles=frozenset({"trainer", "worker"}))
