@@ -7,9 +7,10 @@ in, so a side whose claimed output is further than the spot checks' `tolerance` 
 weights compute lied, whatever the loss says (a lie that costs little loss, an output scaled by 3,
 a replay on older weights, a small bias, is caught at once, where the loss through the later
 stages attributes it slowly or not at all). A side whose handed-over weights do not carry the
-fingerprint it names them with lied too (forged weights). The re-execution runs in the dtype of
-the weights handed over, without the worker's bfloat16 autocast when they are float32: a bfloat16
-worker beside float32 ones stays within the tolerance (measured: 0.0114 against 0.02).
+fingerprint it names them with lied too (forged weights). The re-execution runs on the weights
+in the dtype they are handed over in, as a CPU worker with the default compute dtype runs its
+stage (no autocast): a worker computing under bfloat16 autocast beside it stays within the
+tolerance, as beside a float32 replica (measured: 0.0114 against 0.02).
 
 No verdict (the dispute goes on to the loss) when the stage is larger than
 `verification.referee_max_bytes`, a side no longer keeps the version (it stepped past it), its
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional
@@ -222,12 +222,7 @@ class WeightsReferee:
 @torch.no_grad()
 def _run(module: nn.Module, weights: dict[str, torch.Tensor], tokens: torch.Tensor,
          coords: Optional[torch.Tensor]) -> torch.Tensor:
-    """The stage's output for one sample on `weights`, in their dtype (autocast to it where it is
-    not float32, as a worker computing in it does)."""
-    dtype = next(iter(weights.values())).dtype
-    autocast = (contextlib.nullcontext() if dtype == torch.float32
-                else torch.autocast(device_type="cpu", dtype=dtype))
+    """The stage's output for one sample on `weights`, computed as a CPU worker does (its
+    evaluation: runtime.py `evaluate`, without autocast)."""
     inputs = (None if coords is None else coords.unsqueeze(0).to(torch.float32), tokens.unsqueeze(0))
-    with autocast:
-        out = torch.func.functional_call(module, weights, inputs)
-    return out.detach()[0].float()
+    return torch.func.functional_call(module, weights, inputs).detach()[0].float()

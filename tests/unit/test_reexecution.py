@@ -161,9 +161,13 @@ def test_a_peer_that_fetches_in_a_loop_runs_out_of_budget_and_the_budget_refills
         await _ask(worker, body, peer="another-trainer")  # a budget per peer
         now[0] += worker.server.window_s / 2  # one copy's worth back
         await _ask(worker, body)
-        return refused.value.code
-    assert asyncio.run(main()) == ErrorCode.RATE_LIMITED
-    assert worker.server.counters["weights_refused_budget"] == 1
+        for _ in range(1000):  # descriptions only, in a loop: they cost too
+            try:
+                await _ask(worker, {**body, "count": 0}, peer="a-third")
+            except ProtocolError as exc:
+                return refused.value.code, exc.code
+    assert asyncio.run(main()) == (ErrorCode.RATE_LIMITED, ErrorCode.RATE_LIMITED)
+    assert worker.server.counters["weights_refused_budget"] == 2
 
 
 # ---- the trainer's re-execution ----

@@ -32,6 +32,9 @@ from roles.worker.serving.compute_stats import weights_fingerprint
 BUDGET_COPIES = 4
 """Copies of the stage one peer may fetch per window (a dispute costs one)."""
 WINDOW_S = 600.0
+REQUEST_BYTES_MIN = 1 << 16
+"""What any request costs against the budget at least, a description-only one too: each takes the
+optimizer's lock to read a fingerprint, so none comes free in a loop."""
 PEERS_TRACKED_MAX = 1024
 """Peers whose budget is remembered; the longest idle one is forgotten beyond this."""
 
@@ -51,7 +54,7 @@ class WeightsServer:
         self.numel = sum(p.numel() for p in params)
         self.dtype = params[0].dtype
         self.itemsize = params[0].element_size()
-        self.capacity = budget_copies * self.numel * self.itemsize
+        self.capacity = budget_copies * max(self.numel * self.itemsize, REQUEST_BYTES_MIN)
         """Bytes a peer may fetch at once; it refills at `capacity / window_s` a second."""
         self.window_s = window_s
         self._clock = clock
@@ -97,7 +100,7 @@ class WeightsServer:
             raise self._refuse("invalid", f"offset {request.offset} is past the stage's {self.numel} parameters",
                                ErrorCode.INVALID_REQUEST)
         count = min(request.count, self.max_chunk_elements, self.numel - request.offset)
-        if not self._charge(peer_id.to_base58(), count * self.itemsize):
+        if not self._charge(peer_id.to_base58(), max(count * self.itemsize, REQUEST_BYTES_MIN)):
             raise self._refuse("budget", f"this peer fetched more than {self.capacity} bytes of weights in "
                                f"{self.window_s:.0f} s; retry later", ErrorCode.RATE_LIMITED)
         fingerprint, data = await asyncio.to_thread(self._read, request.version, request.offset, count)
