@@ -12,11 +12,14 @@ in the dtype they are handed over in, as a CPU worker with the default compute d
 stage (no autocast): a worker computing under bfloat16 autocast beside it stays within the
 tolerance, as beside a float32 replica (measured: 0.0114 against 0.02).
 
-No verdict (the dispute goes on to the loss) when the stage is larger than
-`verification.referee_max_bytes`, a side no longer keeps the version (it stepped past it), its
-weights changed at that version since it computed (an averaging round: the fingerprint it names
-now is not the one it signed) or between two chunks, a fetch fails, or both sides compute what
-they claim (two sets of weights that differ: parted replicas). What it costs: the stage's
+A side whose weights cannot be had as they were when it computed (it no longer keeps the version,
+it stepped past it; its weights changed at that version since, in an averaging round, so the
+fingerprint it names now is not the one it signed, or between two chunks; a fetch fails; it
+refuses) is held against what the other side's weights compute, when those carry the fingerprint
+both sides signed and compute the other side's claim: such replicas hold the same weights, and a
+liar must not dodge the referee by not answering it. No verdict (the dispute goes on to the loss)
+when the stage is larger than `verification.referee_max_bytes`, neither side can be judged, or
+both sides compute what they claim (two sets of weights that differ: parted replicas). What it costs: the stage's
 weights, twice, per dispute (the last two sets are kept, so disputes at one version fetch once).
 What it cannot see: a liar whose weights match the sampled fingerprint (64 elements a tensor) yet
 compute its lie.
@@ -97,7 +100,7 @@ class WeightsReferee:
         self.counts: collections.Counter[str] = collections.Counter()
         """fetched (sides whose weights came), kept (sides whose weights were still held), bytes,
         verdicts (judgements that put a side in the wrong), forged (sides whose weights did not
-        carry their fingerprint)."""
+        carry their fingerprint), crossed (sides judged on the other side's weights)."""
         self.no_verdict: collections.Counter[str] = collections.Counter()
         """Judgements that put nobody in the wrong, by why: over_budget, unsupported, not_kept,
         moved, refused, failed, invalid, not_finite, self_consistent."""
@@ -108,7 +111,7 @@ class WeightsReferee:
 
     def summary(self) -> dict:
         """The trainer summary's `spot_checks.referee`."""
-        return {**{k: self.counts.get(k, 0) for k in ("fetched", "kept", "bytes", "verdicts", "forged")},
+        return {**{k: self.counts.get(k, 0) for k in ("fetched", "kept", "bytes", "verdicts", "forged", "crossed")},
                 "no_verdict": dict(self.no_verdict)}
 
     async def judge(self, stage: int, version: int, tokens: torch.Tensor, coords: Optional[torch.Tensor],
@@ -125,16 +128,20 @@ class WeightsReferee:
                 if spec.nbytes > self.max_bytes:
                     raise _NoJudgement("over_budget")
                 gaps: list[Optional[float]] = []
+                outputs: list[Optional[torch.Tensor]] = []
                 reasons = []
                 for side in sides:
                     try:
-                        gaps.append(await self._judge_side(spec, stage, version, tokens, coords, side))
+                        gap, output = await self._judge_side(spec, stage, version, tokens, coords, side)
                     except _NoJudgement as exc:
-                        gaps.append(None)
+                        gap, output = None, None
                         reasons.append(exc.reason)
+                    gaps.append(gap)
+                    outputs.append(output)
             except _NoJudgement as exc:
                 self.no_verdict[exc.reason] += 1
                 return None
+        self._cross_judge(sides, gaps, outputs)
         if any(gap is not None and not gap <= self.tolerance for gap in gaps):
             self.counts["verdicts"] += 1
         else:
@@ -157,7 +164,7 @@ class WeightsReferee:
         return spec
 
     async def _judge_side(self, spec: _Stage, stage: int, version: int, tokens: torch.Tensor,
-                          coords: Optional[torch.Tensor], side: Side) -> float:
+                          coords: Optional[torch.Tensor], side: Side) -> tuple[float, Optional[torch.Tensor]]:
         key = (stage, side.peer, version, side.weights)
         weights = self._kept.get(key)
         if weights is not None:
@@ -168,7 +175,7 @@ class WeightsReferee:
                 self.counts["forged"] += 1
                 logger.warning("spot check: stage %d worker %s handed over weights of version %d that do not carry "
                                "the fingerprint it named them with", stage, side.peer[-8:], version)
-                return float("inf")
+                return float("inf"), None
             if side.weights is not None:  # a set whose fingerprint is the one it signed: kept for the next dispute
                 self._kept[key] = weights
                 while len(self._kept) > KEPT_SETS:
@@ -179,7 +186,26 @@ class WeightsReferee:
         gap = _gap(side.claimed, out.to(side.claimed.dtype))
         if gap is None:
             raise _NoJudgement("invalid")
-        return gap
+        return gap, out
+
+    def _cross_judge(self, sides: list[Side], gaps: list[Optional[float]],
+                     outputs: list[Optional[torch.Tensor]]) -> None:
+        """A side that could not be judged on weights of its own (it refused them, named others,
+        or no longer keeps the version) is held against what the other side's weights compute,
+        when those carry the very fingerprint both signed their results with and compute the
+        other side's claim: replicas that exchange gradients every step hold the same weights, so
+        its claim must match that output too. Otherwise a liar would dodge the referee by not
+        answering it."""
+        for i, side in enumerate(sides):
+            if gaps[i] is not None or side.weights is None:
+                continue
+            for j, other in enumerate(sides):
+                out = outputs[j]
+                if (j != i and out is not None and other.weights == side.weights and gaps[j] is not None
+                        and gaps[j] <= self.tolerance):
+                    gaps[i] = _gap(side.claimed, out.to(side.claimed.dtype))
+                    self.counts["crossed"] += gaps[i] is not None
+                    break
 
     async def _fetch_side(self, spec: _Stage, stage: int, version: int,
                           side: Side) -> Optional[dict[str, torch.Tensor]]:

@@ -206,6 +206,32 @@ def test_weights_that_do_not_carry_their_fingerprint_convict_their_side():
     assert gaps == [float("inf"), 0.0] and referee.counts["forged"] == 1
 
 
+def test_a_side_that_does_not_hand_its_weights_over_is_held_against_the_other_side_s():
+    liar, honest = Worker("liar"), Worker("honest")
+    truth = honest.output()
+    fetch, _ = _fetcher({"liar": liar, "honest": honest})
+
+    def refusing(who):
+        async def fetch_but(stage, peer, request):  # `who` never answers the referee
+            if peer == who:
+                raise RemoteError("no", ErrorCode.RATE_LIMITED)
+            return await fetch(stage, peer, request)
+        return WeightsReferee(fetch_but, lambda stage: build_stage_model(RUN, stage), max_bytes=256 << 20,
+                              tolerance=TOLERANCE, chunk_elements=1 << 14)
+    referee = refusing("liar")
+    gaps = _judge(referee, [Side("liar", truth * 3, liar.fingerprint), Side("honest", truth, honest.fingerprint)])
+    assert gaps[0] > TOLERANCE and gaps[1] == 0.0 and referee.counts["crossed"] == 1, gaps
+    # the honest side unable to answer, the liar handing over its true weights: the liar is wrong by
+    # its own, and what does not compute its own claim judges nobody else
+    referee = refusing("honest")
+    gaps = _judge(referee, [Side("honest", truth, honest.fingerprint), Side("liar", truth * 3, liar.fingerprint)])
+    assert gaps[0] is None and gaps[1] > TOLERANCE and referee.counts["crossed"] == 0, gaps
+    # nothing to hold it against when the other side signed other weights
+    referee = refusing("liar")
+    gaps = _judge(referee, [Side("liar", truth * 3, liar.fingerprint), Side("honest", truth, bytes(8))])
+    assert gaps is None
+
+
 def test_no_verdict_over_budget_for_a_version_not_kept_or_weights_that_moved():
     a, b = Worker("a", keep_previous=False), Worker("b", keep_previous=False)
     truth = a.output()
