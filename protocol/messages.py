@@ -204,6 +204,30 @@ class AbandonReply(WireModel):
     """False when the step is already closed here (or implausibly far ahead)."""
 
 
+class RetractRequest(WireModel):
+    """Take a sample back out of the step it was accumulated into (`step`, the tail's tag): the
+    stage recomputes its parameter gradient from the input it was sent (`tokens`, `coords`) and
+    the output gradient it was sent on the backward (`grad_output`; absent at the tail, which
+    recomputes its own loss) and subtracts it. Only while the step is open or the next one here
+    (roles/worker/serving/retractions.py)."""
+
+    stage: int = Field(ge=0)
+    sample_id: SampleId
+    step: int = Field(ge=0)
+    tokens: WireTensor
+    coords: Optional[WireTensor] = None
+    grad_output: Optional[WireTensor] = None
+
+
+class RetractReply(WireModel):
+    outcome: Literal["applied", "too_late", "ahead"]
+    """`applied`: the sample's gradient was subtracted from its step; `too_late`: the step is closed
+    here (or this replica already handed its gradients to the stage's exchange), nothing changed;
+    `ahead`: this replica has not opened that step yet, nothing changed."""
+    open_step: int = Field(ge=0)
+    """The replica's open step when it answered."""
+
+
 class TagRequest(WireModel):
     """A tail replica asks its stage's tagger for step tags for `count` samples it is about to
     compute."""

@@ -30,6 +30,10 @@ STATE_CHUNK = HANDLER_PREFIX + "state_chunk"
 ABANDON = HANDLER_PREFIX + "abandon"
 """A trainer tells a stage that a sample tagged with a step will not reach it (it was dropped
 below a failed stage), so the stage closes that step without waiting for it."""
+RETRACT = HANDLER_PREFIX + "retract"
+"""A trainer takes back a sample of a step still open at a stage: the stage recomputes the sample's
+parameter gradient and subtracts it (roles/worker/serving/retractions.py), after the trainer
+excluded a worker the sample went through (roles/trainer/retraction.py)."""
 TAGS = HANDLER_PREFIX + "tags"
 """A tail replica asks the stage's tagger for the step tags of the samples it is about to compute."""
 STEP_COUNTS = HANDLER_PREFIX + "step_counts"

@@ -352,6 +352,7 @@ class WorkerRole:
         await self.server.add_handler(version.EVALUATE, self.handlers.evaluate, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.WEIGHTS, self.weights_server.handle, roles=frozenset({"trainer"}))
         await self.server.add_handler(version.ABANDON, self.handlers.abandon, roles=frozenset({"trainer"}))
+        await self.server.add_handler(version.RETRACT, self.handlers.retract, roles=frozenset({"trainer"}))
         # A chained sample comes from a trainer (at the head) or from the previous stage's worker.
         await self.server.add_handler(version.CHAIN, self.chain.chain, roles=frozenset({"trainer", "worker"}))
         # What this worker kept of a chained sample goes to the sample's trainer only (hop_records.py).

@@ -11,6 +11,7 @@ role and SparseLoCo; the state and health rooms never import it (tests/unit/test
     queues.py            task queues and batch coalescing between the handlers and the compute thread
     kept_activations.py  forward activations kept for the backward within a memory budget
     handlers.py          the `agora/v1/*` handlers: parse, validate, queue, await, reply
+    retractions.py       a sample taken back out of a step still open here: `agora/v1/retract`
     chain.py             worker-to-worker routing: the `agora/v1/chain` handler
     chain_signatures.py  the neighbours' signatures a chained worker checks before it uses what they sent
     hop_records.py       what a worker keeps of its chained samples for the trainers' checks: `agora/v1/hop_record`

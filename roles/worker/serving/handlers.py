@@ -27,10 +27,13 @@ from protocol.messages import (
     ForwardReply,
     ForwardRequest,
     InfoReply,
+    RetractReply,
+    RetractRequest,
     parse_model,
 )
 from roles.worker.serving.queues import QueueClosed, QueueFull, TaskKind
 from roles.worker.serving.batches import BackwardResult
+from roles.worker.serving.retractions import Retractions
 from roles.worker.serving.runtime import StageRuntime
 
 T = TypeVar("T")
@@ -60,6 +63,8 @@ class WorkerHandlers:
         """Forward, backward and evaluate requests by (pass, outcome): `ok`, or the error code the
         request was answered with (`overloaded`, `not_ready`, `invalid_tensor`, ...). Streams
         refused before a request was read are counted by the RPC server instead."""
+        self.retractions = Retractions(runtime)
+        """`agora/v1/retract`: a sample taken back out of a step still open here (retractions.py)."""
         self._evaluation_slots = asyncio.Semaphore(EVALUATIONS_AT_ONCE)
         self._evaluations_waiting = 0
 
@@ -201,6 +206,15 @@ class WorkerHandlers:
             raise ProtocolError(f"this worker serves stage {self.runtime.stage}, not {request.stage}",
                                 ErrorCode.WRONG_STAGE)
         return AbandonReply(taken=self.runtime.abandon(request.step, request.sample_id))
+
+    async def retract(self, peer_id: PeerID, body: dict) -> RetractReply:
+        return await self._counted("retract", self._retract(body))
+
+    async def _retract(self, body: dict) -> RetractReply:
+        request = parse_model(RetractRequest, body)
+        if not self.serving():
+            raise NotServing("worker is not serving requests right now")
+        return await self.retractions.handle(request)
 
     async def info(self, peer_id: PeerID, body: dict) -> InfoReply:
         return self.info_fn()

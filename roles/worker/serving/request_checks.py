@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import BackwardRequest, EvaluateRequest, ForwardRequest
+from protocol.messages import BackwardRequest, EvaluateRequest, ForwardRequest, RetractRequest
 
 _COORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -52,6 +52,19 @@ class RequestChecks:
         if request.step is not None and request.step > self.local_step() + 1_000_000:
             raise ProtocolError(f"step {request.step} is implausibly far ahead of this stage's "
                                 f"{self.local_step()}", ErrorCode.INVALID_REQUEST)
+
+    def check_retract(self, request: RetractRequest) -> None:
+        """A retraction brings what the sample's backward brought here: the tail's input, or a
+        head's or body's input and output gradient, shaped for this stage and finite."""
+        seq_len = self._check_common(request.stage, request.tokens, request.coords)
+        if self.kind == "tail":
+            if request.grad_output is not None:
+                raise ProtocolError("the tail recomputes its own loss; grad_output must be absent",
+                                    ErrorCode.INVALID_REQUEST)
+            if seq_len < 2:
+                raise ProtocolError("the tail needs at least 2 tokens", ErrorCode.INVALID_TENSOR)
+        else:
+            self._check_coords(request.grad_output, seq_len, "grad_output")
 
     def check_evaluate(self, request: EvaluateRequest) -> None:
         seq_len = self._check_common(request.stage, request.tokens, request.coords)

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from protocol.messages import BackwardRequest, EvaluateReply, EvaluateRequest, ForwardRequest
+from protocol.messages import BackwardRequest, EvaluateReply, EvaluateRequest, ForwardRequest, RetractRequest
 from roles.model.stage import StageModel
 from roles.periodic import Signal
 from roles.worker.serving.batches import BatchCompute
@@ -113,6 +113,10 @@ class StageRuntime(StepDecision, BatchCompute):
         self._param_storages = frozenset(p.untyped_storage().data_ptr() for p in optimizer.params)
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self._calls: collections.deque = collections.deque()
+        """Work for the compute thread between two batches (`call_on_compute`), with its on_done."""
+        self._calls_lock = threading.Lock()
+        self._calls_closed = False
         self.failure: Optional[BaseException] = None
         self.mid_compute: Optional[Callable[[str], None]] = None
         """Called by the compute thread mid batch ("forward" once the model ran, "backward" once the
@@ -150,6 +154,9 @@ class StageRuntime(StepDecision, BatchCompute):
 
     def check_evaluate(self, request: EvaluateRequest) -> None:
         self.checks.check_evaluate(request)
+
+    def check_retract(self, request: RetractRequest) -> None:
+        self.checks.check_retract(request)
 
     # ---- evaluation (a handler's thread, not the compute thread) ----
 
@@ -240,6 +247,7 @@ class StageRuntime(StepDecision, BatchCompute):
         try:
             while not self._stop.is_set():
                 self._maybe_step()
+                self._run_calls()
                 open_step = self.optimizer.local_step
                 if self.kept.enabled:
                     ready, recompute = self.kept.due(open_step)
@@ -270,6 +278,31 @@ class StageRuntime(StepDecision, BatchCompute):
             logger.exception("compute thread crashed")
             self.failure = exc
             self.crashed.fire()
+
+    def call_on_compute(self, fn: Callable[[], object],
+                        on_done: Callable[[object, Optional[BaseException]], None]) -> None:
+        """Run `fn` on the compute thread between two batches, after the step decision, and hand
+        its result or error to `on_done` there: for work that must neither interleave with a batch
+        nor with a step (a retraction, roles/worker/serving/retractions.py). Raises QueueClosed
+        once the runtime stops."""
+        with self._calls_lock:
+            if self._calls_closed:
+                raise QueueClosed("the worker is shutting down")
+            self._calls.append((fn, on_done))
+        self.queues.wake()
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._calls_lock:
+                if not self._calls:
+                    return
+                fn, on_done = self._calls.popleft()
+            try:
+                result = fn()
+            except Exception as exc:  # the caller's error reply; the thread goes on
+                on_done(None, exc)
+            else:
+                on_done(result, None)
 
     def _run(self, batch: list[Task], compute) -> None:
         taken_at = time.monotonic()
@@ -373,6 +406,11 @@ class StageRuntime(StepDecision, BatchCompute):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        with self._calls_lock:
+            self._calls_closed = True
+            calls, self._calls = list(self._calls), collections.deque()
+        for _, on_done in calls:
+            on_done(None, QueueClosed("the worker is shutting down"))
         leftover += self.kept.drain()  # backwards parked for their forward batch's others
         self.discarded_at_shutdown = self.optimizer.discard_all()
         return leftover

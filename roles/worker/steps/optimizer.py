@@ -236,6 +236,21 @@ class StageOptimizer:
             else:
                 self.next_accumulated += n
 
+    def retract_samples(self, n: int, *, offset: int = 0) -> None:
+        """Record that a backward pass inside `accumulating(offset)` just subtracted the gradients
+        of `n` samples accumulated earlier (a retraction, roles/worker/serving/retractions.py):
+        `step` divides by `n` fewer. Refuses to take the count below zero. Hold `lock`."""
+        if n < 0:
+            raise ValueError(f"sample count must be non-negative, got {n}")
+        with self.lock:
+            held = self.samples_accumulated if offset == 0 else self.next_accumulated
+            if n > held:
+                raise ValueError(f"cannot retract {n} samples from a step that holds {held}")
+            if offset == 0:
+                self.samples_accumulated -= n
+            else:
+                self.next_accumulated -= n
+
     @property
     def gradient_numel(self) -> int:
         """Length of the flat gradient the replicas of a stage exchange (trainable parameters only)."""

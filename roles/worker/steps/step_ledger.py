@@ -81,6 +81,9 @@ class StepLedger:
         """Samples tagged for a step this stage had already closed: computed, gradient discarded."""
         self.abandoned_total = 0
         """Samples trainers reported dropped before reaching this stage: their steps closed without them."""
+        self.retracted_total = 0
+        """Samples whose gradients a trainer retracted (roles/worker/serving/retractions.py): they
+        still count towards their step, like abandoned ones, without a gradient."""
         self.steps_skipped = 0
         self._abandoned: dict[int, int] = {}
         self._abandoned_lock = threading.Lock()
@@ -162,6 +165,14 @@ class StepLedger:
             self._abandoned[step] = self._abandoned.get(step, 0) + 1
             self.abandoned_total += 1
         return True
+
+    def retracted(self, step: int) -> None:
+        """A sample accumulated here for `step` had its gradient subtracted again (a retraction, on
+        the compute thread). It keeps counting towards its step, as an abandoned sample does, so
+        that the step closes on schedule one gradient short instead of waiting for a replacement."""
+        with self._abandoned_lock:
+            self._abandoned[step] = self._abandoned.get(step, 0) + 1
+            self.retracted_total += 1
 
     def abandoned(self, step: int) -> int:
         with self._abandoned_lock:
@@ -249,5 +260,6 @@ class StepLedger:
             "closed_by": dict(self.reasons),
             "late_samples": self.late_samples,
             "abandoned_samples": self.abandoned_total,
+            "retracted_samples": self.retracted_total,
             "steps_skipped": self.steps_skipped,
         }

@@ -1,0 +1,141 @@
+"""Taking a sample back out of a step still open here (`agora/v1/retract`): what a trainer asks
+after it excluded a worker the sample went through (roles/trainer/retraction.py), so that what
+the cheater added to the open step is left out of it.
+
+The trainer sends what the sample's backward brought to this stage: its input (tokens, and the
+coordinates for a body or the tail) and the output gradient it sent back (none at the tail, which
+recomputes its own loss). The compute thread recomputes the sample's forward at the current
+weights and backpropagates the negated output gradient (at the tail: the loss times -1) into the
+accumulators of the sample's step (`StageOptimizer.accumulating`), under the optimizer lock, so
+the step's sum loses the sample's gradient, and the step divides by one sample fewer
+(`StageOptimizer.retract_samples`). The gradient recomputed at the current weights equals the one
+accumulated when the weights have not moved since; after an averaging round or a step between the
+two (a sample accumulated for the next step while the open one closed) it is the gradient at the
+nearby current weights instead.
+
+The step ledger still counts the sample, as it counts an abandoned one (`StepLedger.retracted`):
+the step closes on schedule one gradient short, and no replacement sample is routed.
+
+Only the open step and the next one can lose a sample: a retraction runs on the compute thread
+between batches, the thread that also takes the step and waits for the stage's gradient exchange,
+so by the time it runs, a step whose sum this replica already handed to the exchange is closed and
+the answer is `too_late`, with nothing changed. A step already taken cannot be undone here.
+
+A retraction subtracts the gradient of an input the trainer supplies; a trainer can already send
+any input and any output gradient through `agora/v1/backward`, so it gains nothing it could not
+add before, except taking samples out of a step's count. That is budgeted: at most half the target
+batch per step, from all trainers together, and never more than the step holds here. Requests are
+checked like a backward (request_checks.py `check_retract`) before anything is queued, and at
+most RETRACTIONS_WAITING_MAX wait for the compute thread at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Optional
+
+import torch
+
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import RetractReply, RetractRequest
+from roles.worker.serving.queues import QueueClosed
+from roles.worker.serving.runtime import StageRuntime
+
+RETRACTIONS_WAITING_MAX = 32
+"""Retractions that may wait for the compute thread at once; beyond that a caller is told the worker is overloaded."""
+
+
+class Retractions:
+    """One worker's side of `agora/v1/retract`; its counts are the runtime's `retractions_*` counters."""
+
+    def __init__(self, runtime: StageRuntime):
+        self.runtime = runtime
+        self._by_step: dict[int, int] = {}
+        """Retractions applied per step still open or next (pruned as steps close)."""
+        self._waiting = 0
+
+    @property
+    def per_step_limit(self) -> int:
+        """Samples a step may lose here: half the target batch, so no step falls below half of it."""
+        return self.runtime.optimizer.target_batch_size // 2
+
+    async def handle(self, request: RetractRequest) -> RetractReply:
+        """Check the request, run it on the compute thread, answer what it did (event loop)."""
+        self.runtime.check_retract(request)
+        if self._waiting >= RETRACTIONS_WAITING_MAX:
+            self.runtime.counters["retractions_overloaded"] += 1
+            raise ProtocolError(f"{RETRACTIONS_WAITING_MAX} retractions already wait here; retry later",
+                                ErrorCode.OVERLOADED)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def settle(result, exc) -> None:
+            if future.done():
+                return
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        def on_done(result, exc) -> None:
+            loop.call_soon_threadsafe(settle, result, exc)
+
+        self._waiting += 1
+        try:
+            try:
+                self.runtime.call_on_compute(functools.partial(self.apply, request), on_done)
+            except QueueClosed as exc:
+                raise ProtocolError("worker is shutting down", ErrorCode.NOT_READY) from exc
+            try:
+                return await future
+            except QueueClosed as exc:
+                raise ProtocolError("worker is shutting down", ErrorCode.NOT_READY) from exc
+        finally:
+            self._waiting -= 1
+
+    def apply(self, request: RetractRequest) -> RetractReply:
+        """Subtract the sample's gradient from its step if that step is open or next here (the
+        compute thread, between batches). Raises ProtocolError(RATE_LIMITED) past the budget."""
+        runtime = self.runtime
+        opt = runtime.optimizer
+        with opt.lock:
+            open_step = opt.local_step
+            offset = request.step - open_step
+            if offset < 0:
+                runtime.counters["retractions_too_late"] += 1
+                return RetractReply(outcome="too_late", open_step=open_step)
+            if offset > 1:
+                runtime.counters["retractions_ahead"] += 1
+                return RetractReply(outcome="ahead", open_step=open_step)
+            self._by_step = {s: n for s, n in self._by_step.items() if s >= open_step}
+            done = self._by_step.get(request.step, 0)
+            held = opt.samples_accumulated if offset == 0 else opt.next_accumulated
+            if done >= self.per_step_limit or held < 1:
+                runtime.counters["retractions_refused"] += 1
+                why = (f"{done} samples of step {request.step} were retracted here already (at most "
+                       f"{self.per_step_limit})" if held >= 1 else f"no sample of step {request.step} is held here")
+                raise ProtocolError(why, ErrorCode.RATE_LIMITED)
+            self._subtract(request, offset)
+            opt.retract_samples(1, offset=offset)
+            runtime.ledger.retracted(request.step)
+            self._by_step[request.step] = done + 1
+            runtime.counters["retractions_applied"] += 1
+        return RetractReply(outcome="applied", open_step=open_step)
+
+    def _subtract(self, request: RetractRequest, offset: int) -> None:
+        """The sample's forward at the current weights and its backward with the negated output
+        gradient, into the accumulators of the step at `offset` (hold the optimizer lock)."""
+        runtime = self.runtime
+        tokens = request.tokens.unsqueeze(0).to(runtime.device)
+        coords: Optional[torch.Tensor] = None
+        if runtime.kind != "head":
+            coords = request.coords.unsqueeze(0).to(runtime.device, torch.float32)
+        with torch.enable_grad(), runtime.optimizer.accumulating(offset):
+            with runtime._autocast():
+                out = runtime.model(coords, tokens)
+            if runtime.kind == "tail":  # the model gives each sample's mean loss, as in a backward batch
+                (-out.float().sum()).backward()
+            else:
+                grad = request.grad_output.unsqueeze(0).to(runtime.device, torch.float32)
+                out.float().backward(-grad)
