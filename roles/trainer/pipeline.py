@@ -44,6 +44,8 @@ from protocol.messages import (
     EvaluateRequest,
     ForwardReply,
     ForwardRequest,
+    RetractReply,
+    RetractRequest,
     WireModel,
 )
 from protocol.evidence import Evidence
@@ -56,6 +58,7 @@ from roles.model.stage import build_stage_model
 from roles.trainer.balancer import StageBalancer
 from roles.trainer.reexecution import WeightsReferee
 from roles.trainer.referee import Referee
+from roles.trainer.retraction import KeptHop, KeptSample, Retractions
 from roles.trainer.skipping import StageSkipping, skippable
 from roles.trainer.spot_checks import SpotChecks
 
@@ -161,6 +164,10 @@ class PipelineDriver:
             route_around=lambda stage, peer: self.balancers[stage].report_failure(peer),
             weights_referee=weights_referee)
         """A fraction of the hops re-executed on another replica of the stage (roles/trainer/spot_checks.py)."""
+        self.retractions = Retractions(self._retract, lambda stage: self.balancers[stage].usable())
+        """Recent samples kept, to take those an excluded worker served back out of their open steps
+        (roles/trainer/retraction.py); only with spot checks on, the only way a worker is excluded."""
+        self._keeps = verification.spot_check_rate > 0
         self.retries = EventAggregator(logger, "retried", "request", interval_s=10.0, level=logging.INFO)
         """Calls retried on another worker, by cause; the role flushes it with its progress line."""
 
@@ -288,6 +295,8 @@ class PipelineDriver:
         request = BackwardRequest(stage=tail, sample_id=sample_id, tokens=tokens, coords=coords)
         route[tail], reply = await self._balanced(tail, version.BACKWARD, request, BackwardReply)
         loss, grad, step = reply.loss, reply.grad_input, reply.step
+        hops = [KeptHop(tail, route[tail], route[tail], coords, None)]
+        """What each stage accumulated the sample's gradient from, and who did (retraction.py)."""
         versions: list[Optional[int]] = [None] * self.num_stages
         versions[tail] = reply.version
         if loss is None or grad is None:
@@ -307,8 +316,8 @@ class PipelineDriver:
                                       grad_output=grad, step=step)
             may_skip = self.skipping.may_skip(stage, _run_around(skipped, stage))
             try:
-                reply, used_fallback = await self._pinned_backward(stage, route[stage], request,
-                                                                   may_skip=may_skip)
+                reply, used_fallback, backward_peer = await self._pinned_backward(stage, route[stage], request,
+                                                                                  may_skip=may_skip)
             except SampleDropped as exc:
                 if not (may_skip and skippable(exc.reason, exc.unreachable)):
                     exc.step, exc.unreached = step, unreached_from(stage)
@@ -320,6 +329,7 @@ class PipelineDriver:
                 reached.remove(stage)
                 continue
             fallbacks += used_fallback
+            hops.append(KeptHop(stage, backward_peer, route[stage], inputs[stage], grad))
             if stage > 0 and reply.grad_input is not None:
                 self.spot_checks.on_backward(stage, route[stage], tokens, inputs[stage], grad, reply)
             grad = reply.grad_input
@@ -332,6 +342,8 @@ class PipelineDriver:
             self.stats.served[(stage, route[stage])] += 1
         skipped.sort()
         self.skipping.sample_done(skipped)
+        if self._keeps and step is not None:
+            self.retractions.keep(KeptSample(sample_id, step, tokens, hops))
         return SampleResult(loss=loss, route=route, backward_fallbacks=fallbacks,
                             elapsed_s=time.perf_counter() - started, step=step, versions=versions,
                             skipped=skipped, abandon_to=self.abandon_targets(skipped))
@@ -371,7 +383,14 @@ class PipelineDriver:
             self.spot_checks.stats.served_before_exclusion[peer] = self.stats.served[(stage, peer)]
             if exclude is not None:
                 exclude(stage, peer, why)
+            self.retractions.exclude(stage, peer)  # after `exclude`: the stage's usable replicas lack it
         return excluded
+
+    async def _retract(self, stage: int, peer: str, request: RetractRequest) -> RetractReply:
+        """One `agora/v1/retract` (retraction.py); its failures are the caller's to count."""
+        await self.connect(peer)
+        return await self.client.request(PeerID.from_base58(peer), version.RETRACT, request, RetractReply,
+                                         timeout_s=self.timeout_s)
 
     async def _evaluation_hop(self, stage: int, request: EvaluateRequest) -> tuple[str, EvaluateReply]:
         """Up to `max_attempts` workers of the stage, each once. A failure is not reported to the
@@ -422,18 +441,19 @@ class PipelineDriver:
         return taken
 
     async def _pinned_backward(self, stage: int, peer: str, request: BackwardRequest, *,
-                               may_skip: bool = False) -> tuple[BackwardReply, int]:
+                               may_skip: bool = False) -> tuple[BackwardReply, int, str]:
         """Backward must run on the forward's replica: replicas drift between averaging rounds,
         so another replica would recompute different activations [report 4.2.1]. When that
         replica is the stage's last usable worker it is retried after the balancer's backoff.
 
         `may_skip`: the stage could be passed through, so a pinned worker that is unreachable
-        while the stage is already skipped (it died) is not waited for."""
+        while the stage is already skipped (it died) is not waited for. Returns the reply, 1 if it
+        came from another worker (else 0), and the worker that ran it."""
         unreachable = True
         reconnected = False
         for attempt in range(self.max_attempts):
             try:
-                return await self._call(stage, peer, version.BACKWARD, request, BackwardReply), 0
+                return await self._call(stage, peer, version.BACKWARD, request, BackwardReply), 0, peer
             except (PeerUnavailable, PeerTimeout, RemoteError) as exc:
                 if isinstance(exc, RemoteError) and exc.code not in _RETRYABLE_CODES:
                     raise SampleDropped("rejected", f"stage {stage} backward: {exc}") from exc
@@ -462,13 +482,13 @@ class PipelineDriver:
                 await asyncio.sleep(backoff_s)
         self.stats.backward_fallbacks += 1
         try:
-            _, reply = await self._balanced(stage, version.BACKWARD, request, BackwardReply,
-                                            give_up_unreachable=may_skip and self.skipping.active(stage))
+            other, reply = await self._balanced(stage, version.BACKWARD, request, BackwardReply,
+                                                give_up_unreachable=may_skip and self.skipping.active(stage))
         except SampleDropped as exc:
             dropped = SampleDropped("backward_failed", exc.detail)
             dropped.unreachable = skippable(exc.reason, exc.unreachable)
             raise dropped from exc
-        return reply, 1
+        return reply, 1, other
 
 
 def _run_before(skipped: list[int], stage: int) -> int:

@@ -355,7 +355,7 @@ class TrainerRole:
             "forward_retries": self.driver.stats.forward_retries,
             "reconnected": self.driver.stats.reconnected,
             "backward_fallbacks": self.driver.stats.backward_fallbacks,
-            "spot_checks": {**self.driver.spot_checks.summary(),
+            "spot_checks": {**self.driver.spot_checks.summary(), "retraction": self.driver.retractions.summary(),
                             **({"chain": self.chained.checks.summary()} if self.chained is not None else {})},
             "served": served,
             "eval": self.evaluator.summary() if self.evaluator is not None else [],
@@ -373,6 +373,7 @@ class TrainerRole:
         if self.chained is not None:
             await self.chained.checks.close()
         await self.driver.spot_checks.close()
+        await self.driver.retractions.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
