@@ -13,8 +13,8 @@ stage's sum is X's plus the others'. A sample still in flight when X is excluded
 soon as it completes. Retractions are fire-and-forget, a few at a time, and counted
 (`summary`, the trainer summary's `spot_checks.retraction`).
 
-Kept are only samples whose step may still be open: those of the latest two step tags this
-trainer has seen, within `KEPT_BYTES_MAX` (the oldest go first; both are counted). A stage that
+Kept are only samples whose step may still be open: those of the latest three step tags this
+trainer has seen (KEPT_STEPS), within `KEPT_BYTES_MAX` (the oldest go first; both are counted). A stage that
 closed the step answers `too_late`: what it applied cannot be undone (docs/operations.md,
 "Evidence and revocation"). Where replicas do not exchange gradients (they average weights
 instead), the replica asked at stage k subtracts from its own step only, and X's own sum still
@@ -40,8 +40,10 @@ logger = logging.getLogger(__name__)
 
 KEPT_BYTES_MAX = 64 * 2**20
 """What the kept samples' tensors may take at most; beyond it the oldest are forgotten."""
-KEPT_STEPS = 2
-"""Samples of the latest this many step tags are kept: the steps a stage may still hold open."""
+KEPT_STEPS = 3
+"""Samples of the latest this many step tags are kept: the steps a stage may still hold open. The
+tail tags only its open step and the next, so it holds the latest tag's step and the one before;
+a stage upstream may still wait for the last backwards of the step before those."""
 RETRACTIONS_AT_ONCE = 4
 """Retraction requests in flight at once."""
 

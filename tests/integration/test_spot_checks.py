@@ -6,6 +6,7 @@ honest replicas agree exactly. (A worker adding noise, which contradicts itself 
 is run on the workers path: tests/integration/test_chain_spot_checks.py.)"""
 
 import json
+import signal
 
 import pytest
 
@@ -53,3 +54,14 @@ def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_p
     assert served[cheater_id] <= checks["served_before_exclusion"][cheater_id] + in_flight, (served, checks)
     assert all(served[cheater_id] < n for peer, n in served.items() if peer != cheater_id), served
     assert first.proc.poll() is None
+    # what the cheater served of the steps still open was taken back out of them: at every stage,
+    # and at its own from an honest replica, never from the cheater (roles/trainer/retraction.py)
+    retraction = checks["retraction"]
+    assert retraction["samples"] > 0 and retraction["applied"] > 0, retraction
+    applied = {}
+    for node in [first, *workers, cheater]:
+        assert swarm.stop(node, signal.SIGTERM) == 0, node.log_tail()
+        found = node.summary()
+        assert found is not None, node.log_tail()
+        applied[node.name] = found["counters"].get("retractions_applied", 0)
+    assert applied[cheater.name] == 0 and sum(applied.values()) >= retraction["applied"], (applied, retraction)

@@ -22,21 +22,21 @@ def kept(i: int, step: int, peers=("a", "x", "c"), size: int = 4) -> KeptSample:
     return KeptSample(f"s{i}", step, torch.zeros(size, dtype=torch.long), hops)
 
 
-def test_kept_samples_hold_the_latest_two_steps_within_the_byte_cap():
+def test_kept_samples_hold_the_latest_three_steps_within_the_byte_cap():
     one = kept(0, 0).nbytes
     assert one == 4 * 8 + 4 * 4 * 4
-    store = KeptSamples(max_bytes=5 * one)
+    store = KeptSamples(max_bytes=6 * one)
     for i in range(3):
         assert store.add(kept(i, 5))
-    assert store.add(kept(3, 6)) and len(store) == 4
-    assert store.add(kept(4, 7)), "step 5 is now two behind: its samples go"
-    assert len(store) == 2 and store.dropped == {"old_step": 3}
-    assert not store.add(kept(5, 5)), "a sample of a step older than the kept ones is not kept"
+    assert store.add(kept(3, 6)) and store.add(kept(4, 7)) and len(store) == 5
+    assert store.add(kept(5, 8)), "step 5 is now three behind: its samples go"
+    assert len(store) == 3 and store.dropped == {"old_step": 3}
+    assert not store.add(kept(6, 5)), "a sample of a step older than the kept ones is not kept"
     assert store.dropped["old_step"] == 4
-    for i in range(6, 11):
-        store.add(kept(i, 7))
-    assert len(store) == 5 and store.nbytes == 5 * one and store.dropped["bytes"] == 2
-    assert [s.sample_id for s in store.take_served_by("x")][:2] == ["s6", "s7"], "oldest first went s3, s4"
+    for i in range(7, 12):
+        store.add(kept(i, 8))
+    assert len(store) == 6 and store.nbytes == 6 * one and store.dropped["bytes"] == 2
+    assert [s.sample_id for s in store.take_served_by("x")][:2] == ["s5", "s7"], "oldest first went s3, s4"
     assert len(store) == 0 and store.nbytes == 0
 
 
