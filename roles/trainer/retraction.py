@@ -7,20 +7,21 @@ needs to recompute a sample's parameter gradient (`KeptSample`: per stage, the i
 the output gradient it sent back, and the worker that accumulated it). When it excludes worker X
 of stage k, each kept sample X served is retracted (`agora/v1/retract`, roles/worker/serving/
 retractions.py): at every other stage from the worker that accumulated it, and at stage k from
-one usable replica other than X. That replica's subtraction takes the sample out of the stage's
-step where the replicas add up their gradients (roles/worker/steps/gradient_exchange.py): the
-stage's sum is X's plus the others'. A sample still in flight when X is excluded is retracted as
-soon as it completes. Retractions are fire-and-forget, a few at a time, and counted
-(`summary`, the trainer summary's `spot_checks.retraction`).
+a usable replica other than X (the next one if it holds no sample of that step). That replica's
+subtraction takes the sample out of the stage's step where the replicas add up their gradients
+(roles/worker/steps/gradient_exchange.py): the stage's sum is X's plus the others'. A sample
+still in flight when X is excluded is retracted as soon as it completes. Retractions are
+fire-and-forget, a few at a time, and counted (`summary`, the trainer summary's
+`spot_checks.retraction`).
 
 Kept are only samples whose step may still be open: those of the latest three step tags this
-trainer has seen (KEPT_STEPS), within `KEPT_BYTES_MAX` (the oldest go first; both are counted). A stage that
-closed the step answers `too_late`: what it applied cannot be undone (docs/operations.md,
-"Evidence and revocation"). Where replicas do not exchange gradients (they average weights
-instead), the replica asked at stage k subtracts from its own step only, and X's own sum still
-goes into X's weights, hence into the averaging. Samples dropped halfway through their backward
-are not kept, nor are the samples of the workers path (`routing.path: workers`), where the
-trainer never holds the tensors.
+trainer has seen (KEPT_STEPS), within KEPT_BYTES_MAX (the oldest go first; both are counted). A
+stage that closed the step answers `too_late`: what it applied cannot be undone (docs/operations.md,
+"Untrusted workers"). Where replicas do not exchange gradients (they average weights instead), the
+replica asked at stage k subtracts from its own step only, and X's own sum still goes into X's
+weights, hence into the averaging. Samples dropped halfway through their backward are not kept,
+nor are the samples of the workers path (`routing.path: workers`), where the trainer never holds
+the tensors.
 """
 
 from __future__ import annotations
@@ -156,50 +157,59 @@ class Retractions:
         logger.info("retracting %d kept samples that excluded worker %s of stage %d served", len(taken),
                     peer[-8:], stage)
 
-    def targets(self, sample: KeptSample) -> list[tuple[int, str]]:
-        """(stage, worker) to retract `sample` from: per stage the worker that accumulated it, or
-        for an excluded one, the stage's first usable replica that is not excluded."""
+    def targets(self, sample: KeptSample) -> list[tuple[int, list[str]]]:
+        """(stage, workers) to retract `sample` from: per stage the worker that accumulated it, or
+        for an excluded one, the stage's usable replicas that are not excluded, to be asked in turn
+        until one holds a sample of the step to take it from."""
         found = []
         for hop in sample.hops:
-            peer: Optional[str] = hop.worker
-            if peer in self.excluded:
-                peer = next((p for p in self.replicas(hop.stage) if p not in self.excluded), None)
-            if peer is None:
+            peers = [hop.worker]
+            if hop.worker in self.excluded:
+                peers = [p for p in self.replicas(hop.stage) if p not in self.excluded]
+            if not peers:
                 self.counters["no_replica"] += 1
                 continue
-            found.append((hop.stage, peer))
+            found.append((hop.stage, peers))
         return found
 
     def _retract(self, sample: KeptSample) -> None:
         self.counters["samples"] += 1
         hops = {hop.stage: hop for hop in sample.hops}
-        for stage, peer in self.targets(sample):
+        for stage, peers in self.targets(sample):
             hop = hops[stage]
             request = RetractRequest(stage=stage, sample_id=sample.sample_id, step=sample.step, tokens=sample.tokens,
                                      coords=hop.coords, grad_output=hop.grad_output)
-            task = asyncio.get_running_loop().create_task(self._send(stage, peer, request),
-                                                          name=f"retract-{stage}-{peer[-8:]}")
+            task = asyncio.get_running_loop().create_task(self._send(stage, peers, request),
+                                                          name=f"retract-{stage}-{sample.sample_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, stage: int, peer: str, request: RetractRequest) -> None:
+    async def _send(self, stage: int, peers: list[str], request: RetractRequest) -> None:
+        """Ask `peers` in turn: the next one only when a worker refuses (over its budget, or it
+        holds no sample of the step: another replica of the stage may)."""
         async with self._slots:
-            self.counters["sent"] += 1
-            try:
-                reply = await self.send(stage, peer, request)
-            except RemoteError as exc:
-                self.counters["refused" if exc.code == ErrorCode.RATE_LIMITED else "failed"] += 1
-                logger.debug("stage %d worker %s refused a retraction: %s", stage, peer[-8:], exc)
+            for peer in peers:
+                self.counters["sent"] += 1
+                try:
+                    reply = await self.send(stage, peer, request)
+                except RemoteError as exc:
+                    logger.debug("stage %d worker %s refused a retraction: %s", stage, peer[-8:], exc)
+                    if exc.code == ErrorCode.RATE_LIMITED:
+                        continue
+                    self.counters["failed"] += 1
+                    return
+                except (AgoraError, asyncio.TimeoutError) as exc:
+                    self.counters["failed"] += 1
+                    logger.debug("stage %d worker %s took no retraction: %s", stage, peer[-8:], exc)
+                    return
+                self.counters[reply.outcome] += 1
                 return
-            except (AgoraError, asyncio.TimeoutError) as exc:
-                self.counters["failed"] += 1
-                logger.debug("stage %d worker %s took no retraction: %s", stage, peer[-8:], exc)
-                return
-        self.counters[reply.outcome] += 1
+            self.counters["refused"] += 1
 
     def summary(self) -> dict:
         """The trainer summary's `spot_checks.retraction`: samples retracted, requests sent and how
-        they were answered (applied, too_late, ahead, refused: over the worker's budget, failed),
+        they were answered (applied, too_late, ahead, refused: by every worker asked, over its
+        budget or holding no sample of the step; failed),
         stages with no replica to ask, and the kept samples."""
         return {**{k: self.counters.get(k, 0) for k in ("samples", "sent", "applied", "too_late", "ahead", "refused",
                                                          "failed", "no_replica")},

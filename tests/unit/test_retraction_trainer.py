@@ -46,14 +46,14 @@ def test_exclusion_retracts_from_every_stage_and_another_replica_of_the_liars():
 
     async def send(stage, peer, request):
         sent.append((stage, peer, request.sample_id))
-        if peer == "d":
+        if peer == "d" or (peer, request.sample_id) == ("y", "s2"):
             raise RemoteError("over budget", ErrorCode.RATE_LIMITED)
         if peer == "e":
             raise PeerTimeout("slow")
         return answers.get(peer, RetractReply(outcome="applied", open_step=2))
 
     async def go():
-        retractions = Retractions(send, lambda stage: {1: ["x", "y"]}.get(stage, []))
+        retractions = Retractions(send, lambda stage: {1: ["x", "y", "z"]}.get(stage, []))
         retractions.keep(kept(0, 2))
         retractions.keep(kept(1, 2, ("a", "y", "c")))
         retractions.keep(kept(2, 2, ("d", "x", "e")))
@@ -64,9 +64,10 @@ def test_exclusion_retracts_from_every_stage_and_another_replica_of_the_liars():
 
     retractions = asyncio.run(go())
     assert sorted(sent) == sorted([(0, "a", "s0"), (1, "y", "s0"), (2, "c", "s0"),
-                                   (0, "d", "s2"), (1, "y", "s2"), (2, "e", "s2"),
+                                   (0, "d", "s2"), (1, "y", "s2"), (1, "z", "s2"), (2, "e", "s2"),
                                    (0, "a", "s3"), (1, "y", "s3"), (2, "c", "s3")])
-    assert retractions.summary() == {"samples": 3, "sent": 9, "applied": 5, "too_late": 2, "ahead": 0,
+    # d refuses and is the only one to ask at its stage; y refuses s2, so z, the next replica, takes it
+    assert retractions.summary() == {"samples": 3, "sent": 10, "applied": 5, "too_late": 2, "ahead": 0,
                                      "refused": 1, "failed": 1, "no_replica": 0, "kept": 1,
                                      "kept_bytes": kept(1, 2).nbytes, "kept_dropped": {}}
 
