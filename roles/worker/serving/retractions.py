@@ -19,7 +19,9 @@ the step closes on schedule one gradient short, and no replacement sample is rou
 Only the open step and the next one can lose a sample: a retraction runs on the compute thread
 between batches, the thread that also takes the step and waits for the stage's gradient exchange,
 so by the time it runs, a step whose sum this replica already handed to the exchange is closed and
-the answer is `too_late`, with nothing changed. A step already taken cannot be undone here.
+the answer is `too_late`, with nothing changed. A step already taken cannot be undone here. A
+replica that comes late to its stage's exchange and adopts the sum the others already stepped on
+(gradient_exchange.py) drops its own sum, and with it what it retracted from it.
 
 A retraction subtracts the gradient of an input the trainer supplies; a trainer can already send
 any input and any output gradient through `agora/v1/backward`, so it gains nothing it could not
