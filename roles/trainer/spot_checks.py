@@ -281,9 +281,9 @@ class SpotChecks:
         self.loss_margin = loss_margin
         self.strikes_to_exclude = strikes_to_exclude
         self._exclude = exclude
+        """(stage, worker, why): stop routing to a worker."""
         self._equal_replicas = equal_replicas
         """Whether a stage's replicas hold the same weights at the same version (per-step gradient exchange)."""
-        """(stage, worker, why): stop routing to a worker."""
         self._rng = rng or random.Random()
         self._signs: dict[tuple[int, frozenset], collections.Counter] = collections.defaultdict(collections.Counter)
         """(stage, the disputing pair) -> each side's count of worse losses within the margin."""
