@@ -98,20 +98,21 @@ class ChainChecks:
         if len({stage for stage, _ in ran}) != len(ran):
             return  # two workers named for one stage: a reply the route check let through; nothing to draw
         tail = self.num_stages - 1
+        # the version the tail signed its loss at stands for the sample's (the stages step together)
+        version = None if reply.signed_loss is None else reply.signed_loss.version
         drawn: list[_Drawn] = []
         for i, (stage, worker) in enumerate(ran):
             checks.drop_unlisted(stage)
             before = ran[i - 1] if i > 0 else None
             after = ran[i + 1] if i + 1 < len(ran) else None
             if stage != tail and after is not None:
-                if checks.draw(stage, worker):
+                if checks.draw(stage, worker, version=version):
                     drawn.append(_Drawn("output", stage, worker, before, after))
             elif stage == tail and reply.loss is not None:
                 # The loss is the one result of the chain this trainer sees: it is screened as on its own path.
-                version = None if reply.signed_loss is None else reply.signed_loss.version
-                if checks.draw(stage, worker, checks.screen_loss(stage, worker, reply.loss, version)):
+                if checks.draw(stage, worker, checks.screen_loss(stage, worker, reply.loss, version), version):
                     drawn.append(_Drawn("loss", stage, worker, before, after))
-            if before is not None and checks.draw(stage, worker):
+            if before is not None and checks.draw(stage, worker, version=version):
                 drawn.append(_Drawn("gradient", stage, worker, before, after))
         if not drawn:
             return

@@ -114,7 +114,7 @@ def test_every_drawn_hop_is_handed_over_with_what_its_neighbours_kept():
 def test_the_checked_worker_is_asked_nothing_of_its_own_hops():
     chain = _Chain()
     body = chain.ids[1]
-    checks, _, handed = _checks(chain, draw=lambda stage, worker, outlier=False: worker == body)
+    checks, _, handed = _checks(chain, draw=lambda stage, worker, *_, **__: worker == body)
     _run(checks, chain)
     assert {(kind, args[1]) for kind, *args in handed} == {("output", body), ("gradient", body)}
     assert chain.asked and all(peer != body for peer, _ in chain.asked), chain.asked
@@ -125,7 +125,7 @@ def test_a_neighbours_record_the_signature_does_not_bind_decides_nothing():
     head, body, tail = chain.ids
     _, signed = chain.records[(2, "coords_received")]
     chain.records[(2, "coords_received")] = (Y * 3, signed)  # the tail says it got another output
-    checks, spot, handed = _checks(chain, draw=lambda stage, worker, outlier=False: worker == body)
+    checks, spot, handed = _checks(chain, draw=lambda stage, worker, *_, **__: worker == body)
     _run(checks, chain)
     assert [kind for kind, *_ in handed] == ["gradient"], "the output is not checked, the gradient is"
     assert spot.stats.outcomes["unbound"] == 1 and checks.unbound == {body: 1}
@@ -135,7 +135,7 @@ def test_a_neighbours_record_the_signature_does_not_bind_decides_nothing():
 def test_a_record_no_longer_kept_is_counted_and_decides_nothing():
     chain = _Chain()
     del chain.records[(2, "coords_received")]
-    checks, spot, handed = _checks(chain, draw=lambda stage, worker, outlier=False: worker == chain.ids[1])
+    checks, spot, handed = _checks(chain, draw=lambda stage, worker, *_, **__: worker == chain.ids[1])
     _run(checks, chain)
     assert [kind for kind, *_ in handed] == ["gradient"]
     assert spot.summary()["not_kept"] == 1 and checks.counters["fetch_not_kept"] == 1
@@ -145,7 +145,7 @@ def test_a_lie_passed_along_the_chain_becomes_evidence_the_authorizer_can_check(
     chain = _Chain()
     lie = Y * 3
     chain.records[(2, "coords_received")] = (lie, _hop(chain.body, 1, "output", X, None, lie))
-    checks, _, handed = _checks(chain, draw=lambda stage, worker, outlier=False: (stage, worker) == (1, chain.ids[1]))
+    checks, _, handed = _checks(chain, draw=lambda stage, worker, *_, **__: (stage, worker) == (1, chain.ids[1]))
     _run(checks, chain)
     [(_, stage, worker, tokens, coords, output, version, attestation, weights)] = [
         h for h in handed if h[0] == "output"]

@@ -297,3 +297,15 @@ def test_a_worker_s_first_hops_are_drawn_at_the_suspect_rate_then_at_the_base_ra
     assert 0.4 * 200 * PROBATION_HOPS < first < 0.6 * 200 * PROBATION_HOPS, first
     assert later < 0.03 * 200 * PROBATION_HOPS, later
     assert checks.stats.outcomes["probation"] == first and checks.stats.summary()["probation"] == first
+
+
+def test_hops_at_the_run_s_first_versions_are_drawn_at_the_suspect_rate_whoever_computed_them():
+    from roles.trainer.spot_checks import PROBATION_HOPS, PROBATION_VERSIONS
+
+    checks = SpotChecks(0.01, 0.01, None, lambda stage: [], random.Random(0), suspect_rate=0.5)
+    for i in range(200):  # past their own probation
+        for _ in range(PROBATION_HOPS):
+            checks.draw(1, f"w{i}")
+    early = sum(checks.draw(1, f"w{i}", version=PROBATION_VERSIONS - 1) for i in range(200) for _ in range(8))
+    later = sum(checks.draw(1, f"w{i}", version=PROBATION_VERSIONS) for i in range(200) for _ in range(8))
+    assert 0.4 * 1600 < early < 0.6 * 1600 and later < 0.03 * 1600, (early, later)
