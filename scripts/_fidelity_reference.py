@@ -116,14 +116,26 @@ class OneProcessTrainer:
         stages = build_stages(run) if stages is None else stages
         return cls(FullModel.from_stages(stages), [s.trainable_parameters() for s in stages], run)
 
-    def step(self, tokens: Tensor) -> float:
+    def step(self, tokens: Tensor, retracted: Optional[dict[int, set[int]]] = None) -> float:
         """One optimizer step on all of `tokens`: summed per-sample gradients, then each stage's
-        optimizer divides by the count, clips and steps, as workers do with a stage's batch."""
+        optimizer divides by the count, clips and steps, as workers do with a stage's batch.
+        `retracted`: {row: stages} whose gradient of that sample the swarm took back out of the
+        step (roles/worker/serving/retractions.py): subtracted at those stages, which then divide by
+        one sample fewer each, as the workers did."""
         self.model.train()
         losses = self.model(tokens)
         losses.sum().backward()
-        for optimizer in self.optimizers:
-            optimizer.add_samples(len(tokens))
+        taken = [0] * len(self.optimizers)
+        for row, stages in (retracted or {}).items():
+            params = [p for stage in sorted(stages) for p in self.groups[stage]]
+            grads = torch.autograd.grad(self.model(tokens[row:row + 1]).sum(), params, allow_unused=True)
+            for param, grad in zip(params, grads):
+                if grad is not None and param.grad is not None:
+                    param.grad.sub_(grad)
+            for stage in stages:
+                taken[stage] += 1
+        for optimizer, fewer in zip(self.optimizers, taken):
+            optimizer.add_samples(len(tokens) - fewer)
             optimizer.step()
         loss = float(losses.detach().mean())
         if not math.isfinite(loss):
@@ -132,12 +144,16 @@ class OneProcessTrainer:
         return loss
 
     def train(self, steps: Sequence[Sequence[int]], bank: SampleBank,
-              progress: Optional[Callable[[int, float], None]] = None) -> list[StepRecord]:
+              progress: Optional[Callable[[int, float], None]] = None,
+              retracted: Optional[dict[int, set[int]]] = None) -> list[StepRecord]:
         """Run one step per entry of `steps` (stream positions); empty steps are skipped, since
-        the schedule follows samples and an empty step changes nothing."""
+        the schedule follows samples and an empty step changes nothing. `retracted`: {stream
+        position: stages} the swarm took the sample's gradient back out of (`step`)."""
+        retracted = retracted or {}
         for indices in steps:
             if indices:
-                loss = self.step(bank.tokens(indices))
+                rows = {row: retracted[index] for row, index in enumerate(indices) if retracted.get(index)}
+                loss = self.step(bank.tokens(indices), rows)
                 if progress is not None:
                     progress(len(self.history), loss)
         return self.history

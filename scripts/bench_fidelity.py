@@ -508,6 +508,8 @@ def read_sample_logs(paths: list[str], index_of: Optional[Callable[[str], int]] 
         for line in lines:
             try:
                 record = json.loads(line)
+                if "retracted_at" in record:
+                    continue  # not a sample: its retraction at a stage (read_retractions)
                 latest[index_of(record["sample_id"])] = record
             except (ValueError, KeyError, TypeError):
                 bad += 1
@@ -522,6 +524,30 @@ def read_sample_logs(paths: list[str], index_of: Optional[Callable[[str], int]] 
         except (ValueError, KeyError, TypeError):
             bad += 1
     return {step: sorted(samples) for step, samples in sorted(steps.items())}, bad
+
+
+def read_retractions(paths: list[str], index_of: Optional[Callable[[str], int]] = None) -> dict[int, set[int]]:
+    """The stages that took each sample's gradient back out of its step (a trainer logs
+    `{"sample_id", "retracted_at": stage}` for each retraction a worker applied), by sample
+    number as `read_sample_logs` numbers them."""
+    from _fidelity_reference import stream_index
+
+    index_of = index_of or stream_index
+    out: dict[int, set[int]] = defaultdict(set)
+    for path in paths:
+        try:
+            with open(path) as f:
+                lines = f.readlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                record = json.loads(line)
+                if "retracted_at" in record:
+                    out[index_of(record["sample_id"])].add(int(record["retracted_at"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return dict(out)
 
 
 def read_checkpoints(run, directory: str) -> tuple[dict, dict[int, Optional[int]]]:
@@ -722,14 +748,14 @@ def _gap(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return None if a is None or b is None else round((a - b) / b, 4)
 
 
-def train_reference(trainer, steps, bank, held_out, label: str) -> dict:
+def train_reference(trainer, steps, bank, held_out, label: str, retracted: Optional[dict] = None) -> dict:
     """Train `trainer` on `steps` (lists of stream positions, tokens from `bank`) and evaluate it
     on `held_out`: its loss figures, held-out loss and wall seconds (scripts/bench_trust.py's
-    own-order reference too)."""
+    own-order reference too, with the swarm's retractions: `read_retractions`)."""
     from _fidelity_reference import evaluate, loss_figures
 
     started = time.monotonic()
-    trainer.train(steps, bank)
+    trainer.train(steps, bank, retracted=retracted)
     figures = loss_figures(trainer.history)
     figures["held_out_loss"] = round(evaluate(trainer.model, held_out), 4)
     figures["wall_s"] = round(time.monotonic() - started, 1)

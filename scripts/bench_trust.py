@@ -394,7 +394,9 @@ def own_order_reference(run, sample_logs: list[str], written: list[dict], held_o
     surviving replicas all wrote a final checkpoint past it (a replica that left early is no part
     of the model, `_survivors`). Samples the trainers dropped or never completed (a reply screened
     out, an excluded worker's in-flight samples) are in no step's log, so the reference lacks them
-    as the swarm does. Failures go to `errors`; the figures are then {}."""
+    as the swarm does. What the workers took back out of a step (retractions of an excluded
+    worker's samples, logged by the trainers) the reference takes out at the same stages.
+    Failures go to `errors`; the figures are then {}."""
     import bench_fidelity
     from _fidelity_reference import OneProcessTrainer, SampleBank
 
@@ -408,8 +410,11 @@ def own_order_reference(run, sample_logs: list[str], written: list[dict], held_o
             errors.append("own-order reference: the trainers logged no committed step")
             return {}
         sizes = [len(v) for v in steps.values()]
+        committed = {index for samples in steps.values() for index, _, _ in samples}
+        retracted = {index: stages for index, stages in bench_fidelity.read_retractions(sample_logs).items()
+                     if index in committed}
         figures = bench_fidelity.train_reference(OneProcessTrainer.for_stages(run), bench_fidelity.step_order(steps),
-                                                 SampleBank(run), held_out, "own-order reference")
+                                                 SampleBank(run), held_out, "own-order reference", retracted)
     except Exception as exc:  # noqa: BLE001 - the swarm's own figures stand without it
         errors.append(f"own-order reference: {type(exc).__name__}: {exc}")
         log(traceback.format_exc())
@@ -418,6 +423,7 @@ def own_order_reference(run, sample_logs: list[str], written: list[dict], held_o
             "steps": len(sizes), "samples": sum(sizes), "samples_per_step_min": min(sizes),
             "samples_per_step_max": max(sizes), "applied_step": applied,
             "samples_in_unapplied_steps": sum(len(v) for s, v in logged.items() if s not in steps),
+            "retractions_replayed": sum(len(stages) for stages in retracted.values()),
             "unreadable_log_lines": bad, "wall_s": figures["wall_s"]}
 
 

@@ -132,6 +132,8 @@ class Retractions:
     def __init__(self, send: Send, replicas: Callable[[int], list[str]], *, max_bytes: int = KEPT_BYTES_MAX,
                  at_once: int = RETRACTIONS_AT_ONCE):
         self.send = send
+        self.on_applied: Optional[Callable[[str, int], None]] = None
+        """(sample id, stage) for each retraction a worker applied: the trainer's sample log."""
         self.replicas = replicas
         """A stage's usable workers, least loaded first (the balancer's `usable`)."""
         self.kept = KeptSamples(max_bytes)
@@ -203,6 +205,8 @@ class Retractions:
                     logger.debug("stage %d worker %s took no retraction: %s", stage, peer[-8:], exc)
                     return
                 self.counters[reply.outcome] += 1
+                if reply.outcome == "applied" and self.on_applied is not None:
+                    self.on_applied(request.sample_id, stage)
                 return
             self.counters["refused"] += 1
 

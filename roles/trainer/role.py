@@ -102,13 +102,20 @@ class TrainerRole:
         self._slot_freed = asyncio.Event()
         # AGORA_SAMPLE_LOG names a file that gets one JSON line per completed sample (its id, the
         # step it belonged to, its loss, each stage's gradient weight version, the stages it
-        # skipped): what
-        # scripts/bench_fidelity.py replays in one process.
+        # skipped), and one per retraction a worker applied (the sample id, `retracted_at`: the
+        # stage): what scripts/bench_fidelity.py and bench_trust.py replay in one process.
         log_path = os.environ.get("AGORA_SAMPLE_LOG")
         self.sample_log: Optional[IO[str]] = open(log_path, "a", encoding="utf-8") if log_path else None
+        if self.sample_log is not None:
+            self.driver.retractions.on_applied = self._log_retraction
         self.started_at: Optional[float] = None
         self.finished_at: Optional[float] = None
         self._tasks: list[asyncio.Task] = []
+
+    def _log_retraction(self, sample_id: str, stage: int) -> None:
+        if self.sample_log is not None and not self.sample_log.closed:
+            self.sample_log.write(json.dumps({"sample_id": sample_id, "retracted_at": stage}) + "\n")
+            self.sample_log.flush()
 
     def _make_evaluator(self) -> Optional[HeldOutEvaluator]:
         """Trainer 0 (data shard 0 of n) evaluates on the held-out samples, if the data has any

@@ -142,6 +142,33 @@ def test_replay_at_current_versions_is_the_plain_reference(run):
     assert [r.loss for r in plain.history] == pytest.approx([r.loss for r in replayed.history], abs=1e-5)
 
 
+def test_a_sample_retracted_at_some_stages_leaves_those_stages_as_if_it_never_came(run):
+    bank = SampleBank(run)
+    full, alone, retracted = (OneProcessTrainer.for_stages(run) for _ in range(3))
+    full.train([[0, 1]], bank)
+    alone.train([[0]], bank)
+    retracted.train([[0, 1]], bank, retracted={1: {0, 2}})  # sample 1 taken back at stages 0 and 2
+    for stage, (f, a, r) in enumerate(zip(full.groups, alone.groups, retracted.groups)):
+        expected = a if stage in (0, 2) else f
+        for want, got in zip(expected, r):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_bench_reads_retractions_beside_the_samples(tmp_path):
+    import json
+
+    import bench_fidelity
+
+    log = tmp_path / "samples.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in [
+        {"sample_id": "s0-5", "step": 0, "loss": 2.0, "versions": [0, 0, 0], "skipped": []},
+        {"sample_id": "t1-s0-5", "retracted_at": 1}, {"sample_id": "t1-s0-5", "retracted_at": 0},
+    ]) + "\n")
+    steps, bad = bench_fidelity.read_sample_logs([str(log)])
+    assert bad == 0 and [index for index, _, _ in steps[0]] == [5]
+    assert bench_fidelity.read_retractions([str(log)]) == {5: {0, 1}}
+
+
 def test_replay_takes_stale_gradients_at_the_logged_versions(run):
     """Step 1 holds a sample the head and body forwarded on version 0: its gradient there must be
     taken at the initial weights, the tail's at the current ones."""
