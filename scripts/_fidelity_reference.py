@@ -121,7 +121,8 @@ class OneProcessTrainer:
         optimizer divides by the count, clips and steps, as workers do with a stage's batch.
         `retracted`: {row: stages} whose gradient of that sample the swarm took back out of the
         step (roles/worker/serving/retractions.py): subtracted at those stages, which then divide by
-        one sample fewer each, as the workers did."""
+        one sample fewer each, as the workers did; the schedule still advances by every sample, as
+        a worker's step ledger counts a retracted one."""
         self.model.train()
         losses = self.model(tokens)
         losses.sum().backward()
@@ -136,7 +137,7 @@ class OneProcessTrainer:
                 taken[stage] += 1
         for optimizer, fewer in zip(self.optimizers, taken):
             optimizer.add_samples(len(tokens) - fewer)
-            optimizer.step()
+            optimizer.step(stage_samples=len(tokens))  # a worker's ledger still counts a retracted sample
         loss = float(losses.detach().mean())
         if not math.isfinite(loss):
             raise FloatingPointError(f"training loss is {loss} at step {len(self.history)}")
