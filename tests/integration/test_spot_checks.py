@@ -57,7 +57,9 @@ def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_p
     # what the cheater served of the steps still open was taken back out of them: at every stage,
     # and at its own from an honest replica, never from the cheater (roles/trainer/retraction.py)
     retraction = checks["retraction"]
-    assert retraction["samples"] > 0 and retraction["applied"] > 0, retraction
+    # (on a loaded machine every step may close before its retraction arrives: `too_late`, no failure)
+    assert retraction["samples"] > 0 and retraction["failed"] == 0, retraction
+    assert retraction["applied"] + retraction["too_late"] > 0, retraction
     applied = {}
     for node in [first, *workers, cheater]:
         assert swarm.stop(node, signal.SIGTERM) == 0, node.log_tail()
