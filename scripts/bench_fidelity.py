@@ -499,20 +499,13 @@ def read_sample_logs(paths: list[str], index_of: Optional[Callable[[str], int]] 
     index_of = index_of or stream_index
     latest: dict[int, dict] = {}
     bad = 0
-    for path in paths:
+    for record in _log_records(paths):
         try:
-            with open(path) as f:
-                lines = f.readlines()
-        except OSError:
-            continue
-        for line in lines:
-            try:
-                record = json.loads(line)
-                if "retracted_at" in record:
-                    continue  # not a sample: its retraction at a stage (read_retractions)
-                latest[index_of(record["sample_id"])] = record
-            except (ValueError, KeyError, TypeError):
-                bad += 1
+            if "retracted_at" in record:
+                continue  # not a sample: its retraction at a stage (read_retractions)
+            latest[index_of(record["sample_id"])] = record
+        except (ValueError, KeyError, TypeError):
+            bad += 1
     steps: dict[int, list[tuple[int, float, Optional[tuple]]]] = defaultdict(list)
     for index, record in latest.items():
         try:
@@ -534,6 +527,18 @@ def read_retractions(paths: list[str], index_of: Optional[Callable[[str], int]] 
 
     index_of = index_of or stream_index
     out: dict[int, set[int]] = defaultdict(set)
+    for record in _log_records(paths):
+        try:
+            if "retracted_at" in record:
+                out[index_of(record["sample_id"])].add(int(record["retracted_at"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return dict(out)
+
+
+def _log_records(paths: list[str]):
+    """Every line of the trainers' sample logs, parsed (None for a line that is not JSON, which
+    the callers count as unreadable); a file that cannot be read is skipped."""
     for path in paths:
         try:
             with open(path) as f:
@@ -542,12 +547,9 @@ def read_retractions(paths: list[str], index_of: Optional[Callable[[str], int]] 
             continue
         for line in lines:
             try:
-                record = json.loads(line)
-                if "retracted_at" in record:
-                    out[index_of(record["sample_id"])].add(int(record["retracted_at"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-    return dict(out)
+                yield json.loads(line)
+            except ValueError:
+                yield None
 
 
 def read_checkpoints(run, directory: str) -> tuple[dict, dict[int, Optional[int]]]:

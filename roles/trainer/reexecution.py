@@ -38,7 +38,7 @@ from torch import nn
 
 from protocol.errors import ErrorCode, RemoteError
 from protocol.state_messages import MAX_WEIGHTS_CHUNK_ELEMENTS, WeightsReply, WeightsRequest
-from roles.trainer.spot_checks import _gap
+from roles.trainer.spot_checks import result_distance
 from roles.worker.serving.compute_stats import weights_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class WeightsReferee:
         out = await asyncio.to_thread(_run, spec.module, weights, tokens, coords)
         if not bool(torch.isfinite(out).all()):
             raise _NoJudgement("not_finite")
-        gap = _gap(side.claimed, out.to(side.claimed.dtype))
+        gap = result_distance(side.claimed, out.to(side.claimed.dtype))
         if gap is None:
             raise _NoJudgement("invalid")
         return gap, out
@@ -203,7 +203,7 @@ class WeightsReferee:
                 out = outputs[j]
                 if (j != i and out is not None and other.weights == side.weights and gaps[j] is not None
                         and gaps[j] <= self.tolerance):
-                    gaps[i] = _gap(side.claimed, out.to(side.claimed.dtype))
+                    gaps[i] = result_distance(side.claimed, out.to(side.claimed.dtype))
                     self.counts["crossed"] += gaps[i] is not None
                     break
 

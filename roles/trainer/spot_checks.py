@@ -446,7 +446,7 @@ class SpotChecks:
             return
         checker = self._rng.choice(others)
         recomputed, failure = await self._recompute(hop, checker)
-        gap = None if failure else _gap(hop.claimed, recomputed.result)
+        gap = None if failure else result_distance(hop.claimed, recomputed.result)
         if failure == "diverged":
             self.stats.outcomes["diverged"] += 1
             await self._find_parted(hop, recomputed, [peer for peer in others if peer != checker])
@@ -488,7 +488,7 @@ class SpotChecks:
         third, failure = await self._recompute(hop, arbiter)
         if failure:
             return False
-        gaps = (_gap(hop.claimed, third.result), _gap(recomputed.result, third.result))
+        gaps = (result_distance(hop.claimed, third.result), result_distance(recomputed.result, third.result))
         if None in gaps or (gaps[0] <= self.tolerance) == (gaps[1] <= self.tolerance):
             return False
         dispute.arbiter, dispute.measures = arbiter, gaps
@@ -508,7 +508,7 @@ class SpotChecks:
         again = [await self._recompute(hop, side.peer) for side in first]
         if any(failure for _, failure in again):
             return False
-        gaps = [_gap(side.result, second.result) for side, (second, _) in zip(first, again)]
+        gaps = [result_distance(side.result, second.result) for side, (second, _) in zip(first, again)]
         if None in gaps or (gaps[0] > self.tolerance) == (gaps[1] > self.tolerance):
             return False
         liar = 0 if gaps[0] > self.tolerance else 1
@@ -728,7 +728,7 @@ def _binomial_tail(k: int, n: int) -> float:
     return sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n
 
 
-def _gap(claimed, recomputed) -> Optional[float]:
+def result_distance(claimed, recomputed) -> Optional[float]:
     """How far apart two results of a hop are: relative L2 distance of tensors, relative difference
     of losses; None when one is missing or of another shape."""
     if claimed is None or recomputed is None:

@@ -31,7 +31,7 @@ from protocol.messages import (
     RetractRequest,
     parse_model,
 )
-from roles.worker.serving.queues import QueueClosed, QueueFull, TaskKind
+from roles.worker.serving.queues import QueueClosed, QueueFull, TaskKind, loop_future
 from roles.worker.serving.batches import BackwardResult
 from roles.worker.serving.retractions import Retractions
 from roles.worker.serving.runtime import StageRuntime
@@ -86,20 +86,7 @@ class WorkerHandlers:
         first, the request is withdrawn when it has not run yet, and then `on_withdrawn` is called."""
         if not self.serving():
             raise NotServing("worker is not serving requests right now; retry on another worker")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-
-        def settle(result, exc):
-            if future.done():
-                return
-            if exc is not None:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-
-        def on_done(result, exc):
-            loop.call_soon_threadsafe(settle, result, exc)
-
+        future, on_done = loop_future()
         try:
             task = self.runtime.submit(kind, request, on_done, caller=caller.to_base58())
         except QueueFull as exc:

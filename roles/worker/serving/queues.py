@@ -13,6 +13,7 @@ returns what is left so the caller can fail it with a typed error.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import enum
 import itertools
@@ -33,6 +34,27 @@ class QueueFull(AgoraError):
 
     code = ErrorCode.OVERLOADED
 
+
+
+def loop_future() -> tuple[asyncio.Future, Callable[[Any, BaseException | None], None]]:
+    """A future on the running event loop and the `on_done(result, exc)` that settles it from the
+    compute thread: how a handler waits for work it handed that thread (a future already settled
+    or cancelled, its caller gone, is left alone)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result, exc) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def on_done(result, exc) -> None:
+        loop.call_soon_threadsafe(settle, result, exc)
+
+    return future, on_done
 
 class QueueClosed(AgoraError):
     """The worker is shutting down and accepts no more requests."""

@@ -37,29 +37,25 @@ class RequestChecks:
         self._check_common(request.stage, request.tokens, request.coords)
 
     def check_backward(self, request: BackwardRequest) -> None:
-        seq_len = self._check_common(request.stage, request.tokens, request.coords)
-        if self.kind == "tail":
-            if request.grad_output is not None:
-                raise ProtocolError("the tail computes its own loss; grad_output must be absent",
-                                    ErrorCode.INVALID_REQUEST)
-            if request.step is not None:
-                raise ProtocolError("the tail tags samples with their step itself; step must be absent",
-                                    ErrorCode.INVALID_REQUEST)
-            if seq_len < 2:
-                raise ProtocolError("the tail needs at least 2 tokens", ErrorCode.INVALID_TENSOR)
-        else:
-            self._check_coords(request.grad_output, seq_len, "grad_output")
+        self._check_backward_inputs(request)
+        if self.kind == "tail" and request.step is not None:
+            raise ProtocolError("the tail tags samples with their step itself; step must be absent",
+                                ErrorCode.INVALID_REQUEST)
         if request.step is not None and request.step > self.local_step() + 1_000_000:
             raise ProtocolError(f"step {request.step} is implausibly far ahead of this stage's "
                                 f"{self.local_step()}", ErrorCode.INVALID_REQUEST)
 
     def check_retract(self, request: RetractRequest) -> None:
-        """A retraction brings what the sample's backward brought here: the tail's input, or a
-        head's or body's input and output gradient, shaped for this stage and finite."""
+        """A retraction brings what the sample's backward brought here."""
+        self._check_backward_inputs(request)
+
+    def _check_backward_inputs(self, request: BackwardRequest | RetractRequest) -> None:
+        """The tail's input, or a head's or body's input and output gradient, shaped for this
+        stage and finite (the tail computes its own loss: no output gradient)."""
         seq_len = self._check_common(request.stage, request.tokens, request.coords)
         if self.kind == "tail":
             if request.grad_output is not None:
-                raise ProtocolError("the tail recomputes its own loss; grad_output must be absent",
+                raise ProtocolError("the tail computes its own loss; grad_output must be absent",
                                     ErrorCode.INVALID_REQUEST)
             if seq_len < 2:
                 raise ProtocolError("the tail needs at least 2 tokens", ErrorCode.INVALID_TENSOR)

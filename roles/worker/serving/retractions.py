@@ -33,7 +33,6 @@ most RETRACTIONS_WAITING_MAX wait for the compute thread at once.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from typing import Optional
 
@@ -41,7 +40,7 @@ import torch
 
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import RetractReply, RetractRequest
-from roles.worker.serving.queues import QueueClosed
+from roles.worker.serving.queues import QueueClosed, loop_future
 from roles.worker.serving.runtime import StageRuntime
 
 RETRACTIONS_WAITING_MAX = 32
@@ -69,30 +68,13 @@ class Retractions:
             self.runtime.counters["retractions_overloaded"] += 1
             raise ProtocolError(f"{RETRACTIONS_WAITING_MAX} retractions already wait here; retry later",
                                 ErrorCode.OVERLOADED)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-
-        def settle(result, exc) -> None:
-            if future.done():
-                return
-            if exc is not None:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-
-        def on_done(result, exc) -> None:
-            loop.call_soon_threadsafe(settle, result, exc)
-
+        future, on_done = loop_future()
         self._waiting += 1
         try:
-            try:
-                self.runtime.call_on_compute(functools.partial(self.apply, request), on_done)
-            except QueueClosed as exc:
-                raise ProtocolError("worker is shutting down", ErrorCode.NOT_READY) from exc
-            try:
-                return await future
-            except QueueClosed as exc:
-                raise ProtocolError("worker is shutting down", ErrorCode.NOT_READY) from exc
+            self.runtime.call_on_compute(functools.partial(self.apply, request), on_done)
+            return await future
+        except QueueClosed as exc:  # the runtime stopped, before or after it took the call
+            raise ProtocolError("worker is shutting down", ErrorCode.NOT_READY) from exc
         finally:
             self._waiting -= 1
 
