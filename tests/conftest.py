@@ -130,6 +130,14 @@ the other integration and authorizer files, then the unit tests, so that no long
 and runs alone while the other workers have finished."""
 
 
+def pytest_itemcollected(item):
+    """Every test under tests/integration is an integration test, whether or not its file says so:
+    scripts/test runs a failed one once more alone, and a file that forgot its `pytestmark` would
+    otherwise fail the whole run on one miss of a deadline under load."""
+    if item.nodeid.startswith("tests/integration/"):
+        item.add_marker(pytest.mark.integration)
+
+
 def pytest_collection_modifyitems(session, config, items):
     def rank(item) -> tuple[int, int]:
         path = item.nodeid.split("::", 1)[0]

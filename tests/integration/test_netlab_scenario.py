@@ -11,6 +11,8 @@ import pytest
 from node.netlab.scenario import ScenarioRunner, load_scenario
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.integration
+
 SMOKE = os.path.join(ROOT, "scenarios", "smoke.yaml")
 
 
@@ -34,7 +36,11 @@ def test_smoke_scenario_is_shaped_survives_a_preemption_and_leaves_nothing(tmp_p
     result = ScenarioRunner(scenario, base, str(tmp_path / "out"), popen=node_popen).run()
 
     link = result["links"][0]
-    assert abs(link["rtt_ms"] - link["nominal_rtt_ms"]) <= 0.2 * link["nominal_rtt_ms"], link
+    # the shaper sets the shortest round trip; a loaded host only adds to the others (the median
+    # was measured 27% long under the full suite), so the fastest one is held to nominal, and the
+    # median may not fall short of it: a delay that is not applied shows in both
+    assert abs(link["rtt_min_ms"] - link["nominal_rtt_ms"]) <= 0.2 * link["nominal_rtt_ms"], link
+    assert link["rtt_ms"] >= 0.8 * link["nominal_rtt_ms"], link
     assert abs(link["throughput_mbit"] - link["nominal_mbit"]) <= 0.2 * link["nominal_mbit"], link
 
     preempted = [d for d in result["deaths"] if d["node"] == "w1b"]

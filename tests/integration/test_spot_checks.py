@@ -12,6 +12,8 @@ import pytest
 
 from tests.support.adversary_node import adversary_prefix
 
+pytestmark = pytest.mark.integration
+
 THREE_STAGES = [{"first_layer": 0, "last_layer": 1}, {"first_layer": 1, "last_layer": 2},
                 {"first_layer": 2, "last_layer": 3}]
 SAMPLES = 240
