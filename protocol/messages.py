@@ -217,6 +217,9 @@ class RetractRequest(WireModel):
     tokens: WireTensor
     coords: Optional[WireTensor] = None
     grad_output: Optional[WireTensor] = None
+    version: Optional[int] = Field(default=None, ge=0)
+    """The weight version the sample's backward reported here (`BackwardReply.version`): the
+    retraction recomputes on that version's weights while they are kept."""
 
 
 class RetractReply(WireModel):

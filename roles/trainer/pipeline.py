@@ -295,7 +295,7 @@ class PipelineDriver:
         request = BackwardRequest(stage=tail, sample_id=sample_id, tokens=tokens, coords=coords)
         route[tail], reply = await self._balanced(tail, version.BACKWARD, request, BackwardReply)
         loss, grad, step = reply.loss, reply.grad_input, reply.step
-        hops = [KeptHop(tail, route[tail], route[tail], coords, None)]
+        hops = [KeptHop(tail, route[tail], route[tail], coords, None, reply.version)]
         """What each stage accumulated the sample's gradient from, and who did (retraction.py)."""
         versions: list[Optional[int]] = [None] * self.num_stages
         versions[tail] = reply.version
@@ -329,7 +329,7 @@ class PipelineDriver:
                 reached.remove(stage)
                 continue
             fallbacks += used_fallback
-            hops.append(KeptHop(stage, backward_peer, route[stage], inputs[stage], grad))
+            hops.append(KeptHop(stage, backward_peer, route[stage], inputs[stage], grad, reply.version))
             if stage > 0 and reply.grad_input is not None:
                 self.spot_checks.on_backward(stage, route[stage], tokens, inputs[stage], grad, reply)
             grad = reply.grad_input

@@ -62,6 +62,8 @@ class KeptHop:
     """The stage's input coordinates as sent (None at the head)."""
     grad_output: Optional[torch.Tensor]
     """The output gradient sent on the backward (None at the tail, which computes its loss)."""
+    version: Optional[int] = None
+    """The weight version the stage's backward reply named: the weights the gradient was taken at."""
 
 
 @dataclass
@@ -180,7 +182,7 @@ class Retractions:
         for stage, peers in self.targets(sample):
             hop = hops[stage]
             request = RetractRequest(stage=stage, sample_id=sample.sample_id, step=sample.step, tokens=sample.tokens,
-                                     coords=hop.coords, grad_output=hop.grad_output)
+                                     coords=hop.coords, grad_output=hop.grad_output, version=hop.version)
             task = asyncio.get_running_loop().create_task(self._send(stage, peers, request),
                                                           name=f"retract-{stage}-{sample.sample_id}")
             self._tasks.add(task)

@@ -12,7 +12,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import BackwardRequest, InfoReply, RetractReply, RetractRequest, to_body
+from protocol.messages import BackwardRequest, ForwardRequest, InfoReply, RetractReply, RetractRequest, to_body
 from protocol.run_config import load_run_config
 from roles.model.stage import StageModel
 from roles.worker.serving.handlers import WorkerHandlers
@@ -93,6 +93,28 @@ def test_a_sample_of_the_next_step_is_retracted_from_the_next_steps_accumulators
     assert (opt.samples_accumulated, opt.next_accumulated) == (1, 0)
     assert all(torch.equal(a, b) for a, b in zip(open_grads, grads(runtime))), "the open step is untouched"
     assert all(g is None or float(g.abs().max()) < 1e-6 for g in opt._next_grads)
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_pinned_backward_is_undone_on_the_weights_it_ran_on(named):
+    """Sample 0's forward ran on version 0, a step closed, and its backward was pinned to version
+    0's kept weights: the retraction naming version 0 subtracts exactly that gradient; one that
+    names no version recomputes on version 1's weights and leaves a remainder."""
+    run = load_run_config("tiny", {"target_batch_size": 4, "staleness": {"pin_forward_weights": True}})
+    runtime = make_runtime(1, run)
+    fields = sample(0, 1, step=1)
+    runtime._forward_batch([ForwardRequest(stage=1, sample_id="s0", tokens=fields["tokens"], coords=fields["coords"])])
+    backward(runtime, 1, step=0)
+    runtime.optimizer.step()
+    backward(runtime, 2, step=1)
+    only_2 = grads(runtime)
+    [result] = runtime._backward_batch([BackwardRequest(**fields)])
+    assert result.version == 0, "the backward was pinned to its forward's weights"
+    version = result.version if named else None
+    Retractions(runtime).apply(retract_request(0, 1, step=1, version=version))
+    close = all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(only_2, grads(runtime)))
+    assert close == named
+    assert runtime.counters["retractions_pinned"] == (1 if named else 0)
 
 
 def test_a_closed_step_answers_too_late_and_changes_nothing():

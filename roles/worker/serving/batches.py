@@ -140,6 +140,12 @@ class BatchCompute:
             return None
         return {name: t.detach().requires_grad_(True) for name, t in zip(self._param_names, opt.previous)}
 
+    def _model_on(self, weights: Optional[dict[str, torch.Tensor]], coords, tokens) -> torch.Tensor:
+        """The stage's forward on `weights` (from `_previous_weights`), or on its own parameters."""
+        if weights is None:
+            return self.model(coords, tokens)
+        return torch.func.functional_call(self.model, weights, (coords, tokens))
+
     def _backward_batch(self, requests: list[BackwardRequest], tag: Optional[int] = None) -> list[BackwardResult]:
         """`tag`: the step the stage's tagger gave these untagged tail samples (None: tag here)."""
         tokens, coords = self._inputs(requests)
@@ -160,17 +166,9 @@ class BatchCompute:
             elif offset == 0:
                 self.ledger.arrived()
             pinned = self._previous_weights(versions) if versions else None
-            with opt.accumulating(min(offset, 1) if offset >= 0 else -1):
-                if pinned is not None:
-                    # Gradients taken at the previous weights join this step's sum in place: autograd
-                    # adds into an existing .grad, so no third gradient buffer is ever allocated.
-                    for param, old in zip(opt.params, pinned.values()):
-                        old.grad = param.grad
+            with opt.accumulating(min(offset, 1) if offset >= 0 else -1), gradients_into(opt.params, pinned):
                 with self._autocast():
-                    if pinned is not None:
-                        out = torch.func.functional_call(self.model, pinned, (coords, tokens))
-                    else:
-                        out = self.model(coords, tokens)
+                    out = self._model_on(pinned, coords, tokens)
                 if self.mid_compute is not None and self.kind == "tail":
                     self.mid_compute("forward")  # the tail has no forward requests: its forward runs here
                 if self.kind == "tail":
@@ -180,9 +178,6 @@ class BatchCompute:
                     grad = torch.stack([r.grad_output for r in requests]).to(self.device, torch.float32)
                     out.float().backward(grad)
                     losses = None
-                if pinned is not None:
-                    for param, old in zip(opt.params, pinned.values()):
-                        param.grad, old.grad = old.grad, None
                 if self.mid_compute is not None:
                     self.mid_compute("backward")
             # A worker in optimizer sync accumulates too: it steps on its own gradients to warm its
@@ -208,6 +203,23 @@ class BatchCompute:
             BackwardResult(grad_input=None if grads is None else grads[i], loss=loss_values[i], step=tag, version=used)
             for i in range(n)
         ]
+
+
+@contextlib.contextmanager
+def gradients_into(params: list[torch.Tensor], pinned: Optional[dict[str, torch.Tensor]]):
+    """Gradients taken at `pinned` weights (detached copies, `_previous_weights`) join `params`'
+    .grad in place: autograd adds into an existing .grad, so no third gradient buffer is ever
+    allocated. Nothing to do without `pinned`."""
+    if pinned is None:
+        yield
+        return
+    for param, old in zip(params, pinned.values()):
+        old.grad = param.grad
+    try:
+        yield
+    finally:
+        for param, old in zip(params, pinned.values()):
+            param.grad, old.grad = old.grad, None
 
 
 def _unpacked(tensor: torch.Tensor) -> torch.Tensor:

@@ -4,14 +4,16 @@ the cheater added to the open step is left out of it.
 
 The trainer sends what the sample's backward brought to this stage: its input (tokens, and the
 coordinates for a body or the tail) and the output gradient it sent back (none at the tail, which
-recomputes its own loss). The compute thread recomputes the sample's forward at the current
-weights and backpropagates the negated output gradient (at the tail: the loss times -1) into the
-accumulators of the sample's step (`StageOptimizer.accumulating`), under the optimizer lock, so
-the step's sum loses the sample's gradient, and the step divides by one sample fewer
-(`StageOptimizer.retract_samples`). The gradient recomputed at the current weights equals the one
-accumulated when the weights have not moved since; after an averaging round or a step between the
-two (a sample accumulated for the next step while the open one closed) it is the gradient at the
-nearby current weights instead.
+recomputes its own loss). The compute thread recomputes the sample's forward and backpropagates the
+negated output gradient (at the tail: the loss times -1) into the accumulators of the sample's
+step (`StageOptimizer.accumulating`), under the optimizer lock, so the step's sum loses the
+sample's gradient, and the step divides by one sample fewer (`StageOptimizer.retract_samples`).
+The trainer names the weight version the sample's backward reported (`version`): a backward
+pinned to the previous version (its forward ran there, a step closed in between) is undone on
+that version's kept copy, so the subtraction equals what was added. Otherwise it runs on the
+current weights, which equal those of the backward unless an averaging round moved them since
+(or the version named is no longer kept: counted as `retractions_unpinned`); then it is the
+gradient at the nearby current weights instead.
 
 The step ledger still counts the sample, as it counts an abandoned one (`StepLedger.retracted`):
 the step closes on schedule one gradient short, and no replacement sample is routed.
@@ -40,6 +42,7 @@ import torch
 
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import RetractReply, RetractRequest
+from roles.worker.serving.batches import gradients_into
 from roles.worker.serving.queues import QueueClosed, loop_future
 from roles.worker.serving.runtime import StageRuntime
 
@@ -108,16 +111,23 @@ class Retractions:
         return RetractReply(outcome="applied", open_step=open_step)
 
     def _subtract(self, request: RetractRequest, offset: int) -> None:
-        """The sample's forward at the current weights and its backward with the negated output
-        gradient, into the accumulators of the step at `offset` (hold the optimizer lock)."""
+        """The sample's forward and its backward with the negated output gradient, into the
+        accumulators of the step at `offset` (hold the optimizer lock): on the weights its backward
+        ran on (`request.version`) when those are the previous version and still kept, as a pinned
+        backward's were, else on the current ones."""
         runtime = self.runtime
+        opt = runtime.optimizer
+        pinned = None
+        if request.version is not None and request.version != opt.local_step:
+            pinned = runtime._previous_weights([request.version])
+            runtime.counters["retractions_pinned" if pinned is not None else "retractions_unpinned"] += 1
         tokens = request.tokens.unsqueeze(0).to(runtime.device)
         coords: Optional[torch.Tensor] = None
         if runtime.kind != "head":
             coords = request.coords.unsqueeze(0).to(runtime.device, torch.float32)
-        with torch.enable_grad(), runtime.optimizer.accumulating(offset):
+        with torch.enable_grad(), opt.accumulating(offset), gradients_into(opt.params, pinned):
             with runtime._autocast():
-                out = runtime.model(coords, tokens)
+                out = runtime._model_on(pinned, coords, tokens)
             if runtime.kind == "tail":  # the model gives each sample's mean loss, as in a backward batch
                 (-out.float().sum()).backward()
             else:

@@ -178,8 +178,7 @@ class StageRuntime(StepDecision, BatchCompute):
                 fingerprint = weights_fingerprint(self.optimizer.params if weights is None else weights.values())
                 if wants_grad:
                     coords.requires_grad_(True)
-                out = (self.model(coords, tokens) if weights is None
-                       else torch.func.functional_call(self.model, weights, (coords, tokens)))
+                out = self._model_on(weights, coords, tokens)
                 if wants_grad:  # into the input only: nothing accumulates in the parameters' .grad
                     target = (out.float().sum() if self.kind == "tail" else
                               (out.float() * request.grad_output.unsqueeze(0).to(self.device, torch.float32)).sum())
