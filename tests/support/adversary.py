@@ -347,7 +347,7 @@ class Adversary:
         logger.info("adversary: %s on this stage-%d %s worker", ", ".join(a.spec for a in self.attacks),
                     runtime.stage, runtime.kind)
         idle = {FORWARD: runtime.kind == "tail", GRAD: runtime.kind == "head", LOSS: runtime.kind != "tail",
-                FRAGMENT: False}
+                FRAGMENT: False, PART: False}
         for attack in self.attacks:
             if idle[attack.direction]:
                 logger.warning("adversary: %s alters %s, which a %s stage does not send: it does nothing here",

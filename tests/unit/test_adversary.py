@@ -277,6 +277,21 @@ def test_prefix_and_argv_split_bring_the_node_command_line_through():
         adversary_prefix("scale")
 
 
+@pytest.mark.parametrize("spec", ["sloco_scale:100", "spart_scale:100"])
+def test_an_averaging_liar_serves_the_pipeline_honestly(spec):
+    """Its forwards, backwards and evaluations are an honest worker's (the first call of each once
+    failed with a KeyError: every request of the liar's, so it served nothing)."""
+    honest, lying = make_runtime(BODY), make_runtime(BODY)
+    lying.model.load_state_dict(honest.model.state_dict())
+    with installed(spec):
+        [out] = lying._forward_batch([forward(BODY, 1)])
+        [result] = lying._backward_batch([backward(BODY, 1)])
+        reply = lying.evaluate(evaluation(BODY, 2))
+    assert torch.equal(out, honest._forward_batch([forward(BODY, 1)])[0])
+    assert torch.equal(result.grad_input, honest._backward_batch([backward(BODY, 1)])[0].grad_input)
+    assert torch.equal(reply.coords, honest.evaluate(evaluation(BODY, 2)).coords)
+
+
 def test_sloco_scale_signs_a_scaled_pseudo_gradient_and_keeps_its_own_state_honest():
     from protocol.identity import Identity
     from cryptography.hazmat.primitives.asymmetric import ed25519
