@@ -15,7 +15,8 @@ replies stay honest; its replicas refuse the fragments and, with `--authorizer`,
 fragment evidence (protocol/fragment_evidence.py). Its held-out gap is taken against the first
 honest `sparseloco` run of the invocation (none: no gap). `spart_scale:100` is the same lie in
 AsyncSPARTA's all-reduce (the run's default averaging, at 3 replicas a stage): replica 1 of stage 1
-sends its sealed parts times 100, and its reducers refuse them and report them as part evidence
+sends its sealed parts times 100 (every replica of such a run reduces, so it has reducers to lie
+to), and its reducers refuse them and report them as part evidence
 (protocol/part_evidence.py); its gap is taken against its own order only (the honest baseline has
 another number of replicas).
 
@@ -133,7 +134,12 @@ def trust_run_config(args: argparse.Namespace, steps: int, *, checks: bool, rout
     verification = run.verification.model_copy(update={
         "spot_check_rate": args.spot_check_rate if checks else 0.0,
         "suspect_check_rate": run.verification.suspect_check_rate if checks else 0.0})
-    return run.model_copy(update={"verification": verification, "seed": args.seed})
+    update = {"verification": verification, "seed": args.seed}
+    if witnesses and not sparseloco:
+        # every replica reduces: an AsyncSPARTA liar scales the parts it sends the other reducers,
+        # and the one reducer the run would promote may be the liar itself, with nobody to lie to
+        update["averaging"] = run.averaging.model_copy(update={"min_reducers": replicas})
+    return run.model_copy(update=update)
 
 
 def replicas_for(args: argparse.Namespace, witnesses: bool) -> int:
