@@ -40,6 +40,8 @@ class SwarmDHT:
         """When our last store timed out; None once one succeeded since."""
         self._expires: dict[str, float] = {}
         """When the last record we stored under each key expires: the next must expire later."""
+        self._withdrawn: set[str] = set()
+        """Keys we tombstoned on the way out: no live record goes under them again (see withdraw)."""
 
     async def store(self, key: str, record: RecordModel, ttl_s: float, *, timeout_s: float | None = None) -> bool:
         """Announce `record` under our own subkey of `key` for `ttl_s` seconds, or longer when an
@@ -53,11 +55,16 @@ class SwarmDHT:
         and the dashboard showed no trainer. A refused store therefore reads
         our subkey's expiration and stores again just past it; later stores keep expiring after
         it until `ttl_s` reaches past it by itself."""
+        tombstone = isinstance(record, Tombstone)
+        if key in self._withdrawn and not tombstone:  # see withdraw
+            logger.debug("not announcing %s: withdrawn on the way out", key)
+            return False
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         value = record.model_dump(mode="json")
         expiration = max(get_dht_time() + ttl_s, self._expires.get(key, 0.0) + SUPERSEDE_MARGIN_S)
         stored = await self._store(key, value, expiration, timeout_s)
-        if not stored and self._store_timed_out_at is None:
+        # (checked again: a store that began before a withdrawal must not chase the tombstone)
+        if not stored and self._store_timed_out_at is None and (tombstone or key not in self._withdrawn):
             outlived = await self._own_expiration(key)
             if outlived is not None and expiration <= outlived < get_dht_time() + MAX_RECORD_TTL_S - 1.0:
                 logger.info("our earlier record under %s expires in %.0fs; announcing past it", key,
@@ -110,7 +117,12 @@ class SwarmDHT:
         """Overwrite our subkey with a tombstone: hivemind has no delete. Right after a store timed
         out (no peer answered: typically the whole swarm is stopping with us), try only briefly:
         the record lapses by itself, and a node leaving with three records to withdraw would
-        otherwise wait out three full timeouts."""
+        otherwise wait out three full timeouts.
+
+        Later live stores under `key` are refused: a periodic announcement still running while the
+        node drains would otherwise land after the tombstone and, expiring just past it (see
+        store), keep a departed node listed for the tombstone's whole minute."""
+        self._withdrawn.add(key)
         recent = self._store_timed_out_at is not None and time.monotonic() - self._store_timed_out_at < 60.0
         return await self.store(key, Tombstone(), ttl_s, timeout_s=min(self.timeout_s, 1.0) if recent else None)
 

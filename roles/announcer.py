@@ -25,8 +25,12 @@ class Announcer:
         self._wake = asyncio.Event()
         self.announced = False
         """Whether a DHT peer accepted the record at least once (the node's readiness needs it)."""
+        self.withdrawn = False
+        """Set on the way out: the record is tombstoned and never announced again."""
 
     async def announce_now(self) -> bool:
+        if self.withdrawn:
+            return False
         stored = await self.swarm.store(self.key, self.make_record(), self.ttl_s)
         self.announced = self.announced or stored
         return stored
@@ -43,6 +47,7 @@ class Announcer:
             logger.warning("announcing %s was not accepted by any DHT peer", self.key)
 
     async def withdraw(self) -> None:
+        self.withdrawn = True
         try:
             await self.swarm.withdraw(self.key)
         except Exception:

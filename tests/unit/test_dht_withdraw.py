@@ -88,3 +88,41 @@ def test_a_node_restarted_with_its_identity_supersedes_the_record_it_left(tmp_pa
         assert seen[peer].max_batch == 16
     finally:
         seed.shutdown()
+
+
+def test_nothing_live_is_announced_under_a_withdrawn_key():
+    """A periodic announcement still running while a worker drains stored a live record after its
+    tombstone, expiring just past it: the departed worker stayed listed for the tombstone's minute
+    (a CI run saw it 30 s after the exit). After a withdrawal only tombstones go under that key."""
+    from protocol.dht_schema import WorkerRecord
+
+    async def scenario():
+        dht = _SilentDHT()
+        dht.answering = True
+        swarm = SwarmDHT(dht, "me", timeout_s=3.0)
+        record = WorkerRecord(stage=0, max_batch=4, throughput=1.0)
+        assert await swarm.store("run/workers", record, 3)
+        assert await swarm.withdraw("run/workers")
+        assert not await swarm.store("run/workers", record, 3)
+        assert await swarm.withdraw("run/workers")
+        assert await swarm.store("run/progress", record, 3)
+        return dht.stored
+
+    assert asyncio.run(scenario()) == ["run/workers", "run/workers", "run/workers", "run/progress"]
+
+
+def test_an_announcer_stops_for_good_once_withdrawn():
+    from protocol.dht_schema import WorkerRecord
+    from roles.announcer import Announcer
+
+    async def scenario():
+        dht = _SilentDHT()
+        dht.answering = True
+        announcer = Announcer(SwarmDHT(dht, "me"), "run/workers",
+                              lambda: WorkerRecord(stage=0, max_batch=4, throughput=1.0), period_s=1.0)
+        assert await announcer.announce_now()
+        await announcer.withdraw()
+        assert not await announcer.announce_now()
+        return dht.stored
+
+    assert asyncio.run(scenario()) == ["run/workers", "run/workers"]
