@@ -589,6 +589,12 @@ class VerificationConfig(BaseModel):
         description="Disputes resolved against a worker (and fewer than a third as many in its favour) after "
                     "which a trainer routes nothing more to it.",
     )
+    exact_strikes_to_exclude: int = Field(
+        default=1, ge=1, le=1000,
+        description="Disputes resolved against a worker by a re-execution (a third replica's, its own second "
+                    "answer, or the trainer's on its weights) after which a trainer routes nothing more to it "
+                    "(with fewer than a third as many in its favour); strikes_to_exclude counts all strikes.",
+    )
     referee_max_bytes: int = Field(
         default=256 << 20, ge=0,
         description="Largest stage (its parameters, in bytes) whose weights a trainer fetches from both sides of "

@@ -30,7 +30,7 @@ For each attack, with the checks on (the run config's `verification`, spot check
 - false accusations: any worker but the attacker that a trainer excluded (and so reported, with
   an authorizer); `honest_strikes` counts the disputes resolved against honest workers, which
   exclude nobody below `strikes_to_exclude` (a dispute decided by the loss can go either way when
-  the lie hardly moves it);
+  the lie hardly moves it), or below `exact_strikes_to_exclude` when re-execution decided them;
 - held-out loss (256 samples) of the elementwise mean of the final weights of the replicas still
   there at the end (a revoked attacker's last checkpoint is from when it left), and its gap to the
   honest run of the same invocation; also the mean of all replicas, as bench_fidelity takes it,

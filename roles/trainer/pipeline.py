@@ -159,6 +159,7 @@ class PipelineDriver:
             replicas=lambda stage: self.balancers[stage].usable(), losses=referee.continuation_losses,
             slopes=referee.input_slopes, consistency=referee.loss_consistency,
             loss_margin=verification.loss_margin, strikes_to_exclude=verification.strikes_to_exclude,
+            exact_strikes_to_exclude=verification.exact_strikes_to_exclude,
             exclude=self._excluder(exclude), equal_replicas=equal_replicas,
             suspect_rate=verification.suspect_check_rate, run_id=run_id, report_evidence=report_evidence,
             route_around=lambda stage, peer: self.balancers[stage].report_failure(peer),

@@ -36,7 +36,11 @@ stays unresolved, but which side's loss was worse is counted per pair: honest re
 dispute, so a pair that keeps disputing holds a liar, and a side worse far more often than a coin
 would be (10 of 10) is struck. A lie that does not change what the model predicts is counted,
 not attributed. A worker with `verification.strikes_to_exclude` strikes and fewer than a third as
-many disputes resolved in its favour is excluded: this trainer routes nothing more to it.
+many disputes resolved in its favour is excluded: this trainer routes nothing more to it. A
+strike decided exactly (a third replica, a side contradicting itself, the trainer's own
+re-execution: `EXACT_MECHANISMS`) excludes after `verification.exact_strikes_to_exclude` (one):
+each of those verdicts is already evidence, and every sample a liar serves while strikes add up
+is damage, much of it in steps that close before a retraction reaches them.
 
 Backward hops of the body stages and the tail are checked the same way: the replica re-executes
 the backward into the input only (`grad_output`, or `input_grad` at the tail; nothing accumulates)
@@ -79,6 +83,9 @@ OUTLIER_SHARE_MAX = 0.2
 """At most this share of a worker's hops (and `RECENT` more) is checked for standing out by itself:
 a bound on what a stage whose replies spread widely costs; a liar that lies on one sample in ten
 stays well inside it."""
+EXACT_MECHANISMS = ("arbiter", "self_contradiction", "reexecuted")
+"""What decides a dispute without a measurement of the loss (`Dispute.mechanism`): a re-execution
+that honest compute matches within the measured tolerance and a lie does not."""
 SIGN_TEST_P = 0.002
 """How unlikely (two-sided) a side's count of worse losses among a pair's close disputes must be
 under a coin before it is struck: 10 of 10, 13 of 14, 16 of 17."""
@@ -254,7 +261,7 @@ class SpotChecks:
                  slopes: Optional[Callable[[int, torch.Tensor, torch.Tensor, list[torch.Tensor]],
                                            Awaitable[list[float]]]] = None,
                  consistency: Optional[Callable[[int, str, torch.Tensor, torch.Tensor], Awaitable[float]]] = None,
-                 loss_margin: float = 0.01, strikes_to_exclude: int = 3,
+                 loss_margin: float = 0.01, strikes_to_exclude: int = 3, exact_strikes_to_exclude: int = 1,
                  exclude: Optional[Callable[[int, str, str], None]] = None,
                  equal_replicas: Callable[[int], bool] = lambda stage: True,
                  suspect_rate: Optional[float] = None, run_id: str = "",
@@ -287,6 +294,7 @@ class SpotChecks:
         input gradient predicts (relative)."""
         self.loss_margin = loss_margin
         self.strikes_to_exclude = strikes_to_exclude
+        self.exact_strikes_to_exclude = exact_strikes_to_exclude
         self._exclude = exclude
         """(stage, worker, why): stop routing to a worker."""
         self._equal_replicas = equal_replicas
@@ -683,7 +691,9 @@ class SpotChecks:
         if favour:
             self.stats.favoured[spared] += 1
         strikes, favoured = self.stats.strikes[struck], self.stats.favoured[struck]
-        if (strikes >= self.strikes_to_exclude and 3 * favoured < strikes and struck not in self.stats.excluded):
+        exact = sum(self.stats.strikes_by_mechanism[struck][m] for m in EXACT_MECHANISMS)
+        if ((strikes >= self.strikes_to_exclude or exact >= self.exact_strikes_to_exclude)
+                and 3 * favoured < strikes and struck not in self.stats.excluded):
             what = ("distance from a third replica" if dispute.arbiter
                     else "distance between its own two answers" if dispute.self_contradiction
                     else "distance from what its own weights compute" if dispute.reexecuted
@@ -692,8 +702,8 @@ class SpotChecks:
             mine, other = dispute.measures[::1 if struck == dispute.worker else -1]
             if not dispute.reexecuted:
                 mine, other = max(dispute.measures), min(dispute.measures)
-            why = (f"{strikes} spot-check disputes on stage {dispute.stage} resolved against it "
-                   f"({favoured} in its favour); last: {what} {mine:.4g} against "
+            why = (f"{strikes} spot-check dispute{'s' if strikes > 1 else ''} on stage {dispute.stage} "
+                   f"resolved against it ({exact} decided exactly, {favoured} in its favour); last: {what} {mine:.4g} against "
                    f"{other:.4g} at version {dispute.version}")
             self.stats.excluded[struck] = why
             self.screening.forget(dispute.stage, struck)

@@ -36,7 +36,8 @@ def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_p
     checks = summary["spot_checks"]
     print(json.dumps(checks, indent=1))
     cheater_id = cheater.maddrs[0].rsplit("/p2p/", 1)[1]
-    assert checks["disputed"] >= 3, checks
+    # one dispute a re-execution decides excludes it (verification.exact_strikes_to_exclude)
+    assert checks["disputed"] >= 1, checks
     for dispute in checks["disputes"]:
         assert dispute["stage"] == 1 and cheater_id in (dispute["worker"], dispute["checker"]), dispute
         assert dispute["kind"] == ("gradient" if attack == "flip_grad" else "output"), dispute

@@ -263,6 +263,35 @@ def test_a_third_replica_decides_a_dispute_without_the_loss():
     assert neither.stats.disputes[0].arbiter is None and neither.stats.outcomes["unresolved"] == 1 and measured == [1]
 
 
+def test_one_strike_decided_by_a_third_replica_excludes_and_one_decided_by_the_loss_does_not():
+    """A re-execution's verdict is evidence by itself: the liar goes at its first such strike
+    (`exact_strikes_to_exclude`), while a strike measured on the loss waits for `strikes_to_exclude`."""
+
+    async def main(replicas, **kwargs):
+        excluded = []
+
+        async def evaluate(stage, peer, request):
+            return EvaluateReply(coords=LIE if peer == "liar" else HONEST, version=1)
+
+        async def losses(stage, tokens, outputs):
+            return [3.0, 2.0] if outputs[0] is LIE else [2.0, 3.0]
+
+        checks = SpotChecks(1.0, 0.01, evaluate, lambda stage: list(replicas), random.Random(0), losses=losses,
+                            exclude=lambda stage, peer, why: excluded.append((peer, why)), **kwargs)
+        checks._rng.choice = lambda peers: next(p for p in ("honest", "third") if p in peers)
+        checks.check_forward(1, "liar", TOKENS, None, LIE, 1)
+        await _settle(checks)
+        return checks, excluded
+
+    checks, excluded = asyncio.run(main(["liar", "honest", "third"]))
+    assert checks.stats.disputes[0].arbiter == "third" and [peer for peer, _ in excluded] == ["liar"]
+    assert "1 spot-check dispute on stage 1 resolved against it (1 decided exactly, 0 in its favour)" in excluded[0][1]
+    patient, excluded = asyncio.run(main(["liar", "honest", "third"], exact_strikes_to_exclude=2))
+    assert dict(patient.stats.strikes) == {"liar": 1} and excluded == []
+    measured, excluded = asyncio.run(main(["liar", "honest"]))
+    assert measured.stats.summary()["strikes_by_mechanism"] == {"liar": {"loss": 1}} and excluded == []
+
+
 def test_a_lie_worse_by_less_than_the_margin_every_time_is_struck_by_the_tally_and_a_coin_is_not():
     async def disputes(losses_for, count):
         checks, excluded = _referee_checks(losses_for, loss_margin=0.01)
