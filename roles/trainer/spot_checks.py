@@ -703,8 +703,8 @@ class SpotChecks:
             if not dispute.reexecuted:
                 mine, other = max(dispute.measures), min(dispute.measures)
             why = (f"{strikes} spot-check dispute{'s' if strikes > 1 else ''} on stage {dispute.stage} "
-                   f"resolved against it ({exact} decided exactly, {favoured} in its favour); last: {what} {mine:.4g} against "
-                   f"{other:.4g} at version {dispute.version}")
+                   f"resolved against it ({exact} decided exactly, {favoured} in its favour); "
+                   f"last: {what} {mine:.4g} against {other:.4g} at version {dispute.version}")
             self.stats.excluded[struck] = why
             self.screening.forget(dispute.stage, struck)
             logger.warning("excluding worker %s: %s", struck[-8:], why)
