@@ -113,6 +113,10 @@ class SwarmDHT:
             future.cancel()
             return False
 
+    def withdrawn(self, key: str) -> bool:
+        """Whether we tombstoned `key` on the way out (no live record goes under it again)."""
+        return key in self._withdrawn
+
     async def withdraw(self, key: str, ttl_s: float = 60.0) -> bool:
         """Overwrite our subkey with a tombstone: hivemind has no delete. Right after a store timed
         out (no peer answered: typically the whole swarm is stopping with us), try only briefly:

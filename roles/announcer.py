@@ -25,11 +25,9 @@ class Announcer:
         self._wake = asyncio.Event()
         self.announced = False
         """Whether a DHT peer accepted the record at least once (the node's readiness needs it)."""
-        self.withdrawn = False
-        """Set on the way out: the record is tombstoned and never announced again."""
 
     async def announce_now(self) -> bool:
-        if self.withdrawn:
+        if self.swarm.withdrawn(self.key):  # tombstoned on the way out: never announced again
             return False
         stored = await self.swarm.store(self.key, self.make_record(), self.ttl_s)
         self.announced = self.announced or stored
@@ -47,7 +45,6 @@ class Announcer:
             logger.warning("announcing %s was not accepted by any DHT peer", self.key)
 
     async def withdraw(self) -> None:
-        self.withdrawn = True
         try:
             await self.swarm.withdraw(self.key)
         except Exception:

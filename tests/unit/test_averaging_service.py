@@ -33,6 +33,9 @@ class FakeSwarm:
     async def store(self, key, record, ttl):
         return True
 
+    def withdrawn(self, key):
+        return False
+
 
 class Store:
     lock = threading.RLock()
