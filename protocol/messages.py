@@ -220,13 +220,20 @@ class RetractRequest(WireModel):
     version: Optional[int] = Field(default=None, ge=0)
     """The weight version the sample's backward reported here (`BackwardReply.version`): the
     retraction recomputes on that version's weights while they are kept."""
+    accumulated_by: Optional[str] = Field(default=None, min_length=1, max_length=128)
+    """The replica that accumulated the sample, when it is not the one asked (it was excluded): the
+    one asked takes it out of the stage's step on that replica's behalf, through the gradient
+    exchange, and only if that replica's gradients are in the step's sum."""
 
 
 class RetractReply(WireModel):
-    outcome: Literal["applied", "too_late", "ahead"]
-    """`applied`: the sample's gradient was subtracted from its step; `too_late`: the step is closed
-    here (or this replica already handed its gradients to the stage's exchange), nothing changed;
-    `ahead`: this replica has not opened that step yet, nothing changed."""
+    outcome: Literal["applied", "too_late", "ahead", "unsummed"]
+    """`applied`: the sample's gradient was subtracted from its step (or, for another replica's
+    sample, will be from the stage's sum if that replica's gradients are in it); `too_late`: the
+    step is closed here (or this replica already handed its gradients to the stage's exchange),
+    nothing changed; `ahead`: this replica has not opened that step yet, nothing changed;
+    `unsummed`: another replica's sample, and this stage's replicas do not add up their gradients
+    (each steps on its own and averages weights), so it cannot be taken out here."""
     open_step: int = Field(ge=0)
     """The replica's open step when it answered."""
 
@@ -270,6 +277,15 @@ class StepCountsReply(WireModel):
     pass
 
 
+class StepCorrection(WireModel):
+    """`samples` samples replica `peer` accumulated, taken back out on its behalf: the sum of their
+    negated gradients, flat float32 in layout order."""
+
+    peer: str = Field(min_length=1, max_length=128)
+    samples: int = Field(ge=1)
+    grad: WireTensor
+
+
 class StepGradientsRequest(WireModel):
     """A replica's contribution to one step of its stage, pushed to the stage's other replicas
     before it steps: the sum of its samples' gradients, flat float32 in layout order (absent when
@@ -282,6 +298,9 @@ class StepGradientsRequest(WireModel):
     grad: Optional[WireTensor] = None
     consumed: int = Field(default=0, ge=0)
     """Samples the stage consumed before this step, as the sender counts them (its schedule position)."""
+    corrections: list[StepCorrection] = Field(default_factory=list, max_length=8)
+    """Samples of other replicas the sender takes back out of the step on their behalf
+    (roles/worker/steps/gradient_exchange.py)."""
 
 
 class StepGradientsReply(WireModel):

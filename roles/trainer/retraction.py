@@ -7,9 +7,10 @@ needs to recompute a sample's parameter gradient (`KeptSample`: per stage, the i
 the output gradient it sent back, and the worker that accumulated it). When it excludes worker X
 of stage k, each kept sample X served is retracted (`agora/v1/retract`, roles/worker/serving/
 retractions.py): at every other stage from the worker that accumulated it, and at stage k from
-a usable replica other than X (the next one if it holds no sample of that step). That replica's
-subtraction takes the sample out of the stage's step where the replicas add up their gradients
-(roles/worker/steps/gradient_exchange.py): the stage's sum is X's plus the others'. A sample
+a usable replica other than X, on X's behalf (`accumulated_by`): that replica brings the sample's
+negated gradient to the stage's gradient exchange (roles/worker/steps/gradient_exchange.py),
+whose sum takes it only if X's gradients are in the sum; if X was gone before the exchange, its
+samples went with it. A sample
 still in flight when X is excluded is retracted as soon as it completes. Retractions are
 fire-and-forget, a few at a time, and counted (`summary`, the trainer summary's
 `spot_checks.retraction`).
@@ -18,8 +19,8 @@ Kept are only samples whose step may still be open: those of the latest three st
 trainer has seen (KEPT_STEPS), within KEPT_BYTES_MAX (the oldest go first; both are counted). A
 stage that closed the step answers `too_late`: what it applied cannot be undone (docs/operations.md,
 "Untrusted workers"). Where replicas do not exchange gradients (they average weights instead), the
-replica asked at stage k subtracts from its own step only, and X's own sum still goes into X's
-weights, hence into the averaging. Samples dropped halfway through their backward are not kept,
+replica asked at stage k answers `unsummed`: X's own sum goes into X's weights, and from there
+into the averaging only while X is still a member of it. Samples dropped halfway through their backward are not kept,
 nor are the samples of the workers path (`routing.path: workers`), where the trainer never holds
 the tensors.
 """
@@ -181,8 +182,10 @@ class Retractions:
         hops = {hop.stage: hop for hop in sample.hops}
         for stage, peers in self.targets(sample):
             hop = hops[stage]
+            on_behalf = hop.worker if hop.worker in self.excluded else None
             request = RetractRequest(stage=stage, sample_id=sample.sample_id, step=sample.step, tokens=sample.tokens,
-                                     coords=hop.coords, grad_output=hop.grad_output, version=hop.version)
+                                     coords=hop.coords, grad_output=hop.grad_output, version=hop.version,
+                                     accumulated_by=on_behalf)
             task = asyncio.get_running_loop().create_task(self._send(stage, peers, request),
                                                           name=f"retract-{stage}-{sample.sample_id}")
             self._tasks.add(task)
@@ -214,11 +217,12 @@ class Retractions:
 
     def summary(self) -> dict:
         """The trainer summary's `spot_checks.retraction`: samples retracted, requests sent and how
-        they were answered (applied, too_late, ahead, refused: by every worker asked, over its
-        budget or holding no sample of the step; failed),
+        they were answered (applied, too_late, ahead, unsummed: the stage's replicas do not add up
+        gradients; refused: by every worker asked, over its budget or holding no sample of the
+        step; failed),
         stages with no replica to ask, and the kept samples."""
-        return {**{k: self.counters.get(k, 0) for k in ("samples", "sent", "applied", "too_late", "ahead", "refused",
-                                                         "failed", "no_replica")},
+        return {**{k: self.counters.get(k, 0) for k in ("samples", "sent", "applied", "too_late", "ahead", "unsummed",
+                                                         "refused", "failed", "no_replica")},
                 "kept": len(self.kept), "kept_bytes": self.kept.nbytes, "kept_dropped": dict(self.kept.dropped)}
 
     async def close(self, grace_s: float = 5.0) -> None:

@@ -4,6 +4,7 @@ gate, and the per-step gradient exchange that keeps replicas equal."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import random
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from protocol.errors import PeerUnavailable, ProtocolError
-from roles.worker.steps.gradient_exchange import Contribution, GradientExchange, add_up
+from roles.worker.steps.gradient_exchange import Contribution, Correction, GradientExchange, HeldCorrections, add_up
 from roles.worker.steps.step_tagger import AnsweredAsks, ForwardSlots, StepTagger, elect_tagger
 
 TARGET = 16
@@ -202,6 +203,47 @@ def test_a_late_replica_applies_the_sum_the_others_stepped_on():
     assert exchanges["b"].counters["samples_lost_late"] == 7
 
 
+def test_a_correction_counts_only_while_the_replica_it_names_is_in_the_sum():
+    """An honest replica takes an excluded replica's sample out on its behalf: subtracted when the
+    excluded one's gradients are summed, ignored when it left the step (its samples went with it)."""
+    x = _contribution("x", 0, 3, 1)
+    fix = Correction("x", 1, -torch.randn(64, generator=torch.Generator().manual_seed(5)))
+    a = dataclasses.replace(_contribution("a", 0, 4, 2), corrections=(fix,))
+    with_x = add_up(0, {"a": a, "x": x})
+    plain = add_up(0, {"a": _contribution("a", 0, 4, 2), "x": x})
+    assert torch.equal(with_x.grad, plain.grad + fix.grad)
+    assert with_x.samples == 6 and with_x.stage_samples == 7, "one gradient fewer, the step still consumed it"
+    without_x = add_up(0, {"a": a})
+    assert torch.equal(without_x.grad, _contribution("a", 0, 4, 2).grad) and without_x.samples == 4
+
+
+def test_corrections_never_take_more_samples_than_their_replica_brought():
+    x = _contribution("x", 0, 2, 1)
+    a = dataclasses.replace(_contribution("a", 0, 4, 2), corrections=(Correction("x", 2, torch.ones(64)),))
+    b = dataclasses.replace(_contribution("b", 0, 4, 3), corrections=(Correction("x", 1, torch.ones(64)),))
+    total = add_up(0, {"a": a, "b": b, "x": x})
+    assert total.samples == 8, "a's correction takes x's two samples; b's finds none left"
+    only_x = add_up(0, {"a": dataclasses.replace(_contribution("a", 0, 0, 2), corrections=(
+        Correction("x", 2, -x.grad),)), "x": x})
+    assert only_x.samples == 0 and only_x.grad is None, "a step left with no gradient has none"
+    self_named = dataclasses.replace(_contribution("a", 0, 4, 2), corrections=(Correction("a", 1, torch.ones(64)),))
+    assert add_up(0, {"a": self_named}).samples == 4
+
+
+def test_held_corrections_add_up_per_replica_and_go_with_their_step():
+    held = HeldCorrections()
+    held.add(3, "x", torch.ones(64))
+    held.add(3, "x", torch.ones(64))
+    held.add(3, "y", torch.ones(64))
+    held.add(4, "x", torch.ones(64))
+    held.add(2, "x", torch.ones(64))
+    assert held.samples(3) == 3
+    taken = {c.peer: c for c in held.take(3)}
+    assert taken["x"].samples == 2 and torch.equal(taken["x"].grad, torch.full((64,), 2.0)) and taken["y"].samples == 1
+    assert held.samples(2) == 0, "an earlier step's corrections go when a later one is taken"
+    assert held.samples(4) == 1
+
+
 def test_contributions_that_cannot_be_used_are_refused():
     exchange = GradientExchange("a", numel=64, target=TARGET, timeout_s=1.0, push=None, members=lambda: ["b"])
     bad = [
@@ -210,6 +252,13 @@ def test_contributions_that_cannot_be_used_are_refused():
         Contribution("b", 0, 3, 0, torch.full((64,), float("nan"))),  # not finite
         Contribution("b", 0, 3, 0, None),  # samples without a gradient
         Contribution("b", 0, 10_000, 0, torch.zeros(64)),  # more samples than a step can hold
+        Contribution("b", 0, 3, 0, torch.zeros(64), corrections=tuple(  # more corrections than replicas
+            Correction(f"x{i}", 1, torch.zeros(64)) for i in range(9))),
+        Contribution("b", 0, 3, 0, torch.zeros(64), corrections=(Correction("x", 1, torch.zeros(64)),) * 2),
+        Contribution("b", 0, 3, 0, torch.zeros(64), corrections=(Correction("b", 1, torch.zeros(64)),)),  # itself
+        Contribution("b", 0, 3, 0, torch.zeros(64), corrections=(Correction("x", TARGET, torch.zeros(64)),)),
+        Contribution("b", 0, 3, 0, torch.zeros(64), corrections=(Correction("x", 1, torch.zeros(10)),)),
+        Contribution("b", 0, 3, 0, torch.zeros(64), corrections=(Correction("x", 1, torch.full((64,), float("inf"))),)),
     ]
     for c in bad:
         with pytest.raises(ProtocolError):
@@ -287,3 +336,19 @@ def test_a_push_lost_after_the_peers_gradients_arrived_is_sent_again_and_both_ap
     assert not a.missing and not b.missing and a.samples == b.samples == 16
     assert torch.equal(a.grad, b.grad)
     assert exchanges["a"].counters["pushes_retried"] == 1
+
+
+def test_corrections_cross_the_wire_and_hostile_ones_are_refused_typed():
+    from protocol.errors import ErrorCode
+    from protocol.messages import StepGradientsRequest, parse_model, to_body
+
+    fix = {"peer": "X", "samples": 2, "grad": torch.randn(64)}
+    body = to_body(StepGradientsRequest(stage=1, step=3, samples=4, grad=torch.randn(64), corrections=[fix]))
+    [back] = parse_model(StepGradientsRequest, body).corrections
+    assert (back.peer, back.samples) == ("X", 2) and torch.equal(back.grad, fix["grad"])
+    good = body["corrections"][0]
+    for corrections in ([{**good, "peer": ""}], [{**good, "samples": 0}], [good] * 9, [{**good, "grad": b"\0" * 7}],
+                        "not a list"):
+        with pytest.raises(ProtocolError) as caught:
+            parse_model(StepGradientsRequest, {**body, "corrections": corrections})
+        assert caught.value.code in (ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_TENSOR)

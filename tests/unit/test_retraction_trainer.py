@@ -44,8 +44,11 @@ def test_exclusion_retracts_from_every_stage_and_another_replica_of_the_liars():
     sent: list[tuple[int, str, str]] = []
     answers = {"c": RetractReply(outcome="too_late", open_step=3)}
 
+    on_behalf: set[tuple[int, object]] = set()
+
     async def send(stage, peer, request):
         sent.append((stage, peer, request.sample_id))
+        on_behalf.add((stage, request.accumulated_by))
         if peer == "d" or (peer, request.sample_id) == ("y", "s2"):
             raise RemoteError("over budget", ErrorCode.RATE_LIMITED)
         if peer == "e":
@@ -67,8 +70,9 @@ def test_exclusion_retracts_from_every_stage_and_another_replica_of_the_liars():
                                    (0, "d", "s2"), (1, "y", "s2"), (1, "z", "s2"), (2, "e", "s2"),
                                    (0, "a", "s3"), (1, "y", "s3"), (2, "c", "s3")])
     # d refuses and is the only one to ask at its stage; y refuses s2, so z, the next replica, takes it
+    assert on_behalf == {(0, None), (1, "x"), (2, None)}, "only x's own stage is asked on its behalf"
     assert retractions.summary() == {"samples": 3, "sent": 10, "applied": 5, "too_late": 2, "ahead": 0,
-                                     "refused": 1, "failed": 1, "no_replica": 0, "kept": 1,
+                                     "unsummed": 0, "refused": 1, "failed": 1, "no_replica": 0, "kept": 1,
                                      "kept_bytes": kept(1, 2).nbytes, "kept_dropped": {}}
 
 

@@ -117,6 +117,40 @@ def test_a_pinned_backward_is_undone_on_the_weights_it_ran_on(named):
     assert runtime.counters["retractions_pinned"] == (1 if named else 0)
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_another_replicas_sample_is_held_as_a_correction_for_the_exchange(stage):
+    """The excluded replica X accumulated sample 7; this replica, asked on X's behalf, leaves its
+    own step alone and holds the sample's negated gradient for the stage's sum, where it counts
+    only if X's gradients are in it (gradient_exchange.add_up)."""
+    x = make_runtime(stage)  # what X added for the sample, on the same weights
+    backward(x, 7)
+    added = x.optimizer.open_gradient_sum()
+    runtime = make_runtime(stage)
+    runtime.exchange_step = lambda own: None  # the stage adds up its replicas' gradients
+    nothing_held = Retractions(runtime).apply(retract_request(7, stage, accumulated_by="X"))
+    assert nothing_held.outcome == "applied", "holding no sample of the step is no reason to refuse"
+    backward(runtime, 1)
+    own = grads(runtime)
+    Retractions(runtime).apply(retract_request(7, stage, step=1, accumulated_by="X"))
+    assert all(torch.equal(a, b) for a, b in zip(own, grads(runtime))), "its own step is untouched"
+    assert runtime.optimizer.samples_accumulated == 1 and runtime.arrived() == (1, 0)
+    assert runtime.counters["retractions_on_behalf"] == 2
+    [fix] = runtime.corrections.take(0)
+    assert fix.peer == "X" and fix.samples == 1
+    assert torch.allclose(fix.grad, -added, atol=1e-6, rtol=1e-4)
+    assert runtime.corrections.samples(1) == 1, "the next step's correction waits for that step"
+
+
+def test_another_replicas_sample_is_unsummed_where_replicas_average_weights():
+    runtime = make_runtime(1)
+    backward(runtime, 1)
+    before = grads(runtime)
+    reply = Retractions(runtime).apply(retract_request(1, 1, accumulated_by="X"))
+    assert reply == RetractReply(outcome="unsummed", open_step=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, grads(runtime))) and runtime.corrections.samples(0) == 0
+    assert runtime.counters["retractions_unsummed"] == 1
+
+
 def test_a_closed_step_answers_too_late_and_changes_nothing():
     runtime = make_runtime(1)
     backward(runtime, 1, step=0)

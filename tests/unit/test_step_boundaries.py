@@ -228,6 +228,41 @@ def test_a_replica_adding_up_gradients_jumps_only_when_no_replica_can_still_clos
     assert not ledger.may_jump_to(5), "a replica pushed its gradients of a step in between"
 
 
+@pytest.mark.parametrize("x_in_the_sum", [True, False])
+def test_corrections_on_an_excluded_replicas_behalf_go_to_the_exchange_with_the_step(x_in_the_sum):
+    """A correction held for replica X's sample travels with this replica's contribution; the
+    stage's sum takes it when X's gradients are in it, and it is counted either way."""
+    from roles.worker.steps.gradient_exchange import Contribution, add_up
+
+    run = make_run(2)
+    runtime = make_runtime(run, 1, start=False)
+    numel = runtime.optimizer.gradient_numel
+    runtime.corrections.add(0, "X", -torch.ones(numel))
+    peer = "X" if x_in_the_sum else "Y"
+    theirs = Contribution(peer=peer, step=0, samples=1, abandoned=0, grad=torch.ones(numel))
+    sent = []
+
+    def exchange(own):
+        sent.append(own)
+        return add_up(own.step, {"self": own, peer: theirs})
+
+    runtime.exchange_step = exchange
+    runtime.ledger.update_peers(PeerView(counts={0: 1}, max_step=0, members=(peer,), records={peer: (0, 1, 0)}))
+    replies = Replies()
+    runtime.start()
+    try:
+        runtime.submit(TaskKind.BACKWARD, body_backward(0, run, 0), replies.callback("s0"))
+        replies.wait(["s0"])
+        poll_until(lambda: runtime.optimizer.local_step == 1, 10, "the compute thread to step with its peer")
+        [own] = sent
+        assert [(c.peer, c.samples) for c in own.corrections] == [("X", 1)]
+        counted = "retractions_summed" if x_in_the_sum else "retractions_replica_gone"
+        assert runtime.counters[counted] == 1, dict(runtime.counters)
+        assert runtime.corrections.samples(0) == 0
+    finally:
+        runtime.stop(5)
+
+
 def test_abandoned_sample_completes_its_step_at_once():
     run = make_run(4)
     runtime = make_runtime(run, 1)

@@ -32,6 +32,7 @@ from protocol.errors import AgoraError, ErrorCode, PeerTimeout, PeerUnavailable,
 from protocol.messages import (
     StepCountsReply,
     StepCountsRequest,
+    StepCorrection,
     StepGradientsReply,
     StepGradientsRequest,
     TagReply,
@@ -42,7 +43,7 @@ from protocol.run_config import RunConfig
 from protocol.transport import RpcClient, RpcServer, dial
 from roles.model.traffic_plan import gradient_exchange_on
 from roles.periodic import every
-from roles.worker.steps.gradient_exchange import Contribution, GradientExchange, StepSum
+from roles.worker.steps.gradient_exchange import Contribution, Correction, GradientExchange, StepSum
 from roles.worker.serving.runtime import StageRuntime
 from roles.worker.steps.step_tagger import AnsweredAsks, ForwardSlots, StepTagger, TagGrant, Unreachable, elect_tagger
 
@@ -305,7 +306,9 @@ class StageReplicas:
 
     async def _push(self, peer: str, c: Contribution) -> Optional[StepSum]:
         request = StepGradientsRequest(stage=self.stage, step=c.step, samples=c.samples, abandoned=c.abandoned,
-                                       grad=c.grad, consumed=c.consumed)
+                                       grad=c.grad, consumed=c.consumed,
+                                       corrections=[StepCorrection(peer=f.peer, samples=f.samples, grad=f.grad)
+                                                    for f in c.corrections])
         reply = await self._client.request(await self._peer(peer), version.STEP_GRADIENTS, request,
                                            StepGradientsReply, timeout_s=self.exchange.timeout_s)
         if not reply.closed:
@@ -327,8 +330,11 @@ class StageReplicas:
             raise ProtocolError("only a replica of this stage with a progress record may send its gradients",
                                 ErrorCode.NOT_READY)
         grad = None if request.grad is None else request.grad.reshape(-1)
+        corrections = tuple(Correction(peer=f.peer, samples=f.samples, grad=f.grad.reshape(-1))
+                            for f in request.corrections)
         contribution = Contribution(peer=peer, step=request.step, samples=request.samples,
-                                    abandoned=request.abandoned, grad=grad, consumed=request.consumed)
+                                    abandoned=request.abandoned, grad=grad, consumed=request.consumed,
+                                    corrections=corrections)
         total = self.exchange.receive(contribution, self.runtime.optimizer.local_step)
         if total is None:
             return StepGradientsReply()

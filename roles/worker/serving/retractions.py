@@ -18,6 +18,15 @@ gradient at the nearby current weights instead.
 The step ledger still counts the sample, as it counts an abandoned one (`StepLedger.retracted`):
 the step closes on schedule one gradient short, and no replacement sample is routed.
 
+A sample that another replica of this stage accumulated (`accumulated_by`: the trainer excluded
+that replica, and asks this one instead) is not in this replica's accumulators. Its negated
+gradient is computed apart (`StageOptimizer.separate_gradients`) and held as a correction on that
+replica's behalf (`StageRuntime.corrections`), which goes with this replica's contribution to the
+stage's gradient exchange: the sum takes it only if the other replica's gradients are in it
+(gradient_exchange.py `add_up`). A replica revoked or gone before the exchange took its samples
+with it, and they are not subtracted twice. Where the stage's replicas do not exchange gradients
+the answer is `unsummed`, with nothing changed: the sample is in the other replica's own step.
+
 Only the open step and the next one can lose a sample: a retraction runs on the compute thread
 between batches, the thread that also takes the step and waits for the stage's gradient exchange,
 so by the time it runs, a step whose sum this replica already handed to the exchange is closed and
@@ -95,25 +104,37 @@ class Retractions:
             if offset > 1:
                 runtime.counters["retractions_ahead"] += 1
                 return RetractReply(outcome="ahead", open_step=open_step)
+            on_behalf = request.accumulated_by is not None
+            if on_behalf and runtime.exchange_step is None:
+                runtime.counters["retractions_unsummed"] += 1
+                return RetractReply(outcome="unsummed", open_step=open_step)
             self._by_step = {s: n for s, n in self._by_step.items() if s >= open_step}
             done = self._by_step.get(request.step, 0)
             held = opt.samples_accumulated if offset == 0 else opt.next_accumulated
-            if done >= self.per_step_limit or held < 1:
+            if done >= self.per_step_limit or (held < 1 and not on_behalf):
                 runtime.counters["retractions_refused"] += 1
                 why = (f"{done} samples of step {request.step} were retracted here already (at most "
-                       f"{self.per_step_limit})" if held >= 1 else f"no sample of step {request.step} is held here")
+                       f"{self.per_step_limit})" if done >= self.per_step_limit
+                       else f"no sample of step {request.step} is held here")
                 raise ProtocolError(why, ErrorCode.RATE_LIMITED)
-            self._subtract(request, offset)
-            opt.retract_samples(1, offset=offset)
-            runtime.ledger.retracted(request.step)
+            if on_behalf:
+                with opt.separate_gradients() as flat:
+                    self._subtract(request)
+                runtime.corrections.add(request.step, request.accumulated_by, flat[0])
+                runtime.counters["retractions_on_behalf"] += 1
+            else:
+                with opt.accumulating(offset):
+                    self._subtract(request)
+                opt.retract_samples(1, offset=offset)
+                runtime.ledger.retracted(request.step)
             self._by_step[request.step] = done + 1
             runtime.counters["retractions_applied"] += 1
         return RetractReply(outcome="applied", open_step=open_step)
 
-    def _subtract(self, request: RetractRequest, offset: int) -> None:
+    def _subtract(self, request: RetractRequest) -> None:
         """The sample's forward and its backward with the negated output gradient, into the
-        accumulators of the step at `offset` (hold the optimizer lock): on the weights its backward
-        ran on (`request.version`) when those are the previous version and still kept, as a pinned
+        parameters' gradients (hold the optimizer lock): on the weights its backward ran on
+        (`request.version`) when those are the previous version and still kept, as a pinned
         backward's were, else on the current ones."""
         runtime = self.runtime
         opt = runtime.optimizer
@@ -125,7 +146,7 @@ class Retractions:
         coords: Optional[torch.Tensor] = None
         if runtime.kind != "head":
             coords = request.coords.unsqueeze(0).to(runtime.device, torch.float32)
-        with torch.enable_grad(), opt.accumulating(offset), gradients_into(opt.params, pinned):
+        with torch.enable_grad(), gradients_into(opt.params, pinned):
             with runtime._autocast():
                 out = runtime._model_on(pinned, coords, tokens)
             if runtime.kind == "tail":  # the model gives each sample's mean loss, as in a backward batch

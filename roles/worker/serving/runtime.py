@@ -27,7 +27,7 @@ from roles.worker.serving.kept_activations import KeptActivations
 from roles.worker.serving.queues import QueueClosed, Task, TaskKind, TaskQueues, run_batch
 from roles.worker.serving.request_checks import RequestChecks
 from roles.worker.serving.step_decision import StepDecision
-from roles.worker.steps.gradient_exchange import Contribution, StepSum
+from roles.worker.steps.gradient_exchange import Contribution, HeldCorrections, StepSum
 from roles.worker.steps.optimizer import StageOptimizer, StepReport
 from roles.worker.steps.step_ledger import StepLedger
 from roles.worker.steps.step_tagger import TagGrant
@@ -143,6 +143,9 @@ class StageRuntime(StepDecision, BatchCompute):
         self.exchange_step: Optional[Callable[[Contribution], Optional[StepSum]]] = None
         """With `averaging.gradients` on: hands this replica's contribution to the stage's step to
         the exchange and returns the stage's total (blocking; None if the worker is stopping)."""
+        self.corrections = HeldCorrections()
+        """Samples of excluded replicas this one takes out of the stage's steps on their behalf
+        (retractions.py); they go with its contribution to the exchange."""
 
     # ---- validation (called on the event loop, before queueing: request_checks.py) ----
 

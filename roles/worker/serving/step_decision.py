@@ -74,17 +74,26 @@ class StepDecision:
             if due is None:
                 return
             own = None
+            step = opt.local_step
+            # Samples of excluded replicas taken out on their behalf: with no replica to exchange
+            # with, none of theirs is in this step, so there is nothing to take them out of.
+            corrections = self.corrections.take(step)
             if exchanging:
-                step = opt.local_step
                 own = Contribution(peer="", step=step, samples=opt.samples_accumulated,
                                    abandoned=self.ledger.abandoned(step), grad=opt.open_gradient_sum(),
-                                   consumed=opt.samples_consumed)
+                                   consumed=opt.samples_consumed, corrections=corrections)
+            else:
+                self.counters["retractions_replica_gone"] += sum(c.samples for c in corrections)
         if own is not None:
             # The exchange waits for the other replicas; the lock stays free meanwhile (the averager
             # and the state server take it), and nothing accumulates since this thread waits.
             total = self.exchange_step(own)
             if total is None:  # stopping
                 return
+            for fix in corrections:  # the sum took them only if their replica's gradients are in it
+                outcome = ("retractions_lost_late" if total.adopted_from is not None else
+                           "retractions_summed" if fix.peer in total.members else "retractions_replica_gone")
+                self.counters[outcome] += fix.samples
             due = StepDue(total.stage_samples, exchange_reason(total, due, self.ledger.target))
         with opt.lock:
             if own is not None:

@@ -16,6 +16,13 @@ A peer that had already closed that step answers with the sum it applied, and th
 applies exactly that sum (its own samples are then lost to the step and counted). A peer that
 cannot be reached, or stays silent for `timeout_s`, is left out of the step and the step is
 counted as partial. The compute thread waits for the exchange; the event loop runs it.
+
+A contribution may carry corrections on another replica's behalf: a trainer that excluded a
+replica X asks one of X's honest peers to take X's samples back out of the step (roles/worker/
+serving/retractions.py), and that peer, which never accumulated them, brings each one's negated
+gradient, recomputed, with X's name. `add_up` applies a correction only when X's own contribution
+is in the sum: if X left the step (revoked, gone, refused), its samples left with it, and
+subtracting them again would add their negation to the stage's update.
 """
 
 from __future__ import annotations
@@ -36,6 +43,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Correction:
+    """`samples` samples replica `peer` accumulated, taken back out on its behalf: `grad` is the sum
+    of their negated gradients, recomputed by the replica that brings it."""
+
+    peer: str
+    samples: int
+    grad: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Contribution:
     """What one replica brings to a step: the sum of the gradients of `samples` samples (None when
     it has none) and the samples trainers reported dropped to it (they count, without a gradient)."""
@@ -47,6 +64,36 @@ class Contribution:
     grad: Optional[torch.Tensor]
     consumed: int = 0
     """Samples the stage had consumed before this step, as this replica counts them (the schedule's position)."""
+    corrections: tuple[Correction, ...] = ()
+    """Samples of other replicas this one takes back out of the step on their behalf."""
+
+
+CORRECTIONS_MAX = 8
+"""Corrections one contribution may carry: one per replica excluded in the step; more is hostile."""
+
+
+class HeldCorrections:
+    """The corrections this replica brings to its open step and the next, per replica they are for,
+    until the step's contribution takes them (the compute thread, under the optimizer lock)."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, dict[str, Correction]] = {}
+
+    def add(self, step: int, peer: str, grad: torch.Tensor) -> None:
+        """One more sample of `peer`'s in `step`, its negated gradient `grad` (flat float32)."""
+        held = self._held.setdefault(step, {})
+        old = held.get(peer)
+        held[peer] = Correction(peer, 1, grad) if old is None else Correction(peer, old.samples + 1,
+                                                                              old.grad.add_(grad))
+
+    def take(self, step: int) -> tuple[Correction, ...]:
+        """`step`'s corrections, removed with those of every earlier step."""
+        taken = tuple(self._held.pop(step, {}).values())
+        self._held = {s: held for s, held in self._held.items() if s > step}
+        return taken
+
+    def samples(self, step: int) -> int:
+        return sum(c.samples for c in self._held.get(step, {}).values())
 
 
 @dataclass(frozen=True)
@@ -72,7 +119,9 @@ Push = Callable[[str, Contribution], Awaitable[Optional[StepSum]]]
 
 
 def add_up(step: int, contributions: dict[str, Contribution], missing: tuple[str, ...] = ()) -> StepSum:
-    """The step's total, added in peer-id order so every replica gets the same bits."""
+    """The step's total, added in peer-id order so every replica gets the same bits. A correction
+    counts only when the replica it names is in the sum, and never takes more samples from it
+    than that replica brought (in the same order, so every replica drops the same excess)."""
     grad: Optional[torch.Tensor] = None
     samples = stage_samples = consumed = 0
     for peer in sorted(contributions):
@@ -82,6 +131,16 @@ def add_up(step: int, contributions: dict[str, Contribution], missing: tuple[str
         stage_samples += c.samples + c.abandoned
         if c.grad is not None:
             grad = c.grad.clone() if grad is None else grad.add_(c.grad)
+    left = {peer: c.samples for peer, c in contributions.items()}
+    for peer in sorted(contributions):
+        for fix in sorted(contributions[peer].corrections, key=lambda f: f.peer):
+            if fix.peer == peer or left.get(fix.peer, 0) < fix.samples or grad is None:
+                continue
+            left[fix.peer] -= fix.samples  # still consumed by the step: stage_samples keeps it
+            samples -= fix.samples
+            grad.add_(fix.grad)
+    if samples == 0:
+        grad = None
     return StepSum(step=step, grad=grad, samples=samples, stage_samples=stage_samples,
                    members=tuple(sorted(contributions)), missing=missing, consumed=consumed)
 
@@ -157,11 +216,21 @@ class GradientExchange:
         if (c.grad is None) != (c.samples == 0):
             raise ProtocolError("a contribution has a gradient exactly when it has samples", ErrorCode.INVALID_REQUEST)
         if c.grad is not None:
-            if c.grad.dtype != torch.float32 or c.grad.dim() != 1 or c.grad.numel() != self.numel:
-                raise ProtocolError(f"gradient must be float32 of shape [{self.numel}]; got {c.grad.dtype} "
-                                    f"{list(c.grad.shape)}", ErrorCode.INVALID_TENSOR)
-            if not bool(torch.isfinite(c.grad).all()):
-                raise ProtocolError("gradient contains non-finite values", ErrorCode.INVALID_TENSOR)
+            self._check_gradient(c.grad, "gradient")
+        if len(c.corrections) > CORRECTIONS_MAX or len({f.peer for f in c.corrections}) != len(c.corrections):
+            raise ProtocolError(f"at most {CORRECTIONS_MAX} corrections, one per replica", ErrorCode.INVALID_REQUEST)
+        for fix in c.corrections:
+            if not 1 <= fix.samples <= self.target // 2 or fix.peer == c.peer:
+                raise ProtocolError(f"a correction takes 1 to {self.target // 2} samples of another replica",
+                                    ErrorCode.INVALID_REQUEST)
+            self._check_gradient(fix.grad, "correction")
+
+    def _check_gradient(self, grad: torch.Tensor, what: str) -> None:
+        if grad.dtype != torch.float32 or grad.dim() != 1 or grad.numel() != self.numel:
+            raise ProtocolError(f"{what} must be float32 of shape [{self.numel}]; got {grad.dtype} "
+                                f"{list(grad.shape)}", ErrorCode.INVALID_TENSOR)
+        if not bool(torch.isfinite(grad).all()):
+            raise ProtocolError(f"{what} contains non-finite values", ErrorCode.INVALID_TENSOR)
 
     def pushed(self, step: int) -> bool:
         """Whether a peer already pushed its contribution for `step` (so the step is due here)."""

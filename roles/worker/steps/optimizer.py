@@ -225,6 +225,21 @@ class StageOptimizer:
                 for p, g in zip(self._params, current):
                     p.grad = g
 
+    @contextlib.contextmanager
+    def separate_gradients(self) -> Iterator[list[torch.Tensor]]:
+        """Backward passes inside leave both steps' accumulators alone; what they produce is put,
+        flat as `open_gradient_sum` lays it out, in the list yielded, on leaving. Hold `lock`."""
+        out: list[torch.Tensor] = []
+        current = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        try:
+            yield out
+            out.append(self._flat_gradients())
+        finally:
+            for p, g in zip(self._params, current):
+                p.grad = g
+
     def add_samples(self, n: int, *, offset: int = 0) -> None:
         """Record that the last backward batch added the summed gradients of `n` samples to the
         open step (offset 0) or the next (offset 1)."""
@@ -261,6 +276,9 @@ class StageOptimizer:
         where a parameter has none), or None when no sample is accumulated. Hold `lock`."""
         if self.samples_accumulated == 0:
             return None
+        return self._flat_gradients()
+
+    def _flat_gradients(self) -> torch.Tensor:
         with torch.no_grad():
             parts = [torch.zeros(p.numel(), dtype=torch.float32, device=p.device) if p.grad is None
                      else p.grad.detach().reshape(-1).float() for p in self._params]
