@@ -10,19 +10,18 @@ retractions.py): at every other stage from the worker that accumulated it, and a
 a usable replica other than X, on X's behalf (`accumulated_by`): that replica brings the sample's
 negated gradient to the stage's gradient exchange (roles/worker/steps/gradient_exchange.py),
 whose sum takes it only if X's gradients are in the sum; if X was gone before the exchange, its
-samples went with it. A sample
-still in flight when X is excluded is retracted as soon as it completes. Retractions are
-fire-and-forget, a few at a time, and counted (`summary`, the trainer summary's
-`spot_checks.retraction`).
+samples went with it. A sample still in flight when X is excluded is retracted as soon as it
+completes. Retractions are fire-and-forget, a few at a time, and counted (`summary`, the trainer
+summary's `spot_checks.retraction`).
 
 Kept are only samples whose step may still be open: those of the latest three step tags this
 trainer has seen (KEPT_STEPS), within KEPT_BYTES_MAX (the oldest go first; both are counted). A
 stage that closed the step answers `too_late`: what it applied cannot be undone (docs/operations.md,
 "Untrusted workers"). Where replicas do not exchange gradients (they average weights instead), the
 replica asked at stage k answers `unsummed`: X's own sum goes into X's weights, and from there
-into the averaging only while X is still a member of it. Samples dropped halfway through their backward are not kept,
-nor are the samples of the workers path (`routing.path: workers`), where the trainer never holds
-the tensors.
+into the averaging only while X is still a member of it. Samples dropped halfway through their
+backward are not kept, nor are the samples of the workers path (`routing.path: workers`), where
+the trainer never holds the tensors.
 """
 
 from __future__ import annotations

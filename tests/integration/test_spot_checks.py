@@ -68,5 +68,12 @@ def test_spot_checks_find_and_exclude_a_cheating_worker(make_swarm, run_config_p
         assert swarm.stop(node, signal.SIGTERM) == 0, node.log_tail()
         found = node.summary()
         assert found is not None, node.log_tail()
-        applied[node.name] = found["counters"].get("retractions_applied", 0)
+        counters = found["counters"]
+        applied[node.name] = counters.get("retractions_applied", 0)
+        # only the cheater's stage is asked on its behalf; each correction is counted at its step
+        # (summed, or its replica gone) unless the worker stopped before that step closed
+        on_behalf = counters.get("retractions_on_behalf", 0)
+        assert node.stage == 1 or on_behalf == 0, (node.name, counters)
+        settled = sum(counters.get(f"retractions_{k}", 0) for k in ("summed", "replica_gone", "lost_late"))
+        assert settled <= on_behalf, (node.name, counters)
     assert applied[cheater.name] == 0 and sum(applied.values()) >= retraction["applied"], (applied, retraction)

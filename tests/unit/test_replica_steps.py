@@ -242,6 +242,10 @@ def test_held_corrections_add_up_per_replica_and_go_with_their_step():
     assert taken["x"].samples == 2 and torch.equal(taken["x"].grad, torch.full((64,), 2.0)) and taken["y"].samples == 1
     assert held.samples(2) == 0, "an earlier step's corrections go when a later one is taken"
     assert held.samples(4) == 1
+    for i in range(7):
+        held.add(4, f"p{i}", torch.ones(64))
+    assert held.room_for(4, "x") and not held.room_for(4, "another"), "no more replicas than receivers take"
+    assert held.room_for(5, "another")
 
 
 def test_contributions_that_cannot_be_used_are_refused():

@@ -54,6 +54,7 @@ from protocol.messages import RetractReply, RetractRequest
 from roles.worker.serving.batches import gradients_into
 from roles.worker.serving.queues import QueueClosed, loop_future
 from roles.worker.serving.runtime import StageRuntime
+from roles.worker.steps.gradient_exchange import CORRECTIONS_MAX
 
 RETRACTIONS_WAITING_MAX = 32
 """Retractions that may wait for the compute thread at once; beyond that a caller is told the worker is overloaded."""
@@ -111,11 +112,15 @@ class Retractions:
             self._by_step = {s: n for s, n in self._by_step.items() if s >= open_step}
             done = self._by_step.get(request.step, 0)
             held = opt.samples_accumulated if offset == 0 else opt.next_accumulated
-            if done >= self.per_step_limit or (held < 1 and not on_behalf):
+            why = None
+            if done >= self.per_step_limit:
+                why = f"{done} samples of step {request.step} were retracted here already (at most {done})"
+            elif not on_behalf and held < 1:
+                why = f"no sample of step {request.step} is held here"
+            elif on_behalf and not runtime.corrections.room_for(request.step, request.accumulated_by):
+                why = f"step {request.step} holds corrections for {CORRECTIONS_MAX} other replicas already"
+            if why is not None:
                 runtime.counters["retractions_refused"] += 1
-                why = (f"{done} samples of step {request.step} were retracted here already (at most "
-                       f"{self.per_step_limit})" if done >= self.per_step_limit
-                       else f"no sample of step {request.step} is held here")
                 raise ProtocolError(why, ErrorCode.RATE_LIMITED)
             if on_behalf:
                 with opt.separate_gradients() as flat:

@@ -86,6 +86,12 @@ class HeldCorrections:
         held[peer] = Correction(peer, 1, grad) if old is None else Correction(peer, old.samples + 1,
                                                                               old.grad.add_(grad))
 
+    def room_for(self, step: int, peer: str) -> bool:
+        """Whether `step` may hold a sample of `peer`'s: a contribution carries at most
+        CORRECTIONS_MAX replicas' corrections (its receivers refuse more)."""
+        held = self._held.get(step, {})
+        return peer in held or len(held) < CORRECTIONS_MAX
+
     def take(self, step: int) -> tuple[Correction, ...]:
         """`step`'s corrections, removed with those of every earlier step."""
         taken = tuple(self._held.pop(step, {}).values())
