@@ -573,6 +573,9 @@ class _Stream:
     """Counted against the peer's hellos in flight until the ack is read."""
     relayed: bool = False
     """It goes through one of the run's relays."""
+    server: Optional[Credential] = None
+    """The server's credential from its ack: checked again before each reuse, as the server checks
+    ours before each request, so a peer revoked since the stream opened is not asked again on it."""
 
     def reusable(self, credential: Optional[bytes], now: float) -> bool:
         if self.writer.is_closing() or self.reader.at_eof() or self.credential != credential:
@@ -693,10 +696,21 @@ class RpcClient:
             raise RemoteError(f"{peer_id} refused a stream for {handler}: {code.name.lower()}: {_message(ack.error)}",
                               code)
         if self.authenticator is not None:
-            self.authenticator.check_ack(peer_id.to_base58(), handler, stream.hello_nonce, ack)
+            stream.server = self.authenticator.check_ack(peer_id.to_base58(), handler, stream.hello_nonce, ack)
         stream.hello_nonce, stream.idle_timeout_s = None, ack.idle_timeout_s
         if ack.max_streams_per_peer is not None:
             self._limit[peer_id] = ack.max_streams_per_peer
+
+    def _server_current(self, stream: _Stream) -> bool:
+        """Whether the server's credential is still current and unrevoked; a new stream's hello
+        then says why not (RequestRejected `revoked` or `expired`), or gets the renewed one."""
+        if self.authenticator is None or stream.server is None:
+            return True
+        try:
+            self.authenticator.check_session(stream.server)
+        except RequestRejected:
+            return False
+        return True
 
     async def _acquire(self, key) -> _Stream:
         """An idle stream of ours for `key`, or a new one (its hello sent) once the peer's cap allows."""
@@ -706,7 +720,7 @@ class RpcClient:
             idle, now = self._idle.get(key), time.monotonic()
             while idle:
                 stream = idle.pop()
-                if stream.reusable(credential, now):
+                if stream.reusable(credential, now) and self._server_current(stream):
                     return stream
                 self._close(peer_id, stream)
             limit = min(self.max_streams_per_peer, self._limit.get(peer_id, self.max_streams_per_peer))

@@ -254,6 +254,26 @@ def test_revocation_ends_an_open_stream(tmp_path):
     run_scene(tmp_path, scenario)
 
 
+def test_a_server_revoked_after_its_stream_opened_is_not_asked_on_it_again(tmp_path):
+    """The client checks the server as the server checks it: a pooled stream to a server revoked
+    since its ack is not reused, and the new stream's ack is refused (a revoked replica's answers,
+    say the sum it closed a step with, are not taken)."""
+    async def scenario(scene):
+        client_auth = authenticator(scene.honest_id, credential_for(scene.honest_id))
+        client = RpcClient(scene.client_p2p, authenticator=client_auth)
+        assert await scene.call(client) == {"echo": {"x": 1}}
+        server_serial = scene.server_auth.credential().credential.serial
+        client_auth.revocations = sign_revocation_list(ROOT, run_id=RUN, serials=[server_serial])
+        with pytest.raises(RequestRejected) as info:
+            await scene.call(client)
+        assert info.value.reason == "revoked"
+        client_auth.revocations = None
+        assert await scene.call(client) == {"echo": {"x": 1}}
+        await client.close()
+
+    run_scene(tmp_path, scenario)
+
+
 def test_an_expiring_credential_ends_its_streams_and_a_renewed_one_opens_new_ones(tmp_path):
     async def scenario(scene):
         now = [time.time()]
