@@ -189,8 +189,21 @@ class StaleReplay:
             raise ValueError(f"stage {stage}: weight version {version} is older than the {self.keep} kept")
         return self._snapshots[max(known)][stage]
 
-    def step(self, step: int, tokens: Tensor, versions: Sequence[Sequence[int]]) -> float:
-        """One step numbered `step` on `tokens`, sample i seen by stage s at version versions[i][s]."""
+    def _stale(self, step: int, seen: tuple[int, ...]) -> dict:
+        """{parameter: its weights at the version stage s saw}, for the stages that saw an older one."""
+        stale = {}
+        for stage, version in enumerate(seen):
+            if version == step:
+                continue
+            for param, weights in zip(self.trainer.groups[stage], self._weights(stage, version)):
+                stale[param] = weights.detach().requires_grad_(True)
+        return stale
+
+    def step(self, step: int, tokens: Tensor, versions: Sequence[Sequence[int]],
+             retracted: Optional[dict[int, set[int]]] = None) -> float:
+        """One step numbered `step` on `tokens`, sample i seen by stage s at version versions[i][s].
+        `retracted`: {row: stages} whose gradient of that sample, taken at the same versions, the
+        swarm took back out of the step, as `OneProcessTrainer.step` takes it out."""
         trainer = self.trainer
         trainer.model.train()
         self._snapshot(step)
@@ -203,12 +216,7 @@ class StaleReplay:
             groups.setdefault(seen, []).append(i)
         total = 0.0
         for seen, rows in groups.items():
-            stale = {}
-            for stage, version in enumerate(seen):
-                if version == step:
-                    continue
-                for param, weights in zip(trainer.groups[stage], self._weights(stage, version)):
-                    stale[param] = weights.detach().requires_grad_(True)
+            stale = self._stale(step, seen)
             losses = torch.func.functional_call(trainer.model, {self._names[id(p)]: w for p, w in stale.items()},
                                                 (tokens[rows],))
             losses.sum().backward()
@@ -217,9 +225,21 @@ class StaleReplay:
                     param.grad = weights.grad if param.grad is None else param.grad.add_(weights.grad)
                 weights.grad = None
             total += float(losses.detach().sum())
-        for optimizer in trainer.optimizers:
-            optimizer.add_samples(len(tokens))
-            optimizer.step()
+        taken = [0] * len(trainer.optimizers)
+        for row, stages in (retracted or {}).items():
+            stale = self._stale(step, tuple(int(v) for v in versions[row]))
+            params = [p for stage in sorted(stages) for p in trainer.groups[stage]]
+            loss = torch.func.functional_call(trainer.model, {self._names[id(p)]: w for p, w in stale.items()},
+                                              (tokens[row:row + 1],)).sum()
+            grads = torch.autograd.grad(loss, [stale.get(p, p) for p in params], allow_unused=True)
+            for param, grad in zip(params, grads):
+                if grad is not None and param.grad is not None:
+                    param.grad.sub_(grad)
+            for stage in stages:
+                taken[stage] += 1
+        for optimizer, fewer in zip(trainer.optimizers, taken):
+            optimizer.add_samples(len(tokens) - fewer)
+            optimizer.step(stage_samples=len(tokens))  # a worker's ledger still counts a retracted sample
         loss = total / len(tokens)
         trainer.history.append(StepRecord(len(tokens), loss))
         return loss

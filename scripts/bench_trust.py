@@ -401,10 +401,13 @@ def own_order_reference(run, sample_logs: list[str], written: list[dict], held_o
     of the model, `_survivors`). Samples the trainers dropped or never completed (a reply screened
     out, an excluded worker's in-flight samples) are in no step's log, so the reference lacks them
     as the swarm does. What the workers took back out of a step (retractions of an excluded
-    worker's samples, logged by the trainers) the reference takes out at the same stages.
-    Failures go to `errors`; the figures are then {}."""
+    worker's samples, logged by the trainers) the reference takes out at the same stages. Each
+    sample is taken at the weight versions its forward saw at each stage, as logged (bench_fidelity's
+    stale replay): a sample whose forward ran a version behind at one stage (a pinned backward,
+    its gradient a step old) moved an honest batch-64 run 1.25% from a reference that took every
+    sample at its step's version. Failures go to `errors`; the figures are then {}."""
     import bench_fidelity
-    from _fidelity_reference import OneProcessTrainer, SampleBank
+    from _fidelity_reference import OneProcessTrainer, SampleBank, StaleReplay, evaluate, loss_figures
 
     if held_out is None:
         return {}
@@ -419,8 +422,24 @@ def own_order_reference(run, sample_logs: list[str], written: list[dict], held_o
         committed = {index for samples in steps.values() for index, _, _ in samples}
         retracted = {index: stages for index, stages in bench_fidelity.read_retractions(sample_logs).items()
                      if index in committed}
-        figures = bench_fidelity.train_reference(OneProcessTrainer.for_stages(run), bench_fidelity.step_order(steps),
-                                                 SampleBank(run), held_out, "own-order reference", retracted)
+        started = time.monotonic()
+        trainer, bank = OneProcessTrainer.for_stages(run), SampleBank(run)
+        replay = StaleReplay(trainer)
+        for step, samples in steps.items():
+            if not samples:
+                continue
+            indices = [index for index, _, _ in samples]
+            rows = {row: retracted[index] for row, index in enumerate(indices) if retracted.get(index)}
+            # a sample whose versions were not logged (an older worker) is taken at its step's
+            seen = [versions or (step,) * run.num_stages for _, _, versions in samples]
+            replay.step(step, bank.tokens(indices), seen, rows)
+        figures = loss_figures(trainer.history)
+        figures["held_out_loss"] = round(evaluate(trainer.model, held_out), 4)
+        figures["wall_s"] = round(time.monotonic() - started, 1)
+        stale = sum(1 for step, samples in steps.items() for _, _, versions in samples
+                    if versions and any(v != step for v in versions))
+        log(f"  own-order reference: held-out {figures['held_out_loss']:.4f}, final train "
+            f"{figures['final_train_loss']:.4f} ({figures['wall_s']:.0f}s)")
     except Exception as exc:  # noqa: BLE001 - the swarm's own figures stand without it
         errors.append(f"own-order reference: {type(exc).__name__}: {exc}")
         log(traceback.format_exc())
@@ -430,6 +449,7 @@ def own_order_reference(run, sample_logs: list[str], written: list[dict], held_o
             "samples_per_step_max": max(sizes), "applied_step": applied,
             "samples_in_unapplied_steps": sum(len(v) for s, v in logged.items() if s not in steps),
             "retractions_replayed": sum(len(stages) for stages in retracted.values()),
+            "samples_replayed_stale": stale,
             "unreadable_log_lines": bad, "wall_s": figures["wall_s"]}
 
 
@@ -551,7 +571,9 @@ OWN_ORDER_HOW_TO_READ = (
     "gap_to_own_order (per run) = held_out_loss / own_order_reference_held_out_loss - 1. The reference is "
     "scripts/bench_fidelity.py's swarm-order reference trained on that run's own steps: the same seeded init, "
     "stage-wise optimizers and schedule, the same 256 held-out samples, and per step exactly the samples the "
-    "trainers' sample logs say the step committed (a sample counts in the step it was logged with; steps past "
+    "trainers' sample logs say the step committed, each taken at the weight versions its forward saw at each "
+    "stage (samples_replayed_stale: those a version behind somewhere; a sample counts in the step it was "
+    "logged with; steps past "
     "the last one every stage's surviving replicas checkpointed are left out, as the swarm's weights lack them). "
     "Samples the swarm dropped or excluded (a screened-out reply, an excluded or departed worker's in-flight "
     "samples) are in no step's log, so the reference lacks them too: it trains honestly on what the swarm "

@@ -254,3 +254,24 @@ def test_bench_reads_a_swarm_that_trained_exactly_like_the_reference(monkeypatch
     assert result["gaps"]["held_out_worst_replica"] == pytest.approx(0.0, abs=2e-4)
     if replicas > 1:
         assert result["swarm"]["replicas"]["0"]["relative_distance"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_replay_takes_a_retracted_sample_out_at_the_versions_it_was_taken_at(run):
+    """bench_trust's own-order reference: a sample the swarm retracted at some stages leaves them
+    as if it never came, also when its forward saw an older version there (its gradient was a
+    step old, and so is what the retraction took back)."""
+    bank = SampleBank(run)
+    with_it, without = OneProcessTrainer.for_stages(run), OneProcessTrainer.for_stages(run)
+    replays = StaleReplay(with_it), StaleReplay(without)
+    for replay in replays:
+        replay.step(0, bank.tokens([0, 1]), [(0, 0, 0)] * 2)
+    replays[0].step(1, bank.tokens([2, 3]), [(1, 1, 1), (0, 0, 1)], retracted={1: {0, 1, 2}})
+    replays[1].step(1, bank.tokens([2]), [(1, 1, 1)])
+    for a, b in zip(with_it.model.parameters(), without.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    fresh = OneProcessTrainer.for_stages(run)
+    StaleReplay(fresh).step(0, bank.tokens([0, 1]), [(0, 0, 0)] * 2, retracted={1: {1}})
+    plain = OneProcessTrainer.for_stages(run)
+    plain.train([[0, 1]], bank, retracted={1: {1}})
+    for a, b in zip(fresh.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
