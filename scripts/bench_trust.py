@@ -430,7 +430,7 @@ def own_order_reference(run, sample_logs: list[str], written: list[dict], held_o
                 continue
             indices = [index for index, _, _ in samples]
             rows = {row: retracted[index] for row, index in enumerate(indices) if retracted.get(index)}
-            # a sample whose versions were not logged (an older worker) is taken at its step's
+            # a sample whose versions were not logged (an older worker) is taken at its step's weights
             seen = [versions or (step,) * run.num_stages for _, _, versions in samples]
             replay.step(step, bank.tokens(indices), seen, rows)
         figures = loss_figures(trainer.history)
