@@ -126,23 +126,30 @@ class OneProcessTrainer:
         self.model.train()
         losses = self.model(tokens)
         losses.sum().backward()
-        taken = [0] * len(self.optimizers)
-        for row, stages in (retracted or {}).items():
-            params = [p for stage in sorted(stages) for p in self.groups[stage]]
-            grads = torch.autograd.grad(self.model(tokens[row:row + 1]).sum(), params, allow_unused=True)
-            for param, grad in zip(params, grads):
-                if grad is not None and param.grad is not None:
-                    param.grad.sub_(grad)
-            for stage in stages:
-                taken[stage] += 1
-        for optimizer, fewer in zip(self.optimizers, taken):
-            optimizer.add_samples(len(tokens) - fewer)
-            optimizer.step(stage_samples=len(tokens))  # a worker's ledger still counts a retracted sample
+        self.retract_and_step(len(tokens), retracted, lambda row, params: torch.autograd.grad(
+            self.model(tokens[row:row + 1]).sum(), params, allow_unused=True))
         loss = float(losses.detach().mean())
         if not math.isfinite(loss):
             raise FloatingPointError(f"training loss is {loss} at step {len(self.history)}")
         self.history.append(StepRecord(len(tokens), loss))
         return loss
+
+    def retract_and_step(self, samples: int, retracted: Optional[dict[int, set[int]]],
+                         gradients_of: Callable[[int, list[nn.Parameter]], Sequence[Optional[Tensor]]]) -> None:
+        """Subtract each retracted row's gradient (`gradients_of(row, params)`) at its stages, then
+        step every stage's optimizer on the samples left there; the schedule still counts all
+        `samples`, as a worker's ledger counts a retracted one."""
+        taken = [0] * len(self.optimizers)
+        for row, stages in (retracted or {}).items():
+            params = [p for stage in sorted(stages) for p in self.groups[stage]]
+            for param, grad in zip(params, gradients_of(row, params)):
+                if grad is not None and param.grad is not None:
+                    param.grad.sub_(grad)
+            for stage in stages:
+                taken[stage] += 1
+        for optimizer, fewer in zip(self.optimizers, taken):
+            optimizer.add_samples(samples - fewer)
+            optimizer.step(stage_samples=samples)
 
     def train(self, steps: Sequence[Sequence[int]], bank: SampleBank,
               progress: Optional[Callable[[int, float], None]] = None,
@@ -225,21 +232,13 @@ class StaleReplay:
                     param.grad = weights.grad if param.grad is None else param.grad.add_(weights.grad)
                 weights.grad = None
             total += float(losses.detach().sum())
-        taken = [0] * len(trainer.optimizers)
-        for row, stages in (retracted or {}).items():
+        def gradients_of(row: int, params: list[nn.Parameter]) -> Sequence[Optional[Tensor]]:
             stale = self._stale(step, tuple(int(v) for v in versions[row]))
-            params = [p for stage in sorted(stages) for p in trainer.groups[stage]]
             loss = torch.func.functional_call(trainer.model, {self._names[id(p)]: w for p, w in stale.items()},
                                               (tokens[row:row + 1],)).sum()
-            grads = torch.autograd.grad(loss, [stale.get(p, p) for p in params], allow_unused=True)
-            for param, grad in zip(params, grads):
-                if grad is not None and param.grad is not None:
-                    param.grad.sub_(grad)
-            for stage in stages:
-                taken[stage] += 1
-        for optimizer, fewer in zip(trainer.optimizers, taken):
-            optimizer.add_samples(len(tokens) - fewer)
-            optimizer.step(stage_samples=len(tokens))  # a worker's ledger still counts a retracted sample
+            return torch.autograd.grad(loss, [stale.get(p, p) for p in params], allow_unused=True)
+
+        trainer.retract_and_step(len(tokens), retracted, gradients_of)
         loss = total / len(tokens)
         trainer.history.append(StepRecord(len(tokens), loss))
         return loss
